@@ -1,0 +1,123 @@
+// Device: where cache tensors live and the handful of bulk operations the engine runs on them.
+//
+// The engine keeps all metadata on the host and asks the device only to move rows: scatter
+// appended rows into cells, gather cells into a host buffer, copy cells (copy-on-write), and
+// re-rotate keys by RoPE. Every operation addresses an arena as a set of *planes*: a plane is a
+// table of equally sized rows starting at some byte offset in the arena (one plane per layer
+// for K, one for V). Keeping the interface this small is what lets a CUDA device implement each
+// call as one kernel launch.
+//
+// Thread safety: a Device is shared by every cache of a node. Allocate/Free and the accounting
+// are thread-safe. Row operations on distinct arenas may run concurrently; callers serialize
+// operations on the same arena (the engine holds the cache's lock).
+#ifndef KVMESH_CACHE_DEVICE_DEVICE_H_
+#define KVMESH_CACHE_DEVICE_DEVICE_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "cache/dtype.h"
+#include "cache/spec.h"
+
+namespace kvmesh {
+
+class Device;
+
+// Move-only owner of one device allocation. Frees it (and returns the bytes to the device's
+// budget) on destruction. The Device must outlive every arena it allocated.
+class DeviceArena {
+ public:
+  DeviceArena() = default;
+  DeviceArena(Device* device, uint8_t* data, size_t size) : device_(device), data_(data), size_(size) {}
+  ~DeviceArena() { Reset(); }
+  DeviceArena(DeviceArena&& o) noexcept { *this = std::move(o); }
+  DeviceArena& operator=(DeviceArena&& o) noexcept;
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+
+  // Device address of the first byte; only the owning Device may dereference it.
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  void Reset();
+  Device* device_ = nullptr;
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// A table of rows inside an arena: row r occupies [offset + r*row_bytes, +row_bytes).
+struct Plane {
+  size_t offset = 0;
+  size_t row_bytes = 0;
+};
+
+// What a RoPE shift needs to know about the rows it rotates.
+struct RopeShiftParams {
+  RopeSpec rope;           // type != kNone
+  DType dtype = DType::kF16;
+  int32_t num_heads = 0;   // heads per row
+  int32_t head_dim = 0;    // elements per head; rope.dims <= head_dim
+  int32_t delta = 0;       // positions to shift by (negative for a Remove)
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  // "host" or "cuda:N".
+  virtual std::string name() const = 0;
+
+  // Allocates `bytes` of device memory. RESOURCE_EXHAUSTED when the budget cannot hold it.
+  // Contents are unspecified.
+  absl::StatusOr<DeviceArena> Allocate(size_t bytes);
+
+  size_t budget_bytes() const { return budget_bytes_; }
+  size_t used_bytes() const;
+
+  // For each plane p (in order) and each i, copies row_bytes from
+  // src[cursor] to row rows[i] of p, where cursor walks src contiguously: the layout of an
+  // Append payload for one group. REQUIRES: every row index is within the arena.
+  virtual absl::Status Scatter(const DeviceArena& arena, absl::Span<const Plane> planes,
+                               absl::Span<const int32_t> rows, const uint8_t* src) = 0;
+
+  // The inverse of Scatter: rows of every plane, in order, into dst contiguously.
+  virtual absl::Status Gather(const DeviceArena& arena, absl::Span<const Plane> planes,
+                              absl::Span<const int32_t> rows, uint8_t* dst) = 0;
+
+  // For each plane, row dst_rows[i] = row src_rows[i]. The two lists have equal length and
+  // no row appears in both.
+  virtual absl::Status CopyRows(const DeviceArena& arena, absl::Span<const Plane> planes,
+                                absl::Span<const int32_t> src_rows,
+                                absl::Span<const int32_t> dst_rows) = 0;
+
+  // Rotates the keys in rows `rows` of every plane by params.delta positions (ARCHITECTURE.md
+  // §3), computing in float32 and rounding back to params.dtype.
+  virtual absl::Status RopeShift(const DeviceArena& arena, absl::Span<const Plane> planes,
+                                 absl::Span<const int32_t> rows, const RopeShiftParams& params) = 0;
+
+ protected:
+  explicit Device(size_t budget_bytes) : budget_bytes_(budget_bytes) {}
+
+  // Implementations allocate and free raw memory; accounting is done by the base class.
+  virtual absl::StatusOr<uint8_t*> RawAllocate(size_t bytes) = 0;
+  virtual void RawFree(uint8_t* data, size_t bytes) = 0;
+
+ private:
+  friend class DeviceArena;
+  void Release(uint8_t* data, size_t bytes);
+
+  const size_t budget_bytes_;
+  mutable std::atomic<size_t> used_bytes_{0};
+};
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_CACHE_DEVICE_DEVICE_H_

@@ -1,0 +1,108 @@
+// CacheSpec: the shape of one model's KV storage on a node (ARCHITECTURE.md §3), and the
+// derived sizes every layer of kvmesh computes from it (cells per group, bytes per token,
+// payload sizes). Plain value types; safe to copy and share between threads.
+#ifndef KVMESH_CACHE_SPEC_H_
+#define KVMESH_CACHE_SPEC_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cache/dtype.h"
+
+namespace kvmesh {
+
+// How keys are rotated by position, so that Remove can re-rotate shifted keys.
+enum class RopeType { kNone, kNormal, kNeox };
+
+struct RopeSpec {
+  RopeType type = RopeType::kNone;
+  int32_t dims = 0;          // rotated elements per head, even, <= head_dim_k
+  float base = 10000.0f;     // theta base
+  float freq_scale = 1.0f;   // multiplies every angle
+  bool operator==(const RopeSpec& o) const;
+};
+
+enum class WindowKind { kFull, kSliding, kChunked };
+
+struct WindowSpec {
+  WindowKind kind = WindowKind::kFull;
+  int32_t window = 0;  // kSliding: tokens visible to a query (> 0)
+  int32_t memory = 0;  // kSliding: tokens kept per sequence; 0 means `window`
+  int32_t chunk = 0;   // kChunked: chunk size (> 0)
+  bool operator==(const WindowSpec& o) const;
+};
+
+struct AttentionSpec {
+  int32_t num_kv_heads = 0;
+  int32_t head_dim_k = 0;
+  int32_t head_dim_v = 0;
+  WindowSpec window;
+  RopeSpec rope;
+  bool operator==(const AttentionSpec& o) const;
+};
+
+// Layer group kinds. Rotating and Recurrent groups (ARCHITECTURE.md §3) join this enum when
+// they are built; every switch over it is exhaustive so the compiler finds the places.
+enum class GroupKind { kAttention };
+
+struct GroupSpec {
+  int32_t num_layers = 0;
+  GroupKind kind = GroupKind::kAttention;
+  AttentionSpec attention;  // valid when kind == kAttention
+  bool operator==(const GroupSpec& o) const;
+};
+
+struct CacheSpec {
+  std::string name;
+  DType dtype = DType::kF16;
+  int32_t max_sequences = 0;
+  int32_t capacity = 0;   // tokens per sequence
+  int32_t max_batch = 0;  // largest number of tokens in one Append
+  std::vector<GroupSpec> groups;
+  bool operator==(const CacheSpec& o) const;
+  bool operator!=(const CacheSpec& o) const { return !(*this == o); }
+};
+
+// Upper bounds that keep every derived size representable; requests beyond them are
+// INVALID_ARGUMENT rather than an overflow.
+inline constexpr int32_t kMaxGroups = 64;
+inline constexpr int32_t kMaxLayersPerGroup = 1024;
+inline constexpr int32_t kMaxHeads = 4096;
+inline constexpr int32_t kMaxHeadDim = 8192;
+inline constexpr int64_t kMaxCellsPerGroup = int64_t{1} << 30;
+inline constexpr size_t kMaxNameLength = 128;
+
+// Returns INVALID_ARGUMENT naming the first bad field, or OK.
+absl::Status ValidateSpec(const CacheSpec& spec);
+
+// Sizes derived from a valid spec for one Attention group.
+struct AttentionGeometry {
+  int64_t cells = 0;           // cells in the group's pool
+  int32_t memory = 0;          // effective per-sequence memory; kUnlimitedMemory when unlimited
+  size_t k_row_bytes = 0;      // one token of K in one layer
+  size_t v_row_bytes = 0;      // one token of V in one layer
+  size_t bytes = 0;            // whole arena: num_layers * cells * (k_row + v_row)
+};
+
+inline constexpr int32_t kUnlimitedMemory = INT32_MAX;
+
+// REQUIRES: ValidateSpec(spec).ok() and spec.groups[group].kind == kAttention.
+AttentionGeometry ComputeAttentionGeometry(const CacheSpec& spec, int group);
+
+// Bytes of the Append payload for `num_tokens` tokens of `num_sequences` distinct sequences.
+// REQUIRES: ValidateSpec(spec).ok().
+size_t AppendPayloadBytes(const CacheSpec& spec, int64_t num_tokens, int64_t num_sequences);
+
+// Bytes of one token across all layers of group `group` (K and V).
+size_t GroupTokenBytes(const CacheSpec& spec, int group);
+
+// Total device bytes a cache of this spec allocates. REQUIRES: ValidateSpec(spec).ok().
+size_t CacheBytes(const CacheSpec& spec);
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_CACHE_SPEC_H_
