@@ -73,7 +73,9 @@ inline constexpr int32_t kMaxGroups = 64;
 inline constexpr int32_t kMaxLayersPerGroup = 1024;
 inline constexpr int32_t kMaxHeads = 4096;
 inline constexpr int32_t kMaxHeadDim = 8192;
-inline constexpr int64_t kMaxCellsPerGroup = int64_t{1} << 30;
+inline constexpr int64_t kMaxCellsPerGroup = int64_t{1} << 24;  // keeps host metadata small
+inline constexpr int32_t kMaxSequences = 1 << 20;
+inline constexpr uint64_t kMaxCacheBytes = uint64_t{1} << 50;  // 1 PiB: anything larger is absurd
 inline constexpr size_t kMaxNameLength = 128;
 
 // Returns INVALID_ARGUMENT naming the first bad field, or OK.
