@@ -33,7 +33,7 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
         device->budget_bytes(), " bytes are free in the memory budget"));
   }
   std::unique_ptr<Cache> cache(new Cache(spec, device));
-  absl::MutexLock lock(&cache->mu_);
+  MutexLock lock(&cache->mu_);
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     switch (spec.groups[g].kind) {
       case GroupKind::kAttention: {
@@ -106,7 +106,7 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
                                                    tokens.size(), " tokens need ", expected));
   }
 
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (size_t i = 0; i < tokens.size(); ++i) {
     for (const auto& group : groups_) {
       const AttentionGroup::Index* index = group->Find(tokens[i].seq);
@@ -149,7 +149,7 @@ absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin,
     return absl::InvalidArgumentError(
         absl::StrCat("begin = ", begin, " is greater than end = ", *end));
   }
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   if (!IsLiveLocked(seq)) {
     return absl::NotFoundError(
         absl::StrCat("cache '", spec_.name, "' has no sequence ", seq));
@@ -185,7 +185,7 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> Cache::Visible(
                                                      "; both must be >= 0"));
     }
   }
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   std::vector<std::vector<int32_t>> out;
   out.reserve(queries.size());
   for (const Query& q : queries) out.push_back(groups_[group]->Visible(q));
@@ -200,7 +200,7 @@ absl::Status Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length)
     return absl::InvalidArgumentError(
         absl::StrCat("src_seq and dst_seq are both ", src_seq, "; a prefix copy needs two sequences"));
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   bool dst_live_after = false;
   for (const auto& group : groups_) dst_live_after |= group->HasPrefix(src_seq, length);
   if (dst_live_after && !IsLiveLocked(dst_seq)) {
@@ -223,7 +223,7 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
         absl::StrCat("begin = ", begin, " is greater than end = ", *end));
   }
   if (end.has_value() && *end == begin) return absl::OkStatus();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (const auto& group : groups_) RETURN_IF_ERROR(group->CheckRemove(seq, begin, end));
   absl::Status status;
   for (const auto& group : groups_) {
@@ -236,7 +236,7 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
 absl::StatusOr<bool> Cache::CanResume(int64_t seq, int32_t pos) const {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("pos", pos));
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   for (const auto& group : groups_) {
     if (!group->CanResume(seq, pos)) return false;
   }
@@ -244,7 +244,7 @@ absl::StatusOr<bool> Cache::CanResume(int64_t seq, int32_t pos) const {
 }
 
 std::vector<SequenceInfo> Cache::ListSequences() const {
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   absl::btree_set<int64_t> seqs;
   for (const auto& group : groups_) {
     for (const auto& [seq, index] : group->sequences()) seqs.insert(seq);
@@ -271,7 +271,7 @@ std::vector<SequenceInfo> Cache::ListSequences() const {
 }
 
 CacheUsage Cache::Usage() const {
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   CacheUsage usage;
   for (const auto& group : groups_) {
     GroupUsage g;

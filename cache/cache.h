@@ -19,7 +19,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "cache/mutex.h"
 #include "absl/types/span.h"
 #include "cache/device/device.h"
 #include "cache/spec.h"
@@ -134,7 +134,7 @@ class Cache {
   const CacheSpec spec_;
   Device* const device_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::vector<std::unique_ptr<AttentionGroup>> groups_ ABSL_GUARDED_BY(mu_);
 };
 

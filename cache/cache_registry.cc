@@ -7,7 +7,7 @@ namespace kvmesh {
 
 absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(const CacheSpec& spec) {
   RETURN_IF_ERROR(ValidateSpec(spec));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (auto it = caches_.find(spec.name); it != caches_.end()) {
     if (it->second->spec() != spec) {
       return absl::AlreadyExistsError(
@@ -24,7 +24,7 @@ absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(const CacheSpe
 absl::Status CacheRegistry::Delete(absl::string_view name) {
   std::shared_ptr<Cache> doomed;  // freed outside the lock
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = caches_.find(name);
     if (it == caches_.end()) {
       return absl::NotFoundError(absl::StrCat("no cache named '", name, "'"));
@@ -36,14 +36,14 @@ absl::Status CacheRegistry::Delete(absl::string_view name) {
 }
 
 absl::StatusOr<std::shared_ptr<Cache>> CacheRegistry::Get(absl::string_view name) const {
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   auto it = caches_.find(name);
   if (it == caches_.end()) return absl::NotFoundError(absl::StrCat("no cache named '", name, "'"));
   return it->second;
 }
 
 std::vector<std::shared_ptr<Cache>> CacheRegistry::List() const {
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   std::vector<std::shared_ptr<Cache>> out;
   out.reserve(caches_.size());
   for (const auto& [name, cache] : caches_) out.push_back(cache);

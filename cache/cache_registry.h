@@ -13,7 +13,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
+#include "cache/mutex.h"
 #include "cache/cache.h"
 #include "cache/device/device.h"
 
@@ -44,7 +44,7 @@ class CacheRegistry {
 
  private:
   Device* const device_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::map<std::string, std::shared_ptr<Cache>, std::less<>> caches_ ABSL_GUARDED_BY(mu_);
 };
 
