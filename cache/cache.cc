@@ -19,7 +19,7 @@ absl::Status CheckNonNegative(const char* what, int64_t value) {
 
 }  // namespace
 
-Cache::Cache(const CacheSpec& spec, Device* device) : spec_(spec), device_(device) {}
+Cache::Cache(const CacheSpec& spec) : spec_(spec) {}
 
 Cache::~Cache() = default;
 
@@ -32,7 +32,7 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
         device->budget_bytes() - std::min(device->budget_bytes(), device->used_bytes()), " of ",
         device->budget_bytes(), " bytes are free in the memory budget"));
   }
-  std::unique_ptr<Cache> cache(new Cache(spec, device));
+  std::unique_ptr<Cache> cache(new Cache(spec));
   MutexLock lock(&cache->mu_);
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     switch (spec.groups[g].kind) {

@@ -125,14 +125,13 @@ class Cache {
   CacheUsage Usage() const;
 
  private:
-  Cache(const CacheSpec& spec, Device* device);
+  explicit Cache(const CacheSpec& spec);
 
   absl::Status ValidateSeq(int64_t seq) const;
   int32_t LiveCountLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool IsLiveLocked(int64_t seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const CacheSpec spec_;
-  Device* const device_;
 
   mutable Mutex mu_;
   std::vector<std::unique_ptr<AttentionGroup>> groups_ ABSL_GUARDED_BY(mu_);
