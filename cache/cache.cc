@@ -80,8 +80,10 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
     if (t.seq < 0) {
       return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "].seq = ", t.seq, " is negative"));
     }
-    if (t.pos < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "].pos = ", t.pos, " is negative"));
+    if (t.pos < 0 || t.pos == INT32_MAX) {
+      // INT32_MAX is excluded so that a sequence's offset (last + 1) stays an int32.
+      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "].pos = ", t.pos,
+                                                     " is outside [0, ", INT32_MAX, ")"));
     }
     auto [it, inserted] = last_in_batch.emplace(t.seq, t.pos);
     if (!inserted) {

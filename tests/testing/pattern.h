@@ -1,0 +1,169 @@
+// Deterministic test data for kvmesh: element patterns derived from (seed, index), a decoder of
+// the cache dtypes written independently of cache/dtype.cc, and builders of the Append and Read
+// payloads of a CacheSpec (ARCHITECTURE.md §3 payload layout).
+//
+// Every pattern element is a finite, normal, exactly representable value of its dtype with a
+// magnitude in [1/16, 2) and a random sign: never zero, never rounded on the way in, so a wrong
+// byte anywhere shows up. Header-only (the kvmesh_testing target is an INTERFACE library).
+// Stateless; safe from any thread.
+#ifndef KVMESH_TESTS_TESTING_PATTERN_H_
+#define KVMESH_TESTS_TESTING_PATTERN_H_
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "cache/dtype.h"
+#include "cache/spec.h"
+
+namespace kvmesh {
+namespace testutil {
+
+// splitmix64's finalizer: a bijective, well-mixed function of x.
+inline uint64_t Mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+inline uint64_t HashPair(uint64_t seed, uint64_t index) {
+  return Mix64(Mix64(seed) ^ (index * 0xD1B54A32D192ED03ull));
+}
+
+inline size_t ElementBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+// Bits of element `index` of the pattern stream `seed` (low 16 bits used for F16/BF16).
+inline uint32_t PatternBits(DType dtype, uint64_t seed, uint64_t index) {
+  const uint64_t h = HashPair(seed, index);
+  const uint32_t sign = static_cast<uint32_t>(h >> 63);
+  const uint32_t exp_step = static_cast<uint32_t>((h >> 40) % 5);  // 2^-4 .. 2^0
+  switch (dtype) {
+    case DType::kF32:
+      return (sign << 31) | ((127 - exp_step) << 23) | static_cast<uint32_t>(h & 0x7FFFFF);
+    case DType::kF16:
+      return (sign << 15) | ((15 - exp_step) << 10) | static_cast<uint32_t>(h & 0x3FF);
+    case DType::kBF16:
+      return (sign << 15) | ((127 - exp_step) << 7) | static_cast<uint32_t>(h & 0x7F);
+  }
+  return 0;
+}
+
+// Writes elements [0, n) of the pattern stream `seed` to dst (n * ElementBytes(dtype) bytes).
+inline void FillPattern(DType dtype, uint64_t seed, size_t n, uint8_t* dst) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t bits = PatternBits(dtype, seed, i);
+    if (dtype == DType::kF32) {
+      std::memcpy(dst + 4 * i, &bits, 4);
+    } else {
+      const uint16_t half = static_cast<uint16_t>(bits);
+      std::memcpy(dst + 2 * i, &half, 2);
+    }
+  }
+}
+
+// Decodes one element of `dtype` at p (little-endian host assumed, as the payload layout).
+inline double DecodeElement(DType dtype, const uint8_t* p) {
+  switch (dtype) {
+    case DType::kF32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case DType::kF16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      const int sign = (h >> 15) ? -1 : 1;
+      const int exp = (h >> 10) & 0x1F;
+      const int mant = h & 0x3FF;
+      if (exp == 0) return sign * std::ldexp(static_cast<double>(mant), -24);
+      if (exp == 31) {
+        return mant == 0 ? sign * std::numeric_limits<double>::infinity()
+                         : std::numeric_limits<double>::quiet_NaN();
+      }
+      return sign * std::ldexp(static_cast<double>(1024 + mant), exp - 25);
+    }
+    case DType::kBF16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
+  }
+  return 0;
+}
+
+inline double DecodeElement(DType dtype, absl::Span<const uint8_t> data, size_t i) {
+  return DecodeElement(dtype, data.data() + i * ElementBytes(dtype));
+}
+
+// Elements of one token's K (or V) row in one layer of attention group `group`.
+inline size_t KRowElements(const CacheSpec& spec, int group) {
+  const AttentionSpec& a = spec.groups[group].attention;
+  return static_cast<size_t>(a.num_kv_heads) * a.head_dim_k;
+}
+inline size_t VRowElements(const CacheSpec& spec, int group) {
+  const AttentionSpec& a = spec.groups[group].attention;
+  return static_cast<size_t>(a.num_kv_heads) * a.head_dim_v;
+}
+
+// The pattern stream of the K (key=true) or V row that token `token_id` has in `layer` of
+// `group`. Token ids are chosen by the test; equal ids give equal rows.
+inline uint64_t RowSeed(uint64_t token_id, int group, int layer, bool key) {
+  return Mix64(token_id * 0x100000001B3ull ^
+               Mix64((static_cast<uint64_t>(group) << 33) | (static_cast<uint64_t>(layer) << 1) |
+                     (key ? 1u : 0u)));
+}
+
+inline std::vector<uint8_t> RowBytes(const CacheSpec& spec, uint64_t token_id, int group, int layer,
+                                     bool key) {
+  const size_t n = key ? KRowElements(spec, group) : VRowElements(spec, group);
+  std::vector<uint8_t> row(n * ElementBytes(spec.dtype));
+  FillPattern(spec.dtype, RowSeed(token_id, group, layer, key), n, row.data());
+  return row;
+}
+
+// Appends, for each group and layer, K rows then V rows of `ids_per_group[g]` to out.
+inline void AppendGroupRows(const CacheSpec& spec, int group, absl::Span<const uint64_t> ids,
+                            std::string* out) {
+  for (int layer = 0; layer < spec.groups[group].num_layers; ++layer) {
+    for (bool key : {true, false}) {
+      for (uint64_t id : ids) {
+        const std::vector<uint8_t> row = RowBytes(spec, id, group, layer, key);
+        out->append(reinterpret_cast<const char*>(row.data()), row.size());
+      }
+    }
+  }
+}
+
+// The Append payload for a batch whose i-th token has id token_ids[i] (Attention groups only).
+inline std::vector<uint8_t> AppendPayload(const CacheSpec& spec,
+                                          absl::Span<const uint64_t> token_ids) {
+  std::string bytes;
+  for (int g = 0; g < static_cast<int>(spec.groups.size()); ++g) {
+    AppendGroupRows(spec, g, token_ids, &bytes);
+  }
+  return std::vector<uint8_t>(bytes.begin(), bytes.end());
+}
+
+// The Read payload when group g returns the rows of ids_per_group[g], in that order.
+inline std::string ReadPayload(const CacheSpec& spec,
+                               const std::vector<std::vector<uint64_t>>& ids_per_group) {
+  std::string bytes;
+  for (int g = 0; g < static_cast<int>(spec.groups.size()); ++g) {
+    AppendGroupRows(spec, g, ids_per_group[g], &bytes);
+  }
+  return bytes;
+}
+
+}  // namespace testutil
+}  // namespace kvmesh
+
+#endif  // KVMESH_TESTS_TESTING_PATTERN_H_

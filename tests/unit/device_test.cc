@@ -1,0 +1,119 @@
+// HostDevice: budget accounting, arena ownership and the row operations.
+#include "cache/device/host_device.h"
+
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace kvmesh {
+namespace {
+
+TEST(HostDeviceTest, AccountsAllocationsAgainstTheBudget) {
+  HostDevice device(1000);
+  EXPECT_EQ(device.name(), "host");
+  EXPECT_EQ(device.budget_bytes(), 1000u);
+  EXPECT_EQ(device.used_bytes(), 0u);
+  absl::StatusOr<DeviceArena> a = device.Allocate(600);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->size(), 600u);
+  EXPECT_NE(a->data(), nullptr);
+  EXPECT_EQ(device.used_bytes(), 600u);
+  absl::StatusOr<DeviceArena> b = device.Allocate(401);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted) << b.status();
+  EXPECT_EQ(device.used_bytes(), 600u);
+  absl::StatusOr<DeviceArena> c = device.Allocate(400);  // exactly the rest
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(device.used_bytes(), 1000u);
+  *c = DeviceArena();  // freeing returns the bytes
+  EXPECT_EQ(device.used_bytes(), 600u);
+}
+
+TEST(HostDeviceTest, MovedArenaFreesOnce) {
+  HostDevice device(1000);
+  {
+    absl::StatusOr<DeviceArena> a = device.Allocate(300);
+    ASSERT_TRUE(a.ok());
+    uint8_t* data = a->data();
+    DeviceArena moved(std::move(*a));
+    EXPECT_EQ(moved.data(), data);
+    EXPECT_EQ(moved.size(), 300u);
+    EXPECT_EQ(device.used_bytes(), 300u);
+    DeviceArena assigned;
+    assigned = std::move(moved);
+    EXPECT_EQ(assigned.data(), data);
+    EXPECT_EQ(device.used_bytes(), 300u);
+  }
+  EXPECT_EQ(device.used_bytes(), 0u);
+}
+
+// Two planes of 8 rows of 6 bytes, the second starting at byte 100.
+std::vector<Plane> TwoPlanes() { return {Plane{0, 6}, Plane{100, 6}}; }
+
+TEST(HostDeviceTest, ScatterGatherRoundTripInPlaneThenRowOrder) {
+  HostDevice device(1 << 20);
+  absl::StatusOr<DeviceArena> arena = device.Allocate(200);
+  ASSERT_TRUE(arena.ok());
+  std::memset(arena->data(), 0xEE, 200);
+  const std::vector<Plane> planes = TwoPlanes();
+  const std::vector<int32_t> rows = {5, 0, 3};
+  std::vector<uint8_t> src(2 * 3 * 6);
+  std::iota(src.begin(), src.end(), uint8_t{1});
+  ASSERT_TRUE(device.Scatter(*arena, planes, rows, src.data()).ok());
+  // Plane 0 row 5 holds src[0..6), row 0 src[6..12), row 3 src[12..18); plane 1 the rest.
+  const uint8_t* data = arena->data();
+  EXPECT_EQ(std::memcmp(data + 5 * 6, src.data(), 6), 0);
+  EXPECT_EQ(std::memcmp(data + 0 * 6, src.data() + 6, 6), 0);
+  EXPECT_EQ(std::memcmp(data + 3 * 6, src.data() + 12, 6), 0);
+  EXPECT_EQ(std::memcmp(data + 100 + 5 * 6, src.data() + 18, 6), 0);
+  EXPECT_EQ(std::memcmp(data + 100 + 0 * 6, src.data() + 24, 6), 0);
+  EXPECT_EQ(std::memcmp(data + 100 + 3 * 6, src.data() + 30, 6), 0);
+  EXPECT_EQ(data[1 * 6], 0xEE);  // untouched rows stay
+  EXPECT_EQ(data[100 + 7 * 6 + 5], 0xEE);
+
+  std::vector<uint8_t> dst(src.size());
+  ASSERT_TRUE(device.Gather(*arena, planes, rows, dst.data()).ok());
+  EXPECT_EQ(dst, src);
+  // Gathering in another order permutes rows within each plane.
+  const std::vector<int32_t> reversed = {3, 0, 5};
+  ASSERT_TRUE(device.Gather(*arena, planes, reversed, dst.data()).ok());
+  EXPECT_EQ(std::memcmp(dst.data(), src.data() + 12, 6), 0);
+  EXPECT_EQ(std::memcmp(dst.data() + 12, src.data(), 6), 0);
+  EXPECT_EQ(std::memcmp(dst.data() + 18, src.data() + 30, 6), 0);
+}
+
+TEST(HostDeviceTest, CopyRowsCopiesEveryPlane) {
+  HostDevice device(1 << 20);
+  absl::StatusOr<DeviceArena> arena = device.Allocate(200);
+  ASSERT_TRUE(arena.ok());
+  for (int i = 0; i < 200; ++i) arena->data()[i] = static_cast<uint8_t>(i);
+  std::vector<uint8_t> before(arena->data(), arena->data() + 200);
+  const std::vector<Plane> planes = TwoPlanes();
+  const std::vector<int32_t> src_rows = {1, 2};
+  const std::vector<int32_t> dst_rows = {6, 0};
+  ASSERT_TRUE(device.CopyRows(*arena, planes, src_rows, dst_rows).ok());
+  std::vector<uint8_t> expected = before;
+  for (size_t p = 0; p < 2; ++p) {
+    const size_t base = p == 0 ? 0 : 100;
+    std::memcpy(expected.data() + base + 6 * 6, before.data() + base + 1 * 6, 6);
+    std::memcpy(expected.data() + base + 0 * 6, before.data() + base + 2 * 6, 6);
+  }
+  EXPECT_EQ(std::vector<uint8_t>(arena->data(), arena->data() + 200), expected);
+}
+
+TEST(HostDeviceTest, EmptyRowListsAreNoOps) {
+  HostDevice device(1 << 20);
+  absl::StatusOr<DeviceArena> arena = device.Allocate(200);
+  ASSERT_TRUE(arena.ok());
+  std::memset(arena->data(), 0x5A, 200);
+  const std::vector<Plane> planes = TwoPlanes();
+  EXPECT_TRUE(device.Scatter(*arena, planes, {}, nullptr).ok());
+  EXPECT_TRUE(device.Gather(*arena, planes, {}, nullptr).ok());
+  EXPECT_TRUE(device.CopyRows(*arena, planes, {}, {}).ok());
+  for (int i = 0; i < 200; ++i) ASSERT_EQ(arena->data()[i], 0x5A) << i;
+}
+
+}  // namespace
+}  // namespace kvmesh
