@@ -6,6 +6,7 @@
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -85,7 +86,12 @@ __attribute__((target("avx,f16c"))) void FloatToHalfF16C(const float* src, uint8
 }
 
 bool HaveF16C() {
-  static const bool have = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  // clang 14's __builtin_cpu_supports does not know "f16c": read CPUID leaf 1 (ECX bit 29).
+  static const bool have = [] {
+    unsigned eax, ebx, ecx, edx;
+    return __builtin_cpu_supports("avx") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) &&
+           (ecx & (1u << 29)) != 0;
+  }();
   return have;
 }
 #else
