@@ -1,0 +1,520 @@
+#include "service/cache_service.h"
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "cache/status_macros.h"
+#include "service/convert.h"
+
+namespace kvmesh {
+namespace {
+
+// Room left in every Read message for the protobuf framing around its data.
+constexpr size_t kReadMessageSlack = 1024;
+
+// Largest buffer an AppendStream reserves up front; beyond it the buffer grows with the data,
+// so a header that merely claims a huge payload costs nothing.
+constexpr size_t kMaxAppendReserve = size_t{64} << 20;
+
+int64_t DistinctSequences(absl::Span<const Token> tokens) {
+  absl::flat_hash_set<int64_t> seqs;
+  for (const Token& t : tokens) seqs.insert(t.seq);
+  return static_cast<int64_t>(seqs.size());
+}
+
+// Checks the shape of an Append batch against the spec before any payload is touched: at
+// least one token, at most max_batch, and `payload_bytes` (named `payload_field` in messages)
+// equal to the spec's arithmetic. The engine checks the semantics (positions, capacity).
+absl::Status CheckAppendShape(const CacheSpec& spec, absl::Span<const Token> tokens,
+                              absl::string_view payload_field, int64_t payload_bytes) {
+  if (tokens.empty()) {
+    return absl::InvalidArgumentError("tokens is empty: an Append needs at least one token");
+  }
+  if (tokens.size() > static_cast<size_t>(spec.max_batch)) {
+    return absl::InvalidArgumentError(absl::StrCat("batch of ", tokens.size(),
+                                                   " tokens exceeds max_batch = ", spec.max_batch,
+                                                   " of cache '", spec.name, "'"));
+  }
+  const size_t expected =
+      AppendPayloadBytes(spec, static_cast<int64_t>(tokens.size()), DistinctSequences(tokens));
+  if (payload_bytes < 0 || static_cast<uint64_t>(payload_bytes) != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(payload_field, " = ", payload_bytes, " bytes, but ", tokens.size(),
+                     " tokens of cache '", spec.name, "' need ", expected, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Span<const uint8_t> AsBytes(const std::string& s) {
+  return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+}
+
+grpc::Status InvalidArgument(std::string message) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::move(message));
+}
+
+// gRPC hands a reactor from the thread that starts an operation to the thread that runs its
+// reaction through its own (uninstrumented) internals, which ThreadSanitizer cannot see. These
+// two calls state that edge on the reactor's address in TSan builds and are no-ops otherwise.
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define KVMESH_TSAN_BUILD 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define KVMESH_TSAN_BUILD 1
+#endif
+#ifdef KVMESH_TSAN_BUILD
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+void HandOff(void* reactor) { __tsan_release(reactor); }
+void TakeOver(void* reactor) { __tsan_acquire(reactor); }
+#else
+void HandOff(void*) {}
+void TakeOver(void*) {}
+#endif
+
+const grpc::Status& CancelledStatus() {
+  static const grpc::Status* const status =
+      new grpc::Status(grpc::StatusCode::CANCELLED, "call cancelled by the client");
+  return *status;
+}
+
+}  // namespace
+
+// ---- AppendStream -------------------------------------------------------------------------
+//
+// States: reading the first message (no header yet) -> checking the header on the executor
+// (no read outstanding) -> reading data -> appending on the executor -> finished. Exactly one
+// of gRPC's reactions or one executor task owns the reactor at a time: each hands over by
+// starting the next operation (StartRead, Submit) as its last step, so members need no lock.
+class CacheServiceImpl::AppendStreamReactor final
+    : public grpc::ServerReadReactor<v1::AppendStreamRequest> {
+ public:
+  AppendStreamReactor(CacheServiceImpl* service, grpc::CallbackServerContext* context,
+                      v1::AppendResponse* response)
+      : service_(service), context_(context), response_(response) {
+    ReadNext();
+  }
+
+  void OnReadDone(bool ok) override {
+    TakeOver(this);
+    if (!ok) {
+      OnEndOfStream();
+      return;
+    }
+    const int64_t index = messages_++;
+    if (index == 0) {
+      OnFirstMessage();
+      return;
+    }
+    if (request_.has_header()) {
+      Done(InvalidArgument(absl::StrCat("AppendStream message ", index,
+                                        " carries a header; only the first message may")));
+      return;
+    }
+    const std::string& data = request_.data();
+    if (data.size() > static_cast<uint64_t>(payload_bytes_) - payload_.size()) {
+      Done(InvalidArgument(absl::StrCat(
+          "AppendStream data exceeds header.payload_bytes = ", payload_bytes_, ": message ", index,
+          " brings it to ", payload_.size() + data.size(), " bytes")));
+      return;
+    }
+    payload_.append(data);
+    ReadNext();
+  }
+
+  void OnDone() override {
+    TakeOver(this);
+    delete this;
+  }
+
+ private:
+  void ReadNext() {
+    HandOff(this);
+    StartRead(&request_);
+  }
+
+  void Done(const grpc::Status& status) {
+    HandOff(this);
+    Finish(status);
+  }
+
+  void OnFirstMessage() {
+    if (!request_.has_header()) {
+      Done(InvalidArgument(
+          "AppendStream message 0 has no header: the first message must carry one"));
+      return;
+    }
+    header_ = std::move(*request_.mutable_header());
+    payload_ = std::move(*request_.mutable_data());
+    payload_bytes_ = header_.payload_bytes();
+    if (payload_bytes_ < 0) {
+      Done(
+          InvalidArgument(absl::StrCat("header.payload_bytes = ", payload_bytes_, " is negative")));
+      return;
+    }
+    if (!service_->executor_->Submit([this] { CheckHeader(); })) {
+      Done(service_->BusyStatus());
+    }
+  }
+
+  // On the executor: everything about the header that needs the cache's spec.
+  void CheckHeader() {
+    if (context_->IsCancelled()) {
+      Done(CancelledStatus());
+      return;
+    }
+    const absl::Status status = CheckHeaderAgainstCache();
+    if (!status.ok()) {
+      Done(ToGrpcStatus(status));
+      return;
+    }
+    ReadNext();
+  }
+
+  absl::Status CheckHeaderAgainstCache() {
+    ASSIGN_OR_RETURN(cache_, service_->FindCache(header_.cache()));
+    const CacheSpec& spec = cache_->spec();
+    const size_t max_bytes = AppendPayloadBytes(spec, spec.max_batch, spec.max_batch);
+    if (static_cast<uint64_t>(payload_bytes_) > max_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.payload_bytes = ", payload_bytes_, " exceeds the largest payload cache '",
+          spec.name, "' accepts: ", max_bytes, " bytes for max_batch = ", spec.max_batch));
+    }
+    ASSIGN_OR_RETURN(tokens_, TokensFromProto(header_.tokens()));
+    RETURN_IF_ERROR(CheckAppendShape(spec, tokens_, "header.payload_bytes", payload_bytes_));
+    if (payload_.size() > static_cast<uint64_t>(payload_bytes_)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("AppendStream data exceeds header.payload_bytes = ", payload_bytes_,
+                       ": message 0 brings it to ", payload_.size(), " bytes"));
+    }
+    payload_.reserve(std::min(static_cast<size_t>(payload_bytes_), kMaxAppendReserve));
+    return absl::OkStatus();
+  }
+
+  void OnEndOfStream() {
+    if (context_->IsCancelled()) {
+      Done(CancelledStatus());
+      return;
+    }
+    if (messages_ == 0) {
+      Done(InvalidArgument(
+          "AppendStream ended without a message: the first message must carry a header"));
+      return;
+    }
+    if (payload_.size() != static_cast<uint64_t>(payload_bytes_)) {
+      Done(InvalidArgument(absl::StrCat("AppendStream data adds up to ", payload_.size(),
+                                        " bytes, but header.payload_bytes = ", payload_bytes_)));
+      return;
+    }
+    if (!service_->executor_->Submit([this] { Commit(); })) {
+      Done(service_->BusyStatus());
+    }
+  }
+
+  // On the executor: the engine append.
+  void Commit() {
+    if (context_->IsCancelled()) {
+      Done(CancelledStatus());
+      return;
+    }
+    const absl::Status status = cache_->Append(tokens_, AsBytes(payload_));
+    if (status.ok()) *response_->mutable_usage() = UsageToProto(cache_->Usage());
+    Done(ToGrpcStatus(status));
+  }
+
+  CacheServiceImpl* const service_;
+  grpc::CallbackServerContext* const context_;
+  v1::AppendResponse* const response_;
+
+  v1::AppendStreamRequest request_;
+  int64_t messages_ = 0;  // messages read so far
+  v1::AppendHeader header_;
+  int64_t payload_bytes_ = 0;
+  std::shared_ptr<Cache> cache_;
+  std::vector<Token> tokens_;
+  std::string payload_;
+};
+
+// ---- Read ---------------------------------------------------------------------------------
+//
+// The engine read runs on the executor, which then starts the first write; every later write
+// is started by OnWriteDone of the one before. One operation at a time owns the reactor.
+class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::ReadResponse> {
+ public:
+  ReadReactor(CacheServiceImpl* service, grpc::CallbackServerContext* context,
+              const v1::ReadRequest* request)
+      : service_(service), context_(context), request_(request) {
+    const int32_t requested = request->max_chunk_bytes();
+    if (requested < 0 || requested > kMaxReadChunkBytes) {
+      Done(
+          InvalidArgument(absl::StrCat("max_chunk_bytes = ", requested, " is out of range [0, ",
+                                       kMaxReadChunkBytes, "] (0: ", kDefaultReadChunkBytes, ")")));
+      return;
+    }
+    const size_t limit = service->options_.max_send_message_bytes > 2 * kReadMessageSlack
+                             ? service->options_.max_send_message_bytes - kReadMessageSlack
+                             : kReadMessageSlack;
+    chunk_bytes_ = std::min<size_t>(requested == 0 ? kDefaultReadChunkBytes : requested, limit);
+    if (!service->executor_->Submit([this] { ReadAndStart(); })) {
+      Done(service->BusyStatus());
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    TakeOver(this);
+    if (!ok) {
+      // The stream is broken (cancelled or the client went away); nothing more can be sent.
+      Done(CancelledStatus());
+      return;
+    }
+    WriteNext();
+  }
+
+  void OnDone() override {
+    TakeOver(this);
+    delete this;
+  }
+
+ private:
+  void Done(const grpc::Status& status) {
+    HandOff(this);
+    Finish(status);
+  }
+
+  // On the executor.
+  void ReadAndStart() {
+    if (context_->IsCancelled()) {
+      Done(CancelledStatus());
+      return;
+    }
+    absl::StatusOr<std::shared_ptr<Cache>> cache = service_->FindCache(request_->cache());
+    if (!cache.ok()) {
+      Done(ToGrpcStatus(cache.status()));
+      return;
+    }
+    const std::optional<int32_t> end =
+        request_->has_end() ? std::optional<int32_t>(request_->end()) : std::nullopt;
+    absl::StatusOr<ReadResult> result = (*cache)->Read(request_->seq(), request_->begin(), end);
+    if (!result.ok()) {
+      Done(ToGrpcStatus(result.status()));
+      return;
+    }
+    *response_.mutable_header() = ReadHeaderToProto(*result);
+    payload_ = std::move(result->payload);
+    total_ = payload_.size();
+    const size_t header_bytes = response_.header().ByteSizeLong();
+    if (header_bytes + 2 * kReadMessageSlack > service_->options_.max_send_message_bytes) {
+      Done(grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("the Read header (", header_bytes,
+                       " bytes of positions) does not fit the server's message limit of ",
+                       service_->options_.max_send_message_bytes,
+                       " bytes; read a smaller range [begin, end)")));
+      return;
+    }
+    // The first message carries the header too, so its data is cut shorter.
+    const size_t room =
+        service_->options_.max_send_message_bytes - kReadMessageSlack - header_bytes;
+    WriteChunk(std::min(chunk_bytes_, room));
+  }
+
+  void WriteNext() {
+    response_.Clear();
+    WriteChunk(chunk_bytes_);
+  }
+
+  void WriteChunk(size_t max_bytes) {
+    const size_t n = std::min(max_bytes, total_ - sent_);
+    if (n == total_) {
+      *response_.mutable_data() = std::move(payload_);  // a single message: no copy
+    } else {
+      response_.set_data(payload_.data() + sent_, n);
+    }
+    sent_ += n;
+    const bool last = sent_ == total_;
+    HandOff(this);  // nothing of this reactor is touched from here until the reaction
+    if (last) {
+      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+    } else {
+      StartWrite(&response_);
+    }
+  }
+
+  CacheServiceImpl* const service_;
+  grpc::CallbackServerContext* const context_;
+  const v1::ReadRequest* const request_;
+  size_t chunk_bytes_ = 0;
+  std::string payload_;
+  size_t total_ = 0;  // payload bytes of the whole read
+  size_t sent_ = 0;   // payload bytes handed to writes so far
+  v1::ReadResponse response_;
+};
+
+// ---- the service --------------------------------------------------------------------------
+
+CacheServiceImpl::CacheServiceImpl(CacheRegistry* registry, Executor* executor, Options options)
+    : registry_(registry), executor_(executor), options_(options) {}
+
+grpc::Status CacheServiceImpl::BusyStatus() const {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                      absl::StrCat("kvmesh-node is overloaded: its executor queue holds ",
+                                   executor_->max_queued(), " tasks already; retry later"));
+}
+
+absl::StatusOr<std::shared_ptr<Cache>> CacheServiceImpl::FindCache(const std::string& name) const {
+  if (name.empty()) {
+    return absl::InvalidArgumentError("cache is empty: name the cache to operate on");
+  }
+  return registry_->Get(name);
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::RunUnary(grpc::CallbackServerContext* context,
+                                                     absl::AnyInvocable<absl::Status() &&> fn) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const bool queued = executor_->Submit([context, reactor, fn = std::move(fn)]() mutable {
+    if (context->IsCancelled()) {
+      reactor->Finish(CancelledStatus());
+      return;
+    }
+    reactor->Finish(ToGrpcStatus(std::move(fn)()));
+  });
+  if (!queued) reactor->Finish(BusyStatus());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::CreateCache(grpc::CallbackServerContext* context,
+                                                        const v1::CreateCacheRequest* request,
+                                                        v1::CreateCacheResponse* response) {
+  return RunUnary(context, [this, request, response]() -> absl::Status {
+    if (!request->has_spec()) return absl::InvalidArgumentError("spec is missing");
+    ASSIGN_OR_RETURN(const CacheSpec spec, SpecFromProto(request->spec()));
+    ASSIGN_OR_RETURN(const CacheRegistry::CreateResult result, registry_->Create(spec));
+    *response->mutable_cache() = CacheInfoToProto(*result.cache);
+    response->set_created(result.created);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::DeleteCache(grpc::CallbackServerContext* context,
+                                                        const v1::DeleteCacheRequest* request,
+                                                        v1::DeleteCacheResponse* response) {
+  return RunUnary(context, [this, request]() -> absl::Status {
+    if (request->cache().empty()) {
+      return absl::InvalidArgumentError("cache is empty: name the cache to delete");
+    }
+    return registry_->Delete(request->cache());
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::GetCache(grpc::CallbackServerContext* context,
+                                                     const v1::GetCacheRequest* request,
+                                                     v1::GetCacheResponse* response) {
+  return RunUnary(context, [this, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    *response->mutable_cache() = CacheInfoToProto(*cache);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::ListCaches(grpc::CallbackServerContext* context,
+                                                       const v1::ListCachesRequest* request,
+                                                       v1::ListCachesResponse* response) {
+  return RunUnary(context, [this, response]() -> absl::Status {
+    for (const std::shared_ptr<Cache>& cache : registry_->List()) {
+      *response->add_caches() = CacheInfoToProto(*cache);
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* context,
+                                                   const v1::AppendRequest* request,
+                                                   v1::AppendResponse* response) {
+  return RunUnary(context, [this, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    ASSIGN_OR_RETURN(const std::vector<Token> tokens, TokensFromProto(request->tokens()));
+    RETURN_IF_ERROR(CheckAppendShape(cache->spec(), tokens, "payload",
+                                     static_cast<int64_t>(request->payload().size())));
+    RETURN_IF_ERROR(cache->Append(tokens, AsBytes(request->payload())));
+    *response->mutable_usage() = UsageToProto(cache->Usage());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerReadReactor<v1::AppendStreamRequest>* CacheServiceImpl::AppendStream(
+    grpc::CallbackServerContext* context, v1::AppendResponse* response) {
+  return new AppendStreamReactor(this, context, response);
+}
+
+grpc::ServerWriteReactor<v1::ReadResponse>* CacheServiceImpl::Read(
+    grpc::CallbackServerContext* context, const v1::ReadRequest* request) {
+  return new ReadReactor(this, context, request);
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Visible(grpc::CallbackServerContext* context,
+                                                    const v1::VisibleRequest* request,
+                                                    v1::VisibleResponse* response) {
+  return RunUnary(context, [this, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    ASSIGN_OR_RETURN(const std::vector<Query> queries, QueriesFromProto(request->queries()));
+    ASSIGN_OR_RETURN(const std::vector<std::vector<int32_t>> visible,
+                     cache->Visible(request->group(), queries));
+    for (const std::vector<int32_t>& positions : visible) {
+      response->add_visible()->mutable_positions()->Add(positions.begin(), positions.end());
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerContext* context,
+                                                       const v1::CopyPrefixRequest* request,
+                                                       v1::CopyPrefixResponse* response) {
+  return RunUnary(context, [this, request]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    return cache->CopyPrefix(request->src_seq(), request->dst_seq(), request->length());
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* context,
+                                                   const v1::RemoveRequest* request,
+                                                   v1::RemoveResponse* response) {
+  return RunUnary(context, [this, request]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    const std::optional<int32_t> end =
+        request->has_end() ? std::optional<int32_t>(request->end()) : std::nullopt;
+    return cache->Remove(request->seq(), request->begin(), end);
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::CanResume(grpc::CallbackServerContext* context,
+                                                      const v1::CanResumeRequest* request,
+                                                      v1::CanResumeResponse* response) {
+  return RunUnary(context, [this, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    ASSIGN_OR_RETURN(const bool can_resume, cache->CanResume(request->seq(), request->pos()));
+    response->set_can_resume(can_resume);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::ListSequences(grpc::CallbackServerContext* context,
+                                                          const v1::ListSequencesRequest* request,
+                                                          v1::ListSequencesResponse* response) {
+  return RunUnary(context, [this, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    for (const SequenceInfo& info : cache->ListSequences()) {
+      *response->add_sequences() = SequenceInfoToProto(info);
+    }
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvmesh

@@ -1,0 +1,113 @@
+// CacheServiceImpl: kvmesh.v1.CacheService (ARCHITECTURE.md §3) on gRPC's callback API, over
+// the caches of a CacheRegistry.
+//
+// Every RPC validates its request before the engine sees it (INVALID_ARGUMENT naming the field
+// and value), then runs the engine call on a bounded Executor: reactions on gRPC's threads
+// never block on the engine. When the executor's queue is full the RPC fails at once with
+// UNAVAILABLE (retry later), never by waiting.
+//
+//  - Unary RPCs use DefaultReactor(); the executor task calls Finish().
+//  - AppendStream checks the first message's header (cache, tokens, payload_bytes) before it
+//    buffers any data, refuses data beyond header.payload_bytes as soon as it arrives, and
+//    appends only when the stream ends with exactly payload_bytes.
+//  - Read runs the engine read on the executor, then streams the header and the payload in
+//    chunks of max_chunk_bytes (0: kDefaultReadChunkBytes), each message cut to fit the
+//    server's send limit.
+//
+// Thread safety: the service is thread-safe; gRPC calls it from any of its threads. The
+// registry and the executor must outlive it, and the executor must keep running until the
+// server has shut down (tasks in its queue finish the RPCs they belong to).
+#ifndef KVMESH_SERVICE_CACHE_SERVICE_H_
+#define KVMESH_SERVICE_CACHE_SERVICE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cache/cache.h"
+#include "cache/cache_registry.h"
+#include "grpcpp/grpcpp.h"
+#include "kvmesh/v1/kvmesh.grpc.pb.h"
+#include "service/executor.h"
+
+namespace kvmesh {
+
+// Read chunk size when a request leaves max_chunk_bytes at 0, and the largest one accepted.
+inline constexpr int32_t kDefaultReadChunkBytes = 1 << 20;
+inline constexpr int32_t kMaxReadChunkBytes = 64 << 20;
+
+class CacheServiceImpl final : public v1::CacheService::CallbackService {
+ public:
+  struct Options {
+    // The server's limit on one outgoing message; Read messages are cut to stay under it.
+    size_t max_send_message_bytes = size_t{64} << 20;
+  };
+
+  // `registry` and `executor` are not owned and must outlive the service.
+  CacheServiceImpl(CacheRegistry* registry, Executor* executor, Options options);
+
+  CacheServiceImpl(const CacheServiceImpl&) = delete;
+  CacheServiceImpl& operator=(const CacheServiceImpl&) = delete;
+
+  grpc::ServerUnaryReactor* CreateCache(grpc::CallbackServerContext* context,
+                                        const v1::CreateCacheRequest* request,
+                                        v1::CreateCacheResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteCache(grpc::CallbackServerContext* context,
+                                        const v1::DeleteCacheRequest* request,
+                                        v1::DeleteCacheResponse* response) override;
+  grpc::ServerUnaryReactor* GetCache(grpc::CallbackServerContext* context,
+                                     const v1::GetCacheRequest* request,
+                                     v1::GetCacheResponse* response) override;
+  grpc::ServerUnaryReactor* ListCaches(grpc::CallbackServerContext* context,
+                                       const v1::ListCachesRequest* request,
+                                       v1::ListCachesResponse* response) override;
+  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context,
+                                   const v1::AppendRequest* request,
+                                   v1::AppendResponse* response) override;
+  grpc::ServerReadReactor<v1::AppendStreamRequest>* AppendStream(
+      grpc::CallbackServerContext* context, v1::AppendResponse* response) override;
+  grpc::ServerWriteReactor<v1::ReadResponse>* Read(grpc::CallbackServerContext* context,
+                                                   const v1::ReadRequest* request) override;
+  grpc::ServerUnaryReactor* Visible(grpc::CallbackServerContext* context,
+                                    const v1::VisibleRequest* request,
+                                    v1::VisibleResponse* response) override;
+  grpc::ServerUnaryReactor* CopyPrefix(grpc::CallbackServerContext* context,
+                                       const v1::CopyPrefixRequest* request,
+                                       v1::CopyPrefixResponse* response) override;
+  grpc::ServerUnaryReactor* Remove(grpc::CallbackServerContext* context,
+                                   const v1::RemoveRequest* request,
+                                   v1::RemoveResponse* response) override;
+  grpc::ServerUnaryReactor* CanResume(grpc::CallbackServerContext* context,
+                                      const v1::CanResumeRequest* request,
+                                      v1::CanResumeResponse* response) override;
+  grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* context,
+                                          const v1::ListSequencesRequest* request,
+                                          v1::ListSequencesResponse* response) override;
+
+ private:
+  class AppendStreamReactor;
+  class ReadReactor;
+
+  // Runs `fn` on the executor and finishes the call's default reactor with its status; fails
+  // the call with UNAVAILABLE when the executor refuses the task.
+  grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context,
+                                     absl::AnyInvocable<absl::Status() &&> fn);
+
+  // The cache named `name`: INVALID_ARGUMENT when empty, NOT_FOUND when unknown.
+  absl::StatusOr<std::shared_ptr<Cache>> FindCache(const std::string& name) const;
+
+  // UNAVAILABLE with the executor's queue bound, for a task the executor refused.
+  grpc::Status BusyStatus() const;
+
+  CacheRegistry* const registry_;
+  Executor* const executor_;
+  const Options options_;
+};
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_SERVICE_CACHE_SERVICE_H_

@@ -1,0 +1,275 @@
+#include "service/convert.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "cache/status_macros.h"
+
+namespace kvmesh {
+namespace {
+
+absl::StatusOr<DType> DTypeFromProto(int value) {
+  switch (value) {
+    case v1::DTYPE_F32:
+      return DType::kF32;
+    case v1::DTYPE_F16:
+      return DType::kF16;
+    case v1::DTYPE_BF16:
+      return DType::kBF16;
+    case v1::DTYPE_UNSPECIFIED:
+      return absl::InvalidArgumentError(
+          "dtype = DTYPE_UNSPECIFIED: set DTYPE_F32, DTYPE_F16 or DTYPE_BF16");
+  }
+  return absl::InvalidArgumentError(absl::StrCat("dtype = ", value, " is not a known DType"));
+}
+
+v1::DType DTypeToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return v1::DTYPE_F32;
+    case DType::kF16:
+      return v1::DTYPE_F16;
+    case DType::kBF16:
+      return v1::DTYPE_BF16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<RopeType> RopeTypeFromProto(const std::string& field, int value) {
+  switch (value) {
+    case v1::ROPE_TYPE_NONE:
+      return RopeType::kNone;
+    case v1::ROPE_TYPE_NORMAL:
+      return RopeType::kNormal;
+    case v1::ROPE_TYPE_NEOX:
+      return RopeType::kNeox;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(field, " = ", value, " is not a known RopeType"));
+}
+
+v1::RopeType RopeTypeToProto(RopeType type) {
+  switch (type) {
+    case RopeType::kNone:
+      return v1::ROPE_TYPE_NONE;
+    case RopeType::kNormal:
+      return v1::ROPE_TYPE_NORMAL;
+    case RopeType::kNeox:
+      return v1::ROPE_TYPE_NEOX;
+  }
+  return v1::ROPE_TYPE_NONE;
+}
+
+absl::StatusOr<AttentionSpec> AttentionFromProto(const std::string& field,
+                                                 const v1::Attention& proto) {
+  AttentionSpec a;
+  a.num_kv_heads = proto.num_kv_heads();
+  a.head_dim_k = proto.head_dim_k();
+  a.head_dim_v = proto.head_dim_v();
+  switch (proto.window().kind_case()) {
+    // A window message without a case says no more than an absent one: FULL.
+    case v1::Window::KIND_NOT_SET:
+    case v1::Window::kFull:
+      a.window.kind = WindowKind::kFull;
+      break;
+    case v1::Window::kSliding:
+      a.window.kind = WindowKind::kSliding;
+      a.window.window = proto.window().sliding().window();
+      a.window.memory = proto.window().sliding().memory();
+      break;
+    case v1::Window::kChunked:
+      a.window.kind = WindowKind::kChunked;
+      a.window.chunk = proto.window().chunked().chunk();
+      break;
+  }
+  ASSIGN_OR_RETURN(a.rope.type, RopeTypeFromProto(field + ".rope.type", proto.rope().type()));
+  a.rope.dims = proto.rope().dims();
+  a.rope.base = proto.rope().base();
+  a.rope.freq_scale = proto.rope().freq_scale();
+  return a;
+}
+
+}  // namespace
+
+absl::StatusOr<CacheSpec> SpecFromProto(const v1::CacheSpec& proto) {
+  CacheSpec spec;
+  spec.name = proto.name();
+  ASSIGN_OR_RETURN(spec.dtype, DTypeFromProto(proto.dtype()));
+  spec.max_sequences = proto.max_sequences();
+  spec.capacity = proto.capacity();
+  spec.max_batch = proto.max_batch();
+  spec.groups.reserve(proto.groups_size());
+  for (int g = 0; g < proto.groups_size(); ++g) {
+    const v1::LayerGroup& group = proto.groups(g);
+    const std::string field = absl::StrCat("groups[", g, "]");
+    GroupSpec out;
+    out.num_layers = group.num_layers();
+    switch (group.kind_case()) {
+      case v1::LayerGroup::kAttention: {
+        out.kind = GroupKind::kAttention;
+        ASSIGN_OR_RETURN(out.attention,
+                         AttentionFromProto(field + ".attention", group.attention()));
+        break;
+      }
+      case v1::LayerGroup::KIND_NOT_SET:
+        return absl::InvalidArgumentError(absl::StrCat(field, " has no kind: set attention"));
+    }
+    spec.groups.push_back(std::move(out));
+  }
+  RETURN_IF_ERROR(ValidateSpec(spec));
+  return spec;
+}
+
+v1::CacheSpec SpecToProto(const CacheSpec& spec) {
+  v1::CacheSpec proto;
+  proto.set_name(spec.name);
+  proto.set_dtype(DTypeToProto(spec.dtype));
+  proto.set_max_sequences(spec.max_sequences);
+  proto.set_capacity(spec.capacity);
+  proto.set_max_batch(spec.max_batch);
+  for (const GroupSpec& group : spec.groups) {
+    v1::LayerGroup* out = proto.add_groups();
+    out->set_num_layers(group.num_layers);
+    switch (group.kind) {
+      case GroupKind::kAttention: {
+        const AttentionSpec& a = group.attention;
+        v1::Attention* attention = out->mutable_attention();
+        attention->set_num_kv_heads(a.num_kv_heads);
+        attention->set_head_dim_k(a.head_dim_k);
+        attention->set_head_dim_v(a.head_dim_v);
+        v1::Window* window = attention->mutable_window();
+        switch (a.window.kind) {
+          case WindowKind::kFull:
+            window->mutable_full();
+            break;
+          case WindowKind::kSliding:
+            window->mutable_sliding()->set_window(a.window.window);
+            window->mutable_sliding()->set_memory(a.window.memory);
+            break;
+          case WindowKind::kChunked:
+            window->mutable_chunked()->set_chunk(a.window.chunk);
+            break;
+        }
+        v1::Rope* rope = attention->mutable_rope();
+        rope->set_type(RopeTypeToProto(a.rope.type));
+        rope->set_dims(a.rope.dims);
+        rope->set_base(a.rope.base);
+        rope->set_freq_scale(a.rope.freq_scale);
+        break;
+      }
+    }
+  }
+  return proto;
+}
+
+v1::CacheUsage UsageToProto(const CacheUsage& usage) {
+  v1::CacheUsage proto;
+  for (size_t g = 0; g < usage.groups.size(); ++g) {
+    const GroupUsage& group = usage.groups[g];
+    v1::GroupUsage* out = proto.add_groups();
+    out->set_group(static_cast<int32_t>(g));
+    out->set_cells_total(group.cells_total);
+    out->set_cells_used(group.cells_used);
+    out->set_memory(group.memory == kUnlimitedMemory ? 0 : group.memory);
+    out->set_bytes(static_cast<int64_t>(group.bytes));
+  }
+  proto.set_sequences_live(usage.sequences_live);
+  proto.set_bytes_held(static_cast<int64_t>(usage.bytes_held));
+  return proto;
+}
+
+v1::SequenceInfo SequenceInfoToProto(const SequenceInfo& info) {
+  v1::SequenceInfo proto;
+  proto.set_seq(info.seq);
+  proto.set_offset(info.offset);
+  for (size_t g = 0; g < info.groups.size(); ++g) {
+    const GroupSequenceInfo& group = info.groups[g];
+    v1::GroupSequence* out = proto.add_groups();
+    out->set_group(static_cast<int32_t>(g));
+    out->set_stored(group.stored);
+    out->set_shared(group.shared);
+    out->set_first(group.first);
+    out->set_last(group.last);
+  }
+  return proto;
+}
+
+v1::CacheInfo CacheInfoToProto(const Cache& cache) {
+  v1::CacheInfo proto;
+  *proto.mutable_spec() = SpecToProto(cache.spec());
+  *proto.mutable_usage() = UsageToProto(cache.Usage());
+  return proto;
+}
+
+v1::ReadHeader ReadHeaderToProto(const ReadResult& result) {
+  v1::ReadHeader proto;
+  for (size_t g = 0; g < result.positions.size(); ++g) {
+    v1::GroupPositions* out = proto.add_groups();
+    out->set_group(static_cast<int32_t>(g));
+    out->mutable_positions()->Add(result.positions[g].begin(), result.positions[g].end());
+  }
+  proto.set_payload_bytes(static_cast<int64_t>(result.payload.size()));
+  return proto;
+}
+
+absl::StatusOr<std::vector<Token>> TokensFromProto(
+    const google::protobuf::RepeatedPtrField<v1::Token>& tokens) {
+  std::vector<Token> out;
+  out.reserve(tokens.size());
+  for (int i = 0; i < tokens.size(); ++i) {
+    const v1::Token& t = tokens.Get(i);
+    if (t.seq() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens[", i, "].seq = ", t.seq(), " is negative"));
+    }
+    if (t.pos() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens[", i, "].pos = ", t.pos(), " is negative"));
+    }
+    out.push_back(Token{t.seq(), t.pos()});
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<Query>> QueriesFromProto(
+    const google::protobuf::RepeatedPtrField<v1::Query>& queries) {
+  std::vector<Query> out;
+  out.reserve(queries.size());
+  for (int i = 0; i < queries.size(); ++i) {
+    const v1::Query& q = queries.Get(i);
+    if (q.seq() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("queries[", i, "].seq = ", q.seq(), " is negative"));
+    }
+    if (q.pos() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("queries[", i, "].pos = ", q.pos(), " is negative"));
+    }
+    out.push_back(Query{q.seq(), q.pos(), q.non_causal()});
+  }
+  return out;
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  const int code = static_cast<int>(status.code());
+  // Both enums are the canonical codes 0..16; anything else is not a code gRPC can carry.
+  const grpc::StatusCode grpc_code =
+      code >= grpc::StatusCode::CANCELLED && code <= grpc::StatusCode::UNAUTHENTICATED
+          ? static_cast<grpc::StatusCode>(code)
+          : grpc::StatusCode::UNKNOWN;
+  return grpc::Status(grpc_code, std::string(status.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  const int code = static_cast<int>(status.error_code());
+  const absl::StatusCode absl_code =
+      code >= static_cast<int>(absl::StatusCode::kCancelled) &&
+              code <= static_cast<int>(absl::StatusCode::kUnauthenticated)
+          ? static_cast<absl::StatusCode>(code)
+          : absl::StatusCode::kUnknown;
+  return absl::Status(absl_code, status.error_message());
+}
+
+}  // namespace kvmesh

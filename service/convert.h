@@ -1,0 +1,56 @@
+// Translation between the public protobuf API (kvmesh.v1) and the engine's types. service/ is
+// the only layer that knows both; the engine never sees generated code and clients never see
+// engine types. Every function here is stateless and safe to call from any thread.
+//
+// Conversions from protobuf validate what the engine cannot express (unset or unknown enum
+// values, a oneof without a case, negative ids) and return INVALID_ARGUMENT naming the field and
+// its value; the semantic checks stay in the engine.
+#ifndef KVMESH_SERVICE_CONVERT_H_
+#define KVMESH_SERVICE_CONVERT_H_
+
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cache/cache.h"
+#include "cache/spec.h"
+#include "google/protobuf/repeated_field.h"
+#include "grpcpp/support/status.h"
+#include "kvmesh/v1/kvmesh.pb.h"
+
+namespace kvmesh {
+
+// The engine spec of `proto`, checked by kvmesh::ValidateSpec. An unset window means FULL.
+// INVALID_ARGUMENT naming the field for DTYPE_UNSPECIFIED or an unknown enum value, a group
+// without a kind, and anything ValidateSpec rejects.
+absl::StatusOr<CacheSpec> SpecFromProto(const v1::CacheSpec& proto);
+
+// The inverse of SpecFromProto: SpecFromProto(SpecToProto(s)) == s for every valid `s`.
+v1::CacheSpec SpecToProto(const CacheSpec& spec);
+
+// Usage with kUnlimitedMemory reported as memory 0, as the proto documents.
+v1::CacheUsage UsageToProto(const CacheUsage& usage);
+
+v1::SequenceInfo SequenceInfoToProto(const SequenceInfo& info);
+
+// Spec and current usage of `cache` (takes the cache's lock shared, briefly).
+v1::CacheInfo CacheInfoToProto(const Cache& cache);
+
+// Positions per group and payload size of a Read, without the payload itself.
+v1::ReadHeader ReadHeaderToProto(const ReadResult& result);
+
+// Tokens of an Append. INVALID_ARGUMENT naming the index and value of a negative seq or pos.
+absl::StatusOr<std::vector<Token>> TokensFromProto(
+    const google::protobuf::RepeatedPtrField<v1::Token>& tokens);
+
+// Queries of a Visible. INVALID_ARGUMENT naming the index and value of a negative seq or pos.
+absl::StatusOr<std::vector<Query>> QueriesFromProto(
+    const google::protobuf::RepeatedPtrField<v1::Query>& queries);
+
+// absl and gRPC share the canonical status codes: the code maps 1:1 and the message is kept.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_SERVICE_CONVERT_H_

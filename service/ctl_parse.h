@@ -1,0 +1,41 @@
+// Parsers for kvmeshctl's shorthand flags: layer groups, dtypes and position lists. They build
+// the public protobuf types (the CLI sends what the user typed; the server validates the spec).
+//
+// Stateless functions; safe from any thread.
+#ifndef KVMESH_SERVICE_CTL_PARSE_H_
+#define KVMESH_SERVICE_CTL_PARSE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kvmesh/v1/kvmesh.pb.h"
+
+namespace kvmesh {
+namespace ctl {
+
+// "f32", "f16" or "bf16" (any case, "DTYPE_" prefix allowed).
+absl::StatusOr<v1::DType> ParseDType(absl::string_view text);
+
+// One --group flag:
+//   attention:layers=32,heads=8,head_dim=128,window=full,rope=neox:128:500000
+// Keys: layers, heads (or kv_heads), head_dim (sets K and V), head_dim_k, head_dim_v,
+// window=full | sliding:WINDOW[:MEMORY] | chunked:CHUNK,
+// rope=none | normal|neox[:DIMS[:BASE[:FREQ_SCALE]]] (DIMS defaults to head_dim_k, BASE to
+// 10000, FREQ_SCALE to 1). Missing window means full; missing rope means none.
+// INVALID_ARGUMENT names the part that does not parse.
+absl::StatusOr<v1::LayerGroup> ParseGroup(absl::string_view text);
+
+// A position list: comma-separated items, each a position "P" or a half-open range "B:E"
+// (B < E). The result is in the order written. INVALID_ARGUMENT for anything else.
+absl::StatusOr<std::vector<int32_t>> ParsePositions(absl::string_view text);
+
+// Ascending positions as compact ranges, e.g. "0-15,144-511" (inclusive ends); "-" when empty.
+std::string FormatPositions(const std::vector<int32_t>& positions);
+
+}  // namespace ctl
+}  // namespace kvmesh
+
+#endif  // KVMESH_SERVICE_CTL_PARSE_H_

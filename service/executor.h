@@ -1,0 +1,60 @@
+// Executor: a fixed pool of worker threads fed by a bounded FIFO queue. gRPC reactions post
+// engine work here so that they never block gRPC's threads; a full queue is refused at once
+// (Submit returns false) so the RPC can fail fast instead of piling up behind a slow device.
+//
+// Thread safety: Submit, Shutdown and the accessors are thread-safe. Tasks may Submit further
+// tasks. Shutdown (and so the destructor) must not run on one of the executor's workers.
+#ifndef KVMESH_SERVICE_EXECUTOR_H_
+#define KVMESH_SERVICE_EXECUTOR_H_
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "cache/mutex.h"
+
+namespace kvmesh {
+
+class Executor {
+ public:
+  // Starts `num_threads` workers (REQUIRES: >= 1). At most `max_queued` tasks wait for a worker
+  // at any time (REQUIRES: >= 1); tasks already running do not count.
+  Executor(int num_threads, size_t max_queued);
+  ~Executor();
+
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Queues `task` to run on a worker. Returns false, without running or keeping the task, when
+  // the queue already holds max_queued tasks or Shutdown has begun.
+  bool Submit(absl::AnyInvocable<void() &&> task);
+
+  // Refuses new tasks, runs every task already queued, and joins the workers. Later calls
+  // return at once. REQUIRES: not called from a worker.
+  void Shutdown();
+
+  int num_threads() const { return num_threads_; }
+  size_t max_queued() const { return max_queued_; }
+  size_t queued() const;
+
+ private:
+  void WorkerLoop();
+
+  const int num_threads_;
+  const size_t max_queued_;
+
+  mutable Mutex mu_;
+  std::condition_variable_any work_ready_;  // signalled on a new task and on shutdown
+  std::deque<absl::AnyInvocable<void() &&>> queue_ ABSL_GUARDED_BY(mu_);
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  // Moved out under mu_ by the first Shutdown, which alone joins them.
+  std::vector<std::thread> workers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_SERVICE_EXECUTOR_H_

@@ -1,0 +1,187 @@
+// kvmesh-node: one node of kvmesh. Serves kvmesh.v1.CacheService, grpc.health.v1.Health and
+// server reflection on --listen until SIGTERM or SIGINT, then shuts down cleanly: the health
+// status turns NOT_SERVING, in-flight calls get a grace period, and the executor drains.
+//
+// Once it listens it prints exactly one line to stdout, which scripts and tests parse:
+//   kvmesh-node <name> listening on <host>:<port> backend=host
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cache/cache_registry.h"
+#include "cache/device/host_device.h"
+#include "grpc/grpc.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "service/cache_service.h"
+#include "service/executor.h"
+#include "service/flags.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7700",
+          "address to serve on, host:port; port 0 picks a free port (see --port_file)");
+ABSL_FLAG(std::string, node_name, "", "this node's name in the cluster (default: the hostname)");
+ABSL_FLAG(kvmesh::ByteSize, memory_budget, kvmesh::ByteSize{uint64_t{8} << 30},
+          "device memory the caches may use, in bytes or with a suffix: 512MiB, 8GiB");
+ABSL_FLAG(kvmesh::ByteSize, max_message_bytes, kvmesh::ByteSize{uint64_t{64} << 20},
+          "largest gRPC message received or sent (Append payloads, Read chunks)");
+ABSL_FLAG(int32_t, executor_threads, 0,
+          "threads running engine calls (0: the hardware concurrency, at least 2)");
+ABSL_FLAG(int32_t, executor_queue, 4096,
+          "engine calls that may wait for a thread; beyond it calls fail with UNAVAILABLE");
+ABSL_FLAG(std::string, backend, "host", "where caches live: host (cuda is not built yet)");
+ABSL_FLAG(std::string, port_file, "", "when set, the bound port is written to this file");
+
+namespace kvmesh {
+namespace {
+
+constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
+constexpr uint64_t kMinMessageBytes = 64 << 10;
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "kvmesh-node: %s\n", message.c_str());
+  return EXIT_FAILURE;
+}
+
+std::string Hostname() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "kvmesh-node";
+  return name;
+}
+
+// Writes `port` to `path` through a temporary file and a rename, so that a reader polling for
+// the file never sees it half-written.
+bool WritePortFile(const std::string& path, int port) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << port << "\n";
+    out.close();
+    if (!out) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+int Run() {
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  if (backend == "cuda") {
+    return Fail(
+        "--backend=cuda: the CUDA backend is not built yet in this kvmesh-node; use "
+        "--backend=host");
+  }
+  if (backend != "host") {
+    return Fail(absl::StrCat("--backend=", backend, " is not a backend: use host"));
+  }
+
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return Fail(absl::StrCat("--listen=", listen, " is not host:port"));
+  }
+  const std::string host = listen.substr(0, colon);
+
+  const uint64_t max_message = absl::GetFlag(FLAGS_max_message_bytes).bytes;
+  if (max_message < kMinMessageBytes || max_message > static_cast<uint64_t>(INT_MAX)) {
+    return Fail(absl::StrCat("--max_message_bytes=", max_message, " is out of range [",
+                             kMinMessageBytes, ", ", INT_MAX, "]"));
+  }
+  int32_t threads = absl::GetFlag(FLAGS_executor_threads);
+  if (threads < 0) return Fail(absl::StrCat("--executor_threads=", threads, " is negative"));
+  if (threads == 0) {
+    threads = std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
+  }
+  const int32_t queue = absl::GetFlag(FLAGS_executor_queue);
+  if (queue < 1) return Fail(absl::StrCat("--executor_queue=", queue, " must be at least 1"));
+  std::string name = absl::GetFlag(FLAGS_node_name);
+  if (name.empty()) name = Hostname();
+
+  // Every thread started from here on (gRPC's, the executor's) inherits this mask, so the
+  // termination signals reach only the sigwait below.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  if (const int err = pthread_sigmask(SIG_BLOCK, &signals, nullptr); err != 0) {
+    return Fail(absl::StrCat("pthread_sigmask: ", std::strerror(err)));
+  }
+
+  HostDevice device(absl::GetFlag(FLAGS_memory_budget).bytes);
+  CacheRegistry registry(&device);
+  Executor executor(threads, static_cast<size_t>(queue));
+  CacheServiceImpl::Options options;
+  options.max_send_message_bytes = max_message;
+  CacheServiceImpl service(&registry, &executor, options);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
+  builder.SetMaxSendMessageSize(static_cast<int>(max_message));
+  // gRPC sets SO_REUSEPORT by default: a second node on the same port would start and share
+  // the traffic instead of failing.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    executor.Shutdown();
+    return Fail(absl::StrCat("cannot listen on --listen=", listen));
+  }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  health->SetServingStatus(v1::CacheService::service_full_name(), true);
+
+  const std::string port_file = absl::GetFlag(FLAGS_port_file);
+  if (!port_file.empty() && !WritePortFile(port_file, port)) {
+    server->Shutdown();
+    executor.Shutdown();
+    return Fail(absl::StrCat("cannot write --port_file=", port_file, ": ", std::strerror(errno)));
+  }
+  std::printf("kvmesh-node %s listening on %s:%d backend=%s\n", name.c_str(), host.c_str(), port,
+              backend.c_str());
+  std::fflush(stdout);
+
+  int signal = 0;
+  if (const int err = sigwait(&signals, &signal); err != 0) {
+    return Fail(absl::StrCat("sigwait: ", std::strerror(err)));
+  }
+  std::fprintf(stderr, "kvmesh-node %s: %s, shutting down\n", name.c_str(), strsignal(signal));
+  health->SetServingStatus(false);
+  // Calls still running get the grace period, then are cancelled. The executor keeps running
+  // meanwhile: queued tasks are what finish those calls.
+  server->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
+  executor.Shutdown();
+  server->Wait();
+  return EXIT_SUCCESS;
+}
+
+}  // namespace
+}  // namespace kvmesh
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvmesh-node: serves kvmesh.v1.CacheService. Flags take dashes or underscores "
+      "(--node-name or --node_name).");
+  std::vector<std::string> storage;
+  std::vector<char*> args = kvmesh::NormalizeFlagNames(argc, argv, &storage);
+  absl::ParseCommandLine(argc, args.data());
+  return kvmesh::Run();
+}

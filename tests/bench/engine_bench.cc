@@ -1,0 +1,245 @@
+// Engine benchmarks: kvmesh::Cache on HostDevice at the KV shape of Llama-3-8B (32 layers,
+// 8 KV heads, head dim 128, F16, NEOX RoPE over 128 dims, base 500000): 128 KiB per token,
+// 512 MiB per 4K-token sequence.
+//
+// Each benchmark creates its own cache and frees it when done, so at most about 1 GiB of host
+// memory is touched at a time. Destructive operations (Remove) restore their input outside the
+// timed region, with a fixed iteration count so the untimed setup stays bounded. Arenas are
+// touched once before timing, so the figures are steady state, not first-touch page faults.
+//
+//   build-*/tests/bench/engine_bench [--benchmark_filter=Remove]
+//
+// Counters: bytes_per_second is the K/V bytes the operation produces or delivers (see each
+// benchmark); items_per_second is tokens.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "benchmark/benchmark.h"
+#include "cache/cache.h"
+#include "cache/device/host_device.h"
+#include "cache/spec.h"
+#include "tests/testing/pattern.h"
+
+namespace kvmesh {
+namespace {
+
+// Host memory is only accounted against this budget; pages are used when written.
+constexpr size_t kBudgetBytes = size_t{64} << 30;
+constexpr int32_t kMaxBatch = 512;
+constexpr int32_t kSequenceTokens = 4096;
+
+CacheSpec LlamaSpec(int32_t max_sequences, int32_t capacity) {
+  CacheSpec spec;
+  spec.name = "llama3-8b";
+  spec.dtype = DType::kF16;
+  spec.max_sequences = max_sequences;
+  spec.capacity = capacity;
+  spec.max_batch = kMaxBatch;
+  GroupSpec group;
+  group.num_layers = 32;
+  group.kind = GroupKind::kAttention;
+  group.attention.num_kv_heads = 8;
+  group.attention.head_dim_k = 128;
+  group.attention.head_dim_v = 128;
+  group.attention.window.kind = WindowKind::kFull;
+  group.attention.rope.type = RopeType::kNeox;
+  group.attention.rope.dims = 128;
+  group.attention.rope.base = 500000.0f;
+  group.attention.rope.freq_scale = 1.0f;
+  spec.groups.push_back(group);
+  return spec;
+}
+
+size_t TokenBytes() { return GroupTokenBytes(LlamaSpec(1, 1), 0); }
+size_t KeyBytesPerToken() { return TokenBytes() / 2; }  // head_dim_k == head_dim_v
+
+// The payload of `n` tokens (pattern data), built once per n: every bench uses the same shape.
+const std::vector<uint8_t>& Payload(int32_t n) {
+  static auto* const payloads = new std::map<int32_t, std::vector<uint8_t>>();
+  auto it = payloads->find(n);
+  if (it == payloads->end()) {
+    std::vector<uint64_t> ids(n);
+    for (int32_t i = 0; i < n; ++i) ids[i] = static_cast<uint64_t>(i);
+    it = payloads->emplace(n, testutil::AppendPayload(LlamaSpec(1, 1), ids)).first;
+  }
+  return it->second;
+}
+
+std::vector<Token> Tokens(int64_t seq, int32_t begin, int32_t end) {
+  std::vector<Token> tokens;
+  tokens.reserve(end - begin);
+  for (int32_t p = begin; p < end; ++p) tokens.push_back(Token{seq, p});
+  return tokens;
+}
+
+// Appends positions [begin, end) of `seq` in batches of at most kMaxBatch tokens.
+absl::Status Fill(Cache& cache, int64_t seq, int32_t begin, int32_t end) {
+  for (int32_t b = begin; b < end; b += kMaxBatch) {
+    const int32_t e = std::min(end, b + kMaxBatch);
+    const std::vector<Token> tokens = Tokens(seq, b, e);
+    absl::Status s = cache.Append(tokens, Payload(e - b));
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+// A cache of the Llama shape, or nullptr after reporting the error to `state`.
+std::unique_ptr<Cache> MakeCache(benchmark::State& state, HostDevice* device, int32_t max_sequences,
+                                 int32_t capacity) {
+  auto cache = Cache::Create(LlamaSpec(max_sequences, capacity), device);
+  if (!cache.ok()) {
+    state.SkipWithError(cache.status().ToString().c_str());
+    return nullptr;
+  }
+  return std::move(cache).value();
+}
+
+bool Check(benchmark::State& state, const absl::Status& s) {
+  if (s.ok()) return true;
+  state.SkipWithError(s.ToString().c_str());
+  return false;
+}
+
+// Append of batches of state.range(0) tokens to one sequence, building it up to 4K tokens and
+// truncating it (untimed) when full. Bytes: the payload sent in.
+void BM_Append(benchmark::State& state) {
+  const int32_t batch = static_cast<int32_t>(state.range(0));
+  HostDevice device(kBudgetBytes);
+  std::unique_ptr<Cache> cache = MakeCache(state, &device, 1, kSequenceTokens);
+  if (cache == nullptr) return;
+  // Touch every cell once so the timed appends do not pay for first-touch page faults.
+  if (!Check(state, Fill(*cache, 0, 0, kSequenceTokens))) return;
+  if (!Check(state, cache->Remove(0, 0, std::nullopt))) return;
+  const std::vector<uint8_t>& payload = Payload(batch);
+  std::vector<Token> tokens = Tokens(0, 0, batch);
+  int32_t next = 0;
+  for (auto _ : state) {
+    if (next + batch > kSequenceTokens) {
+      state.PauseTiming();
+      const absl::Status s = cache->Remove(0, 0, std::nullopt);
+      next = 0;
+      state.ResumeTiming();
+      if (!Check(state, s)) break;
+    }
+    for (int32_t i = 0; i < batch; ++i) tokens[i].pos = next + i;
+    if (!Check(state, cache->Append(tokens, payload))) break;
+    next += batch;
+  }
+  state.SetItemsProcessed(state.iterations() * batch);
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(payload.size()));
+}
+BENCHMARK(BM_Append)->Arg(1)->Arg(16)->Arg(128)->Arg(512)->UseRealTime()->Unit(
+    benchmark::kMicrosecond);
+
+// Read of a whole sequence of state.range(0) tokens into a fresh payload. Bytes: the payload.
+void BM_Read(benchmark::State& state) {
+  const int32_t n = static_cast<int32_t>(state.range(0));
+  HostDevice device(kBudgetBytes);
+  std::unique_ptr<Cache> cache = MakeCache(state, &device, 1, kSequenceTokens);
+  if (cache == nullptr || !Check(state, Fill(*cache, 0, 0, n))) return;
+  size_t bytes = 0;
+  for (auto _ : state) {
+    auto result = cache->Read(0, 0, std::nullopt);
+    if (!Check(state, result.status())) break;
+    bytes = result->payload.size();
+    benchmark::DoNotOptimize(result->payload.data());
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(bytes));
+}
+BENCHMARK(BM_Read)->Arg(512)->Arg(4096)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// CopyPrefix of state.range(0) tokens of a 4K-token sequence into one of 15 other sequences in
+// turn (16 live sequences, each dst's old fork released). Cells are shared, not copied; bytes
+// are the K/V a deep copy would have moved (the work the fork saves), items the tokens forked.
+void BM_CopyPrefix(benchmark::State& state) {
+  const int32_t length = static_cast<int32_t>(state.range(0));
+  constexpr int32_t kSequences = 16;
+  HostDevice device(kBudgetBytes);
+  std::unique_ptr<Cache> cache = MakeCache(state, &device, kSequences, kSequenceTokens);
+  if (cache == nullptr || !Check(state, Fill(*cache, 0, 0, kSequenceTokens))) return;
+  for (int64_t dst = 1; dst < kSequences; ++dst) {
+    if (!Check(state, cache->CopyPrefix(0, dst, length))) return;
+  }
+  int64_t dst = 1;
+  for (auto _ : state) {
+    if (!Check(state, cache->CopyPrefix(0, dst, length))) break;
+    dst = dst + 1 < kSequences ? dst + 1 : 1;
+  }
+  state.SetItemsProcessed(state.iterations() * length);
+  state.SetBytesProcessed(state.iterations() * length * static_cast<int64_t>(TokenBytes()));
+}
+BENCHMARK(BM_CopyPrefix)->Arg(4096)->Arg(2048)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+// Remove truncating the last state.range(0) tokens of a 4K-token sequence (appended back
+// untimed). Nothing moves, so no bytes; items are the tokens dropped.
+void BM_RemoveTruncate(benchmark::State& state) {
+  const int32_t tail = static_cast<int32_t>(state.range(0));
+  HostDevice device(kBudgetBytes);
+  std::unique_ptr<Cache> cache = MakeCache(state, &device, 1, kSequenceTokens);
+  if (cache == nullptr || !Check(state, Fill(*cache, 0, 0, kSequenceTokens))) return;
+  for (auto _ : state) {
+    if (!Check(state, cache->Remove(0, kSequenceTokens - tail, std::nullopt))) break;
+    state.PauseTiming();
+    const absl::Status s = Fill(*cache, 0, kSequenceTokens - tail, kSequenceTokens);
+    state.ResumeTiming();
+    if (!Check(state, s)) break;
+  }
+  state.SetItemsProcessed(state.iterations() * tail);
+}
+BENCHMARK(BM_RemoveTruncate)
+    ->Arg(512)
+    ->Iterations(50)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+// A context shift: Remove [16, 144) from a private 4K-token sequence, so 3952 tokens move down
+// by 128 and their keys are re-rotated (NEOX, 128 dims). The 128 tokens are appended back at the
+// end untimed. Bytes: the keys re-rotated; items: tokens moved.
+void BM_RemoveMiddle(benchmark::State& state) {
+  constexpr int32_t kBegin = 16, kEnd = 144;
+  constexpr int32_t kMoved = kSequenceTokens - kEnd;
+  HostDevice device(kBudgetBytes);
+  std::unique_ptr<Cache> cache = MakeCache(state, &device, 1, kSequenceTokens);
+  if (cache == nullptr || !Check(state, Fill(*cache, 0, 0, kSequenceTokens))) return;
+  for (auto _ : state) {
+    if (!Check(state, cache->Remove(0, kBegin, kEnd))) break;
+    state.PauseTiming();
+    const absl::Status s = Fill(*cache, 0, kSequenceTokens - (kEnd - kBegin), kSequenceTokens);
+    state.ResumeTiming();
+    if (!Check(state, s)) break;
+  }
+  state.SetItemsProcessed(state.iterations() * kMoved);
+  state.SetBytesProcessed(state.iterations() * kMoved * static_cast<int64_t>(KeyBytesPerToken()));
+}
+BENCHMARK(BM_RemoveMiddle)->Iterations(8)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// The same context shift on a fork whose cells all are shared with its source (the fork is
+// re-made untimed before each Remove): the moved cells are copied (K and V) before their keys
+// are re-rotated. Bytes: K/V of the moved tokens written; items: tokens moved.
+void BM_RemoveMiddleShared(benchmark::State& state) {
+  constexpr int32_t kBegin = 16, kEnd = 144;
+  constexpr int32_t kMoved = kSequenceTokens - kEnd;
+  HostDevice device(kBudgetBytes);
+  std::unique_ptr<Cache> cache = MakeCache(state, &device, 2, kSequenceTokens);
+  if (cache == nullptr || !Check(state, Fill(*cache, 0, 0, kSequenceTokens))) return;
+  for (auto _ : state) {
+    state.PauseTiming();
+    const absl::Status s = cache->CopyPrefix(0, 1, kSequenceTokens);
+    state.ResumeTiming();
+    if (!Check(state, s)) break;
+    if (!Check(state, cache->Remove(1, kBegin, kEnd))) break;
+  }
+  state.SetItemsProcessed(state.iterations() * kMoved);
+  state.SetBytesProcessed(state.iterations() * kMoved * static_cast<int64_t>(TokenBytes()));
+}
+BENCHMARK(BM_RemoveMiddleShared)->Iterations(8)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace kvmesh
+
+BENCHMARK_MAIN();

@@ -1,0 +1,564 @@
+// A table of malformed or unservable requests for every RPC, each with its exact status code and
+// the values its message must name, run against a real kvmesh-node. Every case also checks that
+// the node's state (caches, usage, sequences and their bytes) is byte-identical before and after:
+// a failed operation changes nothing.
+#include <functional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/client_util.h"
+#include "tests/integration/node_fixture.h"
+
+namespace kvmesh {
+namespace testutil {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct BadCase {
+  std::string name;
+  std::function<grpc::Status(Stub&)> call;
+  grpc::StatusCode code;
+  std::vector<std::string> message_has;  // substrings: the offending values
+};
+
+void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
+
+constexpr int32_t kInt32Max = 2147483647;
+
+// The caches every case runs against (created in SetUpTestSuite). Tokens are 32 bytes:
+// 1 layer x 1 head x (4 + 4) x F32.
+//   bad:    4 sequences x 16, max_batch 4, RoPE NORMAL; seq 0 stores 0..3, seq 1 stores 0..1
+//   norope: the same with RoPE NONE; seq 0 stores 0..5
+//   full:   2 sequences x 4, max_batch 4; seq 0 stores 0..3, seq 1 stores 0..2 (1 cell free)
+v1::CacheSpec SmallSpec(const std::string& name, int32_t max_sequences, int32_t capacity,
+                        v1::RopeType rope) {
+  AttentionOptions a;
+  a.num_layers = 1;
+  a.num_kv_heads = 1;
+  a.head_dim_k = 4;
+  a.head_dim_v = 4;
+  a.rope = rope;
+  a.rope_dims = 2;
+  return SpecProto(name, max_sequences, capacity, 4, {AttentionGroupProto(a)});
+}
+v1::CacheSpec BadSpec() { return SmallSpec("bad", 4, 16, v1::ROPE_TYPE_NORMAL); }
+v1::CacheSpec NoRopeSpec() { return SmallSpec("norope", 4, 16, v1::ROPE_TYPE_NONE); }
+v1::CacheSpec FullSpec() { return SmallSpec("full", 2, 4, v1::ROPE_TYPE_NORMAL); }
+constexpr size_t kTokenBytes = 32;
+
+// A valid spec for a new cache, which each CreateCache case breaks in one way.
+v1::CacheSpec FreshSpec() {
+  AttentionOptions a;
+  a.num_layers = 1;
+  a.num_kv_heads = 1;
+  a.head_dim_k = 4;
+  a.head_dim_v = 4;
+  a.rope = v1::ROPE_TYPE_NONE;
+  return SpecProto("fresh", 2, 16, 4, {AttentionGroupProto(a)}, v1::DTYPE_F16);
+}
+v1::Attention* FreshAttention(v1::CacheSpec* spec) {
+  return spec->mutable_groups(0)->mutable_attention();
+}
+
+grpc::Status CreateRaw(Stub& stub, const v1::CreateCacheRequest& request) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::CreateCacheResponse response;
+  return stub.CreateCache(&context, request, &response);
+}
+
+// A case that creates FreshSpec() after `edit`.
+BadCase CreateCase(std::string name, std::function<void(v1::CacheSpec*)> edit,
+                   grpc::StatusCode code, std::vector<std::string> message_has) {
+  return BadCase{std::move(name),
+                 [edit](Stub& stub) {
+                   v1::CacheSpec spec = FreshSpec();
+                   edit(&spec);
+                   return CreateCache(stub, spec);
+                 },
+                 code, std::move(message_has)};
+}
+
+v1::AppendRequest AppendOf(const std::string& cache, const std::vector<int64_t>& seqs,
+                           const std::vector<int32_t>& positions, size_t payload_bytes) {
+  v1::AppendRequest request;
+  request.set_cache(cache);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    v1::Token* t = request.add_tokens();
+    t->set_seq(seqs[i]);
+    t->set_pos(positions[i]);
+  }
+  request.set_payload(std::string(payload_bytes, '\x5a'));
+  return request;
+}
+
+BadCase AppendCase(std::string name, v1::AppendRequest request, grpc::StatusCode code,
+                   std::vector<std::string> message_has) {
+  return BadCase{std::move(name), [request](Stub& stub) { return Append(stub, request); }, code,
+                 std::move(message_has)};
+}
+
+v1::AppendStreamRequest Header(const std::string& cache, const std::vector<int64_t>& seqs,
+                               const std::vector<int32_t>& positions, int64_t payload_bytes,
+                               size_t data_bytes = 0) {
+  v1::AppendStreamRequest message;
+  v1::AppendHeader* header = message.mutable_header();
+  header->set_cache(cache);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    v1::Token* t = header->add_tokens();
+    t->set_seq(seqs[i]);
+    t->set_pos(positions[i]);
+  }
+  header->set_payload_bytes(payload_bytes);
+  message.set_data(std::string(data_bytes, '\x33'));
+  return message;
+}
+
+v1::AppendStreamRequest Data(size_t bytes) {
+  v1::AppendStreamRequest message;
+  message.set_data(std::string(bytes, '\x44'));
+  return message;
+}
+
+BadCase StreamCase(std::string name, std::vector<v1::AppendStreamRequest> messages,
+                   grpc::StatusCode code, std::vector<std::string> message_has) {
+  return BadCase{std::move(name), [messages](Stub& stub) { return AppendStream(stub, messages); },
+                 code, std::move(message_has)};
+}
+
+BadCase ReadCase(std::string name, v1::ReadRequest request, grpc::StatusCode code,
+                 std::vector<std::string> message_has) {
+  return BadCase{std::move(name),
+                 [request](Stub& stub) {
+                   ReadOutput out;
+                   return Read(stub, request, &out);
+                 },
+                 code, std::move(message_has)};
+}
+
+BadCase VisibleCase(std::string name, const std::string& cache, int32_t group,
+                    std::vector<std::pair<int64_t, int32_t>> queries, grpc::StatusCode code,
+                    std::vector<std::string> message_has) {
+  v1::VisibleRequest request;
+  request.set_cache(cache);
+  request.set_group(group);
+  for (const auto& [seq, pos] : queries) {
+    v1::Query* q = request.add_queries();
+    q->set_seq(seq);
+    q->set_pos(pos);
+  }
+  return BadCase{std::move(name),
+                 [request](Stub& stub) {
+                   v1::VisibleResponse response;
+                   return Visible(stub, request, &response);
+                 },
+                 code, std::move(message_has)};
+}
+
+const auto kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
+const auto kNotFound = grpc::StatusCode::NOT_FOUND;
+const auto kExhausted = grpc::StatusCode::RESOURCE_EXHAUSTED;
+
+std::vector<BadCase> Cases() {
+  std::vector<BadCase> cases;
+
+  // ---- CreateCache ----
+  cases.push_back({"CreateSpecMissing",
+                   [](Stub& stub) { return CreateRaw(stub, v1::CreateCacheRequest()); },
+                   kInvalid,
+                   {"spec is missing"}});
+  cases.push_back(CreateCase("CreateNameEmpty", [](v1::CacheSpec* s) { s->set_name(""); }, kInvalid,
+                             {"name is empty"}));
+  cases.push_back(CreateCase("CreateNameBadCharacters",
+                             [](v1::CacheSpec* s) { s->set_name("bad name!"); }, kInvalid,
+                             {"bad name!"}));
+  cases.push_back(CreateCase("CreateNameTooLong",
+                             [](v1::CacheSpec* s) { s->set_name(std::string(129, 'n')); }, kInvalid,
+                             {"129"}));
+  cases.push_back(CreateCase("CreateDTypeUnspecified",
+                             [](v1::CacheSpec* s) { s->set_dtype(v1::DTYPE_UNSPECIFIED); },
+                             kInvalid, {"DTYPE_UNSPECIFIED"}));
+  cases.push_back(CreateCase("CreateDTypeUnknown",
+                             [](v1::CacheSpec* s) { s->set_dtype(static_cast<v1::DType>(7)); },
+                             kInvalid, {"dtype = 7"}));
+  cases.push_back(CreateCase("CreateNoGroups", [](v1::CacheSpec* s) { s->clear_groups(); },
+                             kInvalid, {"groups is empty"}));
+  cases.push_back(CreateCase("CreateGroupWithoutKind",
+                             [](v1::CacheSpec* s) { s->mutable_groups(0)->clear_attention(); },
+                             kInvalid, {"groups[0] has no kind"}));
+  cases.push_back(CreateCase("CreateTooManyGroups",
+                             [](v1::CacheSpec* s) {
+                               while (s->groups_size() < 65) *s->add_groups() = s->groups(0);
+                             },
+                             kInvalid, {"65"}));
+  cases.push_back(CreateCase("CreateNumLayersZero",
+                             [](v1::CacheSpec* s) { s->mutable_groups(0)->set_num_layers(0); },
+                             kInvalid, {"groups[0].num_layers = 0"}));
+  cases.push_back(CreateCase("CreateHeadsZero",
+                             [](v1::CacheSpec* s) { FreshAttention(s)->set_num_kv_heads(0); },
+                             kInvalid, {"num_kv_heads = 0"}));
+  cases.push_back(CreateCase("CreateHeadDimKZero",
+                             [](v1::CacheSpec* s) { FreshAttention(s)->set_head_dim_k(0); },
+                             kInvalid, {"head_dim_k = 0"}));
+  cases.push_back(CreateCase("CreateHeadDimVZero",
+                             [](v1::CacheSpec* s) { FreshAttention(s)->set_head_dim_v(0); },
+                             kInvalid, {"head_dim_v = 0"}));
+  cases.push_back(CreateCase("CreateCapacityZero", [](v1::CacheSpec* s) { s->set_capacity(0); },
+                             kInvalid, {"capacity = 0"}));
+  cases.push_back(CreateCase("CreateCapacityNegative",
+                             [](v1::CacheSpec* s) { s->set_capacity(-5); }, kInvalid,
+                             {"capacity = -5"}));
+  cases.push_back(CreateCase("CreateMaxBatchZero", [](v1::CacheSpec* s) { s->set_max_batch(0); },
+                             kInvalid, {"max_batch = 0"}));
+  cases.push_back(CreateCase("CreateMaxSequencesZero",
+                             [](v1::CacheSpec* s) { s->set_max_sequences(0); }, kInvalid,
+                             {"max_sequences = 0"}));
+  cases.push_back(CreateCase("CreateMaxBatchNegative",
+                             [](v1::CacheSpec* s) { s->set_max_batch(-3); }, kInvalid,
+                             {"max_batch = -3"}));
+  cases.push_back(CreateCase("CreateSlidingWindowZero",
+                             [](v1::CacheSpec* s) {
+                               FreshAttention(s)->mutable_window()->mutable_sliding()->set_window(
+                                   0);
+                             },
+                             kInvalid, {"window.sliding.window = 0"}));
+  cases.push_back(
+      CreateCase("CreateChunkZero",
+                 [](v1::CacheSpec* s) { FreshAttention(s)->mutable_window()->mutable_chunked(); },
+                 kInvalid, {"window.chunked.chunk = 0"}));
+  cases.push_back(CreateCase("CreateMemoryBelowWindow",
+                             [](v1::CacheSpec* s) {
+                               v1::Window::Sliding* w =
+                                   FreshAttention(s)->mutable_window()->mutable_sliding();
+                               w->set_window(4);
+                               w->set_memory(2);
+                             },
+                             kInvalid, {"memory = 2", "window = 4"}));
+  auto rope = [](v1::RopeType type, int32_t dims, float base, float freq_scale) {
+    return [=](v1::CacheSpec* s) {
+      v1::Rope* r = FreshAttention(s)->mutable_rope();
+      r->set_type(type);
+      r->set_dims(dims);
+      r->set_base(base);
+      r->set_freq_scale(freq_scale);
+    };
+  };
+  cases.push_back(CreateCase("CreateRopeDimsOdd", rope(v1::ROPE_TYPE_NORMAL, 3, 1e4f, 1), kInvalid,
+                             {"rope.dims = 3"}));
+  cases.push_back(CreateCase("CreateRopeDimsAboveHeadDim", rope(v1::ROPE_TYPE_NEOX, 8, 1e4f, 1),
+                             kInvalid, {"rope.dims = 8", "head_dim_k = 4"}));
+  cases.push_back(CreateCase("CreateRopeDimsZero", rope(v1::ROPE_TYPE_NORMAL, 0, 1e4f, 1), kInvalid,
+                             {"rope.dims = 0"}));
+  cases.push_back(CreateCase("CreateRopeTypeUnknown",
+                             rope(static_cast<v1::RopeType>(9), 2, 1e4f, 1), kInvalid,
+                             {"rope.type = 9"}));
+  cases.push_back(CreateCase("CreateRopeBaseZero", rope(v1::ROPE_TYPE_NORMAL, 2, 0, 1), kInvalid,
+                             {"rope.base = 0"}));
+  cases.push_back(CreateCase("CreateRopeFreqScaleNegative", rope(v1::ROPE_TYPE_NORMAL, 2, 1e4f, -1),
+                             kInvalid, {"rope.freq_scale = -1"}));
+  cases.push_back(CreateCase(
+      "CreateLayersHuge", [](v1::CacheSpec* s) { s->mutable_groups(0)->set_num_layers(kInt32Max); },
+      kInvalid, {"num_layers = 2147483647"}));
+  cases.push_back(CreateCase(
+      "CreateHeadsHuge", [](v1::CacheSpec* s) { FreshAttention(s)->set_num_kv_heads(kInt32Max); },
+      kInvalid, {"num_kv_heads = 2147483647"}));
+  cases.push_back(CreateCase("CreateHeadDimHuge",
+                             [](v1::CacheSpec* s) { FreshAttention(s)->set_head_dim_k(kInt32Max); },
+                             kInvalid, {"head_dim_k = 2147483647"}));
+  cases.push_back(CreateCase("CreateCapacityHuge",
+                             [](v1::CacheSpec* s) { s->set_capacity(kInt32Max); }, kInvalid,
+                             {"4294967294"}));  // cells = 2 x (2^31 - 1)
+  cases.push_back(CreateCase("CreateMaxSequencesHuge",
+                             [](v1::CacheSpec* s) { s->set_max_sequences(kInt32Max); }, kInvalid,
+                             {"max_sequences = 2147483647"}));
+  // Valid, but 2 GiB is beyond the node's --memory-budget=64MiB.
+  cases.push_back(CreateCase("CreateBeyondMemoryBudget",
+                             [](v1::CacheSpec* s) {
+                               s->set_max_sequences(1);
+                               s->set_capacity(8192);
+                               s->set_max_batch(1);
+                               s->mutable_groups(0)->set_num_layers(64);
+                               FreshAttention(s)->set_num_kv_heads(8);
+                               FreshAttention(s)->set_head_dim_k(128);
+                               FreshAttention(s)->set_head_dim_v(128);
+                             },
+                             kExhausted, {"2147483648"}));
+  cases.push_back(BadCase{"CreateExistingNameDifferentSpec",
+                          [](Stub& stub) {
+                            v1::CacheSpec spec = BadSpec();
+                            spec.set_capacity(32);
+                            return CreateCache(stub, spec);
+                          },
+                          grpc::StatusCode::ALREADY_EXISTS,
+                          {"'bad'"}});
+
+  // ---- DeleteCache, GetCache, ListSequences ----
+  cases.push_back({"DeleteEmptyName",
+                   [](Stub& stub) { return DeleteCache(stub, ""); },
+                   kInvalid,
+                   {"cache is empty"}});
+  cases.push_back({"DeleteUnknown",
+                   [](Stub& stub) { return DeleteCache(stub, "nosuch"); },
+                   kNotFound,
+                   {"nosuch"}});
+  cases.push_back({"GetEmptyName",
+                   [](Stub& stub) {
+                     v1::GetCacheResponse response;
+                     return GetCache(stub, "", &response);
+                   },
+                   kInvalid,
+                   {"cache is empty"}});
+  cases.push_back({"GetUnknown",
+                   [](Stub& stub) {
+                     v1::GetCacheResponse response;
+                     return GetCache(stub, "nosuch", &response);
+                   },
+                   kNotFound,
+                   {"nosuch"}});
+  cases.push_back({"ListSequencesEmptyName",
+                   [](Stub& stub) {
+                     v1::ListSequencesResponse response;
+                     return ListSequences(stub, "", &response);
+                   },
+                   kInvalid,
+                   {"cache is empty"}});
+  cases.push_back({"ListSequencesUnknown",
+                   [](Stub& stub) {
+                     v1::ListSequencesResponse response;
+                     return ListSequences(stub, "nosuch", &response);
+                   },
+                   kNotFound,
+                   {"nosuch"}});
+
+  // ---- Append ----
+  cases.push_back(AppendCase("AppendUnknownCache", AppendOf("nosuch", {2}, {0}, kTokenBytes),
+                             kNotFound, {"nosuch"}));
+  cases.push_back(AppendCase("AppendEmptyCacheName", AppendOf("", {2}, {0}, kTokenBytes), kInvalid,
+                             {"cache is empty"}));
+  cases.push_back(
+      AppendCase("AppendNoTokens", AppendOf("bad", {}, {}, 0), kInvalid, {"tokens is empty"}));
+  cases.push_back(AppendCase("AppendNegativeSeq", AppendOf("bad", {2, -1}, {0, 0}, 2 * kTokenBytes),
+                             kInvalid, {"tokens[1].seq = -1"}));
+  cases.push_back(AppendCase("AppendNegativePos", AppendOf("bad", {2}, {-5}, kTokenBytes), kInvalid,
+                             {"tokens[0].pos = -5"}));
+  cases.push_back(AppendCase("AppendDuplicatePositionInBatch",
+                             AppendOf("bad", {2, 2}, {3, 3}, 2 * kTokenBytes), kInvalid,
+                             {"position 3", "sequence 2", "twice"}));
+  cases.push_back(AppendCase("AppendPositionsNotIncreasing",
+                             AppendOf("bad", {2, 2}, {5, 4}, 2 * kTokenBytes), kInvalid,
+                             {"position 4", "position 5", "sequence 2"}));
+  cases.push_back(AppendCase("AppendPositionAlreadyStored", AppendOf("bad", {0}, {2}, kTokenBytes),
+                             kInvalid, {"sequence 0", "already stores position 2"}));
+  cases.push_back(AppendCase("AppendPositionAlreadyStoredAfterANewOne",
+                             AppendOf("bad", {2, 1}, {0, 1}, 2 * kTokenBytes), kInvalid,
+                             {"tokens[1]", "sequence 1", "position 1"}));
+  cases.push_back(AppendCase("AppendPayloadOneByteShort",
+                             AppendOf("bad", {2, 2}, {0, 1}, 2 * kTokenBytes - 1), kInvalid,
+                             {"63", "64"}));
+  cases.push_back(AppendCase("AppendPayloadOneByteLong",
+                             AppendOf("bad", {2, 2}, {0, 1}, 2 * kTokenBytes + 1), kInvalid,
+                             {"65", "64"}));
+  cases.push_back(AppendCase("AppendPayloadEmpty", AppendOf("bad", {2}, {0}, 0), kInvalid,
+                             {"payload = 0", "32"}));
+  cases.push_back(AppendCase("AppendBatchAboveMaxBatch",
+                             AppendOf("bad", {2, 2, 2, 2, 2}, {0, 1, 2, 3, 4}, 5 * kTokenBytes),
+                             kInvalid, {"5 tokens", "max_batch = 4"}));
+  cases.push_back(AppendCase("AppendBeyondFreeCells",
+                             AppendOf("full", {1, 1}, {3, 4}, 2 * kTokenBytes), kExhausted,
+                             {"2 tokens", "1 of 8"}));
+  cases.push_back(AppendCase("AppendBeyondMaxSequences", AppendOf("full", {2}, {0}, kTokenBytes),
+                             kExhausted, {"max_sequences = 2"}));
+  cases.push_back(AppendCase("AppendBeyondMaxSequencesInOneBatch",
+                             AppendOf("bad", {2, 3, 4}, {0, 0, 0}, 3 * kTokenBytes), kExhausted,
+                             {"3 new sequences", "max_sequences = 4"}));
+
+  // ---- AppendStream ----
+  cases.push_back(
+      StreamCase("StreamWithoutMessages", {}, kInvalid, {"without a message", "header"}));
+  cases.push_back(
+      StreamCase("StreamWithoutHeader", {Data(32)}, kInvalid, {"message 0 has no header"}));
+  cases.push_back(StreamCase("StreamUnknownCache", {Header("nosuch", {2}, {0}, 32), Data(32)},
+                             kNotFound, {"nosuch"}));
+  cases.push_back(StreamCase("StreamEmptyCacheName", {Header("", {2}, {0}, 32), Data(32)}, kInvalid,
+                             {"cache is empty"}));
+  cases.push_back(StreamCase("StreamNegativePayloadBytes", {Header("bad", {2}, {0}, -1)}, kInvalid,
+                             {"header.payload_bytes = -1"}));
+  cases.push_back(StreamCase("StreamPayloadBytesAboveMax",
+                             {Header("bad", {2}, {0}, int64_t{1} << 40), Data(32)}, kInvalid,
+                             {"1099511627776", "128"}));
+  cases.push_back(StreamCase("StreamPayloadBytesDisagreesWithTokens",
+                             {Header("bad", {2, 2}, {0, 1}, 63), Data(63)}, kInvalid,
+                             {"header.payload_bytes = 63", "64"}));
+  cases.push_back(StreamCase("StreamDataOneByteShort",
+                             {Header("bad", {2, 2}, {0, 1}, 64, 32), Data(31)}, kInvalid,
+                             {"63", "64"}));
+  cases.push_back(StreamCase("StreamDataOneByteLong",
+                             {Header("bad", {2, 2}, {0, 1}, 64, 32), Data(32), Data(1)}, kInvalid,
+                             {"64", "message 2", "65"}));
+  cases.push_back(StreamCase("StreamFirstMessageDataTooLong",
+                             {Header("bad", {2, 2}, {0, 1}, 64, 65)}, kInvalid,
+                             {"64", "message 0", "65"}));
+  cases.push_back(StreamCase("StreamSecondHeader",
+                             {Header("bad", {2}, {0}, 32, 16), Header("bad", {2}, {0}, 32, 16)},
+                             kInvalid, {"message 1 carries a header"}));
+  cases.push_back(
+      StreamCase("StreamNoTokens", {Header("bad", {}, {}, 0)}, kInvalid, {"tokens is empty"}));
+  cases.push_back(StreamCase("StreamNegativePos", {Header("bad", {2}, {-1}, 32), Data(32)},
+                             kInvalid, {"tokens[0].pos = -1"}));
+  cases.push_back(StreamCase("StreamBatchAboveMaxBatch",
+                             {Header("bad", {2, 2, 2, 2, 2}, {0, 1, 2, 3, 4}, 160), Data(160)},
+                             kInvalid, {"160", "max_batch = 4"}));
+  cases.push_back(StreamCase("StreamPositionAlreadyStored", {Header("bad", {0}, {2}, 32, 32)},
+                             kInvalid, {"already stores position 2"}));
+  cases.push_back(StreamCase("StreamBeyondFreeCells",
+                             {Header("full", {1, 1}, {3, 4}, 64), Data(64)}, kExhausted,
+                             {"1 of 8"}));
+
+  // ---- Read ----
+  cases.push_back(ReadCase("ReadUnknownCache", ReadRequest("nosuch", 0), kNotFound, {"nosuch"}));
+  cases.push_back(ReadCase("ReadEmptyCacheName", ReadRequest("", 0), kInvalid, {"cache is empty"}));
+  cases.push_back(
+      ReadCase("ReadMissingSequence", ReadRequest("bad", 7), kNotFound, {"sequence 7", "'bad'"}));
+  cases.push_back(ReadCase("ReadNegativeSeq", ReadRequest("bad", -1), kInvalid, {"seq = -1"}));
+  cases.push_back(
+      ReadCase("ReadNegativeBegin", ReadRequest("bad", 0, -1), kInvalid, {"begin = -1"}));
+  cases.push_back(ReadCase("ReadBeginAfterEnd", ReadRequest("bad", 0, 5, 2), kInvalid,
+                           {"begin = 5", "end = 2"}));
+  cases.push_back(ReadCase("ReadNegativeMaxChunkBytes", ReadRequest("bad", 0, 0, std::nullopt, -1),
+                           kInvalid, {"max_chunk_bytes = -1"}));
+  cases.push_back(ReadCase("ReadMaxChunkBytesAbove64MiB",
+                           ReadRequest("bad", 0, 0, std::nullopt, (64 << 20) + 1), kInvalid,
+                           {"max_chunk_bytes = 67108865"}));
+
+  // ---- Visible ----
+  cases.push_back(VisibleCase("VisibleUnknownCache", "nosuch", 0, {{0, 0}}, kNotFound, {"nosuch"}));
+  cases.push_back(
+      VisibleCase("VisibleEmptyCacheName", "", 0, {{0, 0}}, kInvalid, {"cache is empty"}));
+  cases.push_back(
+      VisibleCase("VisibleGroupOutOfRange", "bad", 1, {{0, 0}}, kInvalid, {"group = 1"}));
+  cases.push_back(
+      VisibleCase("VisibleGroupNegative", "bad", -1, {{0, 0}}, kInvalid, {"group = -1"}));
+  cases.push_back(
+      VisibleCase("VisibleNegativeSeq", "bad", 0, {{-1, 0}}, kInvalid, {"queries[0].seq = -1"}));
+  cases.push_back(VisibleCase("VisibleNegativePos", "bad", 0, {{0, 1}, {0, -2}}, kInvalid,
+                              {"queries[1].pos = -2"}));
+
+  // ---- CopyPrefix ----
+  auto copy = [](std::string cache, int64_t src, int64_t dst, int32_t length) {
+    return [=](Stub& stub) { return CopyPrefix(stub, cache, src, dst, length); };
+  };
+  cases.push_back({"CopyPrefixUnknownCache", copy("nosuch", 0, 1, 1), kNotFound, {"nosuch"}});
+  cases.push_back({"CopyPrefixEmptyCacheName", copy("", 0, 1, 1), kInvalid, {"cache is empty"}});
+  cases.push_back({"CopyPrefixSrcEqualsDst", copy("bad", 0, 0, 2), kInvalid, {"both 0"}});
+  cases.push_back({"CopyPrefixNegativeSrc", copy("bad", -1, 1, 2), kInvalid, {"src_seq = -1"}});
+  cases.push_back({"CopyPrefixNegativeDst", copy("bad", 0, -3, 2), kInvalid, {"dst_seq = -3"}});
+  cases.push_back({"CopyPrefixNegativeLength", copy("bad", 0, 1, -4), kInvalid, {"length = -4"}});
+  cases.push_back({"CopyPrefixBeyondMaxSequences",
+                   copy("full", 0, 5, 2),
+                   kExhausted,
+                   {"sequence 5", "max_sequences = 2"}});
+
+  // ---- Remove ----
+  auto remove = [](std::string cache, int64_t seq, int32_t begin, std::optional<int32_t> end) {
+    return [=](Stub& stub) { return Remove(stub, cache, seq, begin, end); };
+  };
+  cases.push_back({"RemoveUnknownCache", remove("nosuch", 0, 0, {}), kNotFound, {"nosuch"}});
+  cases.push_back({"RemoveEmptyCacheName", remove("", 0, 0, {}), kInvalid, {"cache is empty"}});
+  cases.push_back({"RemoveNegativeSeq", remove("bad", -1, 0, {}), kInvalid, {"seq = -1"}});
+  cases.push_back({"RemoveNegativeBegin", remove("bad", 0, -2, 3), kInvalid, {"begin = -2"}});
+  cases.push_back(
+      {"RemoveNegativeBeginTruncate", remove("bad", 0, -2, {}), kInvalid, {"begin = -2"}});
+  cases.push_back(
+      {"RemoveBeginAfterEnd", remove("bad", 0, 3, 1), kInvalid, {"begin = 3", "end = 1"}});
+  cases.push_back({"RemoveMiddleWithRopeNone",
+                   remove("norope", 0, 1, 3),
+                   grpc::StatusCode::FAILED_PRECONDITION,
+                   {"rope NONE", "[1, 3)", "sequence 0"}});
+
+  // ---- CanResume ----
+  auto can_resume = [](std::string cache, int64_t seq, int32_t pos) {
+    return [=](Stub& stub) {
+      bool unused = false;
+      return CanResume(stub, cache, seq, pos, &unused);
+    };
+  };
+  cases.push_back({"CanResumeUnknownCache", can_resume("nosuch", 0, 0), kNotFound, {"nosuch"}});
+  cases.push_back({"CanResumeEmptyCacheName", can_resume("", 0, 0), kInvalid, {"cache is empty"}});
+  cases.push_back({"CanResumeNegativeSeq", can_resume("bad", -1, 0), kInvalid, {"seq = -1"}});
+  cases.push_back({"CanResumeNegativePos", can_resume("bad", 0, -7), kInvalid, {"pos = -7"}});
+  return cases;
+}
+
+class BadInputTest : public NodeSuite, public ::testing::WithParamInterface<BadCase> {
+ protected:
+  static void SetUpTestSuite() {
+    StartNode({"--memory-budget=64MiB"});
+    if (HasFatalFailure()) return;
+    for (const v1::CacheSpec& spec : {BadSpec(), NoRopeSpec(), FullSpec()}) {
+      KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+    }
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(BadSpec(), 0, {0, 1, 2, 3})));
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(BadSpec(), 1, {0, 1})));
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(NoRopeSpec(), 0, {0, 1, 2, 3})));
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(NoRopeSpec(), 0, {4, 5})));
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(FullSpec(), 0, {0, 1, 2, 3})));
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(FullSpec(), 1, {0, 1, 2})));
+  }
+
+  // Everything a client can observe: the caches with spec and usage, and for each cache its
+  // sequences and their bytes.
+  static std::string State() {
+    std::string state;
+    v1::ListCachesResponse caches;
+    const grpc::Status listed = ListCaches(stub(), &caches);
+    EXPECT_TRUE(listed.ok()) << StatusText(listed);
+    state += caches.DebugString();
+    for (const v1::CacheInfo& info : caches.caches()) {
+      v1::GetCacheResponse got;
+      const grpc::Status get = GetCache(stub(), info.spec().name(), &got);
+      EXPECT_TRUE(get.ok()) << StatusText(get);
+      state += got.DebugString();
+      v1::ListSequencesResponse seqs;
+      const grpc::Status status = ListSequences(stub(), info.spec().name(), &seqs);
+      EXPECT_TRUE(status.ok()) << StatusText(status);
+      state += seqs.DebugString();
+      for (const v1::SequenceInfo& seq : seqs.sequences()) {
+        ReadOutput out;
+        const grpc::Status read = Read(stub(), ReadRequest(info.spec().name(), seq.seq()), &out);
+        EXPECT_TRUE(read.ok()) << StatusText(read);
+        absl::StrAppend(&state, "seq ", seq.seq(), ": ", out.header.DebugString(), out.payload);
+      }
+    }
+    return state;
+  }
+};
+
+TEST_P(BadInputTest, FailsWithItsCodeNamesTheValueAndChangesNothing) {
+  const BadCase& c = GetParam();
+  const std::string before = State();
+  ASSERT_THAT(before, HasSubstr("sequences_live: 2"));  // the fixture's data is there
+
+  const grpc::Status status = c.call(stub());
+  EXPECT_EQ(status.error_code(), c.code) << StatusText(status);
+  for (const std::string& part : c.message_has) {
+    EXPECT_THAT(status.error_message(), HasSubstr(part));
+  }
+  const std::string after = State();
+  EXPECT_TRUE(after == before) << "the node's state changed; before:\n"
+                               << before << "\nafter:\n"
+                               << after;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllRpcs, BadInputTest, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<BadCase>& info) {
+                           return info.param.name;
+                         });
+
+}  // namespace
+}  // namespace testutil
+}  // namespace kvmesh

@@ -1,0 +1,396 @@
+#include "tests/integration/client_util.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/unknown_field_set.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "service/convert.h"
+#include "service/ctl_health.h"
+#include "tests/testing/pattern.h"
+
+namespace kvmesh {
+namespace testutil {
+namespace {
+
+void AppendVarint(uint64_t value, std::string* out) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>((value & 0x7F) | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+
+// A length-delimited protobuf field.
+std::string StringField(int number, const std::string& value) {
+  std::string out;
+  AppendVarint((static_cast<uint64_t>(number) << 3) | 2, &out);
+  AppendVarint(value.size(), &out);
+  out += value;
+  return out;
+}
+
+grpc::ByteBuffer ToByteBuffer(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+std::string FromByteBuffer(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  if (!buffer.Dump(&slices).ok()) return out;
+  for (const grpc::Slice& slice : slices) {
+    out.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  return out;
+}
+
+// Waits for the next event of `cq` and checks it is `tag`.
+bool Await(grpc::CompletionQueue* cq, void* tag) {
+  void* got = nullptr;
+  bool ok = false;
+  return cq->Next(&got, &ok) && got == tag && ok;
+}
+
+void Drain(grpc::CompletionQueue* cq) {
+  cq->Shutdown();
+  void* tag;
+  bool ok;
+  while (cq->Next(&tag, &ok)) {
+  }
+}
+
+std::vector<uint64_t> Ids(const std::vector<int64_t>& seqs, const std::vector<int32_t>& positions,
+                          uint64_t seed) {
+  std::vector<uint64_t> ids;
+  ids.reserve(positions.size());
+  for (size_t i = 0; i < positions.size(); ++i) ids.push_back(TokenId(seqs[i], positions[i], seed));
+  return ids;
+}
+
+}  // namespace
+
+void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+std::string StatusText(const grpc::Status& status) {
+  return absl::StrCat(status.error_code(), ": ", status.error_message());
+}
+
+v1::LayerGroup AttentionGroupProto(const AttentionOptions& o) {
+  v1::LayerGroup group;
+  group.set_num_layers(o.num_layers);
+  v1::Attention* a = group.mutable_attention();
+  a->set_num_kv_heads(o.num_kv_heads);
+  a->set_head_dim_k(o.head_dim_k);
+  a->set_head_dim_v(o.head_dim_v);
+  if (o.sliding_window > 0) {
+    a->mutable_window()->mutable_sliding()->set_window(o.sliding_window);
+    a->mutable_window()->mutable_sliding()->set_memory(o.sliding_memory);
+  } else if (o.chunk > 0) {
+    a->mutable_window()->mutable_chunked()->set_chunk(o.chunk);
+  }
+  a->mutable_rope()->set_type(o.rope);
+  if (o.rope != v1::ROPE_TYPE_NONE) {
+    a->mutable_rope()->set_dims(o.rope_dims);
+    a->mutable_rope()->set_base(10000.0f);
+    a->mutable_rope()->set_freq_scale(1.0f);
+  }
+  return group;
+}
+
+v1::CacheSpec SpecProto(const std::string& name, int32_t max_sequences, int32_t capacity,
+                        int32_t max_batch, std::vector<v1::LayerGroup> groups, v1::DType dtype) {
+  v1::CacheSpec spec;
+  spec.set_name(name);
+  spec.set_dtype(dtype);
+  spec.set_max_sequences(max_sequences);
+  spec.set_capacity(capacity);
+  spec.set_max_batch(max_batch);
+  for (v1::LayerGroup& group : groups) *spec.add_groups() = std::move(group);
+  return spec;
+}
+
+CacheSpec EngineSpec(const v1::CacheSpec& proto) {
+  absl::StatusOr<CacheSpec> spec = SpecFromProto(proto);
+  return spec.ok() ? *std::move(spec) : CacheSpec{};
+}
+
+uint64_t TokenId(int64_t seq, int32_t pos, uint64_t seed) {
+  return Mix64(seed) ^ (static_cast<uint64_t>(seq) << 32) ^ static_cast<uint32_t>(pos);
+}
+
+v1::AppendRequest MakeAppend(const v1::CacheSpec& spec, int64_t seq,
+                             const std::vector<int32_t>& positions, uint64_t seed) {
+  return MakeMultiAppend(spec, std::vector<int64_t>(positions.size(), seq), positions, seed);
+}
+
+v1::AppendRequest MakeMultiAppend(const v1::CacheSpec& spec, const std::vector<int64_t>& seqs,
+                                  const std::vector<int32_t>& positions, uint64_t seed) {
+  v1::AppendRequest request;
+  request.set_cache(spec.name());
+  for (size_t i = 0; i < positions.size(); ++i) {
+    v1::Token* token = request.add_tokens();
+    token->set_seq(seqs[i]);
+    token->set_pos(positions[i]);
+  }
+  const std::vector<uint8_t> payload = AppendPayload(EngineSpec(spec), Ids(seqs, positions, seed));
+  request.set_payload(payload.data(), payload.size());
+  return request;
+}
+
+void ModelAppend(const v1::CacheSpec& spec, int64_t seq, const std::vector<int32_t>& positions,
+                 uint64_t seed, SequenceModel* model) {
+  model->resize(spec.groups_size());
+  for (auto& group : *model) {
+    for (int32_t pos : positions) group[pos] = TokenId(seq, pos, seed);
+  }
+}
+
+std::string ExpectedReadPayload(const v1::CacheSpec& spec, const SequenceModel& model,
+                                const std::vector<std::vector<int32_t>>& positions) {
+  std::vector<std::vector<uint64_t>> ids(positions.size());
+  for (size_t g = 0; g < positions.size(); ++g) {
+    for (int32_t pos : positions[g]) {
+      auto it = model[g].find(pos);
+      ids[g].push_back(it == model[g].end() ? ~uint64_t{0} : it->second);
+    }
+  }
+  return ReadPayload(EngineSpec(spec), ids);
+}
+
+grpc::Status CreateCache(Stub& stub, const v1::CacheSpec& spec, v1::CreateCacheResponse* response) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::CreateCacheRequest request;
+  *request.mutable_spec() = spec;
+  v1::CreateCacheResponse ignored;
+  return stub.CreateCache(&context, request, response != nullptr ? response : &ignored);
+}
+
+grpc::Status DeleteCache(Stub& stub, const std::string& cache) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::DeleteCacheRequest request;
+  request.set_cache(cache);
+  v1::DeleteCacheResponse response;
+  return stub.DeleteCache(&context, request, &response);
+}
+
+grpc::Status GetCache(Stub& stub, const std::string& cache, v1::GetCacheResponse* response) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::GetCacheRequest request;
+  request.set_cache(cache);
+  return stub.GetCache(&context, request, response);
+}
+
+grpc::Status ListCaches(Stub& stub, v1::ListCachesResponse* response) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  return stub.ListCaches(&context, v1::ListCachesRequest(), response);
+}
+
+grpc::Status Append(Stub& stub, const v1::AppendRequest& request, v1::AppendResponse* response) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::AppendResponse ignored;
+  return stub.Append(&context, request, response != nullptr ? response : &ignored);
+}
+
+grpc::Status AppendStream(Stub& stub, const std::vector<v1::AppendStreamRequest>& messages,
+                          v1::AppendResponse* response) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::AppendResponse ignored;
+  std::unique_ptr<grpc::ClientWriter<v1::AppendStreamRequest>> writer =
+      stub.AppendStream(&context, response != nullptr ? response : &ignored);
+  for (const v1::AppendStreamRequest& message : messages) {
+    // A failed write means the server has finished the call; Finish says why.
+    if (!writer->Write(message)) break;
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+std::vector<v1::AppendStreamRequest> StreamMessages(const v1::AppendRequest& request,
+                                                    size_t first_chunk, size_t chunk_bytes) {
+  std::vector<v1::AppendStreamRequest> messages(1);
+  v1::AppendHeader* header = messages[0].mutable_header();
+  header->set_cache(request.cache());
+  *header->mutable_tokens() = request.tokens();
+  header->set_payload_bytes(static_cast<int64_t>(request.payload().size()));
+  const std::string& payload = request.payload();
+  size_t offset = std::min(first_chunk, payload.size());
+  messages[0].set_data(payload.substr(0, offset));
+  while (offset < payload.size()) {
+    const size_t n = std::min(chunk_bytes, payload.size() - offset);
+    messages.emplace_back().set_data(payload.substr(offset, n));
+    offset += n;
+  }
+  return messages;
+}
+
+grpc::Status Read(Stub& stub, const v1::ReadRequest& request, ReadOutput* output) {
+  *output = ReadOutput();
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader = stub.Read(&context, request);
+  v1::ReadResponse message;
+  while (reader->Read(&message)) {
+    if (output->messages == 0) {
+      output->header = message.header();
+    } else if (message.has_header()) {
+      output->header_only_in_first = false;
+    }
+    ++output->messages;
+    output->chunk_sizes.push_back(message.data().size());
+    output->payload += message.data();
+  }
+  return reader->Finish();
+}
+
+v1::ReadRequest ReadRequest(const std::string& cache, int64_t seq, int32_t begin,
+                            std::optional<int32_t> end, int32_t max_chunk_bytes) {
+  v1::ReadRequest request;
+  request.set_cache(cache);
+  request.set_seq(seq);
+  request.set_begin(begin);
+  if (end.has_value()) request.set_end(*end);
+  request.set_max_chunk_bytes(max_chunk_bytes);
+  return request;
+}
+
+std::vector<std::vector<int32_t>> HeaderPositions(const v1::ReadHeader& header) {
+  std::vector<std::vector<int32_t>> out;
+  for (const v1::GroupPositions& group : header.groups()) {
+    out.emplace_back(group.positions().begin(), group.positions().end());
+  }
+  return out;
+}
+
+grpc::Status Visible(Stub& stub, const v1::VisibleRequest& request, v1::VisibleResponse* response) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  return stub.Visible(&context, request, response);
+}
+
+grpc::Status CopyPrefix(Stub& stub, const std::string& cache, int64_t src, int64_t dst,
+                        int32_t length) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::CopyPrefixRequest request;
+  request.set_cache(cache);
+  request.set_src_seq(src);
+  request.set_dst_seq(dst);
+  request.set_length(length);
+  v1::CopyPrefixResponse response;
+  return stub.CopyPrefix(&context, request, &response);
+}
+
+grpc::Status Remove(Stub& stub, const std::string& cache, int64_t seq, int32_t begin,
+                    std::optional<int32_t> end) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::RemoveRequest request;
+  request.set_cache(cache);
+  request.set_seq(seq);
+  request.set_begin(begin);
+  if (end.has_value()) request.set_end(*end);
+  v1::RemoveResponse response;
+  return stub.Remove(&context, request, &response);
+}
+
+grpc::Status CanResume(Stub& stub, const std::string& cache, int64_t seq, int32_t pos,
+                       bool* can_resume) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::CanResumeRequest request;
+  request.set_cache(cache);
+  request.set_seq(seq);
+  request.set_pos(pos);
+  v1::CanResumeResponse response;
+  grpc::Status status = stub.CanResume(&context, request, &response);
+  *can_resume = response.can_resume();
+  return status;
+}
+
+grpc::Status ListSequences(Stub& stub, const std::string& cache,
+                           v1::ListSequencesResponse* response) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::ListSequencesRequest request;
+  request.set_cache(cache);
+  return stub.ListSequences(&context, request, response);
+}
+
+grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
+                         int* serving_status) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  ctl::ServingStatus status = ctl::ServingStatus::kUnknown;
+  const grpc::Status rpc = ctl::HealthClient(channel).Check(&context, service, &status);
+  *serving_status = static_cast<int>(status);
+  return rpc;
+}
+
+grpc::Status ListReflectedServices(const std::shared_ptr<grpc::Channel>& channel,
+                                   std::vector<std::string>* services) {
+  services->clear();
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  grpc::CompletionQueue cq;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call = stub.PrepareCall(
+      &context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  int tags[5];
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  bool ok = true;
+  call->StartCall(&tags[0]);
+  ok = ok && Await(&cq, &tags[0]);
+  // ServerReflectionRequest { string list_services = 7; }
+  if (ok) call->Write(ToByteBuffer(StringField(7, "*")), &tags[1]);
+  ok = ok && Await(&cq, &tags[1]);
+  if (ok) call->WritesDone(&tags[2]);
+  ok = ok && Await(&cq, &tags[2]);
+  if (ok) call->Read(&response, &tags[3]);
+  const bool got_response = ok && Await(&cq, &tags[3]);
+  call->Finish(&status, &tags[4]);
+  void* got = nullptr;
+  bool finished = false;
+  // Finish completes even when an earlier step failed; it reports why.
+  while (cq.Next(&got, &finished) && got != &tags[4]) {
+  }
+  Drain(&cq);
+  if (!status.ok()) return status;
+  if (!got_response) {
+    return grpc::Status(grpc::StatusCode::INTERNAL, "reflection stream sent no response");
+  }
+  // ServerReflectionResponse { ListServiceResponse list_services_response = 6; }
+  // ListServiceResponse { repeated ServiceResponse service = 1; } ServiceResponse { name = 1 }
+  google::protobuf::UnknownFieldSet fields;
+  if (!fields.ParseFromString(FromByteBuffer(response))) {
+    return grpc::Status(grpc::StatusCode::INTERNAL, "reflection response does not parse");
+  }
+  for (int i = 0; i < fields.field_count(); ++i) {
+    if (fields.field(i).number() != 6) continue;
+    google::protobuf::UnknownFieldSet list;
+    if (!list.ParseFromString(fields.field(i).length_delimited())) continue;
+    for (int j = 0; j < list.field_count(); ++j) {
+      if (list.field(j).number() != 1) continue;
+      google::protobuf::UnknownFieldSet service;
+      if (!service.ParseFromString(list.field(j).length_delimited())) continue;
+      for (int k = 0; k < service.field_count(); ++k) {
+        if (service.field(k).number() == 1) {
+          services->push_back(service.field(k).length_delimited());
+        }
+      }
+    }
+  }
+  return status;
+}
+
+}  // namespace testutil
+}  // namespace kvmesh

@@ -1,0 +1,557 @@
+// The happy path of every kvmesh.v1.CacheService RPC, the health service and reflection,
+// against a real kvmesh-node process. Data is checked byte for byte against the patterns of
+// tests/testing/pattern.h.
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "service/convert.h"
+#include "tests/integration/client_util.h"
+#include "tests/integration/node_fixture.h"
+
+namespace kvmesh {
+namespace testutil {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+std::vector<int32_t> Range(int32_t begin, int32_t end) {
+  std::vector<int32_t> out(end - begin);
+  std::iota(out.begin(), out.end(), begin);
+  return out;
+}
+
+// F32, 2 layers x 2 heads, head_dim_k 8 (RoPE NORMAL on the first 4), head_dim_v 4:
+// 2 * 2 * (8 + 4) * 4 = 192 bytes per token.
+v1::CacheSpec BasicSpec(const std::string& name, int32_t max_sequences = 4, int32_t capacity = 64,
+                        int32_t max_batch = 32) {
+  AttentionOptions a;
+  a.num_layers = 2;
+  a.num_kv_heads = 2;
+  a.head_dim_k = 8;
+  a.head_dim_v = 4;
+  a.rope = v1::ROPE_TYPE_NORMAL;
+  a.rope_dims = 4;
+  return SpecProto(name, max_sequences, capacity, max_batch, {AttentionGroupProto(a)});
+}
+constexpr size_t kBasicTokenBytes = 192;
+
+class ServiceTest : public NodeSuite {
+ protected:
+  static void SetUpTestSuite() { StartNode({"--memory-budget=1GiB"}); }
+
+  v1::CacheUsage Usage(const std::string& cache) {
+    v1::GetCacheResponse response;
+    const grpc::Status status = GetCache(stub(), cache, &response);
+    EXPECT_TRUE(status.ok()) << StatusText(status);
+    return response.cache().usage();
+  }
+
+  v1::ListSequencesResponse Sequences(const std::string& cache) {
+    v1::ListSequencesResponse response;
+    const grpc::Status status = ListSequences(stub(), cache, &response);
+    EXPECT_TRUE(status.ok()) << StatusText(status);
+    return response;
+  }
+
+  // Reads all of `seq` and checks header and bytes against `model` (every group holds what the
+  // model holds).
+  void ExpectReadMatches(const v1::CacheSpec& spec, int64_t seq, const SequenceModel& model) {
+    ReadOutput out;
+    KVMESH_ASSERT_OK(Read(stub(), ReadRequest(spec.name(), seq), &out));
+    std::vector<std::vector<int32_t>> expected_positions;
+    for (const auto& group : model) {
+      std::vector<int32_t> positions;
+      for (const auto& [pos, id] : group) positions.push_back(pos);
+      expected_positions.push_back(positions);
+    }
+    EXPECT_EQ(HeaderPositions(out.header), expected_positions);
+    EXPECT_EQ(out.header.payload_bytes(), static_cast<int64_t>(out.payload.size()));
+    EXPECT_TRUE(out.payload == ExpectedReadPayload(spec, model, expected_positions))
+        << "payload of sequence " << seq << " differs from the pattern";
+  }
+};
+
+TEST_F(ServiceTest, HealthServesTheServerAndTheCacheService) {
+  int serving = -1;
+  KVMESH_ASSERT_OK(HealthCheck(node().channel(), "", &serving));
+  EXPECT_EQ(serving, 1);  // SERVING
+  serving = -1;
+  KVMESH_ASSERT_OK(HealthCheck(node().channel(), "kvmesh.v1.CacheService", &serving));
+  EXPECT_EQ(serving, 1);
+  EXPECT_EQ(HealthCheck(node().channel(), "no.such.Service", &serving).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, ReflectionListsTheServices) {
+  std::vector<std::string> services;
+  KVMESH_ASSERT_OK(ListReflectedServices(node().channel(), &services));
+  EXPECT_THAT(services, ::testing::IsSupersetOf({"kvmesh.v1.CacheService", "grpc.health.v1.Health",
+                                                 "grpc.reflection.v1alpha.ServerReflection"}));
+}
+
+TEST_F(ServiceTest, CreateIsIdempotentAndGetListDeleteAgree) {
+  const v1::CacheSpec spec = BasicSpec("svc-create");
+  v1::CreateCacheResponse created;
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec, &created));
+  EXPECT_TRUE(created.created());
+
+  // The server echoes the spec with the unset window made explicit (FULL).
+  const v1::CacheSpec& echoed = created.cache().spec();
+  EXPECT_EQ(echoed.name(), "svc-create");
+  EXPECT_EQ(echoed.dtype(), v1::DTYPE_F32);
+  EXPECT_EQ(echoed.max_sequences(), 4);
+  EXPECT_EQ(echoed.capacity(), 64);
+  EXPECT_EQ(echoed.max_batch(), 32);
+  ASSERT_EQ(echoed.groups_size(), 1);
+  EXPECT_TRUE(echoed.groups(0).attention().window().has_full());
+  v1::CacheSpec expected_spec = spec;
+  expected_spec.mutable_groups(0)->mutable_attention()->mutable_window()->mutable_full();
+  KVMESH_EXPECT_PROTO_EQ(echoed, expected_spec);
+
+  const v1::CacheUsage& usage = created.cache().usage();
+  ASSERT_EQ(usage.groups_size(), 1);
+  EXPECT_EQ(usage.groups(0).group(), 0);
+  EXPECT_EQ(usage.groups(0).cells_total(), 4 * 64);
+  EXPECT_EQ(usage.groups(0).cells_used(), 0);
+  EXPECT_EQ(usage.groups(0).memory(), 0);  // unlimited
+  EXPECT_EQ(usage.groups(0).bytes(), 4 * 64 * int64_t{kBasicTokenBytes});
+  EXPECT_EQ(usage.sequences_live(), 0);
+  EXPECT_EQ(usage.bytes_held(), 4 * 64 * int64_t{kBasicTokenBytes});
+
+  v1::CreateCacheResponse again;
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec, &again));
+  EXPECT_FALSE(again.created());
+  KVMESH_EXPECT_PROTO_EQ(again.cache(), created.cache());
+
+  v1::CacheSpec different = spec;
+  different.set_capacity(128);
+  const grpc::Status conflict = CreateCache(stub(), different);
+  EXPECT_EQ(conflict.error_code(), grpc::StatusCode::ALREADY_EXISTS) << StatusText(conflict);
+  EXPECT_THAT(conflict.error_message(), HasSubstr("svc-create"));
+
+  v1::GetCacheResponse got;
+  KVMESH_ASSERT_OK(GetCache(stub(), "svc-create", &got));
+  KVMESH_EXPECT_PROTO_EQ(got.cache(), created.cache());
+
+  KVMESH_ASSERT_OK(CreateCache(stub(), BasicSpec("svc-create-b")));
+  v1::ListCachesResponse list;
+  KVMESH_ASSERT_OK(ListCaches(stub(), &list));
+  std::vector<std::string> names;
+  for (const v1::CacheInfo& info : list.caches()) names.push_back(info.spec().name());
+  EXPECT_TRUE(std::is_sorted(names.begin(), names.end()));
+  EXPECT_THAT(names, ::testing::IsSupersetOf({"svc-create", "svc-create-b"}));
+  for (const v1::CacheInfo& info : list.caches()) {
+    if (info.spec().name() == "svc-create") {
+      KVMESH_EXPECT_PROTO_EQ(info, created.cache());
+    }
+  }
+
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-create"));
+  const grpc::Status gone = GetCache(stub(), "svc-create", &got);
+  EXPECT_EQ(gone.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(gone.error_message(), HasSubstr("svc-create"));
+  EXPECT_EQ(DeleteCache(stub(), "svc-create").error_code(), grpc::StatusCode::NOT_FOUND);
+  KVMESH_ASSERT_OK(ListCaches(stub(), &list));
+  for (const v1::CacheInfo& info : list.caches()) EXPECT_NE(info.spec().name(), "svc-create");
+
+  // The name is free again, even for the spec that conflicted before.
+  KVMESH_ASSERT_OK(CreateCache(stub(), different, &again));
+  EXPECT_TRUE(again.created());
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-create"));
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-create-b"));
+}
+
+TEST_F(ServiceTest, AppendThenReadBackByteExact) {
+  const v1::CacheSpec spec = BasicSpec("svc-append");
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+
+  v1::AppendResponse appended;
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 3, Range(0, 10)), &appended));
+  EXPECT_EQ(appended.usage().groups(0).cells_used(), 10);
+  EXPECT_EQ(appended.usage().sequences_live(), 1);
+  // One batch over two new sequences.
+  KVMESH_ASSERT_OK(Append(stub(), MakeMultiAppend(spec, {5, 5, 6}, {0, 1, 0}), &appended));
+  EXPECT_EQ(appended.usage().groups(0).cells_used(), 13);
+  EXPECT_EQ(appended.usage().sequences_live(), 3);
+
+  SequenceModel seq3, seq5, seq6;
+  ModelAppend(spec, 3, Range(0, 10), 0, &seq3);
+  ModelAppend(spec, 5, {0, 1}, 0, &seq5);
+  ModelAppend(spec, 6, {0}, 0, &seq6);
+  ExpectReadMatches(spec, 3, seq3);
+  ExpectReadMatches(spec, 5, seq5);
+  ExpectReadMatches(spec, 6, seq6);
+
+  ReadOutput out;
+  KVMESH_ASSERT_OK(Read(stub(), ReadRequest("svc-append", 3, 2, 5), &out));
+  EXPECT_THAT(HeaderPositions(out.header), ElementsAre(ElementsAre(2, 3, 4)));
+  EXPECT_EQ(out.payload, ExpectedReadPayload(spec, seq3, {{2, 3, 4}}));
+  EXPECT_EQ(out.messages, 1);
+
+  KVMESH_ASSERT_OK(Read(stub(), ReadRequest("svc-append", 3, 8), &out));
+  EXPECT_THAT(HeaderPositions(out.header), ElementsAre(ElementsAre(8, 9)));
+  EXPECT_EQ(out.payload, ExpectedReadPayload(spec, seq3, {{8, 9}}));
+
+  // A range past the stored positions of a live sequence: an empty answer, not an error.
+  KVMESH_ASSERT_OK(Read(stub(), ReadRequest("svc-append", 3, 20, 30), &out));
+  EXPECT_THAT(HeaderPositions(out.header), ElementsAre(IsEmpty()));
+  EXPECT_EQ(out.header.payload_bytes(), 0);
+  EXPECT_THAT(out.payload, IsEmpty());
+
+  const v1::ListSequencesResponse seqs = Sequences("svc-append");
+  ASSERT_EQ(seqs.sequences_size(), 3);
+  EXPECT_EQ(seqs.sequences(0).seq(), 3);
+  EXPECT_EQ(seqs.sequences(0).offset(), 10);
+  EXPECT_EQ(seqs.sequences(0).groups(0).stored(), 10);
+  EXPECT_EQ(seqs.sequences(0).groups(0).shared(), 0);
+  EXPECT_EQ(seqs.sequences(0).groups(0).first(), 0);
+  EXPECT_EQ(seqs.sequences(0).groups(0).last(), 9);
+  EXPECT_EQ(seqs.sequences(1).seq(), 5);
+  EXPECT_EQ(seqs.sequences(1).offset(), 2);
+  EXPECT_EQ(seqs.sequences(2).seq(), 6);
+  EXPECT_EQ(seqs.sequences(2).offset(), 1);
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-append"));
+}
+
+TEST_F(ServiceTest, AppendStreamWithManyChunksAndChunkedReads) {
+  // F16, 2 layers x 4 heads x (64 + 64): 2048 bytes per token, 32 tokens = 64 KiB.
+  AttentionOptions a;
+  a.num_layers = 2;
+  a.num_kv_heads = 4;
+  a.head_dim_k = 64;
+  a.head_dim_v = 64;
+  a.rope_dims = 64;
+  const v1::CacheSpec spec =
+      SpecProto("svc-stream", 2, 128, 32, {AttentionGroupProto(a)}, v1::DTYPE_F16);
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+
+  const v1::AppendRequest first = MakeAppend(spec, 0, Range(0, 32));
+  ASSERT_EQ(first.payload().size(), 32u * 2048);
+  // Header without data, then 1000-byte chunks (not aligned to rows).
+  std::vector<v1::AppendStreamRequest> messages = StreamMessages(first, 0, 1000);
+  ASSERT_EQ(messages.size(), 1u + (65536 + 999) / 1000);
+  v1::AppendResponse response;
+  KVMESH_ASSERT_OK(AppendStream(stub(), messages, &response));
+  EXPECT_EQ(response.usage().groups(0).cells_used(), 32);
+  // Header with the first 5000 bytes, then 7 KiB chunks.
+  const v1::AppendRequest second = MakeAppend(spec, 0, Range(32, 64));
+  KVMESH_ASSERT_OK(AppendStream(stub(), StreamMessages(second, 5000, 7 << 10), &response));
+  EXPECT_EQ(response.usage().groups(0).cells_used(), 64);
+
+  SequenceModel model;
+  ModelAppend(spec, 0, Range(0, 64), 0, &model);
+  ExpectReadMatches(spec, 0, model);
+
+  // 128 KiB in 777-byte chunks: every message but the last is full; only the first has a
+  // header.
+  ReadOutput out;
+  KVMESH_ASSERT_OK(Read(stub(), ReadRequest("svc-stream", 0, 0, std::nullopt, 777), &out));
+  const size_t total = 64 * 2048;
+  EXPECT_EQ(out.header.payload_bytes(), static_cast<int64_t>(total));
+  EXPECT_EQ(out.messages, static_cast<int>((total + 776) / 777));
+  EXPECT_TRUE(out.header_only_in_first);
+  for (size_t i = 0; i + 1 < out.chunk_sizes.size(); ++i) ASSERT_EQ(out.chunk_sizes[i], 777u);
+  EXPECT_EQ(out.chunk_sizes.back(), total - 777 * (out.chunk_sizes.size() - 1));
+  EXPECT_TRUE(out.payload == ExpectedReadPayload(spec, model, {Range(0, 64)}));
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-stream"));
+}
+
+TEST_F(ServiceTest, SlidingGroupReadHeaderVisibleAndCanResume) {
+  AttentionOptions full;
+  full.num_layers = 1;
+  AttentionOptions sliding = full;
+  sliding.sliding_window = 2;  // memory 0 = window, raised to window + 1 = 3 (2 sequences)
+  const v1::CacheSpec spec =
+      SpecProto("svc-sliding", 2, 32, 8, {AttentionGroupProto(full), AttentionGroupProto(sliding)});
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 0, Range(0, 6))));
+  // Before this batch the sliding group drops positions < 6 - 3.
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 0, {6})));
+
+  SequenceModel model;
+  ModelAppend(spec, 0, Range(0, 7), 0, &model);
+  for (int32_t pos = 0; pos < 3; ++pos) model[1].erase(pos);
+  ExpectReadMatches(spec, 0, model);
+
+  const v1::CacheUsage usage = Usage("svc-sliding");
+  ASSERT_EQ(usage.groups_size(), 2);
+  EXPECT_EQ(usage.groups(0).memory(), 0);
+  EXPECT_EQ(usage.groups(0).cells_total(), 2 * 32);
+  EXPECT_EQ(usage.groups(0).cells_used(), 7);
+  EXPECT_EQ(usage.groups(1).memory(), 3);
+  EXPECT_EQ(usage.groups(1).cells_total(), 2 * 3 + 8);
+  EXPECT_EQ(usage.groups(1).cells_used(), 4);
+
+  const v1::ListSequencesResponse seqs = Sequences("svc-sliding");
+  ASSERT_EQ(seqs.sequences_size(), 1);
+  EXPECT_EQ(seqs.sequences(0).offset(), 7);
+  EXPECT_EQ(seqs.sequences(0).groups(1).group(), 1);
+  EXPECT_EQ(seqs.sequences(0).groups(1).stored(), 4);
+  EXPECT_EQ(seqs.sequences(0).groups(1).first(), 3);
+  EXPECT_EQ(seqs.sequences(0).groups(1).last(), 6);
+
+  // CanResume: max(0, pos - window) >= first (3) and pos <= last + 1 (7).
+  for (const auto& [pos, expected] :
+       std::vector<std::pair<int32_t, bool>>{{7, true}, {5, true}, {4, false}, {8, false}}) {
+    bool can_resume = !expected;
+    KVMESH_ASSERT_OK(CanResume(stub(), "svc-sliding", 0, pos, &can_resume));
+    EXPECT_EQ(can_resume, expected) << "pos " << pos;
+  }
+
+  v1::VisibleRequest request;
+  request.set_cache("svc-sliding");
+  request.set_group(1);
+  auto add_query = [&](int64_t seq, int32_t pos, bool non_causal) {
+    v1::Query* q = request.add_queries();
+    q->set_seq(seq);
+    q->set_pos(pos);
+    q->set_non_causal(non_causal);
+  };
+  add_query(0, 6, false);
+  add_query(0, 5, false);
+  add_query(0, 5, true);
+  add_query(9, 5, false);  // a sequence that stores nothing sees nothing
+  v1::VisibleResponse visible;
+  KVMESH_ASSERT_OK(Visible(stub(), request, &visible));
+  ASSERT_EQ(visible.visible_size(), 4);
+  EXPECT_THAT(visible.visible(0).positions(), ElementsAre(4, 5, 6));
+  EXPECT_THAT(visible.visible(1).positions(), ElementsAre(3, 4, 5));
+  EXPECT_THAT(visible.visible(2).positions(), ElementsAre(3, 4, 5, 6));
+  EXPECT_THAT(visible.visible(3).positions(), IsEmpty());
+
+  request.set_group(0);
+  KVMESH_ASSERT_OK(Visible(stub(), request, &visible));
+  ASSERT_EQ(visible.visible_size(), 4);
+  EXPECT_THAT(visible.visible(0).positions(), ElementsAreArray(Range(0, 7)));
+  EXPECT_THAT(visible.visible(1).positions(), ElementsAreArray(Range(0, 6)));
+  EXPECT_THAT(visible.visible(2).positions(), ElementsAreArray(Range(0, 7)));
+  EXPECT_THAT(visible.visible(3).positions(), IsEmpty());
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-sliding"));
+}
+
+TEST_F(ServiceTest, ChunkedVisibleAndUnlimitedCanResume) {
+  AttentionOptions chunked;
+  chunked.chunk = 4;
+  const v1::CacheSpec spec = SpecProto("svc-chunked", 2, 32, 16, {AttentionGroupProto(chunked)});
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 1, Range(0, 10))));
+  v1::VisibleRequest request;
+  request.set_cache("svc-chunked");
+  for (int32_t pos : {3, 6, 9}) {
+    v1::Query* q = request.add_queries();
+    q->set_seq(1);
+    q->set_pos(pos);
+  }
+  v1::VisibleResponse visible;
+  KVMESH_ASSERT_OK(Visible(stub(), request, &visible));
+  ASSERT_EQ(visible.visible_size(), 3);
+  EXPECT_THAT(visible.visible(0).positions(), ElementsAre(0, 1, 2, 3));
+  EXPECT_THAT(visible.visible(1).positions(), ElementsAre(4, 5, 6));
+  EXPECT_THAT(visible.visible(2).positions(), ElementsAre(8, 9));
+
+  // Unlimited memory: a sequence can always be resumed, even one that stores nothing.
+  for (const auto& [seq, pos] :
+       std::vector<std::pair<int64_t, int32_t>>{{1, 10}, {1, 3}, {77, 0}}) {
+    bool can_resume = false;
+    KVMESH_ASSERT_OK(CanResume(stub(), "svc-chunked", seq, pos, &can_resume));
+    EXPECT_TRUE(can_resume) << "seq " << seq << " pos " << pos;
+  }
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-chunked"));
+}
+
+TEST_F(ServiceTest, CopyPrefixSharesCells) {
+  const v1::CacheSpec spec = BasicSpec("svc-copy");
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 1, Range(0, 12))));
+  SequenceModel src;
+  ModelAppend(spec, 1, Range(0, 12), 0, &src);
+  EXPECT_EQ(Usage("svc-copy").groups(0).cells_used(), 12);
+
+  KVMESH_ASSERT_OK(CopyPrefix(stub(), "svc-copy", 1, 2, 8));
+  v1::CacheUsage usage = Usage("svc-copy");
+  EXPECT_EQ(usage.groups(0).cells_used(), 12) << "a prefix copy shares cells, it does not copy";
+  EXPECT_EQ(usage.sequences_live(), 2);
+  v1::ListSequencesResponse seqs = Sequences("svc-copy");
+  ASSERT_EQ(seqs.sequences_size(), 2);
+  EXPECT_EQ(seqs.sequences(0).groups(0).stored(), 12);
+  EXPECT_EQ(seqs.sequences(0).groups(0).shared(), 8);
+  EXPECT_EQ(seqs.sequences(1).seq(), 2);
+  EXPECT_EQ(seqs.sequences(1).offset(), 8);
+  EXPECT_EQ(seqs.sequences(1).groups(0).stored(), 8);
+  EXPECT_EQ(seqs.sequences(1).groups(0).shared(), 8);
+
+  SequenceModel dst = src;
+  for (auto& group : dst) group.erase(group.lower_bound(8), group.end());
+  ExpectReadMatches(spec, 2, dst);
+  ExpectReadMatches(spec, 1, src);
+
+  // The copy grows on its own; the source is untouched.
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 2, {8, 9}, /*seed=*/7)));
+  ModelAppend(spec, 2, {8, 9}, 7, &dst);
+  EXPECT_EQ(Usage("svc-copy").groups(0).cells_used(), 14);
+  ExpectReadMatches(spec, 2, dst);
+  ExpectReadMatches(spec, 1, src);
+
+  // A copy into a live sequence replaces its contents (its private cells are freed).
+  KVMESH_ASSERT_OK(CopyPrefix(stub(), "svc-copy", 1, 2, 3));
+  dst = src;
+  for (auto& group : dst) group.erase(group.lower_bound(3), group.end());
+  ExpectReadMatches(spec, 2, dst);
+  EXPECT_EQ(Usage("svc-copy").groups(0).cells_used(), 12);
+
+  // Length 0 empties dst: it is no longer a live sequence.
+  KVMESH_ASSERT_OK(CopyPrefix(stub(), "svc-copy", 1, 2, 0));
+  seqs = Sequences("svc-copy");
+  ASSERT_EQ(seqs.sequences_size(), 1);
+  EXPECT_EQ(seqs.sequences(0).seq(), 1);
+  EXPECT_EQ(seqs.sequences(0).groups(0).shared(), 0);
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-copy"));
+}
+
+// Expected K element after a RoPE shift by `delta` positions (NORMAL: pairs 2i, 2i+1).
+void RotateNormal(const std::vector<float>& head, int32_t dims, float base, int32_t delta,
+                  std::vector<double>* out) {
+  out->assign(head.begin(), head.end());
+  for (int32_t i = 0; i < dims / 2; ++i) {
+    const double angle = delta * std::pow(static_cast<double>(base), -2.0 * i / dims);
+    const double x = head[2 * i], y = head[2 * i + 1];
+    (*out)[2 * i] = x * std::cos(angle) - y * std::sin(angle);
+    (*out)[2 * i + 1] = x * std::sin(angle) + y * std::cos(angle);
+  }
+}
+
+TEST_F(ServiceTest, RemoveTruncatesAndShiftsWithRope) {
+  const v1::CacheSpec spec = BasicSpec("svc-remove");
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 1, Range(0, 10))));
+  SequenceModel model;
+  ModelAppend(spec, 1, Range(0, 10), 0, &model);
+
+  // Truncate: no end.
+  KVMESH_ASSERT_OK(Remove(stub(), "svc-remove", 1, 6));
+  for (auto& group : model) group.erase(group.lower_bound(6), group.end());
+  ExpectReadMatches(spec, 1, model);
+  EXPECT_EQ(Usage("svc-remove").groups(0).cells_used(), 6);
+  EXPECT_EQ(Sequences("svc-remove").sequences(0).offset(), 6);
+
+  // Removing nothing, or from a sequence that stores nothing, is a no-op.
+  KVMESH_ASSERT_OK(Remove(stub(), "svc-remove", 1, 3, 3));
+  KVMESH_ASSERT_OK(Remove(stub(), "svc-remove", 42, 0));
+  ExpectReadMatches(spec, 1, model);
+
+  // Middle: [1, 3) goes, old positions 3, 4, 5 become 1, 2, 3 with keys rotated by -2.
+  KVMESH_ASSERT_OK(Remove(stub(), "svc-remove", 1, 1, 3));
+  const std::vector<uint64_t> old_ids = {model[0][0], model[0][3], model[0][4], model[0][5]};
+  model[0] = {{0, old_ids[0]}, {1, old_ids[1]}, {2, old_ids[2]}, {3, old_ids[3]}};
+  ReadOutput out;
+  KVMESH_ASSERT_OK(Read(stub(), ReadRequest("svc-remove", 1), &out));
+  ASSERT_THAT(HeaderPositions(out.header), ElementsAre(ElementsAre(0, 1, 2, 3)));
+  const std::string unrotated = ExpectedReadPayload(spec, model, {{0, 1, 2, 3}});
+  ASSERT_EQ(out.payload.size(), unrotated.size());
+  // Layout per layer: K [4 tokens][2 heads][8] then V [4][2][4], F32.
+  const int kTokens = 4, kHeads = 2, kDimK = 8, kDimV = 4, kRopeDims = 4;
+  size_t offset = 0;
+  for (int layer = 0; layer < 2; ++layer) {
+    for (int t = 0; t < kTokens; ++t) {
+      for (int h = 0; h < kHeads; ++h) {
+        std::vector<float> original(kDimK), got(kDimK);
+        std::memcpy(original.data(), unrotated.data() + offset, kDimK * 4);
+        std::memcpy(got.data(), out.payload.data() + offset, kDimK * 4);
+        std::vector<double> expected;
+        RotateNormal(original, kRopeDims, 10000.0f, t == 0 ? 0 : -2, &expected);
+        for (int e = 0; e < kDimK; ++e) {
+          if (t == 0 || e >= kRopeDims) {
+            EXPECT_EQ(std::memcmp(&got[e], &original[e], 4), 0)
+                << "layer " << layer << " token " << t << " head " << h << " element " << e
+                << " must be unchanged";
+          } else {
+            EXPECT_NEAR(got[e], expected[e], 1e-5)
+                << "layer " << layer << " token " << t << " head " << h << " element " << e;
+          }
+        }
+        offset += kDimK * 4;
+      }
+    }
+    const size_t v_bytes = size_t{kTokens} * kHeads * kDimV * 4;
+    EXPECT_EQ(out.payload.compare(offset, v_bytes, unrotated, offset, v_bytes), 0)
+        << "V rows of layer " << layer << " must move unchanged";
+    offset += v_bytes;
+  }
+  const v1::ListSequencesResponse seqs = Sequences("svc-remove");
+  EXPECT_EQ(seqs.sequences(0).offset(), 4);
+  EXPECT_EQ(seqs.sequences(0).groups(0).stored(), 4);
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-remove"));
+}
+
+TEST_F(ServiceTest, MiddleRemoveCopiesSharedCellsFirst) {
+  const v1::CacheSpec spec = BasicSpec("svc-remove-shared");
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 1, Range(0, 4))));
+  KVMESH_ASSERT_OK(CopyPrefix(stub(), "svc-remove-shared", 1, 2, 4));
+  SequenceModel copy;
+  ModelAppend(spec, 1, Range(0, 4), 0, &copy);
+  EXPECT_EQ(Usage("svc-remove-shared").groups(0).cells_used(), 4);
+
+  // Sequence 1 moves 1..3 down; they are shared with 2, so they get private copies first.
+  KVMESH_ASSERT_OK(Remove(stub(), "svc-remove-shared", 1, 0, 1));
+  ExpectReadMatches(spec, 2, copy);  // the other sharer is untouched, keys not rotated
+  const v1::ListSequencesResponse seqs = Sequences("svc-remove-shared");
+  ASSERT_EQ(seqs.sequences_size(), 2);
+  EXPECT_EQ(seqs.sequences(0).offset(), 3);
+  EXPECT_EQ(seqs.sequences(0).groups(0).shared(), 0);
+  EXPECT_EQ(seqs.sequences(1).groups(0).shared(), 0);
+  EXPECT_EQ(Usage("svc-remove-shared").groups(0).cells_used(), 4 + 3);
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-remove-shared"));
+}
+
+TEST_F(ServiceTest, CancelledReadAndAppendStreamLeaveTheNodeServing) {
+  const v1::CacheSpec spec = BasicSpec("svc-cancel", 2, 512, 512);
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 0, Range(0, 512))));
+  v1::ListSequencesResponse before = Sequences("svc-cancel");
+
+  {
+    // 96 KiB in 64-byte chunks: the client goes away after the first message.
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    auto reader = stub().Read(&context, ReadRequest("svc-cancel", 0, 0, std::nullopt, 64));
+    v1::ReadResponse message;
+    ASSERT_TRUE(reader->Read(&message));
+    EXPECT_TRUE(message.has_header());
+    context.TryCancel();
+    while (reader->Read(&message)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  {
+    // A stream cancelled before its data is complete appends nothing.
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::AppendResponse response;
+    auto writer = stub().AppendStream(&context, &response);
+    const std::vector<v1::AppendStreamRequest> messages =
+        StreamMessages(MakeAppend(spec, 1, Range(0, 8)), 100, 100);
+    ASSERT_TRUE(writer->Write(messages[0]));
+    ASSERT_TRUE(writer->Write(messages[1]));
+    context.TryCancel();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  KVMESH_EXPECT_PROTO_EQ(Sequences("svc-cancel"), before);
+  SequenceModel model;
+  ModelAppend(spec, 0, Range(0, 512), 0, &model);
+  ExpectReadMatches(spec, 0, model);
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-cancel"));
+}
+
+}  // namespace
+}  // namespace testutil
+}  // namespace kvmesh

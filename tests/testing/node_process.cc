@@ -1,0 +1,287 @@
+#include "tests/testing/node_process.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "grpc/grpc.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+
+#ifndef KVMESH_NODE_PATH
+#error "KVMESH_NODE_PATH must be defined by the build (the path of kvmesh-node)"
+#endif
+
+namespace kvmesh {
+namespace testutil {
+namespace {
+
+std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
+
+ExitStatus FromWaitStatus(int status) {
+  ExitStatus out;
+  if (WIFEXITED(status)) {
+    out.exited = true;
+    out.code = WEXITSTATUS(status);
+  } else if (WIFSIGNALED(status)) {
+    out.signal = WTERMSIG(status);
+  }
+  return out;
+}
+
+// Reaps `pid` if it exits before `deadline`. Polls: a child's exit has no fd to wait on that
+// works on every kernel this runs on.
+std::optional<ExitStatus> WaitUntil(pid_t pid, absl::Time deadline) {
+  absl::Duration pause = absl::Milliseconds(1);
+  for (;;) {
+    int status = 0;
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return FromWaitStatus(status);
+    if (r < 0 && errno != EINTR) return ExitStatus{};  // not our child any more: nothing to reap
+    if (absl::Now() >= deadline) return std::nullopt;
+    absl::SleepFor(std::min(pause, deadline - absl::Now()));
+    pause = std::min(pause * 2, absl::Milliseconds(20));
+  }
+}
+
+ExitStatus KillAndReap(pid_t pid) {
+  kill(pid, SIGKILL);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  ExitStatus out = FromWaitStatus(status);
+  out.killed_after_timeout = true;
+  return out;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+struct Child {
+  pid_t pid = -1;
+  int stdout_fd = -1;
+  std::string stderr_path;
+};
+
+// Starts kvmesh-node with `args`: stdout into a pipe, stderr into a new temporary file.
+absl::StatusOr<Child> Spawn(const std::vector<std::string>& args) {
+  const char* tmpdir = std::getenv("TEST_TMPDIR");
+  std::string path =
+      absl::StrCat(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp", "/kvmesh-node-XXXXXX");
+  const int err_fd = mkostemp(path.data(), O_CLOEXEC);
+  if (err_fd < 0) return absl::InternalError(Errno("mkostemp"));
+  int out[2];
+  if (pipe2(out, O_CLOEXEC) != 0) {
+    close(err_fd);
+    unlink(path.c_str());
+    return absl::InternalError(Errno("pipe2"));
+  }
+  // Everything the child needs is prepared before fork: after it, only async-signal-safe calls.
+  std::vector<std::string> argv_storage;
+  argv_storage.push_back(NodeBinaryPath());
+  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& arg : argv_storage) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  const pid_t parent = getpid();
+  sigset_t none;
+  sigemptyset(&none);
+
+  const pid_t pid = fork();
+  if (pid < 0) {
+    close(err_fd);
+    close(out[0]);
+    close(out[1]);
+    unlink(path.c_str());
+    return absl::InternalError(Errno("fork"));
+  }
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(126);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    if (dup2(out[1], STDOUT_FILENO) < 0 || dup2(err_fd, STDERR_FILENO) < 0) _exit(125);
+    execv(argv[0], argv.data());
+    static const char kMessage[] = "node_process: execv of kvmesh-node failed\n";
+    (void)!write(STDERR_FILENO, kMessage, sizeof(kMessage) - 1);
+    _exit(127);
+  }
+  close(err_fd);
+  close(out[1]);
+  return Child{pid, out[0], std::move(path)};
+}
+
+// Reads from `fd` into `*text` until `stop(*text)` holds, end of file, or the deadline.
+// Returns true at end of file.
+template <typename Stop>
+absl::StatusOr<bool> ReadUntil(int fd, absl::Time deadline, std::string* text, Stop stop) {
+  while (!stop(*text)) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError("timed out reading kvmesh-node's stdout");
+    }
+    pollfd p{fd, POLLIN, 0};
+    const int ready =
+        poll(&p, 1, static_cast<int>(std::max<int64_t>(1, left / absl::Milliseconds(1))));
+    if (ready < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(Errno("poll"));
+    }
+    if (ready == 0) continue;
+    char buf[4096];
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(Errno("read"));
+    }
+    if (n == 0) return true;
+    text->append(buf, static_cast<size_t>(n));
+  }
+  return false;
+}
+
+}  // namespace
+
+std::string ExitStatus::ToString() const {
+  std::string out = exited
+                        ? absl::StrCat("exited with code ", code)
+                        : absl::StrCat("killed by signal ", signal, " (", strsignal(signal), ")");
+  if (killed_after_timeout) absl::StrAppend(&out, " after SIGTERM timed out");
+  return out;
+}
+
+const char* NodeBinaryPath() { return KVMESH_NODE_PATH; }
+
+NodeProcess::NodeProcess(pid_t pid, int stdout_fd, std::string stderr_path)
+    : pid_(pid), stdout_fd_(stdout_fd), stderr_path_(std::move(stderr_path)) {}
+
+absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& options) {
+  std::vector<std::string> args = {"--listen=127.0.0.1:0",
+                                   absl::StrCat("--node-name=", options.node_name)};
+  args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
+  absl::StatusOr<Child> child = Spawn(args);
+  if (!child.ok()) return child.status();
+  std::unique_ptr<NodeProcess> node(
+      new NodeProcess(child->pid, child->stdout_fd, std::move(child->stderr_path)));
+
+  const absl::Time deadline = absl::Now() + options.start_timeout;
+  std::string text;
+  absl::StatusOr<bool> eof = ReadUntil(node->stdout_fd_, deadline, &text, [](const std::string& t) {
+    return t.find('\n') != std::string::npos;
+  });
+  if (!eof.ok()) {
+    node->Stop(absl::ZeroDuration());
+    return absl::Status(
+        eof.status().code(),
+        absl::StrCat(eof.status().message(), " (", absl::FormatDuration(options.start_timeout),
+                     "); node stderr:\n", node->ReadStderr()));
+  }
+  if (*eof) {
+    const ExitStatus status = node->Stop(absl::Seconds(10));
+    return absl::UnavailableError(absl::StrCat("kvmesh-node ", status.ToString(),
+                                               " before it listened; stdout: '", text,
+                                               "'; stderr:\n", node->ReadStderr()));
+  }
+  node->line_ = text.substr(0, text.find('\n'));
+  // kvmesh-node <name> listening on <host>:<port> backend=<backend>
+  const std::string prefix = absl::StrCat("kvmesh-node ", options.node_name, " listening on ");
+  const size_t addr_end = node->line_.find(' ', prefix.size());
+  const size_t colon = node->line_.rfind(':', addr_end);
+  int port = 0;
+  if (!absl::StartsWith(node->line_, prefix) || addr_end == std::string::npos ||
+      colon == std::string::npos || colon < prefix.size() ||
+      !absl::SimpleAtoi(node->line_.substr(colon + 1, addr_end - colon - 1), &port) || port <= 0 ||
+      !absl::StartsWith(node->line_.substr(addr_end), " backend=")) {
+    return absl::InternalError(
+        absl::StrCat("kvmesh-node printed an unexpected line: '", node->line_, "'"));
+  }
+  node->port_ = port;
+  node->address_ = absl::StrCat("127.0.0.1:", port);
+  grpc::ChannelArguments channel_args;
+  channel_args.SetMaxReceiveMessageSize(-1);
+  channel_args.SetMaxSendMessageSize(-1);
+  node->channel_ =
+      grpc::CreateCustomChannel(node->address_, grpc::InsecureChannelCredentials(), channel_args);
+  return node;
+}
+
+NodeProcess::~NodeProcess() {
+  const ExitStatus status = Stop();
+  if (!status.clean()) {
+    std::fprintf(stderr, "kvmesh-node (pid %d) %s; its stderr:\n%s\n", static_cast<int>(pid_),
+                 status.ToString().c_str(), ReadStderr().c_str());
+  }
+  close(stdout_fd_);
+  unlink(stderr_path_.c_str());
+}
+
+std::shared_ptr<grpc::Channel> NodeProcess::NewChannel() const {
+  grpc::ChannelArguments channel_args;
+  channel_args.SetMaxReceiveMessageSize(-1);
+  channel_args.SetMaxSendMessageSize(-1);
+  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), channel_args);
+}
+
+std::unique_ptr<v1::CacheService::Stub> NodeProcess::NewStub() const {
+  return v1::CacheService::NewStub(channel_);
+}
+
+ExitStatus NodeProcess::Stop(absl::Duration timeout) {
+  if (exit_.has_value()) return *exit_;
+  kill(pid_, SIGTERM);
+  std::optional<ExitStatus> status = WaitUntil(pid_, absl::Now() + timeout);
+  exit_ = status.has_value() ? *status : KillAndReap(pid_);
+  return *exit_;
+}
+
+bool NodeProcess::Running() {
+  if (exit_.has_value()) return false;
+  std::optional<ExitStatus> status = WaitUntil(pid_, absl::InfinitePast());
+  if (status.has_value()) exit_ = status;
+  return !exit_.has_value();
+}
+
+std::string NodeProcess::ReadStderr() const { return ReadFile(stderr_path_); }
+
+absl::StatusOr<NodeRun> RunNodeToExit(const std::vector<std::string>& args,
+                                      absl::Duration timeout) {
+  absl::StatusOr<Child> child = Spawn(args);
+  if (!child.ok()) return child.status();
+  const absl::Time deadline = absl::Now() + timeout;
+  NodeRun run;
+  absl::StatusOr<bool> eof = ReadUntil(child->stdout_fd, deadline, &run.stdout_text,
+                                       [](const std::string&) { return false; });
+  close(child->stdout_fd);
+  std::optional<ExitStatus> status;
+  if (eof.ok()) status = WaitUntil(child->pid, deadline);
+  run.status = status.has_value() ? *status : KillAndReap(child->pid);
+  run.stderr_text = ReadFile(child->stderr_path);
+  unlink(child->stderr_path.c_str());
+  return run;
+}
+
+}  // namespace testutil
+}  // namespace kvmesh

@@ -1,0 +1,120 @@
+// NodeProcess: a real kvmesh-node child process for integration tests. It listens on
+// 127.0.0.1 with a port the kernel picks (--listen=127.0.0.1:0); Start() parses the port from
+// the node's one stdout line under a deadline. The node's stderr goes to a temporary file, so a
+// test can read its log (and sanitizer reports); the destructor prints it when the node did not
+// exit cleanly.
+//
+// The child dies with the thread that started it (PR_SET_PDEATHSIG), so a crashed test leaves
+// no node behind; start nodes from the test's main thread.
+//
+// Thread safety: channel(), NewChannel(), NewStub() and the accessors are safe from any thread.
+// Stop() and the destructor must not race with each other.
+#ifndef KVMESH_TESTS_TESTING_NODE_PROCESS_H_
+#define KVMESH_TESTS_TESTING_NODE_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/channel.h"
+#include "kvmesh/v1/kvmesh.grpc.pb.h"
+
+namespace kvmesh {
+namespace testutil {
+
+// How a child process ended.
+struct ExitStatus {
+  bool exited = false;  // true: exited with `code`; false: killed by `signal`
+  int code = 0;
+  int signal = 0;
+  bool killed_after_timeout = false;  // Stop() had to send SIGKILL
+
+  bool clean() const { return exited && code == 0 && !killed_after_timeout; }
+  std::string ToString() const;
+};
+
+// Path of the kvmesh-node binary this test build runs (injected by CMake).
+const char* NodeBinaryPath();
+
+class NodeProcess {
+ public:
+  struct Options {
+    std::string node_name = "test-node";
+    // Further flags, e.g. "--memory-budget=64MiB". --listen and --node-name are set already.
+    std::vector<std::string> extra_args;
+    // How long the node may take to print its listening line.
+    absl::Duration start_timeout = absl::Seconds(60);
+  };
+
+  // Starts kvmesh-node and waits for "kvmesh-node <name> listening on <host>:<port> ...".
+  // UNAVAILABLE with the node's stderr when it exits first; DEADLINE_EXCEEDED when the line
+  // does not come in time (the child is killed); INTERNAL when the line does not parse.
+  static absl::StatusOr<std::unique_ptr<NodeProcess>> Start(const Options& options);
+
+  // Stop(), then removes the stderr file. Prints the node's stderr when it did not exit
+  // cleanly.
+  ~NodeProcess();
+
+  NodeProcess(const NodeProcess&) = delete;
+  NodeProcess& operator=(const NodeProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  int port() const { return port_; }
+  const std::string& address() const { return address_; }  // "127.0.0.1:<port>"
+  const std::string& listening_line() const { return line_; }
+
+  // A channel shared by the callers, without message size limits on the client side.
+  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+  // A new channel with its own connection (not shared with channel() or other NewChannel()s).
+  std::shared_ptr<grpc::Channel> NewChannel() const;
+  std::unique_ptr<v1::CacheService::Stub> NewStub() const;
+
+  // Drops this object's reference to channel(). When no stub or copy holds it any more, the
+  // connection closes, and the node's shutdown need not wait for an idle client to notice it.
+  // channel() is null afterwards.
+  void ReleaseChannel() { channel_.reset(); }
+
+  // SIGTERM, then SIGKILL when the node has not exited within `timeout`; reaps it. Later calls
+  // return the first result.
+  ExitStatus Stop(absl::Duration timeout = absl::Seconds(30));
+
+  // Whether the child has not exited yet (reaps it when it has).
+  bool Running();
+
+  // What the node has written to stderr so far.
+  std::string ReadStderr() const;
+
+ private:
+  NodeProcess(pid_t pid, int stdout_fd, std::string stderr_path);
+
+  pid_t pid_;
+  int stdout_fd_;  // read end of the node's stdout, kept open so its writes never fail
+  std::string stderr_path_;
+  std::string line_;
+  int port_ = 0;
+  std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::optional<ExitStatus> exit_;
+};
+
+// Result of running kvmesh-node to completion.
+struct NodeRun {
+  ExitStatus status;
+  std::string stdout_text;
+  std::string stderr_text;
+};
+
+// Runs kvmesh-node with `args` (no --listen added) until it exits by itself, for startup
+// failures. The child is killed after `timeout` (then status.killed_after_timeout is true).
+absl::StatusOr<NodeRun> RunNodeToExit(const std::vector<std::string>& args,
+                                      absl::Duration timeout = absl::Seconds(30));
+
+}  // namespace testutil
+}  // namespace kvmesh
+
+#endif  // KVMESH_TESTS_TESTING_NODE_PROCESS_H_
