@@ -75,7 +75,7 @@ commands
                 (the payload of all the tokens as one batch). Tokens go in Appends of --batch
                 tokens (default: the cache's max_batch); a failed Append stops the command and
                 the earlier ones stay. A unary Append must fit the node's --max-message-bytes
-                (default 64MiB); --stream uses AppendStream in chunks of --chunk-bytes
+                (default 128MiB); --stream uses AppendStream in chunks of --chunk-bytes
                 (default 1MiB) and has no such limit.
   read          --cache=CACHE --seq=N [--begin=P] [--end=P] [--out=FILE] [--verify-seed=N]
                 [--max-chunk-bytes=BYTES]
