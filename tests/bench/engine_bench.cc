@@ -22,6 +22,7 @@
 #include "cache/cache.h"
 #include "cache/device/host_device.h"
 #include "cache/spec.h"
+#include "tests/testing/llama_spec.h"
 #include "tests/testing/pattern.h"
 
 namespace kvmesh {
@@ -33,25 +34,7 @@ constexpr int32_t kMaxBatch = 512;
 constexpr int32_t kSequenceTokens = 4096;
 
 CacheSpec LlamaSpec(int32_t max_sequences, int32_t capacity) {
-  CacheSpec spec;
-  spec.name = "llama3-8b";
-  spec.dtype = DType::kF16;
-  spec.max_sequences = max_sequences;
-  spec.capacity = capacity;
-  spec.max_batch = kMaxBatch;
-  GroupSpec group;
-  group.num_layers = 32;
-  group.kind = GroupKind::kAttention;
-  group.attention.num_kv_heads = 8;
-  group.attention.head_dim_k = 128;
-  group.attention.head_dim_v = 128;
-  group.attention.window.kind = WindowKind::kFull;
-  group.attention.rope.type = RopeType::kNeox;
-  group.attention.rope.dims = 128;
-  group.attention.rope.base = 500000.0f;
-  group.attention.rope.freq_scale = 1.0f;
-  spec.groups.push_back(group);
-  return spec;
+  return testutil::Llama3_8BSpec("llama3-8b", max_sequences, capacity, kMaxBatch);
 }
 
 size_t TokenBytes() { return GroupTokenBytes(LlamaSpec(1, 1), 0); }

@@ -44,6 +44,7 @@
 #include "service/ctl_args.h"
 #include "service/ctl_health.h"
 #include "service/ctl_payload.h"
+#include "tests/testing/llama_spec.h"
 #include "tests/testing/node_process.h"
 
 namespace kvmesh {
@@ -76,25 +77,8 @@ struct Options {
 };
 
 CacheSpec BenchSpec(const Options& o) {
-  CacheSpec spec;
-  spec.name = o.cache;
-  spec.dtype = DType::kF16;
-  spec.max_sequences = 2 + 2 * o.threads;
-  spec.capacity = std::max(kPrefixTokens, o.large_tokens);
-  spec.max_batch = o.large_tokens;
-  GroupSpec group;
-  group.num_layers = 32;
-  group.kind = GroupKind::kAttention;
-  group.attention.num_kv_heads = 8;
-  group.attention.head_dim_k = 128;
-  group.attention.head_dim_v = 128;
-  group.attention.window.kind = WindowKind::kFull;
-  group.attention.rope.type = RopeType::kNeox;
-  group.attention.rope.dims = 128;
-  group.attention.rope.base = 500000.0f;
-  group.attention.rope.freq_scale = 1.0f;
-  spec.groups.push_back(group);
-  return spec;
+  return testutil::Llama3_8BSpec(o.cache, 2 + 2 * o.threads,
+                                 std::max(kPrefixTokens, o.large_tokens), o.large_tokens);
 }
 
 std::shared_ptr<grpc::Channel> NewChannel(const std::string& addr, int index) {
