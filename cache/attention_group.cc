@@ -6,8 +6,7 @@
 
 namespace kvmesh {
 
-AttentionGroup::AttentionGroup(int index, const CacheSpec& spec, DeviceArena arena,
-                               Device* device)
+AttentionGroup::AttentionGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device)
     : index_(index),
       spec_(spec.groups[index].attention),
       dtype_(spec.dtype),
@@ -67,8 +66,9 @@ AttentionGroup::AppendPlan AttentionGroup::PlanAppend(
   }
   for (int64_t seq : prune_pending_) {
     if (batch_lowest.contains(seq)) continue;
-    const Index& index = seqs_.at(seq);
-    plan.prune.emplace_back(seq, int64_t{index.rbegin()->first} + 1 - geo_.memory);
+    auto found = seqs_.find(seq);
+    if (found == seqs_.end()) continue;  // pending sequences are live; be safe all the same
+    plan.prune.emplace_back(seq, int64_t{found->second.rbegin()->first} + 1 - geo_.memory);
     plan.pruned_pending.insert(seq);
   }
   // A cell is freed when every sequence referencing it drops it.
@@ -90,17 +90,18 @@ AttentionGroup::AppendPlan AttentionGroup::PlanAppend(
 absl::Status AttentionGroup::CheckAppend(const AppendPlan& plan, int64_t num_tokens) const {
   const int64_t available = free_cells() + plan.freed;
   if (available < num_tokens) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "group ", index_, ": a batch of ", num_tokens, " tokens needs as many free cells; ",
-        available, " of ", geo_.cells, " are free", plan.freed > 0 ? " after sliding-window pruning" : ""));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("group ", index_, ": a batch of ", num_tokens,
+                     " tokens needs as many free cells; ", available, " of ", geo_.cells,
+                     " are free", plan.freed > 0 ? " after sliding-window pruning" : ""));
   }
   return absl::OkStatus();
 }
 
-absl::Status AttentionGroup::ApplyAppend(const AppendPlan& plan, absl::Span<const Token> tokens,
-                                         const uint8_t* payload) {
+void AttentionGroup::ApplyPrune(const AppendPlan& plan) {
   for (const auto& [seq, below] : plan.prune) {
     auto found = seqs_.find(seq);
+    if (found == seqs_.end()) continue;
     Index& index = found->second;
     auto end = index.begin();
     while (end != index.end() && end->first < below) {
@@ -108,24 +109,37 @@ absl::Status AttentionGroup::ApplyAppend(const AppendPlan& plan, absl::Span<cons
       ++end;
     }
     index.erase(index.begin(), end);
-    if (index.empty()) seqs_.erase(found);
+    if (index.empty()) {
+      seqs_.erase(found);
+      prune_pending_.erase(seq);
+    }
   }
   for (int64_t seq : plan.pruned_pending) prune_pending_.erase(seq);
+}
 
-  std::vector<int32_t> cells(tokens.size());
-  for (int32_t& cell : cells) cell = AllocateCell();
-  const absl::Status written = device_->Scatter(arena_, planes_, cells, payload);
-  if (!written.ok()) {
-    // The pruning stands (its cells may have been overwritten); the batch is not stored.
-    for (int32_t cell : cells) ReleaseCell(cell);
-    return written;
-  }
+absl::Status AttentionGroup::WriteAppend(const AppendPlan& plan, absl::Span<const Token> tokens,
+                                         const uint8_t* payload, std::vector<int32_t>* cells) {
+  pruned_early_ = free_cells() < static_cast<int64_t>(tokens.size());
+  if (pruned_early_) ApplyPrune(plan);
+  cells->resize(tokens.size());
+  for (int32_t& cell : *cells) cell = AllocateCell();
+  return device_->Scatter(arena_, planes_, *cells, payload);
+}
+
+void AttentionGroup::AbandonAppend(absl::Span<const int32_t> cells) {
+  for (int32_t cell : cells) ReleaseCell(cell);
+  pruned_early_ = false;
+}
+
+void AttentionGroup::CommitAppend(const AppendPlan& plan, absl::Span<const Token> tokens,
+                                  absl::Span<const int32_t> cells) {
+  if (!pruned_early_) ApplyPrune(plan);
+  pruned_early_ = false;
   for (size_t i = 0; i < tokens.size(); ++i) {
     Index& index = seqs_[tokens[i].seq];
     index.emplace_hint(index.end(), tokens[i].pos, cells[i]);
     if (limited_memory()) prune_pending_.insert(tokens[i].seq);
   }
-  return absl::OkStatus();
 }
 
 // ---- Read ---------------------------------------------------------------------------------
@@ -200,8 +214,7 @@ absl::Status AttentionGroup::CheckRemove(int64_t seq, int32_t begin,
   return absl::OkStatus();
 }
 
-absl::Status AttentionGroup::ApplyRemove(int64_t seq, int32_t begin,
-                                         std::optional<int32_t> end) {
+absl::Status AttentionGroup::ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) {
   auto found = seqs_.find(seq);
   if (found == seqs_.end()) return absl::OkStatus();
   Index& index = found->second;
@@ -241,7 +254,7 @@ absl::Status AttentionGroup::ApplyRemove(int64_t seq, int32_t begin,
         status = device_->RopeShift(arena_, k_planes_, rotate, params);
       }
       // The metadata follows the move even on a device error, so no cell is leaked or shared
-      // wrongly; the error is reported to the caller.
+      // wrongly; the caller (Cache) then refuses further use of the cache's data.
       for (const auto& [pos, cell] : moved) {
         index.emplace_hint(index.end(), pos - distance, cell);
       }

@@ -59,9 +59,17 @@ class AttentionGroup {
   AppendPlan PlanAppend(const absl::flat_hash_map<int64_t, int32_t>& batch_lowest) const;
   // RESOURCE_EXHAUSTED unless `num_tokens` cells are free after the plan's pruning.
   absl::Status CheckAppend(const AppendPlan& plan, int64_t num_tokens) const;
-  // Prunes, stores `tokens` and scatters their rows from `payload` (this group's section).
-  absl::Status ApplyAppend(const AppendPlan& plan, absl::Span<const Token> tokens,
-                           const uint8_t* payload);
+  // Appending is split so that Cache can write every group before committing any: WriteAppend
+  // takes cells and scatters the rows of `tokens` from `payload` (this group's section) into
+  // them; CommitAppend then prunes and indexes them, or AbandonAppend gives them back. Cells come
+  // from the free pool first; only when it is short does WriteAppend apply the plan's pruning
+  // early to reuse the cells it frees (then an abandoned append leaves that pruning done, with
+  // metadata and data consistent).
+  absl::Status WriteAppend(const AppendPlan& plan, absl::Span<const Token> tokens,
+                           const uint8_t* payload, std::vector<int32_t>* cells);
+  void CommitAppend(const AppendPlan& plan, absl::Span<const Token> tokens,
+                    absl::Span<const int32_t> cells);
+  void AbandonAppend(absl::Span<const int32_t> cells);
 
   // ---- Read -----------------------------------------------------------------------------
   // Stored positions of `seq` in [begin, end) and their cells.
@@ -86,6 +94,7 @@ class AttentionGroup {
   std::vector<int32_t> Visible(const Query& query) const;
 
  private:
+  void ApplyPrune(const AppendPlan& plan);
   int32_t AllocateCell();
   void ReleaseCell(int32_t cell);
   bool limited_memory() const { return geo_.memory != kUnlimitedMemory; }
@@ -99,14 +108,15 @@ class AttentionGroup {
   std::vector<Plane> planes_;    // K0, V0, K1, V1, ...: the payload order
   std::vector<Plane> k_planes_;  // K0, K1, ...
 
-  std::vector<int32_t> refs_;    // per cell
-  std::vector<int32_t> free_;    // released cells, reused first
-  int64_t next_fresh_ = 0;       // cells >= this have never been used
+  std::vector<int32_t> refs_;  // per cell
+  std::vector<int32_t> free_;  // released cells, reused first
+  int64_t next_fresh_ = 0;     // cells >= this have never been used
   absl::flat_hash_map<int64_t, Index> seqs_;
   // Sequences changed since their last prune as non-batch sequences (sliding groups only):
   // pruning a sequence outside the batch drops below last+1-memory, which cannot change
   // until the sequence does, so only these need looking at.
   absl::flat_hash_set<int64_t> prune_pending_;
+  bool pruned_early_ = false;  // WriteAppend applied the plan's pruning already
 };
 
 }  // namespace kvmesh

@@ -13,7 +13,8 @@ namespace kvmesh {
 namespace {
 
 absl::Status CheckNonNegative(const char* what, int64_t value) {
-  if (value < 0) return absl::InvalidArgumentError(absl::StrCat(what, " = ", value, " is negative"));
+  if (value < 0)
+    return absl::InvalidArgumentError(absl::StrCat(what, " = ", value, " is negative"));
   return absl::OkStatus();
 }
 
@@ -50,6 +51,13 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
 
 absl::Status Cache::ValidateSeq(int64_t seq) const { return CheckNonNegative("seq", seq); }
 
+absl::Status Cache::CheckUsableLocked() const {
+  if (device_failure_.ok()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("cache '", spec_.name, "' is unusable after a device error (",
+                   device_failure_.ToString(), "); delete and recreate it"));
+}
+
 bool Cache::IsLiveLocked(int64_t seq) const {
   for (const auto& group : groups_) {
     if (group->Find(seq) != nullptr) return true;
@@ -69,8 +77,8 @@ int32_t Cache::LiveCountLocked() const {
 absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint8_t> payload) {
   if (tokens.empty()) return absl::InvalidArgumentError("tokens is empty");
   if (tokens.size() > static_cast<size_t>(spec_.max_batch)) {
-    return absl::InvalidArgumentError(absl::StrCat("batch of ", tokens.size(),
-                                                   " tokens exceeds max_batch = ", spec_.max_batch));
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch of ", tokens.size(), " tokens exceeds max_batch = ", spec_.max_batch));
   }
   // Per sequence: the last position seen in the batch (to check ordering) and the lowest.
   absl::flat_hash_map<int64_t, int32_t> last_in_batch;
@@ -78,12 +86,13 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
   for (size_t i = 0; i < tokens.size(); ++i) {
     const Token& t = tokens[i];
     if (t.seq < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "].seq = ", t.seq, " is negative"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens[", i, "].seq = ", t.seq, " is negative"));
     }
     if (t.pos < 0 || t.pos == INT32_MAX) {
       // INT32_MAX is excluded so that a sequence's offset (last + 1) stays an int32.
-      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "].pos = ", t.pos,
-                                                     " is outside [0, ", INT32_MAX, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens[", i, "].pos = ", t.pos, " is outside [0, ", INT32_MAX, ")"));
     }
     auto [it, inserted] = last_in_batch.emplace(t.seq, t.pos);
     if (!inserted) {
@@ -94,8 +103,8 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
       }
       if (t.pos < it->second) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "tokens[", i, "]: position ", t.pos, " of sequence ", t.seq,
-            " follows position ", it->second, "; positions of a sequence must increase"));
+            "tokens[", i, "]: position ", t.pos, " of sequence ", t.seq, " follows position ",
+            it->second, "; positions of a sequence must increase"));
       }
       it->second = t.pos;
     } else {
@@ -109,13 +118,13 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
   }
 
   MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUsableLocked());
   for (size_t i = 0; i < tokens.size(); ++i) {
     for (const auto& group : groups_) {
       const AttentionGroup::Index* index = group->Find(tokens[i].seq);
       if (index != nullptr && index->contains(tokens[i].pos)) {
         return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "]: sequence ", tokens[i].seq,
-                                                       " already stores position ",
-                                                       tokens[i].pos));
+                                                       " already stores position ", tokens[i].pos));
       }
     }
   }
@@ -123,9 +132,9 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
   for (const auto& [seq, pos] : lowest) new_sequences += !IsLiveLocked(seq);
   const int32_t live = LiveCountLocked();
   if (live + new_sequences > spec_.max_sequences) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the batch adds ", new_sequences, " new sequences to ", live,
-        " live ones, more than max_sequences = ", spec_.max_sequences));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the batch adds ", new_sequences, " new sequences to ", live,
+                     " live ones, more than max_sequences = ", spec_.max_sequences));
   }
   std::vector<AttentionGroup::AppendPlan> plans;
   plans.reserve(groups_.size());
@@ -133,14 +142,20 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
     plans.push_back(group->PlanAppend(lowest));
     RETURN_IF_ERROR(group->CheckAppend(plans.back(), static_cast<int64_t>(tokens.size())));
   }
+  // Write every group before committing any, so a device error leaves the cache as it was
+  // (but for pruning a group had to apply early to find cells; see WriteAppend).
+  std::vector<std::vector<int32_t>> cells(groups_.size());
   const uint8_t* section = payload.data();
-  absl::Status status;
   for (size_t g = 0; g < groups_.size(); ++g) {
-    const absl::Status s = groups_[g]->ApplyAppend(plans[g], tokens, section);
-    if (status.ok()) status = s;
+    const absl::Status written = groups_[g]->WriteAppend(plans[g], tokens, section, &cells[g]);
+    if (!written.ok()) {
+      for (size_t h = 0; h <= g; ++h) groups_[h]->AbandonAppend(cells[h]);
+      return written;
+    }
     section += groups_[g]->PayloadBytes(tokens.size());
   }
-  return status;
+  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->CommitAppend(plans[g], tokens, cells[g]);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin,
@@ -152,9 +167,9 @@ absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin,
         absl::StrCat("begin = ", begin, " is greater than end = ", *end));
   }
   ReaderMutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUsableLocked());
   if (!IsLiveLocked(seq)) {
-    return absl::NotFoundError(
-        absl::StrCat("cache '", spec_.name, "' has no sequence ", seq));
+    return absl::NotFoundError(absl::StrCat("cache '", spec_.name, "' has no sequence ", seq));
   }
   ReadResult result;
   result.positions.resize(groups_.size());
@@ -177,8 +192,8 @@ absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin,
 absl::StatusOr<std::vector<std::vector<int32_t>>> Cache::Visible(
     int group, absl::Span<const Query> queries) const {
   if (group < 0 || group >= static_cast<int>(spec_.groups.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("group = ", group, " is out of range [0, ",
-                                                   spec_.groups.size(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("group = ", group, " is out of range [0, ", spec_.groups.size(), ")"));
   }
   for (size_t i = 0; i < queries.size(); ++i) {
     if (queries[i].seq < 0 || queries[i].pos < 0) {
@@ -199,18 +214,19 @@ absl::Status Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length)
   RETURN_IF_ERROR(CheckNonNegative("dst_seq", dst_seq));
   RETURN_IF_ERROR(CheckNonNegative("length", length));
   if (src_seq == dst_seq) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("src_seq and dst_seq are both ", src_seq, "; a prefix copy needs two sequences"));
+    return absl::InvalidArgumentError(absl::StrCat("src_seq and dst_seq are both ", src_seq,
+                                                   "; a prefix copy needs two sequences"));
   }
   MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUsableLocked());
   bool dst_live_after = false;
   for (const auto& group : groups_) dst_live_after |= group->HasPrefix(src_seq, length);
   if (dst_live_after && !IsLiveLocked(dst_seq)) {
     const int32_t live = LiveCountLocked();
     if (live + 1 > spec_.max_sequences) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "copying a prefix into new sequence ", dst_seq, " would make ", live + 1,
-          " live sequences, more than max_sequences = ", spec_.max_sequences));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("copying a prefix into new sequence ", dst_seq, " would make ", live + 1,
+                       " live sequences, more than max_sequences = ", spec_.max_sequences));
     }
   }
   for (const auto& group : groups_) group->ApplyCopyPrefix(src_seq, dst_seq, length);
@@ -226,12 +242,14 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
   }
   if (end.has_value() && *end == begin) return absl::OkStatus();
   MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUsableLocked());
   for (const auto& group : groups_) RETURN_IF_ERROR(group->CheckRemove(seq, begin, end));
   absl::Status status;
   for (const auto& group : groups_) {
     const absl::Status s = group->ApplyRemove(seq, begin, end);
     if (status.ok()) status = s;
   }
+  if (!status.ok()) device_failure_ = status;
   return status;
 }
 

@@ -19,9 +19,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "cache/mutex.h"
 #include "absl/types/span.h"
 #include "cache/device/device.h"
+#include "cache/mutex.h"
 #include "cache/spec.h"
 
 namespace kvmesh {
@@ -128,6 +128,7 @@ class Cache {
   explicit Cache(const CacheSpec& spec);
 
   absl::Status ValidateSeq(int64_t seq) const;
+  absl::Status CheckUsableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   int32_t LiveCountLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool IsLiveLocked(int64_t seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
@@ -135,6 +136,10 @@ class Cache {
 
   mutable Mutex mu_;
   std::vector<std::unique_ptr<AttentionGroup>> groups_ ABSL_GUARDED_BY(mu_);
+  // Set when a device call failed half-way through rewriting stored data (Remove's copy or RoPE
+  // shift): the metadata is consistent but some K/V bytes may not be. From then on Append,
+  // Read, CopyPrefix and Remove fail with FAILED_PRECONDITION; the cache must be recreated.
+  absl::Status device_failure_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvmesh

@@ -13,9 +13,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "cache/mutex.h"
 #include "cache/cache.h"
 #include "cache/device/device.h"
+#include "cache/mutex.h"
 
 namespace kvmesh {
 

@@ -72,7 +72,6 @@ inline uint16_t FloatToHalf(float f) {
   return sign | static_cast<uint16_t>(v);
 }
 
-
 // bfloat16 <-> float, round to nearest even, NaN kept quiet.
 inline float BFloat16ToFloat(uint16_t b) {
   uint32_t bits = static_cast<uint32_t>(b) << 16;

@@ -8,6 +8,9 @@
 namespace kvmesh {
 
 bool RopeSpec::operator==(const RopeSpec& o) const {
+  // Without rotation the other fields mean nothing (and are not validated), so they must not
+  // make two otherwise identical specs differ.
+  if (type == RopeType::kNone || o.type == RopeType::kNone) return type == o.type;
   return type == o.type && dims == o.dims && base == o.base && freq_scale == o.freq_scale;
 }
 
@@ -59,8 +62,7 @@ absl::Status ValidateAttention(const std::string& prefix, const AttentionSpec& a
         return s;
       }
       if (w.memory < 0) {
-        return Invalid(absl::StrCat(prefix, ".window.sliding.memory = ", w.memory,
-                                    " is negative"));
+        return Invalid(absl::StrCat(prefix, ".window.sliding.memory = ", w.memory, " is negative"));
       }
       if (w.memory != 0 && w.memory < w.window) {
         return Invalid(absl::StrCat(prefix, ".window.sliding.memory = ", w.memory,
@@ -106,13 +108,12 @@ int32_t EffectiveMemory(const CacheSpec& spec, const WindowSpec& w) {
 absl::Status ValidateSpec(const CacheSpec& spec) {
   if (spec.name.empty()) return Invalid("name is empty");
   if (spec.name.size() > kMaxNameLength) {
-    return Invalid(absl::StrCat("name is ", spec.name.size(), " characters, more than ",
-                                kMaxNameLength));
+    return Invalid(
+        absl::StrCat("name is ", spec.name.size(), " characters, more than ", kMaxNameLength));
   }
   for (char c : spec.name) {
     if (!ValidNameChar(c)) {
-      return Invalid(absl::StrCat("name '", spec.name,
-                                  "' has a character outside [A-Za-z0-9._-]"));
+      return Invalid(absl::StrCat("name '", spec.name, "' has a character outside [A-Za-z0-9._-]"));
     }
   }
   absl::Status s;
@@ -121,10 +122,11 @@ absl::Status ValidateSpec(const CacheSpec& spec) {
   if (!(s = CheckRange("max_batch", spec.max_batch, 1, kMaxCellsPerGroup)).ok()) return s;
   if (spec.groups.empty()) return Invalid("groups is empty: a cache needs at least one group");
   if (spec.groups.size() > static_cast<size_t>(kMaxGroups)) {
-    return Invalid(absl::StrCat("groups has ", spec.groups.size(), " entries, more than ",
-                                kMaxGroups));
+    return Invalid(
+        absl::StrCat("groups has ", spec.groups.size(), " entries, more than ", kMaxGroups));
   }
   unsigned __int128 total = 0;
+  unsigned __int128 token_bytes = 0;
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     const GroupSpec& group = spec.groups[g];
     const std::string prefix = absl::StrCat("groups[", g, "]");
@@ -144,11 +146,19 @@ absl::Status ValidateSpec(const CacheSpec& spec) {
                                       kMaxCellsPerGroup));
         }
         const AttentionSpec& a = group.attention;
-        total += static_cast<unsigned __int128>(group.num_layers) * cells * a.num_kv_heads *
-                 (a.head_dim_k + a.head_dim_v) * DTypeSize(spec.dtype);
+        const unsigned __int128 per_token = static_cast<unsigned __int128>(group.num_layers) *
+                                            a.num_kv_heads * (a.head_dim_k + a.head_dim_v) *
+                                            DTypeSize(spec.dtype);
+        total += per_token * cells;
+        token_bytes += per_token;
         break;
       }
     }
+  }
+  if (token_bytes * static_cast<unsigned>(spec.max_batch) > kMaxCacheBytes) {
+    return Invalid(absl::StrCat("max_batch = ", spec.max_batch,
+                                " tokens would make an Append payload larger than ", kMaxCacheBytes,
+                                " bytes"));
   }
   if (total > kMaxCacheBytes) {
     return Invalid(absl::StrCat("the cache would need more than ", kMaxCacheBytes,
@@ -197,6 +207,30 @@ size_t CacheBytes(const CacheSpec& spec) {
     total += ComputeAttentionGeometry(spec, static_cast<int>(g)).bytes;
   }
   return total;
+}
+
+}  // namespace kvmesh
+
+namespace kvmesh {
+
+std::string DescribeSpecDifference(const CacheSpec& a, const CacheSpec& b) {
+  if (a.dtype != b.dtype) {
+    return absl::StrCat("dtype ", DTypeName(a.dtype), " vs ", DTypeName(b.dtype));
+  }
+  if (a.max_sequences != b.max_sequences) {
+    return absl::StrCat("max_sequences ", a.max_sequences, " vs ", b.max_sequences);
+  }
+  if (a.capacity != b.capacity) return absl::StrCat("capacity ", a.capacity, " vs ", b.capacity);
+  if (a.max_batch != b.max_batch) {
+    return absl::StrCat("max_batch ", a.max_batch, " vs ", b.max_batch);
+  }
+  if (a.groups.size() != b.groups.size()) {
+    return absl::StrCat("number of groups ", a.groups.size(), " vs ", b.groups.size());
+  }
+  for (size_t g = 0; g < a.groups.size(); ++g) {
+    if (!(a.groups[g] == b.groups[g])) return absl::StrCat("groups[", g, "]");
+  }
+  return a.name != b.name ? absl::StrCat("name '", a.name, "' vs '", b.name, "'") : "nothing";
 }
 
 }  // namespace kvmesh

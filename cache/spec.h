@@ -20,9 +20,9 @@ enum class RopeType { kNone, kNormal, kNeox };
 
 struct RopeSpec {
   RopeType type = RopeType::kNone;
-  int32_t dims = 0;          // rotated elements per head, even, <= head_dim_k
-  float base = 10000.0f;     // theta base
-  float freq_scale = 1.0f;   // multiplies every angle
+  int32_t dims = 0;         // rotated elements per head, even, <= head_dim_k
+  float base = 10000.0f;    // theta base
+  float freq_scale = 1.0f;  // multiplies every angle
   bool operator==(const RopeSpec& o) const;
 };
 
@@ -81,13 +81,16 @@ inline constexpr size_t kMaxNameLength = 128;
 // Returns INVALID_ARGUMENT naming the first bad field, or OK.
 absl::Status ValidateSpec(const CacheSpec& spec);
 
+// The first field in which two specs differ, with both values, for error messages.
+std::string DescribeSpecDifference(const CacheSpec& a, const CacheSpec& b);
+
 // Sizes derived from a valid spec for one Attention group.
 struct AttentionGeometry {
-  int64_t cells = 0;           // cells in the group's pool
-  int32_t memory = 0;          // effective per-sequence memory; kUnlimitedMemory when unlimited
-  size_t k_row_bytes = 0;      // one token of K in one layer
-  size_t v_row_bytes = 0;      // one token of V in one layer
-  size_t bytes = 0;            // whole arena: num_layers * cells * (k_row + v_row)
+  int64_t cells = 0;       // cells in the group's pool
+  int32_t memory = 0;      // effective per-sequence memory; kUnlimitedMemory when unlimited
+  size_t k_row_bytes = 0;  // one token of K in one layer
+  size_t v_row_bytes = 0;  // one token of V in one layer
+  size_t bytes = 0;        // whole arena: num_layers * cells * (k_row + v_row)
 };
 
 inline constexpr int32_t kUnlimitedMemory = INT32_MAX;

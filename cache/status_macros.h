@@ -10,10 +10,10 @@
 #define KVMESH_CONCAT_(a, b) KVMESH_CONCAT_INNER_(a, b)
 
 // Evaluates `expr` (an absl::Status) and returns it from the enclosing function if not OK.
-#define RETURN_IF_ERROR(expr)                          \
-  do {                                                 \
-    const ::absl::Status kvmesh_status_ = (expr);      \
-    if (!kvmesh_status_.ok()) return kvmesh_status_;   \
+#define RETURN_IF_ERROR(expr)                        \
+  do {                                               \
+    const ::absl::Status kvmesh_status_ = (expr);    \
+    if (!kvmesh_status_.ok()) return kvmesh_status_; \
   } while (0)
 
 // `lhs` = value of `rexpr` (an absl::StatusOr<T>), or returns its status from the function.

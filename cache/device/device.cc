@@ -31,9 +31,9 @@ absl::StatusOr<DeviceArena> Device::Allocate(size_t bytes) {
   size_t used = used_bytes_.load(std::memory_order_relaxed);
   do {
     if (bytes > budget_bytes_ || used > budget_bytes_ - bytes) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("device ", name(), ": allocating ", bytes, " bytes exceeds the memory budget (",
-                       used, " of ", budget_bytes_, " bytes in use)"));
+      return absl::ResourceExhaustedError(absl::StrCat("device ", name(), ": allocating ", bytes,
+                                                       " bytes exceeds the memory budget (", used,
+                                                       " of ", budget_bytes_, " bytes in use)"));
     }
   } while (!used_bytes_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
   absl::StatusOr<uint8_t*> data = RawAllocate(bytes);

@@ -35,7 +35,8 @@ class Device;
 class DeviceArena {
  public:
   DeviceArena() = default;
-  DeviceArena(Device* device, uint8_t* data, size_t size) : device_(device), data_(data), size_(size) {}
+  DeviceArena(Device* device, uint8_t* data, size_t size)
+      : device_(device), data_(data), size_(size) {}
   ~DeviceArena() { Reset(); }
   DeviceArena(DeviceArena&& o) noexcept { *this = std::move(o); }
   DeviceArena& operator=(DeviceArena&& o) noexcept;
@@ -61,11 +62,11 @@ struct Plane {
 
 // What a RoPE shift needs to know about the rows it rotates.
 struct RopeShiftParams {
-  RopeSpec rope;           // type != kNone
+  RopeSpec rope;  // type != kNone
   DType dtype = DType::kF16;
-  int32_t num_heads = 0;   // heads per row
-  int32_t head_dim = 0;    // elements per head; rope.dims <= head_dim
-  int32_t delta = 0;       // positions to shift by (negative for a Remove)
+  int32_t num_heads = 0;  // heads per row
+  int32_t head_dim = 0;   // elements per head; rope.dims <= head_dim
+  int32_t delta = 0;      // positions to shift by (negative for a Remove)
 };
 
 class Device {

@@ -8,7 +8,7 @@
 
 namespace kvmesh {
 
-class HostDevice final : public Device {
+class HostDevice : public Device {
  public:
   explicit HostDevice(size_t budget_bytes) : Device(budget_bytes) {}
 

@@ -1,6 +1,7 @@
 // CacheRegistry: idempotent create, ALREADY_EXISTS, NOT_FOUND, the device budget.
 #include "cache/cache_registry.h"
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
@@ -75,14 +76,37 @@ TEST(RegistryTest, SameNameDifferentSpecIsAlreadyExists) {
   ASSERT_TRUE(registry.Create(SmallSpec("m")).ok());
   CacheSpec other = SmallSpec("m");
   other.capacity = 32;
-  EXPECT_EQ(registry.Create(other).status().code(), absl::StatusCode::kAlreadyExists);
+  absl::Status s = registry.Create(other).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(s.message().find("capacity 16 vs 32"), std::string::npos) << s;
   other = SmallSpec("m");
   other.dtype = DType::kF16;
-  EXPECT_EQ(registry.Create(other).status().code(), absl::StatusCode::kAlreadyExists);
+  s = registry.Create(other).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(s.message().find("dtype F32 vs F16"), std::string::npos) << s;
+  other = SmallSpec("m");
+  other.groups[0].attention.head_dim_v = 8;
+  s = registry.Create(other).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(s.message().find("groups[0]"), std::string::npos) << s;
   EXPECT_EQ(device.used_bytes(), kSmallBytes);
   absl::StatusOr<std::shared_ptr<Cache>> got = registry.Get("m");
   ASSERT_TRUE(got.ok());
   EXPECT_EQ((*got)->spec(), SmallSpec("m"));
+}
+
+TEST(RegistryTest, RopeFieldsAreIgnoredWithoutRotation) {
+  // With rope NONE, base/freq_scale/dims are meaningless (and unchecked): a repeated create
+  // that differs only there is the same cache, even with a NaN base.
+  HostDevice device(1 << 20);
+  CacheRegistry registry(&device);
+  ASSERT_TRUE(registry.Create(SmallSpec("m")).ok());
+  CacheSpec again = SmallSpec("m");
+  again.groups[0].attention.rope.base = std::nanf("");
+  again.groups[0].attention.rope.dims = 3;
+  absl::StatusOr<CacheRegistry::CreateResult> r = registry.Create(again);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->created);
 }
 
 TEST(RegistryTest, UnknownNames) {
