@@ -5,21 +5,23 @@
 
 namespace kvmesh {
 
+absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::FindLocked(const CacheSpec& spec) const {
+  auto it = caches_.find(spec.name);
+  if (it == caches_.end()) return CreateResult{};
+  if (it->second->spec() != spec) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("cache '", spec.name, "' already exists with a different spec (",
+                     DescribeSpecDifference(it->second->spec(), spec), ")"));
+  }
+  return CreateResult{it->second, false};
+}
+
 absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(const CacheSpec& spec) {
   RETURN_IF_ERROR(ValidateSpec(spec));
-  auto existing = [&]() -> absl::StatusOr<CreateResult> {
-    auto it = caches_.find(spec.name);
-    if (it == caches_.end()) return CreateResult{};
-    if (it->second->spec() != spec) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("cache '", spec.name, "' already exists with a different spec (",
-                       DescribeSpecDifference(it->second->spec(), spec), ")"));
-    }
-    return CreateResult{it->second, false};
-  };
+
   {
     MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(CreateResult found, existing());
+    ASSIGN_OR_RETURN(CreateResult found, FindLocked(spec));
     if (found.cache != nullptr) return found;
   }
   // Allocate without the lock: a device allocation can be slow, and every RPC looks caches up.
@@ -27,7 +29,7 @@ absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(const CacheSpe
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> cache, Cache::Create(spec, device_));
   std::shared_ptr<Cache> shared(std::move(cache));
   MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(CreateResult found, existing());
+  ASSIGN_OR_RETURN(CreateResult found, FindLocked(spec));
   if (found.cache != nullptr) return found;  // a racing create won; ours is freed
   caches_.emplace(spec.name, shared);
   return CreateResult{std::move(shared), true};

@@ -29,8 +29,10 @@ class CacheRegistry {
     bool created = false;  // false: a cache with this exact spec already existed
   };
 
-  // Creates the cache named spec.name. Same name and same spec again is an idempotent success;
-  // same name with a different spec is ALREADY_EXISTS. Otherwise errors of Cache::Create.
+  // Creates the cache named spec.name. The memory is allocated outside the registry's lock, so
+  // racing creates of one name may each allocate; one wins and the others' memory is freed. Same
+  // name and same spec again is an idempotent success; same name with a different spec is
+  // ALREADY_EXISTS. Otherwise errors of Cache::Create.
   absl::StatusOr<CreateResult> Create(const CacheSpec& spec);
 
   // NOT_FOUND when no cache has that name.
@@ -43,6 +45,11 @@ class CacheRegistry {
   Device* device() const { return device_; }
 
  private:
+  // The cache named spec.name if its spec equals `spec` (created = false), an empty result when
+  // there is none, ALREADY_EXISTS when the specs differ.
+  absl::StatusOr<CreateResult> FindLocked(const CacheSpec& spec) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
   Device* const device_;
   mutable Mutex mu_;
   std::map<std::string, std::shared_ptr<Cache>, std::less<>> caches_ ABSL_GUARDED_BY(mu_);
