@@ -95,11 +95,14 @@ TEST(CacheDeviceFaultTest, AppendFailingInFirstGroupLeavesCacheAsBefore) {
   EXPECT_TRUE(SameState(before, CaptureState(**cache)));
 }
 
+// One full group with NORMAL rope: a middle Remove copies shared cells, then rotates keys.
+CacheSpec OneGroupSpec() {
+  return Spec(DType::kF32, 2, 16, 8, {Group(Full(), 1, 1, 4, 4, Rope(RopeType::kNormal, 4))});
+}
+
 TEST(CacheDeviceFaultTest, RemoveWithFailedRopeShiftRefusesFurtherDataOperations) {
   FaultyDevice device;
-  auto cache = Cache::Create(
-      Spec(DType::kF32, 2, 16, 8, {Group(Full(), 1, 1, 4, 4, Rope(RopeType::kNormal, 4))}),
-      &device);
+  auto cache = Cache::Create(OneGroupSpec(), &device);
   ASSERT_TRUE(cache.ok()) << cache.status();
   ASSERT_TRUE(AppendRange(**cache, 0, 0, 8).ok());
   device.fail_rope_at = 0;
@@ -120,9 +123,7 @@ TEST(CacheDeviceFaultTest, RemoveWithFailedRopeShiftRefusesFurtherDataOperations
 
 TEST(CacheDeviceFaultTest, RemoveWithFailedCopyOfSharedCellsRefusesFurtherDataOperations) {
   FaultyDevice device;
-  auto cache = Cache::Create(
-      Spec(DType::kF32, 2, 16, 8, {Group(Full(), 1, 1, 4, 4, Rope(RopeType::kNormal, 4))}),
-      &device);
+  auto cache = Cache::Create(OneGroupSpec(), &device);
   ASSERT_TRUE(cache.ok()) << cache.status();
   ASSERT_TRUE(AppendRange(**cache, 0, 0, 8).ok());
   ASSERT_TRUE((*cache)->CopyPrefix(0, 1, 8).ok());
