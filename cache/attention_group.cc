@@ -7,7 +7,7 @@
 namespace kvmesh {
 
 AttentionGroup::AttentionGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device)
-    : index_(index),
+    : LayerGroup(index),
       spec_(spec.groups[index].attention),
       dtype_(spec.dtype),
       geo_(ComputeAttentionGeometry(spec, index)),
@@ -31,6 +31,35 @@ AttentionGroup::AttentionGroup(int index, const CacheSpec& spec, DeviceArena are
 const AttentionGroup::Index* AttentionGroup::Find(int64_t seq) const {
   auto it = seqs_.find(seq);
   return it == seqs_.end() ? nullptr : &it->second;
+}
+
+int32_t AttentionGroup::Offset(int64_t seq) const {
+  const Index* index = Find(seq);
+  return index == nullptr ? 0 : index->rbegin()->first + 1;
+}
+
+void AttentionGroup::AddLive(absl::flat_hash_set<int64_t>* live) const {
+  for (const auto& [seq, index] : seqs_) live->insert(seq);
+}
+
+GroupSequenceInfo AttentionGroup::Info(int64_t seq) const {
+  GroupSequenceInfo g;
+  if (const Index* index = Find(seq)) {
+    g.stored = static_cast<int32_t>(index->size());
+    g.shared = SharedCells(*index);
+    g.first = index->begin()->first;
+    g.last = index->rbegin()->first;
+  }
+  return g;
+}
+
+GroupUsage AttentionGroup::Usage() const {
+  GroupUsage g;
+  g.cells_total = geo_.cells;
+  g.cells_used = g.cells_total - free_cells();
+  g.memory = geo_.memory;
+  g.bytes = arena_bytes();
+  return g;
 }
 
 int32_t AttentionGroup::SharedCells(const Index& index) const {
@@ -58,18 +87,25 @@ void AttentionGroup::ReleaseCell(int32_t cell) {
 // ---- Append -------------------------------------------------------------------------------
 
 AttentionGroup::AppendPlan AttentionGroup::PlanAppend(
-    const absl::flat_hash_map<int64_t, int32_t>& batch_lowest) const {
+    const absl::flat_hash_map<int64_t, int32_t>& batch_lowest,
+    const absl::flat_hash_map<int64_t, int32_t>& pending_first) const {
   AppendPlan plan;
   if (!limited_memory()) return plan;
+  auto bound = [&](int64_t seq, int64_t position) {
+    auto found = pending_first.find(seq);
+    if (found != pending_first.end()) position = std::min<int64_t>(position, found->second);
+    return position - geo_.memory;
+  };
   for (const auto& [seq, lowest] : batch_lowest) {
-    if (seqs_.contains(seq)) plan.prune.emplace_back(seq, int64_t{lowest} - geo_.memory);
+    if (seqs_.contains(seq)) plan.prune.emplace_back(seq, bound(seq, lowest));
   }
   for (int64_t seq : prune_pending_) {
     if (batch_lowest.contains(seq)) continue;
     auto found = seqs_.find(seq);
     if (found == seqs_.end()) continue;  // pending sequences are live; be safe all the same
-    plan.prune.emplace_back(seq, int64_t{found->second.rbegin()->first} + 1 - geo_.memory);
-    plan.pruned_pending.insert(seq);
+    plan.prune.emplace_back(seq, bound(seq, int64_t{found->second.rbegin()->first} + 1));
+    // A sequence held back by its pending tokens is looked at again after its commit.
+    if (!pending_first.contains(seq)) plan.pruned_pending.insert(seq);
   }
   // A cell is freed when every sequence referencing it drops it.
   absl::flat_hash_map<int32_t, int32_t> drops;
@@ -87,13 +123,24 @@ AttentionGroup::AppendPlan AttentionGroup::PlanAppend(
   return plan;
 }
 
-absl::Status AttentionGroup::CheckAppend(const AppendPlan& plan, int64_t num_tokens) const {
-  const int64_t available = free_cells() + plan.freed;
+absl::Status AttentionGroup::PrepareAppend(const AppendBatch& batch) {
+  for (size_t i = 0; i < batch.tokens.size(); ++i) {
+    const Index* index = Find(batch.tokens[i].seq);
+    if (index != nullptr && index->contains(batch.tokens[i].pos)) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "]: sequence ",
+                                                     batch.tokens[i].seq,
+                                                     " already stores position ",
+                                                     batch.tokens[i].pos));
+    }
+  }
+  plan_ = PlanAppend(batch.lowest, batch.pending_first);
+  const int64_t num_tokens = static_cast<int64_t>(batch.tokens.size());
+  const int64_t available = free_cells() + plan_.freed;
   if (available < num_tokens) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("group ", index_, ": a batch of ", num_tokens,
+        absl::StrCat("group ", index(), ": a batch of ", num_tokens,
                      " tokens needs as many free cells; ", available, " of ", geo_.cells,
-                     " are free", plan.freed > 0 ? " after sliding-window pruning" : ""));
+                     " are free", plan_.freed > 0 ? " after sliding-window pruning" : ""));
   }
   return absl::OkStatus();
 }
@@ -117,29 +164,61 @@ void AttentionGroup::ApplyPrune(const AppendPlan& plan) {
   for (int64_t seq : plan.pruned_pending) prune_pending_.erase(seq);
 }
 
-absl::Status AttentionGroup::WriteAppend(const AppendPlan& plan, absl::Span<const Token> tokens,
-                                         const uint8_t* payload, std::vector<int32_t>* cells) {
+absl::Status AttentionGroup::WriteAppend(const AppendBatch& batch, const uint8_t* section) {
+  const absl::Span<const Token> tokens = batch.tokens;
   pruned_early_ = free_cells() < static_cast<int64_t>(tokens.size());
-  if (pruned_early_) ApplyPrune(plan);
-  cells->resize(tokens.size());
-  for (int32_t& cell : *cells) cell = AllocateCell();
-  return device_->Scatter(arena_, planes_, *cells, payload);
+  if (pruned_early_) ApplyPrune(plan_);
+  cells_.resize(tokens.size());
+  for (int32_t& cell : cells_) cell = AllocateCell();
+  return device_->Scatter(arena_, planes_, cells_, section);
 }
 
-void AttentionGroup::AbandonAppend(absl::Span<const int32_t> cells) {
-  for (int32_t cell : cells) ReleaseCell(cell);
+void AttentionGroup::AbandonAppend() {
+  for (int32_t cell : cells_) ReleaseCell(cell);
+  cells_.clear();
   pruned_early_ = false;
 }
 
-void AttentionGroup::CommitAppend(const AppendPlan& plan, absl::Span<const Token> tokens,
-                                  absl::Span<const int32_t> cells) {
-  if (!pruned_early_) ApplyPrune(plan);
+void AttentionGroup::CommitAppend(const AppendBatch& batch) {
+  const absl::Span<const Token> tokens = batch.tokens;
+  if (!pruned_early_) ApplyPrune(plan_);
   pruned_early_ = false;
   for (size_t i = 0; i < tokens.size(); ++i) {
     Index& index = seqs_[tokens[i].seq];
-    index.emplace_hint(index.end(), tokens[i].pos, cells[i]);
+    index.emplace_hint(index.end(), tokens[i].pos, cells_[i]);
     if (limited_memory()) prune_pending_.insert(tokens[i].seq);
   }
+  cells_.clear();
+}
+
+absl::Status AttentionGroup::CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
+                                               int32_t accepted) {
+  if (static_cast<size_t>(accepted) < pending.size()) Truncate(seq, pending[accepted]);
+  if (limited_memory() && seqs_.contains(seq)) prune_pending_.insert(seq);
+  return absl::OkStatus();
+}
+
+void AttentionGroup::Truncate(int64_t seq, int32_t from) {
+  auto found = seqs_.find(seq);
+  if (found == seqs_.end()) return;
+  Index& index = found->second;
+  auto first = index.lower_bound(from);
+  for (auto it = first; it != index.end(); ++it) ReleaseCell(it->second);
+  index.erase(first, index.end());
+  if (index.empty()) {
+    seqs_.erase(found);
+    prune_pending_.erase(seq);
+  } else if (limited_memory()) {
+    prune_pending_.insert(seq);
+  }
+}
+
+int64_t AttentionGroup::PrivateCellsFrom(int64_t seq, int32_t from) const {
+  const Index* index = Find(seq);
+  if (index == nullptr) return 0;
+  int64_t n = 0;
+  for (auto it = index->lower_bound(from); it != index->end(); ++it) n += refs_[it->second] == 1;
+  return n;
 }
 
 // ---- Read ---------------------------------------------------------------------------------
@@ -159,8 +238,16 @@ size_t AttentionGroup::PayloadBytes(size_t num_tokens) const {
   return k_planes_.size() * num_tokens * (geo_.k_row_bytes + geo_.v_row_bytes);
 }
 
-absl::Status AttentionGroup::Gather(absl::Span<const int32_t> cells, uint8_t* dst) const {
-  return device_->Gather(arena_, planes_, cells, dst);
+ReadPart AttentionGroup::PlanRead(int64_t seq, int64_t begin, int64_t end, int32_t) const {
+  ReadPart part;
+  Collect(seq, begin, end, &part.positions, &part.rows);
+  part.bytes = PayloadBytes(part.rows.size());
+  return part;
+}
+
+absl::Status AttentionGroup::Gather(int64_t, const ReadPart& part, uint8_t* dst) const {
+  if (part.rows.empty()) return absl::OkStatus();
+  return device_->Gather(arena_, planes_, part.rows, dst);
 }
 
 // ---- CopyPrefix ---------------------------------------------------------------------------
@@ -170,13 +257,13 @@ bool AttentionGroup::HasPrefix(int64_t src_seq, int32_t length) const {
   return index != nullptr && index->begin()->first < length;
 }
 
-void AttentionGroup::ApplyCopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length) {
+absl::Status AttentionGroup::ApplyCopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length) {
   if (auto dst = seqs_.find(dst_seq); dst != seqs_.end()) {
     for (const auto& [pos, cell] : dst->second) ReleaseCell(cell);
     seqs_.erase(dst);
   }
   if (limited_memory()) prune_pending_.erase(dst_seq);
-  if (!HasPrefix(src_seq, length)) return;
+  if (!HasPrefix(src_seq, length)) return absl::OkStatus();
   const Index& src = seqs_.at(src_seq);
   Index copy;
   for (auto it = src.begin(); it != src.end() && it->first < length; ++it) {
@@ -185,6 +272,7 @@ void AttentionGroup::ApplyCopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t l
   }
   seqs_.emplace(dst_seq, std::move(copy));
   if (limited_memory()) prune_pending_.insert(dst_seq);
+  return absl::OkStatus();
 }
 
 // ---- Remove -------------------------------------------------------------------------------
@@ -197,7 +285,7 @@ absl::Status AttentionGroup::CheckRemove(int64_t seq, int32_t begin,
   if (moved == index->end()) return absl::OkStatus();
   if (spec_.rope.type == RopeType::kNone) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "group ", index_, " has rope NONE: removing [", begin, ", ", *end, ") from sequence ", seq,
+        "group ", LayerGroup::index(), " has rope NONE: removing [", begin, ", ", *end, ") from sequence ", seq,
         " would move its positions >= ", *end, " without re-rotating their keys"));
   }
   int64_t shared = 0;
@@ -207,7 +295,7 @@ absl::Status AttentionGroup::CheckRemove(int64_t seq, int32_t begin,
   for (auto it = index->lower_bound(begin); it != moved; ++it) freed += refs_[it->second] == 1;
   if (free_cells() + freed < shared) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "group ", index_, ": removing [", begin, ", ", *end, ") from sequence ", seq, " moves ",
+        "group ", LayerGroup::index(), ": removing [", begin, ", ", *end, ") from sequence ", seq, " moves ",
         shared, " cells shared with other sequences, which need private copies; only ",
         free_cells() + freed, " cells are free"));
   }
@@ -302,6 +390,80 @@ std::vector<int32_t> AttentionGroup::Visible(const Query& query) const {
     out.push_back(it->first);
   }
   return out;
+}
+
+}  // namespace kvmesh
+
+namespace kvmesh {
+
+// ---- Snapshots ----------------------------------------------------------------------------
+
+absl::StatusOr<GroupSnapshot> AttentionGroup::TakeSnapshot(int64_t seq, int32_t from,
+                                                           int32_t to) const {
+  GroupSnapshot snap;
+  snap.row_bytes = PayloadBytes(1);
+  Segment segment;
+  std::vector<int32_t> cells;
+  Collect(seq, from, to, &segment.positions, &cells);
+  segment.rows = static_cast<int32_t>(cells.size());
+  if (segment.rows == 0) return snap;
+  std::vector<size_t> row_bytes;
+  for (const Plane& plane : planes_) row_bytes.push_back(plane.row_bytes);
+  absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
+      AllocateChunk(device_, MemoryPool::kSnapshot, row_bytes, segment.rows);
+  if (!chunk.ok()) return chunk.status();
+  std::vector<int32_t> rows(cells.size());
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
+  absl::Status copied =
+      device_->CopyRowsBetween(arena_, planes_, cells, (*chunk)->arena, (*chunk)->planes, rows);
+  if (!copied.ok()) return copied;
+  segment.chunk = *std::move(chunk);
+  snap.segments.push_back(std::move(segment));
+  return snap;
+}
+
+absl::Status AttentionGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,
+                                          int32_t to, int32_t target) const {
+  if (snap == nullptr) return absl::OkStatus();
+  int64_t needed = 0;
+  for (const Segment& segment : snap->segments) {
+    for (int32_t pos : segment.positions) needed += pos < target;
+  }
+  const int64_t available = free_cells() + PrivateCellsFrom(seq, std::min(from, target));
+  if (available < needed) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "group ", index(), ": restoring ", needed, " positions into sequence ", seq,
+        " needs as many free cells; ", available, " of ", geo_.cells, " are free"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,
+                                          int32_t to, int32_t target) {
+  if (snap == nullptr) {
+    Truncate(seq, target);
+    return absl::OkStatus();
+  }
+  Truncate(seq, std::min(from, target));
+  absl::Status status;
+  for (const Segment& segment : snap->segments) {
+    std::vector<int32_t> src_rows, cells;
+    for (int32_t i = 0; i < segment.rows; ++i) {
+      const int32_t pos = segment.positions[i];
+      if (pos >= target) break;
+      const int32_t cell = AllocateCell();
+      src_rows.push_back(segment.first_row + i);
+      cells.push_back(cell);
+      Index& index = seqs_[seq];
+      index.emplace_hint(index.end(), pos, cell);
+    }
+    if (cells.empty()) continue;
+    const absl::Status s = device_->CopyRowsBetween(segment.chunk->arena, segment.chunk->planes,
+                                                    src_rows, arena_, planes_, cells);
+    if (status.ok()) status = s;
+  }
+  if (limited_memory() && seqs_.contains(seq)) prune_pending_.insert(seq);
+  return status;
 }
 
 }  // namespace kvmesh

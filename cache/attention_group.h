@@ -1,13 +1,13 @@
-// AttentionGroup: the storage and metadata of one Attention layer group of a Cache.
+// AttentionGroup: the storage and metadata of one Attention layer group of a Cache
+// (kvcache_causal.go's Causal: full, sliding-window and chunked attention).
 //
 // Cells form a pool shared by all sequences. Each cell holds one token's K and V in every layer
 // of the group and a reference count: the number of sequences whose index points at it. A cell
 // is free at count zero. Each sequence has an ordered index position -> cell, so every
 // operation costs in proportion to the positions it touches, never to the pool size.
 //
-// Operations come in two halves: Plan*/Check* inspect and never mutate; Apply* mutate and can
-// fail only on a device error. Cache runs every group's plan before any group's apply, which
-// is what makes its operations all-or-nothing across groups.
+// Pending speculative tokens are ordinary cells; sliding-window pruning stops short of what a
+// rejected speculation would need (AppendBatch::pending_first).
 //
 // Thread safety: none. The owning Cache serializes access under its lock.
 #ifndef KVMESH_CACHE_ATTENTION_GROUP_H_
@@ -25,20 +25,55 @@
 #include "absl/types/span.h"
 #include "cache/cache.h"
 #include "cache/device/device.h"
+#include "cache/layer_group.h"
 #include "cache/spec.h"
 
 namespace kvmesh {
 
-class AttentionGroup {
+class AttentionGroup final : public LayerGroup {
  public:
   using Index = absl::btree_map<int32_t, int32_t>;  // position -> cell
 
   AttentionGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device);
 
-  AttentionGroup(const AttentionGroup&) = delete;
-  AttentionGroup& operator=(const AttentionGroup&) = delete;
+  // LayerGroup:
+  GroupKind kind() const override { return GroupKind::kAttention; }
+  bool Has(int64_t seq) const override { return seqs_.contains(seq); }
+  int32_t Offset(int64_t seq) const override;
+  void AddLive(absl::flat_hash_set<int64_t>* live) const override;
+  size_t LiveCount() const override { return seqs_.size(); }
+  GroupSequenceInfo Info(int64_t seq) const override;
+  GroupUsage Usage() const override;
+  absl::Status PrepareAppend(const AppendBatch& batch) override;
+  size_t SectionBytes(const AppendBatch& batch) const override {
+    return PayloadBytes(batch.tokens.size());
+  }
+  bool WritesInPlace(const AppendBatch&) const override { return false; }
+  absl::Status WriteAppend(const AppendBatch& batch, const uint8_t* section) override;
+  void CommitAppend(const AppendBatch& batch) override;
+  void AbandonAppend() override;
+  absl::Status CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
+                                 int32_t accepted) override;
+  ReadPart PlanRead(int64_t seq, int64_t begin, int64_t end, int32_t seq_offset) const override;
+  absl::Status Gather(int64_t seq, const ReadPart& part, uint8_t* dst) const override;
+  std::vector<int32_t> Visible(const Query& query) const override;
+  bool CanResume(int64_t seq, int32_t pos) const override;
+  absl::Status CheckCopyPrefix(int64_t, int64_t, int32_t) const override {
+    return absl::OkStatus();
+  }
+  bool CopyPrefixYields(int64_t src, int32_t length) const override {
+    return HasPrefix(src, length);
+  }
+  absl::Status ApplyCopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length) override;
+  absl::Status CheckRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) const override;
+  absl::Status ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) override;
+  absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from,
+                                             int32_t to) const override;
+  absl::Status CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
+                            int32_t target) const override;
+  absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
+                            int32_t target) override;
 
-  int index() const { return index_; }
   const AttentionGeometry& geometry() const { return geo_; }
   const AttentionSpec& spec() const { return spec_; }
   int64_t free_cells() const { return int64_t(free_.size()) + (geo_.cells - next_fresh_); }
@@ -49,57 +84,39 @@ class AttentionGroup {
   const absl::flat_hash_map<int64_t, Index>& sequences() const { return seqs_; }
   int32_t SharedCells(const Index& index) const;
 
-  // ---- Append ---------------------------------------------------------------------------
+  // Stored positions of `seq` in [begin, end) and their cells.
+  void Collect(int64_t seq, int64_t begin, int64_t end, std::vector<int32_t>* positions,
+               std::vector<int32_t>* cells) const;
+  size_t PayloadBytes(size_t num_tokens) const;
+
+  // Whether src has any stored position < length.
+  bool HasPrefix(int64_t src_seq, int32_t length) const;
+
+ private:
   struct AppendPlan {
     std::vector<std::pair<int64_t, int64_t>> prune;  // (seq, drop positions below this)
     absl::flat_hash_set<int64_t> pruned_pending;     // non-batch sequences pruned to `last`
     int64_t freed = 0;                               // cells the pruning frees
   };
-  // Sliding-window pruning for a batch whose sequences have the given lowest positions.
-  AppendPlan PlanAppend(const absl::flat_hash_map<int64_t, int32_t>& batch_lowest) const;
-  // RESOURCE_EXHAUSTED unless `num_tokens` cells are free after the plan's pruning.
-  absl::Status CheckAppend(const AppendPlan& plan, int64_t num_tokens) const;
+  // Sliding-window pruning for a batch whose sequences have the given lowest positions;
+  // sequences in `pending_first` are never pruned past (first pending - memory).
+  AppendPlan PlanAppend(const absl::flat_hash_map<int64_t, int32_t>& batch_lowest,
+                        const absl::flat_hash_map<int64_t, int32_t>& pending_first) const;
   // Appending is split so that Cache can write every group before committing any: WriteAppend
-  // takes cells and scatters the rows of `tokens` from `payload` (this group's section) into
-  // them; CommitAppend then prunes and indexes them, or AbandonAppend gives them back. Cells come
-  // from the free pool first; only when it is short does WriteAppend apply the plan's pruning
-  // early to reuse the cells it frees (then an abandoned append leaves that pruning done, with
-  // metadata and data consistent).
-  absl::Status WriteAppend(const AppendPlan& plan, absl::Span<const Token> tokens,
-                           const uint8_t* payload, std::vector<int32_t>* cells);
-  void CommitAppend(const AppendPlan& plan, absl::Span<const Token> tokens,
-                    absl::Span<const int32_t> cells);
-  void AbandonAppend(absl::Span<const int32_t> cells);
+  // takes cells and scatters the rows into them; CommitAppend then prunes and indexes them, or
+  // AbandonAppend gives them back. Cells come from the free pool first; only when it is short
+  // does WriteAppend apply the plan's pruning early to reuse the cells it frees (then an
+  // abandoned append leaves that pruning done, with metadata and data consistent).
 
-  // ---- Read -----------------------------------------------------------------------------
-  // Stored positions of `seq` in [begin, end) and their cells.
-  void Collect(int64_t seq, int64_t begin, int64_t end, std::vector<int32_t>* positions,
-               std::vector<int32_t>* cells) const;
-  size_t PayloadBytes(size_t num_tokens) const;
-  absl::Status Gather(absl::Span<const int32_t> cells, uint8_t* dst) const;
-
-  // ---- CopyPrefix -----------------------------------------------------------------------
-  // Whether src has any stored position < length.
-  bool HasPrefix(int64_t src_seq, int32_t length) const;
-  void ApplyCopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length);
-
-  // ---- Remove ---------------------------------------------------------------------------
-  // FAILED_PRECONDITION when positions would move and rope is NONE; RESOURCE_EXHAUSTED when
-  // the private copies of shared moved cells do not fit.
-  absl::Status CheckRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) const;
-  absl::Status ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end);
-
-  // ---- CanResume / Visible --------------------------------------------------------------
-  bool CanResume(int64_t seq, int32_t pos) const;
-  std::vector<int32_t> Visible(const Query& query) const;
-
- private:
+  // Drops `seq`'s positions >= from (no device work).
+  void Truncate(int64_t seq, int32_t from);
+  // Cells of `seq` at positions >= from that no other sequence references.
+  int64_t PrivateCellsFrom(int64_t seq, int32_t from) const;
   void ApplyPrune(const AppendPlan& plan);
   int32_t AllocateCell();
   void ReleaseCell(int32_t cell);
   bool limited_memory() const { return geo_.memory != kUnlimitedMemory; }
 
-  const int index_;
   const AttentionSpec spec_;
   const DType dtype_;
   const AttentionGeometry geo_;
@@ -117,6 +134,8 @@ class AttentionGroup {
   // until the sequence does, so only these need looking at.
   absl::flat_hash_set<int64_t> prune_pending_;
   bool pruned_early_ = false;  // WriteAppend applied the plan's pruning already
+  AppendPlan plan_;            // of the Append in progress
+  std::vector<int32_t> cells_;  // taken by the Append in progress
 };
 
 }  // namespace kvmesh

@@ -1,11 +1,16 @@
 #include "cache/cache.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "cache/attention_group.h"
+#include "cache/layer_group.h"
+#include "cache/recurrent_group.h"
+#include "cache/rotating_group.h"
 #include "cache/status_macros.h"
 
 namespace kvmesh {
@@ -18,30 +23,67 @@ absl::Status CheckNonNegative(const char* what, int64_t value) {
   return absl::OkStatus();
 }
 
+bool HasKind(const CacheSpec& spec, GroupKind kind) {
+  for (const GroupSpec& g : spec.groups) {
+    if (g.kind == kind) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
-Cache::Cache(const CacheSpec& spec) : spec_(spec) {}
+const char* StateStatusName(StateStatus status) {
+  switch (status) {
+    case StateStatus::kNone:
+      return "NONE";
+    case StateStatus::kValid:
+      return "VALID";
+    case StateStatus::kInvalid:
+      return "INVALID";
+  }
+  return "UNKNOWN";
+}
+
+Cache::Cache(const CacheSpec& spec)
+    : spec_(spec),
+      contiguous_(RequiresContiguousPositions(spec)),
+      has_attention_(HasKind(spec, GroupKind::kAttention)) {}
 
 Cache::~Cache() = default;
 
 absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Device* device) {
   RETURN_IF_ERROR(ValidateSpec(spec));
   const size_t needed = CacheBytes(spec);
-  if (needed > device->budget_bytes() - std::min(device->budget_bytes(), device->used_bytes())) {
+  if (needed > device->free_bytes()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "cache '", spec.name, "' needs ", needed, " bytes on device ", device->name(), " but only ",
-        device->budget_bytes() - std::min(device->budget_bytes(), device->used_bytes()), " of ",
-        device->budget_bytes(), " bytes are free in the memory budget"));
+        device->free_bytes(), " of ", device->budget_bytes(),
+        " bytes are free in the memory budget"));
   }
   std::unique_ptr<Cache> cache(new Cache(spec));
   MutexLock lock(&cache->mu_);
   for (size_t g = 0; g < spec.groups.size(); ++g) {
+    const int index = static_cast<int>(g);
     switch (spec.groups[g].kind) {
       case GroupKind::kAttention: {
-        const AttentionGeometry geo = ComputeAttentionGeometry(spec, static_cast<int>(g));
-        ASSIGN_OR_RETURN(DeviceArena arena, device->Allocate(geo.bytes));
+        ASSIGN_OR_RETURN(DeviceArena arena,
+                         device->Allocate(ComputeAttentionGeometry(spec, index).bytes));
         cache->groups_.push_back(
-            std::make_unique<AttentionGroup>(static_cast<int>(g), spec, std::move(arena), device));
+            std::make_unique<AttentionGroup>(index, spec, std::move(arena), device));
+        break;
+      }
+      case GroupKind::kRotating: {
+        ASSIGN_OR_RETURN(DeviceArena arena,
+                         device->Allocate(ComputeRotatingGeometry(spec, index).bytes));
+        cache->groups_.push_back(
+            std::make_unique<RotatingGroup>(index, spec, std::move(arena), device));
+        break;
+      }
+      case GroupKind::kRecurrent: {
+        ASSIGN_OR_RETURN(DeviceArena arena,
+                         device->Allocate(ComputeRecurrentGeometry(spec, index).bytes));
+        cache->groups_.push_back(
+            std::make_unique<RecurrentGroup>(index, spec, std::move(arena), device));
         break;
       }
     }
@@ -58,31 +100,64 @@ absl::Status Cache::CheckUsableLocked() const {
                    device_failure_.ToString(), "); delete and recreate it"));
 }
 
+absl::Status Cache::CheckNotPendingLocked(int64_t seq, const char* what) const {
+  auto it = pending_.find(seq);
+  if (it == pending_.end()) return absl::OkStatus();
+  return absl::AbortedError(absl::StrCat("sequence ", seq, " has ", it->second.size(),
+                                         " pending speculative tokens; ", what,
+                                         " must wait for CommitSpeculation"));
+}
+
+absl::Status Cache::FailLocked(absl::Status status) {
+  if (!status.ok() && device_failure_.ok()) device_failure_ = status;
+  return status;
+}
+
 bool Cache::IsLiveLocked(int64_t seq) const {
   for (const auto& group : groups_) {
-    if (group->Find(seq) != nullptr) return true;
+    if (group->Has(seq)) return true;
   }
   return false;
 }
 
 int32_t Cache::LiveCountLocked() const {
-  if (groups_.size() == 1) return static_cast<int32_t>(groups_[0]->sequences().size());
+  if (groups_.size() == 1) return static_cast<int32_t>(groups_[0]->LiveCount());
   absl::flat_hash_set<int64_t> live;
-  for (const auto& group : groups_) {
-    for (const auto& [seq, index] : group->sequences()) live.insert(seq);
-  }
+  for (const auto& group : groups_) group->AddLive(&live);
   return static_cast<int32_t>(live.size());
 }
 
-absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint8_t> payload) {
+int32_t Cache::OffsetLocked(int64_t seq) const {
+  int32_t offset = 0;
+  for (const auto& group : groups_) offset = std::max(offset, group->Offset(seq));
+  return offset;
+}
+
+absl::Status Cache::CheckRoomForLocked(int64_t seq, const char* what) const {
+  if (IsLiveLocked(seq)) return absl::OkStatus();
+  const int32_t live = LiveCountLocked();
+  if (live + 1 <= spec_.max_sequences) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(what, " would make sequence ", seq,
+                                                   " live beside ", live,
+                                                   " others, more than max_sequences = ",
+                                                   spec_.max_sequences));
+}
+
+// ---- Append -------------------------------------------------------------------------------
+
+absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint8_t> payload,
+                           bool speculative) {
   if (tokens.empty()) return absl::InvalidArgumentError("tokens is empty");
   if (tokens.size() > static_cast<size_t>(spec_.max_batch)) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch of ", tokens.size(), " tokens exceeds max_batch = ", spec_.max_batch));
   }
+  AppendBatch batch;
+  batch.tokens = tokens;
+  batch.speculative = speculative;
   // Per sequence: the last position seen in the batch (to check ordering) and the lowest.
   absl::flat_hash_map<int64_t, int32_t> last_in_batch;
-  absl::flat_hash_map<int64_t, int32_t> lowest;
+  absl::flat_hash_map<int64_t, int32_t> count;
   for (size_t i = 0; i < tokens.size(); ++i) {
     const Token& t = tokens[i];
     if (t.seq < 0) {
@@ -95,6 +170,7 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
           absl::StrCat("tokens[", i, "].pos = ", t.pos, " is outside [0, ", INT32_MAX, ")"));
     }
     auto [it, inserted] = last_in_batch.emplace(t.seq, t.pos);
+    ++count[t.seq];
     if (!inserted) {
       if (t.pos == it->second) {
         return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "]: position ", t.pos,
@@ -108,55 +184,118 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
       }
       it->second = t.pos;
     } else {
-      lowest.emplace(t.seq, t.pos);
+      batch.lowest.emplace(t.seq, t.pos);
+      batch.seqs.push_back(t.seq);
     }
   }
-  const size_t expected = AppendPayloadBytes(spec_, tokens.size(), lowest.size());
+  const size_t expected = AppendPayloadBytes(spec_, static_cast<int64_t>(tokens.size()),
+                                             static_cast<int64_t>(batch.seqs.size()), speculative);
   if (payload.size() != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("payload is ", payload.size(), " bytes; ",
-                                                   tokens.size(), " tokens need ", expected));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "payload is ", payload.size(), " bytes; ", tokens.size(), " tokens of ",
+        batch.seqs.size(), " sequences", speculative ? " (speculative)" : "", " need ", expected));
   }
 
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckUsableLocked());
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    for (const auto& group : groups_) {
-      const AttentionGroup::Index* index = group->Find(tokens[i].seq);
-      if (index != nullptr && index->contains(tokens[i].pos)) {
-        return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "]: sequence ", tokens[i].seq,
-                                                       " already stores position ", tokens[i].pos));
+  for (int64_t seq : batch.seqs) {
+    if (!speculative) RETURN_IF_ERROR(CheckNotPendingLocked(seq, "a plain Append"));
+    const int32_t offset = OffsetLocked(seq);
+    const int32_t first = batch.lowest.at(seq);
+    if (contiguous_ && first != offset) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence ", seq, " continues at position ", first, " but its offset is ", offset,
+          "; a cache with Rotating or Recurrent groups needs every Append to continue a "
+          "sequence exactly at its offset"));
+    }
+    if (contiguous_ && last_in_batch.at(seq) - first + 1 != count.at(seq)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the positions of sequence ", seq, " in the batch run from ", first, " to ",
+          last_in_batch.at(seq), " with gaps; a cache with Rotating or Recurrent groups needs "
+          "consecutive positions"));
+    }
+    if (speculative) {
+      if (first < offset) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "speculative position ", first, " of sequence ", seq,
+            " is not past everything it stores (offset ", offset, ")"));
+      }
+      auto pending = pending_.find(seq);
+      const size_t held = pending == pending_.end() ? 0 : pending->second.size();
+      if (held + count.at(seq) > static_cast<size_t>(spec_.max_batch)) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "sequence ", seq, " would hold ", held + count.at(seq),
+            " pending speculative tokens, more than max_batch = ", spec_.max_batch));
       }
     }
   }
   int32_t new_sequences = 0;
-  for (const auto& [seq, pos] : lowest) new_sequences += !IsLiveLocked(seq);
+  for (int64_t seq : batch.seqs) new_sequences += !IsLiveLocked(seq);
   const int32_t live = LiveCountLocked();
   if (live + new_sequences > spec_.max_sequences) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the batch adds ", new_sequences, " new sequences to ", live,
                      " live ones, more than max_sequences = ", spec_.max_sequences));
   }
-  std::vector<AttentionGroup::AppendPlan> plans;
-  plans.reserve(groups_.size());
-  for (const auto& group : groups_) {
-    plans.push_back(group->PlanAppend(lowest));
-    RETURN_IF_ERROR(group->CheckAppend(plans.back(), static_cast<int64_t>(tokens.size())));
+  for (const auto& [seq, positions] : pending_) batch.pending_first.emplace(seq, positions[0]);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const absl::Status prepared = groups_[g]->PrepareAppend(batch);
+    if (!prepared.ok()) {
+      for (size_t h = 0; h <= g; ++h) groups_[h]->AbandonAppend();
+      return prepared;
+    }
   }
-  // Write every group before committing any, so a device error leaves the cache as it was
-  // (but for pruning a group had to apply early to find cells; see WriteAppend).
-  std::vector<std::vector<int32_t>> cells(groups_.size());
+  std::vector<const uint8_t*> sections(groups_.size());
   const uint8_t* section = payload.data();
   for (size_t g = 0; g < groups_.size(); ++g) {
-    const absl::Status written = groups_[g]->WriteAppend(plans[g], tokens, section, &cells[g]);
-    if (!written.ok()) {
-      for (size_t h = 0; h <= g; ++h) groups_[h]->AbandonAppend(cells[h]);
-      return written;
-    }
-    section += groups_[g]->PayloadBytes(tokens.size());
+    sections[g] = section;
+    section += groups_[g]->SectionBytes(batch);
   }
-  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->CommitAppend(plans[g], tokens, cells[g]);
+  // Write every group before committing any: first those that write into fresh storage, then
+  // those that overwrite in place, so that an error in the first kind leaves nothing changed.
+  for (bool in_place : {false, true}) {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      if (groups_[g]->WritesInPlace(batch) != in_place) continue;
+      const absl::Status written = groups_[g]->WriteAppend(batch, sections[g]);
+      if (!written.ok()) {
+        for (const auto& group : groups_) group->AbandonAppend();
+        return in_place ? FailLocked(written) : written;
+      }
+    }
+  }
+  for (const auto& group : groups_) group->CommitAppend(batch);
+  if (speculative) {
+    for (const Token& t : tokens) pending_[t.seq].push_back(t.pos);
+  }
   return absl::OkStatus();
 }
+
+absl::Status Cache::CommitSpeculation(int64_t seq, int32_t accepted) {
+  RETURN_IF_ERROR(ValidateSeq(seq));
+  RETURN_IF_ERROR(CheckNonNegative("accepted", accepted));
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUsableLocked());
+  auto it = pending_.find(seq);
+  if (it == pending_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", seq, " has no pending speculative tokens to commit"));
+  }
+  const std::vector<int32_t>& pending = it->second;
+  if (static_cast<size_t>(accepted) > pending.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("accepted = ", accepted, " is more than the ",
+                                                   pending.size(), " pending tokens of sequence ",
+                                                   seq));
+  }
+  absl::Status status;
+  for (const auto& group : groups_) {
+    const absl::Status s = group->CommitSpeculation(seq, pending, accepted);
+    if (status.ok()) status = s;
+  }
+  pending_.erase(it);
+  return FailLocked(status);
+}
+
+// ---- Read / Visible / CanResume -----------------------------------------------------------
 
 absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin,
                                        std::optional<int32_t> end) const {
@@ -171,20 +310,23 @@ absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin,
   if (!IsLiveLocked(seq)) {
     return absl::NotFoundError(absl::StrCat("cache '", spec_.name, "' has no sequence ", seq));
   }
+  const int32_t offset = OffsetLocked(seq);
+  const int64_t stop = end.has_value() ? int64_t{*end} : int64_t{INT32_MAX} + 1;
   ReadResult result;
-  result.positions.resize(groups_.size());
-  std::vector<std::vector<int32_t>> cells(groups_.size());
+  std::vector<ReadPart> parts;
+  parts.reserve(groups_.size());
   size_t total = 0;
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    groups_[g]->Collect(seq, begin, end.has_value() ? int64_t{*end} : int64_t{INT32_MAX} + 1,
-                        &result.positions[g], &cells[g]);
-    total += groups_[g]->PayloadBytes(cells[g].size());
+  for (const auto& group : groups_) {
+    parts.push_back(group->PlanRead(seq, begin, stop, offset));
+    total += parts.back().bytes;
   }
   result.payload.resize(total);
   uint8_t* dst = reinterpret_cast<uint8_t*>(result.payload.data());
   for (size_t g = 0; g < groups_.size(); ++g) {
-    RETURN_IF_ERROR(groups_[g]->Gather(cells[g], dst));
-    dst += groups_[g]->PayloadBytes(cells[g].size());
+    RETURN_IF_ERROR(groups_[g]->Gather(seq, parts[g], dst));
+    dst += parts[g].bytes;
+    result.positions.push_back(std::move(parts[g].positions));
+    result.states.push_back(parts[g].state);
   }
   return result;
 }
@@ -194,6 +336,10 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> Cache::Visible(
   if (group < 0 || group >= static_cast<int>(spec_.groups.size())) {
     return absl::InvalidArgumentError(
         absl::StrCat("group = ", group, " is out of range [0, ", spec_.groups.size(), ")"));
+  }
+  if (spec_.groups[group].kind == GroupKind::kRecurrent) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group = ", group, " is Recurrent: it holds a state, not positions to attend to"));
   }
   for (size_t i = 0; i < queries.size(); ++i) {
     if (queries[i].seq < 0 || queries[i].pos < 0) {
@@ -209,6 +355,18 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> Cache::Visible(
   return out;
 }
 
+absl::StatusOr<bool> Cache::CanResume(int64_t seq, int32_t pos) const {
+  RETURN_IF_ERROR(ValidateSeq(seq));
+  RETURN_IF_ERROR(CheckNonNegative("pos", pos));
+  ReaderMutexLock lock(&mu_);
+  for (const auto& group : groups_) {
+    if (!group->CanResume(seq, pos)) return false;
+  }
+  return true;
+}
+
+// ---- CopyPrefix / Remove ------------------------------------------------------------------
+
 absl::Status Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length) {
   RETURN_IF_ERROR(CheckNonNegative("src_seq", src_seq));
   RETURN_IF_ERROR(CheckNonNegative("dst_seq", dst_seq));
@@ -219,18 +377,22 @@ absl::Status Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length)
   }
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckUsableLocked());
+  RETURN_IF_ERROR(CheckNotPendingLocked(src_seq, "CopyPrefix from it"));
+  RETURN_IF_ERROR(CheckNotPendingLocked(dst_seq, "CopyPrefix into it"));
   bool dst_live_after = false;
-  for (const auto& group : groups_) dst_live_after |= group->HasPrefix(src_seq, length);
-  if (dst_live_after && !IsLiveLocked(dst_seq)) {
-    const int32_t live = LiveCountLocked();
-    if (live + 1 > spec_.max_sequences) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("copying a prefix into new sequence ", dst_seq, " would make ", live + 1,
-                       " live sequences, more than max_sequences = ", spec_.max_sequences));
-    }
+  for (const auto& group : groups_) {
+    RETURN_IF_ERROR(group->CheckCopyPrefix(src_seq, dst_seq, length));
+    dst_live_after |= group->CopyPrefixYields(src_seq, length);
   }
-  for (const auto& group : groups_) group->ApplyCopyPrefix(src_seq, dst_seq, length);
-  return absl::OkStatus();
+  if (dst_live_after) {
+    RETURN_IF_ERROR(CheckRoomForLocked(dst_seq, "copying a prefix"));
+  }
+  absl::Status status;
+  for (const auto& group : groups_) {
+    const absl::Status s = group->ApplyCopyPrefix(src_seq, dst_seq, length);
+    if (status.ok()) status = s;
+  }
+  return FailLocked(status);
 }
 
 absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> end) {
@@ -243,48 +405,32 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
   if (end.has_value() && *end == begin) return absl::OkStatus();
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckUsableLocked());
+  RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Remove"));
   for (const auto& group : groups_) RETURN_IF_ERROR(group->CheckRemove(seq, begin, end));
   absl::Status status;
   for (const auto& group : groups_) {
     const absl::Status s = group->ApplyRemove(seq, begin, end);
     if (status.ok()) status = s;
   }
-  if (!status.ok()) device_failure_ = status;
-  return status;
+  return FailLocked(status);
 }
 
-absl::StatusOr<bool> Cache::CanResume(int64_t seq, int32_t pos) const {
-  RETURN_IF_ERROR(ValidateSeq(seq));
-  RETURN_IF_ERROR(CheckNonNegative("pos", pos));
-  ReaderMutexLock lock(&mu_);
-  for (const auto& group : groups_) {
-    if (!group->CanResume(seq, pos)) return false;
-  }
-  return true;
-}
+// ---- Listing ------------------------------------------------------------------------------
 
 std::vector<SequenceInfo> Cache::ListSequences() const {
   ReaderMutexLock lock(&mu_);
-  absl::btree_set<int64_t> seqs;
-  for (const auto& group : groups_) {
-    for (const auto& [seq, index] : group->sequences()) seqs.insert(seq);
-  }
+  absl::flat_hash_set<int64_t> live;
+  for (const auto& group : groups_) group->AddLive(&live);
+  absl::btree_set<int64_t> seqs(live.begin(), live.end());
   std::vector<SequenceInfo> out;
   out.reserve(seqs.size());
   for (int64_t seq : seqs) {
     SequenceInfo info;
     info.seq = seq;
-    for (const auto& group : groups_) {
-      GroupSequenceInfo g;
-      if (const AttentionGroup::Index* index = group->Find(seq)) {
-        g.stored = static_cast<int32_t>(index->size());
-        g.shared = group->SharedCells(*index);
-        g.first = index->begin()->first;
-        g.last = index->rbegin()->first;
-        info.offset = std::max(info.offset, g.last + 1);
-      }
-      info.groups.push_back(g);
-    }
+    info.offset = OffsetLocked(seq);
+    auto pending = pending_.find(seq);
+    if (pending != pending_.end()) info.pending = static_cast<int32_t>(pending->second.size());
+    for (const auto& group : groups_) info.groups.push_back(group->Info(seq));
     out.push_back(std::move(info));
   }
   return out;
@@ -293,17 +439,220 @@ std::vector<SequenceInfo> Cache::ListSequences() const {
 CacheUsage Cache::Usage() const {
   ReaderMutexLock lock(&mu_);
   CacheUsage usage;
+  absl::flat_hash_set<const RowChunk*> pending_chunks;
   for (const auto& group : groups_) {
-    GroupUsage g;
-    g.cells_total = group->geometry().cells;
-    g.cells_used = g.cells_total - group->free_cells();
-    g.memory = group->geometry().memory;
-    g.bytes = group->arena_bytes();
-    usage.bytes_held += g.bytes;
-    usage.groups.push_back(g);
+    usage.groups.push_back(group->Usage());
+    usage.bytes_held += usage.groups.back().bytes;
+    group->AddPendingChunks(&pending_chunks);
   }
+  for (const RowChunk* chunk : pending_chunks) usage.bytes_held += chunk->arena.size();
   usage.sequences_live = LiveCountLocked();
+  absl::flat_hash_set<const RowChunk*> snapshot_chunks;
+  for (const auto& [id, record] : snapshots_) {
+    for (const GroupSnapshot& g : record->groups) {
+      for (const Segment& segment : g.segments) snapshot_chunks.insert(segment.chunk.get());
+    }
+  }
+  snapshot_chunks.erase(nullptr);
+  for (const RowChunk* chunk : snapshot_chunks) usage.snapshot_bytes += chunk->arena.size();
+  usage.snapshots = static_cast<int32_t>(snapshots_.size());
   return usage;
+}
+
+// ---- Snapshots ----------------------------------------------------------------------------
+
+SnapshotInfo Cache::InfoLocked(const SnapshotRecord& record) const {
+  SnapshotInfo info;
+  info.id = record.id;
+  info.seq = record.seq;
+  info.from = record.from;
+  info.to = record.to;
+  for (const GroupSnapshot& g : record.groups) {
+    SnapshotGroupInfo gi;
+    gi.stored = g.stored();
+    gi.ring_index = g.ring_index;
+    gi.state = g.has_state ? StateStatus::kValid : StateStatus::kNone;
+    info.bytes += g.bytes();
+    info.groups.push_back(gi);
+  }
+  return info;
+}
+
+absl::StatusOr<const SnapshotRecord*> Cache::FindSnapshotLocked(uint64_t id) const {
+  auto it = snapshots_.find(id);
+  if (it == snapshots_.end()) {
+    return absl::NotFoundError(absl::StrCat("cache '", spec_.name, "' has no snapshot ", id));
+  }
+  return it->second.get();
+}
+
+SnapshotInfo Cache::AddSnapshotLocked(SnapshotRecord record) {
+  record.id = next_snapshot_id_++;
+  auto stored = std::make_unique<SnapshotRecord>(std::move(record));
+  SnapshotInfo info = InfoLocked(*stored);
+  snapshots_.emplace(info.id, std::move(stored));
+  return info;
+}
+
+absl::StatusOr<SnapshotInfo> Cache::Snapshot(int64_t seq, int32_t from_offset) {
+  RETURN_IF_ERROR(ValidateSeq(seq));
+  RETURN_IF_ERROR(CheckNonNegative("from_offset", from_offset));
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUsableLocked());
+  if (!IsLiveLocked(seq)) {
+    return absl::NotFoundError(absl::StrCat("cache '", spec_.name, "' has no sequence ", seq));
+  }
+  RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Snapshot"));
+  const int32_t offset = OffsetLocked(seq);
+  if (from_offset >= offset) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("from_offset = ", from_offset, " is not below the offset ", offset,
+                     " of sequence ", seq, ": the snapshot would be empty"));
+  }
+  for (const auto& group : groups_) RETURN_IF_ERROR(group->CheckSnapshot(seq, from_offset));
+  SnapshotRecord record;
+  record.seq = seq;
+  record.from = from_offset;
+  record.to = offset;
+  for (const auto& group : groups_) {
+    ASSIGN_OR_RETURN(GroupSnapshot g, group->TakeSnapshot(seq, from_offset, offset));
+    record.groups.push_back(std::move(g));
+  }
+  return AddSnapshotLocked(std::move(record));
+}
+
+absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, int32_t target) {
+  RETURN_IF_ERROR(ValidateSeq(seq));
+  RETURN_IF_ERROR(CheckNonNegative("target", target));
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUsableLocked());
+  RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Restore"));
+  const int32_t offset = OffsetLocked(seq);
+  const SnapshotRecord* record = nullptr;
+  if (snapshot_id.has_value()) {
+    ASSIGN_OR_RETURN(record, FindSnapshotLocked(*snapshot_id));
+    if (target > record->to) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("target = ", target, " is past the end ", record->to, " of snapshot ",
+                       record->id, " [", record->from, ", ", record->to, ")"));
+    }
+    if (has_attention_ && offset < record->from) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", seq, " has offset ", offset, ", below the start ", record->from,
+          " of snapshot ", record->id, ": restoring it would leave positions [", offset, ", ",
+          record->from, ") missing"));
+    }
+    if (target > 0) RETURN_IF_ERROR(CheckRoomForLocked(seq, "restoring the snapshot"));
+  } else if (target > offset) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("target = ", target, " is past the offset ", offset, " of sequence ", seq,
+                     "; a rewind without a snapshot cannot go forward"));
+  }
+  const int32_t from = record == nullptr ? 0 : record->from;
+  const int32_t to = record == nullptr ? offset : record->to;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const GroupSnapshot* snap = record == nullptr ? nullptr : &record->groups[g];
+    RETURN_IF_ERROR(groups_[g]->CheckRestore(seq, snap, from, to, target));
+  }
+  absl::Status status;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const GroupSnapshot* snap = record == nullptr ? nullptr : &record->groups[g];
+    const absl::Status s = groups_[g]->ApplyRestore(seq, snap, from, to, target);
+    if (status.ok()) status = s;
+  }
+  return FailLocked(status);
+}
+
+absl::StatusOr<SnapshotInfo> Cache::MergeSnapshots(uint64_t parent, uint64_t child) {
+  if (parent == child) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parent and child are both snapshot ", parent, "; a merge needs two"));
+  }
+  MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(const SnapshotRecord* p, FindSnapshotLocked(parent));
+  ASSIGN_OR_RETURN(const SnapshotRecord* c, FindSnapshotLocked(child));
+  if (has_attention_ && p->to != c->from) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "snapshot ", parent, " covers [", p->from, ", ", p->to, ") and snapshot ", child,
+        " covers [", c->from, ", ", c->to, "): the parent must end where the child starts"));
+  }
+  SnapshotRecord merged;
+  merged.seq = c->seq;
+  merged.from = std::min(p->from, c->from);
+  merged.to = c->to;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    GroupSnapshot out = c->groups[g];
+    if (groups_[g]->kind() == GroupKind::kAttention) {
+      out.segments = p->groups[g].segments;
+      out.segments.insert(out.segments.end(), c->groups[g].segments.begin(),
+                          c->groups[g].segments.end());
+    }
+    merged.groups.push_back(std::move(out));
+  }
+  snapshots_.erase(parent);
+  snapshots_.erase(child);
+  return AddSnapshotLocked(std::move(merged));
+}
+
+absl::StatusOr<SplitResult> Cache::SplitSnapshot(uint64_t id, int32_t at) {
+  RETURN_IF_ERROR(CheckNonNegative("at", at));
+  MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(const SnapshotRecord* record, FindSnapshotLocked(id));
+  SnapshotRecord whole = *record;
+  snapshots_.erase(id);
+  SplitResult result;
+  // A ring or a recurrent state cannot be cut at a position: the whole snapshot is the child.
+  if (contiguous_ || at <= whole.from) {
+    result.child = AddSnapshotLocked(std::move(whole));
+    return result;
+  }
+  if (at >= whole.to) {
+    result.parent = AddSnapshotLocked(std::move(whole));
+    return result;
+  }
+  SnapshotRecord below = whole, above = whole;
+  below.to = at;
+  above.from = at;
+  for (size_t g = 0; g < whole.groups.size(); ++g) {
+    below.groups[g].segments.clear();
+    above.groups[g].segments.clear();
+    for (const Segment& segment : whole.groups[g].segments) {
+      const int32_t cut = static_cast<int32_t>(
+          std::lower_bound(segment.positions.begin(), segment.positions.end(), at) -
+          segment.positions.begin());
+      if (cut > 0) {
+        Segment lo = segment;
+        lo.rows = cut;
+        lo.positions.resize(cut);
+        below.groups[g].segments.push_back(std::move(lo));
+      }
+      if (cut < segment.rows) {
+        Segment hi = segment;
+        hi.first_row += cut;
+        hi.rows -= cut;
+        hi.positions.erase(hi.positions.begin(), hi.positions.begin() + cut);
+        above.groups[g].segments.push_back(std::move(hi));
+      }
+    }
+  }
+  result.parent = AddSnapshotLocked(std::move(below));
+  result.child = AddSnapshotLocked(std::move(above));
+  return result;
+}
+
+absl::Status Cache::DropSnapshot(uint64_t id) {
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(FindSnapshotLocked(id).status());
+  snapshots_.erase(id);
+  return absl::OkStatus();
+}
+
+std::vector<SnapshotInfo> Cache::ListSnapshots() const {
+  ReaderMutexLock lock(&mu_);
+  std::vector<SnapshotInfo> out;
+  out.reserve(snapshots_.size());
+  for (const auto& [id, record] : snapshots_) out.push_back(InfoLocked(*record));
+  return out;
 }
 
 }  // namespace kvmesh

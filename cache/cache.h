@@ -11,12 +11,14 @@
 #define KVMESH_CACHE_CACHE_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -26,7 +28,8 @@
 
 namespace kvmesh {
 
-class AttentionGroup;
+class LayerGroup;
+struct SnapshotRecord;
 
 // One token of an Append batch.
 struct Token {
@@ -41,30 +44,46 @@ struct Query {
   bool non_causal = false;  // when set, positions after `pos` are visible too
 };
 
+// Recurrent state of a sequence in a Recurrent group. kNone: the group is not Recurrent, the
+// sequence has no state there, or (in a Read) the range stops before the state's offset.
+enum class StateStatus { kNone, kValid, kInvalid };
+
+const char* StateStatusName(StateStatus status);
+
 struct ReadResult {
-  // positions[g]: stored positions of group g returned, ascending.
+  // positions[g]: stored positions of group g returned, ascending (empty for Recurrent groups).
   std::vector<std::vector<int32_t>> positions;
-  // For each group in spec order, for each layer: K [T_g][heads][head_dim_k], then
-  // V [T_g][heads][head_dim_v], in the cache's dtype (ARCHITECTURE.md §3 payload layout).
+  // states[g]: for a Recurrent group, kValid when the payload holds the sequence's state (the
+  // range reaches the sequence's offset and the state is valid), kInvalid when the state was
+  // invalidated (the payload holds none); kNone otherwise.
+  std::vector<StateStatus> states;
+  // For each group in spec order, for each layer: Attention/Rotating K [T_g][heads][head_dim_k]
+  // then V [T_g][heads][head_dim_v]; Recurrent conv [conv_tail][conv_dim] in dtype then delta
+  // [num_v_heads][head_v_dim][head_k_dim] in float32 when states[g] == kValid (ARCHITECTURE.md
+  // §3 payload layout).
   std::string payload;
 };
 
 struct GroupSequenceInfo {
-  int32_t stored = 0;  // positions stored in this group
-  int32_t shared = 0;  // of those, cells also referenced by another sequence
+  int32_t stored = 0;  // positions stored in this group (Recurrent: 0)
+  int32_t shared = 0;  // of those, cells also referenced by another sequence (Recurrent: 1 when
+                       // the state slot is shared copy-on-write)
   int32_t first = -1;  // lowest stored position, -1 when none
   int32_t last = -1;   // highest stored position, -1 when none
+  StateStatus state = StateStatus::kNone;  // Recurrent groups only
 };
 
 struct SequenceInfo {
   int64_t seq = 0;
-  int32_t offset = 0;  // one past the largest stored position over all groups
+  int32_t offset = 0;   // one past the largest position over all groups (pending included)
+  int32_t pending = 0;  // speculative tokens not yet committed
   std::vector<GroupSequenceInfo> groups;
 };
 
 struct GroupUsage {
+  // Attention: cells. Rotating: ring rows (rings x max_size). Recurrent: state slots.
   int64_t cells_total = 0;
-  int64_t cells_used = 0;  // cells referenced by at least one sequence
+  int64_t cells_used = 0;  // referenced by at least one sequence
   int32_t memory = 0;      // effective per-sequence memory, kUnlimitedMemory when unlimited
   size_t bytes = 0;        // device bytes of the group's arena
 };
@@ -72,7 +91,29 @@ struct GroupUsage {
 struct CacheUsage {
   std::vector<GroupUsage> groups;
   int32_t sequences_live = 0;
-  size_t bytes_held = 0;
+  size_t bytes_held = 0;      // group arenas and pending speculative data
+  int32_t snapshots = 0;
+  size_t snapshot_bytes = 0;  // snapshot pool bytes held by this cache's snapshots
+};
+
+struct SnapshotGroupInfo {
+  int32_t stored = 0;       // Attention/Rotating: positions held
+  int32_t ring_index = -1;  // Rotating: the ring's write index (to mod max_size)
+  StateStatus state = StateStatus::kNone;  // Recurrent: kValid
+};
+
+struct SnapshotInfo {
+  uint64_t id = 0;  // > 0, unique within the cache
+  int64_t seq = 0;  // the sequence it was taken from (the child's, after a merge)
+  int32_t from = 0;  // the snapshot covers [from, to)
+  int32_t to = 0;
+  size_t bytes = 0;  // data bytes it references in the snapshot pool
+  std::vector<SnapshotGroupInfo> groups;
+};
+
+struct SplitResult {
+  std::optional<SnapshotInfo> parent;  // [from, at), absent when nothing lies below `at`
+  std::optional<SnapshotInfo> child;   // [at, to), or the whole snapshot when a group cannot split
 };
 
 class Cache {
@@ -88,11 +129,25 @@ class Cache {
   const CacheSpec& spec() const { return spec_; }
 
   // Stores `tokens` with their K/V from `payload` (layout: AppendPayloadBytes). Sliding groups
-  // prune first as the seed's updateSlidingWindow. Errors: INVALID_ARGUMENT for an empty or
-  // oversized batch, negative seq/pos, positions not strictly increasing per sequence or already
-  // stored, a payload of the wrong size; RESOURCE_EXHAUSTED when a group lacks free cells or the
-  // batch would exceed max_sequences.
-  absl::Status Append(absl::Span<const Token> tokens, absl::Span<const uint8_t> payload);
+  // prune first as the seed's updateSlidingWindow; Recurrent groups take each sequence's state
+  // after the batch from the payload. Errors: INVALID_ARGUMENT for an empty or oversized batch,
+  // negative seq/pos, positions not strictly increasing per sequence or already stored, a
+  // sequence not continuing at its offset in a cache with Rotating or Recurrent groups, a
+  // payload of the wrong size; RESOURCE_EXHAUSTED when a group lacks free cells or the batch
+  // would exceed max_sequences; ABORTED for a sequence with pending speculative tokens.
+  //
+  // With `speculative`, the tokens are pending: Read, Visible and CanResume see them, and
+  // CommitSpeculation keeps a prefix of them. Each token's position must be past everything the
+  // sequence stores, a Recurrent group's section carries one state per token (the state after
+  // that token), and a sequence holds at most max_batch pending tokens (RESOURCE_EXHAUSTED).
+  // Speculative Appends to a sequence may follow one another; a plain Append may not.
+  absl::Status Append(absl::Span<const Token> tokens, absl::Span<const uint8_t> payload,
+                      bool speculative = false);
+
+  // Keeps the first `accepted` pending tokens of `seq` and discards the others in every group
+  // (the seed's Speculation.Commit). FAILED_PRECONDITION when `seq` has no pending tokens;
+  // INVALID_ARGUMENT when accepted < 0 or more than are pending.
+  absl::Status CommitSpeculation(int64_t seq, int32_t accepted);
 
   // K/V of the stored positions of `seq` in [begin, end) (end absent: to the end).
   // NOT_FOUND when `seq` stores nothing; INVALID_ARGUMENT for begin < 0 or end < begin.
@@ -124,21 +179,78 @@ class Cache {
 
   CacheUsage Usage() const;
 
+  // ---- Snapshots (mlx Snapshot/Restore/Merge/Split semantics per group) -----------------
+  // Copies `seq`'s data from `from_offset` to its offset into the device's snapshot pool:
+  // Attention groups the stored positions in [from, offset), Rotating groups the whole window
+  // with its ring index, Recurrent groups the whole state. NOT_FOUND for an unknown sequence;
+  // FAILED_PRECONDITION when from_offset >= offset or a Recurrent state is INVALID; ABORTED
+  // while the sequence has pending speculative tokens; RESOURCE_EXHAUSTED when the snapshot
+  // pool is full.
+  absl::StatusOr<SnapshotInfo> Snapshot(int64_t seq, int32_t from_offset);
+
+  // Without a snapshot: rewinds `seq` to `target` using its own data (Attention: target <=
+  // offset; Rotating: target == offset, or before the ring wrapped; Recurrent: target ==
+  // offset). With one: rewinds to the snapshot's start, writes its data and clamps to
+  // `target`; FAILED_PRECONDITION when target > snapshot end, when the sequence's offset <
+  // snapshot start (Attention), when a clamped Rotating window would be incomplete, or when a
+  // Recurrent target != snapshot end. `seq` may be any sequence of the cache. NOT_FOUND for an
+  // unknown snapshot; ABORTED while `seq` has pending tokens; RESOURCE_EXHAUSTED when cells or
+  // sequences run out. The snapshot stays.
+  absl::Status Restore(int64_t seq, std::optional<uint64_t> snapshot_id, int32_t target);
+
+  // [a,b) + [b,c) -> [a,c): Attention groups concatenate (INVALID_ARGUMENT unless the parent
+  // ends where the child starts), Rotating and Recurrent groups keep the child. Consumes both;
+  // the result has a new id. INVALID_ARGUMENT when parent == child; NOT_FOUND for either.
+  absl::StatusOr<SnapshotInfo> MergeSnapshots(uint64_t parent, uint64_t child);
+
+  // Splits [a,c) at `at` into [a,at) and [at,c). When a group cannot split (Rotating,
+  // Recurrent), there is no parent and the whole snapshot is the child; at <= a gives no parent,
+  // at >= c no child. Consumes the input; results have new ids. NOT_FOUND for an unknown id.
+  absl::StatusOr<SplitResult> SplitSnapshot(uint64_t id, int32_t at);
+
+  // NOT_FOUND for an unknown id.
+  absl::Status DropSnapshot(uint64_t id);
+
+  // All snapshots of the cache in ascending id order.
+  std::vector<SnapshotInfo> ListSnapshots() const;
+
  private:
   explicit Cache(const CacheSpec& spec);
 
   absl::Status ValidateSeq(int64_t seq) const;
   absl::Status CheckUsableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // ABORTED when `seq` has pending speculative tokens; `what` names the refused operation.
+  absl::Status CheckNotPendingLocked(int64_t seq, const char* what) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   int32_t LiveCountLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool IsLiveLocked(int64_t seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // One past the largest position any group holds for `seq` (pending included).
+  int32_t OffsetLocked(int64_t seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when making `seq` live would exceed max_sequences.
+  absl::Status CheckRoomForLocked(int64_t seq, const char* what) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Records a device error that left stored data damaged; returns it.
+  absl::Status FailLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SnapshotInfo InfoLocked(const SnapshotRecord& record) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<const SnapshotRecord*> FindSnapshotLocked(uint64_t id) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Gives `record` a new id and stores it.
+  SnapshotInfo AddSnapshotLocked(SnapshotRecord record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CacheSpec spec_;
+  const bool contiguous_;     // has a Rotating or Recurrent group
+  const bool has_attention_;  // has an Attention group
 
   mutable Mutex mu_;
-  std::vector<std::unique_ptr<AttentionGroup>> groups_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<LayerGroup>> groups_ ABSL_GUARDED_BY(mu_);
+  // Sequences with pending speculative tokens: their pending positions, ascending.
+  absl::flat_hash_map<int64_t, std::vector<int32_t>> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::unique_ptr<SnapshotRecord>> snapshots_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_snapshot_id_ ABSL_GUARDED_BY(mu_) = 1;
   // Set when a device call failed half-way through rewriting stored data (Remove's copy or RoPE
-  // shift): the metadata is consistent but some K/V bytes may not be. From then on Append,
-  // Read, CopyPrefix and Remove fail with FAILED_PRECONDITION; the cache must be recreated.
+  // shift, an in-place Append, a Restore, a commit): the metadata is consistent but some bytes
+  // may not be. From then on data operations fail with FAILED_PRECONDITION; the cache must be
+  // recreated.
   absl::Status device_failure_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -23,8 +23,39 @@ bool AttentionSpec::operator==(const AttentionSpec& o) const {
          head_dim_v == o.head_dim_v && window == o.window && rope == o.rope;
 }
 
+bool RotatingSpec::operator==(const RotatingSpec& o) const {
+  return num_kv_heads == o.num_kv_heads && head_dim_k == o.head_dim_k &&
+         head_dim_v == o.head_dim_v && max_size == o.max_size && rope == o.rope;
+}
+
+bool RecurrentSpec::operator==(const RecurrentSpec& o) const {
+  return conv_tail == o.conv_tail && conv_dim == o.conv_dim && num_v_heads == o.num_v_heads &&
+         head_v_dim == o.head_v_dim && head_k_dim == o.head_k_dim;
+}
+
 bool GroupSpec::operator==(const GroupSpec& o) const {
-  return num_layers == o.num_layers && kind == o.kind && attention == o.attention;
+  if (num_layers != o.num_layers || kind != o.kind) return false;
+  switch (kind) {
+    case GroupKind::kAttention:
+      return attention == o.attention;
+    case GroupKind::kRotating:
+      return rotating == o.rotating;
+    case GroupKind::kRecurrent:
+      return recurrent == o.recurrent;
+  }
+  return false;
+}
+
+const char* GroupKindName(GroupKind kind) {
+  switch (kind) {
+    case GroupKind::kAttention:
+      return "attention";
+    case GroupKind::kRotating:
+      return "rotating";
+    case GroupKind::kRecurrent:
+      return "recurrent";
+  }
+  return "unknown";
 }
 
 bool CacheSpec::operator==(const CacheSpec& o) const {
@@ -46,6 +77,23 @@ absl::Status CheckRange(const std::string& field, int64_t value, int64_t lo, int
 bool ValidNameChar(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
          c == '_' || c == '-';
+}
+
+absl::Status ValidateRope(const std::string& prefix, const RopeSpec& r, int32_t head_dim_k) {
+  if (r.type != RopeType::kNone) {
+    if (r.dims <= 0 || r.dims % 2 != 0 || r.dims > head_dim_k) {
+      return Invalid(absl::StrCat(prefix, ".rope.dims = ", r.dims,
+                                  " must be even and in [2, head_dim_k = ", head_dim_k, "]"));
+    }
+    if (!(std::isfinite(r.base) && r.base > 0.0f)) {
+      return Invalid(absl::StrCat(prefix, ".rope.base = ", r.base, " must be finite and > 0"));
+    }
+    if (!(std::isfinite(r.freq_scale) && r.freq_scale > 0.0f)) {
+      return Invalid(
+          absl::StrCat(prefix, ".rope.freq_scale = ", r.freq_scale, " must be finite and > 0"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidateAttention(const std::string& prefix, const AttentionSpec& a) {
@@ -75,21 +123,33 @@ absl::Status ValidateAttention(const std::string& prefix, const AttentionSpec& a
       }
       break;
   }
-  const RopeSpec& r = a.rope;
-  if (r.type != RopeType::kNone) {
-    if (r.dims <= 0 || r.dims % 2 != 0 || r.dims > a.head_dim_k) {
-      return Invalid(absl::StrCat(prefix, ".rope.dims = ", r.dims,
-                                  " must be even and in [2, head_dim_k = ", a.head_dim_k, "]"));
+  return ValidateRope(prefix, a.rope, a.head_dim_k);
+}
+
+absl::Status ValidateRotating(const std::string& prefix, const RotatingSpec& r,
+                              const CacheSpec& spec) {
+  absl::Status s;
+  if (!(s = CheckRange(prefix + ".num_kv_heads", r.num_kv_heads, 1, kMaxHeads)).ok()) return s;
+  if (!(s = CheckRange(prefix + ".head_dim_k", r.head_dim_k, 1, kMaxHeadDim)).ok()) return s;
+  if (!(s = CheckRange(prefix + ".head_dim_v", r.head_dim_v, 1, kMaxHeadDim)).ok()) return s;
+  if (!(s = CheckRange(prefix + ".max_size", r.max_size, 1, spec.capacity)).ok()) return s;
+  return ValidateRope(prefix, r.rope, r.head_dim_k);
+}
+
+absl::Status ValidateRecurrent(const std::string& prefix, const RecurrentSpec& r) {
+  absl::Status s;
+  if (!(s = CheckRange(prefix + ".conv_tail", r.conv_tail, 1, kMaxConvTail)).ok()) return s;
+  if (!(s = CheckRange(prefix + ".conv_dim", r.conv_dim, 1, kMaxConvDim)).ok()) return s;
+  if (!(s = CheckRange(prefix + ".num_v_heads", r.num_v_heads, 0, kMaxHeads)).ok()) return s;
+  if (r.num_v_heads == 0) {
+    if (r.head_v_dim != 0 || r.head_k_dim != 0) {
+      return Invalid(absl::StrCat(prefix, ".head_v_dim = ", r.head_v_dim, " and head_k_dim = ",
+                                  r.head_k_dim, " must be 0 when num_v_heads is 0"));
     }
-    if (!(std::isfinite(r.base) && r.base > 0.0f)) {
-      return Invalid(absl::StrCat(prefix, ".rope.base = ", r.base, " must be finite and > 0"));
-    }
-    if (!(std::isfinite(r.freq_scale) && r.freq_scale > 0.0f)) {
-      return Invalid(
-          absl::StrCat(prefix, ".rope.freq_scale = ", r.freq_scale, " must be finite and > 0"));
-    }
+    return absl::OkStatus();
   }
-  return absl::OkStatus();
+  if (!(s = CheckRange(prefix + ".head_v_dim", r.head_v_dim, 1, kMaxHeadDim)).ok()) return s;
+  return CheckRange(prefix + ".head_k_dim", r.head_k_dim, 1, kMaxHeadDim);
 }
 
 // Effective per-sequence memory of a sliding group, following the seed's Init.
@@ -126,13 +186,15 @@ absl::Status ValidateSpec(const CacheSpec& spec) {
         absl::StrCat("groups has ", spec.groups.size(), " entries, more than ", kMaxGroups));
   }
   unsigned __int128 total = 0;
-  unsigned __int128 token_bytes = 0;
+  unsigned __int128 token_bytes = 0;  // every group's bytes for one token (a state for Recurrent)
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     const GroupSpec& group = spec.groups[g];
     const std::string prefix = absl::StrCat("groups[", g, "]");
     if (!(s = CheckRange(prefix + ".num_layers", group.num_layers, 1, kMaxLayersPerGroup)).ok()) {
       return s;
     }
+    const unsigned __int128 layers = static_cast<unsigned>(group.num_layers);
+    const size_t elem = DTypeSize(spec.dtype);
     switch (group.kind) {
       case GroupKind::kAttention: {
         if (!(s = ValidateAttention(prefix + ".attention", group.attention)).ok()) return s;
@@ -146,11 +208,36 @@ absl::Status ValidateSpec(const CacheSpec& spec) {
                                       kMaxCellsPerGroup));
         }
         const AttentionSpec& a = group.attention;
-        const unsigned __int128 per_token = static_cast<unsigned __int128>(group.num_layers) *
-                                            a.num_kv_heads * (a.head_dim_k + a.head_dim_v) *
-                                            DTypeSize(spec.dtype);
-        total += per_token * cells;
+        const unsigned __int128 per_token =
+            layers * unsigned(a.num_kv_heads) * unsigned(a.head_dim_k + a.head_dim_v) * elem;
+        total += per_token * static_cast<uint64_t>(cells);
         token_bytes += per_token;
+        break;
+      }
+      case GroupKind::kRotating: {
+        if (!(s = ValidateRotating(prefix + ".rotating", group.rotating, spec)).ok()) return s;
+        const RotatingSpec& r = group.rotating;
+        const int64_t rows = int64_t{spec.max_sequences} * r.max_size;
+        if (rows > kMaxCellsPerGroup) {
+          return Invalid(absl::StrCat(prefix, " needs ", rows,
+                                      " ring rows (max_sequences x max_size), more than ",
+                                      kMaxCellsPerGroup));
+        }
+        const unsigned __int128 per_token =
+            layers * unsigned(r.num_kv_heads) * unsigned(r.head_dim_k + r.head_dim_v) * elem;
+        total += per_token * static_cast<uint64_t>(rows);
+        token_bytes += per_token;
+        break;
+      }
+      case GroupKind::kRecurrent: {
+        if (!(s = ValidateRecurrent(prefix + ".recurrent", group.recurrent)).ok()) return s;
+        const RecurrentSpec& r = group.recurrent;
+        using u128 = unsigned __int128;
+        const u128 state = layers * (u128(r.conv_tail) * unsigned(r.conv_dim) * elem +
+                                     u128(r.num_v_heads) * unsigned(r.head_v_dim) *
+                                         unsigned(r.head_k_dim) * 4u);
+        total += state * unsigned(spec.max_sequences);
+        token_bytes += state;  // a speculative Append carries one state per token
         break;
       }
     }
@@ -181,6 +268,38 @@ AttentionGeometry ComputeAttentionGeometry(const CacheSpec& spec, int group) {
   return geo;
 }
 
+RotatingGeometry ComputeRotatingGeometry(const CacheSpec& spec, int group) {
+  const GroupSpec& g = spec.groups[group];
+  const RotatingSpec& r = g.rotating;
+  RotatingGeometry geo;
+  geo.rings = spec.max_sequences;
+  geo.max_size = r.max_size;
+  geo.k_row_bytes = size_t(r.num_kv_heads) * r.head_dim_k * DTypeSize(spec.dtype);
+  geo.v_row_bytes = size_t(r.num_kv_heads) * r.head_dim_v * DTypeSize(spec.dtype);
+  geo.bytes = size_t(g.num_layers) * size_t(geo.rings) * size_t(geo.max_size) *
+              (geo.k_row_bytes + geo.v_row_bytes);
+  return geo;
+}
+
+RecurrentGeometry ComputeRecurrentGeometry(const CacheSpec& spec, int group) {
+  const GroupSpec& g = spec.groups[group];
+  const RecurrentSpec& r = g.recurrent;
+  RecurrentGeometry geo;
+  geo.slots = spec.max_sequences;
+  geo.conv_bytes = size_t(r.conv_tail) * r.conv_dim * DTypeSize(spec.dtype);
+  geo.delta_bytes = size_t(r.num_v_heads) * r.head_v_dim * r.head_k_dim * sizeof(float);
+  geo.state_bytes = size_t(g.num_layers) * (geo.conv_bytes + geo.delta_bytes);
+  geo.bytes = size_t(geo.slots) * geo.state_bytes;
+  return geo;
+}
+
+bool RequiresContiguousPositions(const CacheSpec& spec) {
+  for (const GroupSpec& g : spec.groups) {
+    if (g.kind != GroupKind::kAttention) return true;
+  }
+  return false;
+}
+
 size_t GroupTokenBytes(const CacheSpec& spec, int group) {
   const GroupSpec& g = spec.groups[group];
   switch (g.kind) {
@@ -189,14 +308,29 @@ size_t GroupTokenBytes(const CacheSpec& spec, int group) {
       return size_t(g.num_layers) * a.num_kv_heads * (a.head_dim_k + a.head_dim_v) *
              DTypeSize(spec.dtype);
     }
+    case GroupKind::kRotating: {
+      const RotatingSpec& r = g.rotating;
+      return size_t(g.num_layers) * r.num_kv_heads * (r.head_dim_k + r.head_dim_v) *
+             DTypeSize(spec.dtype);
+    }
+    case GroupKind::kRecurrent:
+      return 0;
   }
   return 0;
 }
 
-size_t AppendPayloadBytes(const CacheSpec& spec, int64_t num_tokens, int64_t num_sequences) {
+size_t GroupStateBytes(const CacheSpec& spec, int group) {
+  if (spec.groups[group].kind != GroupKind::kRecurrent) return 0;
+  return ComputeRecurrentGeometry(spec, group).state_bytes;
+}
+
+size_t AppendPayloadBytes(const CacheSpec& spec, int64_t num_tokens, int64_t num_sequences,
+                          bool speculative) {
+  const size_t states = static_cast<size_t>(speculative ? num_tokens : num_sequences);
   size_t total = 0;
   for (size_t g = 0; g < spec.groups.size(); ++g) {
-    total += GroupTokenBytes(spec, static_cast<int>(g)) * static_cast<size_t>(num_tokens);
+    total += GroupTokenBytes(spec, static_cast<int>(g)) * static_cast<size_t>(num_tokens) +
+             GroupStateBytes(spec, static_cast<int>(g)) * states;
   }
   return total;
 }
@@ -204,7 +338,18 @@ size_t AppendPayloadBytes(const CacheSpec& spec, int64_t num_tokens, int64_t num
 size_t CacheBytes(const CacheSpec& spec) {
   size_t total = 0;
   for (size_t g = 0; g < spec.groups.size(); ++g) {
-    total += ComputeAttentionGeometry(spec, static_cast<int>(g)).bytes;
+    const int group = static_cast<int>(g);
+    switch (spec.groups[g].kind) {
+      case GroupKind::kAttention:
+        total += ComputeAttentionGeometry(spec, group).bytes;
+        break;
+      case GroupKind::kRotating:
+        total += ComputeRotatingGeometry(spec, group).bytes;
+        break;
+      case GroupKind::kRecurrent:
+        total += ComputeRecurrentGeometry(spec, group).bytes;
+        break;
+    }
   }
   return total;
 }

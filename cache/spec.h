@@ -45,14 +45,41 @@ struct AttentionSpec {
   bool operator==(const AttentionSpec& o) const;
 };
 
-// Layer group kinds. Rotating and Recurrent groups (ARCHITECTURE.md §3) join this enum when
-// they are built; every switch over it is exhaustive so the compiler finds the places.
-enum class GroupKind { kAttention };
+// A per-sequence ring buffer of the last `max_size` tokens (mlx RotatingKVCache).
+struct RotatingSpec {
+  int32_t num_kv_heads = 0;
+  int32_t head_dim_k = 0;
+  int32_t head_dim_v = 0;
+  int32_t max_size = 0;  // tokens kept per sequence, in [1, capacity]
+  RopeSpec rope;
+  bool operator==(const RotatingSpec& o) const;
+};
+
+// Per-sequence recurrent state (lfm2 HybridCache, mlx RecurrentCache): a conv state
+// [conv_tail][conv_dim] in the cache's dtype and, when num_v_heads > 0, a gated-delta state
+// [num_v_heads][head_v_dim][head_k_dim] in float32.
+struct RecurrentSpec {
+  int32_t conv_tail = 0;
+  int32_t conv_dim = 0;
+  int32_t num_v_heads = 0;  // 0: no delta state (head_v_dim and head_k_dim must be 0 too)
+  int32_t head_v_dim = 0;
+  int32_t head_k_dim = 0;
+  bool operator==(const RecurrentSpec& o) const;
+};
+
+// Layer group kinds (ARCHITECTURE.md §3). Every switch over it is exhaustive so the compiler
+// finds the places a new kind must be handled.
+enum class GroupKind { kAttention, kRotating, kRecurrent };
+
+const char* GroupKindName(GroupKind kind);
 
 struct GroupSpec {
   int32_t num_layers = 0;
   GroupKind kind = GroupKind::kAttention;
   AttentionSpec attention;  // valid when kind == kAttention
+  RotatingSpec rotating;    // valid when kind == kRotating
+  RecurrentSpec recurrent;  // valid when kind == kRecurrent
+  // Compares num_layers, kind and the fields of that kind only.
   bool operator==(const GroupSpec& o) const;
 };
 
@@ -77,6 +104,8 @@ inline constexpr int64_t kMaxCellsPerGroup = int64_t{1} << 24;  // keeps host me
 inline constexpr int32_t kMaxSequences = 1 << 20;
 inline constexpr uint64_t kMaxCacheBytes = uint64_t{1} << 50;  // 1 PiB: anything larger is absurd
 inline constexpr size_t kMaxNameLength = 128;
+inline constexpr int32_t kMaxConvTail = 1024;
+inline constexpr int32_t kMaxConvDim = 1 << 20;
 
 // Returns INVALID_ARGUMENT naming the first bad field, or OK.
 absl::Status ValidateSpec(const CacheSpec& spec);
@@ -98,12 +127,45 @@ inline constexpr int32_t kUnlimitedMemory = INT32_MAX;
 // REQUIRES: ValidateSpec(spec).ok() and spec.groups[group].kind == kAttention.
 AttentionGeometry ComputeAttentionGeometry(const CacheSpec& spec, int group);
 
-// Bytes of the Append payload for `num_tokens` tokens of `num_sequences` distinct sequences.
-// REQUIRES: ValidateSpec(spec).ok().
-size_t AppendPayloadBytes(const CacheSpec& spec, int64_t num_tokens, int64_t num_sequences);
+// Sizes derived from a valid spec for one Rotating group: one ring of max_size rows per
+// possible sequence.
+struct RotatingGeometry {
+  int32_t rings = 0;       // max_sequences
+  int32_t max_size = 0;    // rows per ring
+  size_t k_row_bytes = 0;  // one token of K in one layer
+  size_t v_row_bytes = 0;
+  size_t bytes = 0;        // num_layers * rings * max_size * (k_row + v_row)
+};
+// REQUIRES: ValidateSpec(spec).ok() and spec.groups[group].kind == kRotating.
+RotatingGeometry ComputeRotatingGeometry(const CacheSpec& spec, int group);
 
-// Bytes of one token across all layers of group `group` (K and V).
+// Sizes derived from a valid spec for one Recurrent group: one state slot per possible
+// sequence.
+struct RecurrentGeometry {
+  int32_t slots = 0;          // max_sequences
+  size_t conv_bytes = 0;      // conv state of one layer: conv_tail * conv_dim * dtype
+  size_t delta_bytes = 0;     // delta state of one layer: heads * v * k * 4 (0 without delta)
+  size_t state_bytes = 0;     // one sequence's state over all layers of the group
+  size_t bytes = 0;           // slots * state_bytes
+};
+// REQUIRES: ValidateSpec(spec).ok() and spec.groups[group].kind == kRecurrent.
+RecurrentGeometry ComputeRecurrentGeometry(const CacheSpec& spec, int group);
+
+// Whether the cache has a Rotating or Recurrent group: then each sequence's Append must
+// continue exactly at its offset.
+bool RequiresContiguousPositions(const CacheSpec& spec);
+
+// Bytes of the Append payload for `num_tokens` tokens of `num_sequences` distinct sequences.
+// A speculative Append carries one recurrent state per token instead of one per sequence.
+// REQUIRES: ValidateSpec(spec).ok().
+size_t AppendPayloadBytes(const CacheSpec& spec, int64_t num_tokens, int64_t num_sequences,
+                          bool speculative = false);
+
+// Bytes of one token across all layers of group `group` (K and V); 0 for a Recurrent group.
 size_t GroupTokenBytes(const CacheSpec& spec, int group);
+
+// Bytes of one recurrent state across all layers of group `group`; 0 unless Recurrent.
+size_t GroupStateBytes(const CacheSpec& spec, int group);
 
 // Total device bytes a cache of this spec allocates. REQUIRES: ValidateSpec(spec).ok().
 size_t CacheBytes(const CacheSpec& spec);

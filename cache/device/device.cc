@@ -1,5 +1,7 @@
 #include "cache/device/device.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace kvmesh {
@@ -8,6 +10,7 @@ DeviceArena& DeviceArena::operator=(DeviceArena&& o) noexcept {
   if (this != &o) {
     Reset();
     device_ = o.device_;
+    pool_ = o.pool_;
     data_ = o.data_;
     size_ = o.size_;
     o.device_ = nullptr;
@@ -18,35 +21,45 @@ DeviceArena& DeviceArena::operator=(DeviceArena&& o) noexcept {
 }
 
 void DeviceArena::Reset() {
-  if (device_ != nullptr && data_ != nullptr) device_->Release(data_, size_);
+  if (device_ != nullptr && data_ != nullptr) device_->Release(pool_, data_, size_);
   device_ = nullptr;
   data_ = nullptr;
   size_ = 0;
 }
 
-size_t Device::used_bytes() const { return used_bytes_.load(std::memory_order_relaxed); }
-
-absl::StatusOr<DeviceArena> Device::Allocate(size_t bytes) {
-  // Reserve against the budget first so concurrent allocations cannot overshoot it.
-  size_t used = used_bytes_.load(std::memory_order_relaxed);
-  do {
-    if (bytes > budget_bytes_ || used > budget_bytes_ - bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat("device ", name(), ": allocating ", bytes,
-                                                       " bytes exceeds the memory budget (", used,
-                                                       " of ", budget_bytes_, " bytes in use)"));
-    }
-  } while (!used_bytes_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
-  absl::StatusOr<uint8_t*> data = RawAllocate(bytes);
-  if (!data.ok()) {
-    used_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
-    return data.status();
-  }
-  return DeviceArena(this, *data, bytes);
+size_t Device::used_bytes(MemoryPool pool) const {
+  return used_bytes_[static_cast<int>(pool)].load(std::memory_order_relaxed);
 }
 
-void Device::Release(uint8_t* data, size_t bytes) {
+size_t Device::free_bytes(MemoryPool pool) const {
+  const size_t budget = budget_bytes(pool);
+  return budget - std::min(budget, used_bytes(pool));
+}
+
+absl::StatusOr<DeviceArena> Device::Allocate(size_t bytes, MemoryPool pool) {
+  const int p = static_cast<int>(pool);
+  const size_t budget = budgets_[p];
+  // Reserve against the budget first so concurrent allocations cannot overshoot it.
+  size_t used = used_bytes_[p].load(std::memory_order_relaxed);
+  do {
+    if (bytes > budget || used > budget - bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "device ", name(), ": allocating ", bytes, " bytes exceeds the ",
+          pool == MemoryPool::kCache ? "memory" : "snapshot", " budget (", used, " of ", budget,
+          " bytes in use)"));
+    }
+  } while (!used_bytes_[p].compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  absl::StatusOr<uint8_t*> data = RawAllocate(bytes);
+  if (!data.ok()) {
+    used_bytes_[p].fetch_sub(bytes, std::memory_order_relaxed);
+    return data.status();
+  }
+  return DeviceArena(this, pool, *data, bytes);
+}
+
+void Device::Release(MemoryPool pool, uint8_t* data, size_t bytes) {
   RawFree(data, bytes);
-  used_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+  used_bytes_[static_cast<int>(pool)].fetch_sub(bytes, std::memory_order_relaxed);
 }
 
 }  // namespace kvmesh

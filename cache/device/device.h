@@ -30,13 +30,17 @@ namespace kvmesh {
 
 class Device;
 
+// A device keeps two budgets: one for cache storage (group arenas and pending speculative
+// data) and one for snapshots, so that checkpoints can never starve live sequences.
+enum class MemoryPool { kCache, kSnapshot };
+
 // Move-only owner of one device allocation. Frees it (and returns the bytes to the device's
 // budget) on destruction. The Device must outlive every arena it allocated.
 class DeviceArena {
  public:
   DeviceArena() = default;
-  DeviceArena(Device* device, uint8_t* data, size_t size)
-      : device_(device), data_(data), size_(size) {}
+  DeviceArena(Device* device, MemoryPool pool, uint8_t* data, size_t size)
+      : device_(device), pool_(pool), data_(data), size_(size) {}
   ~DeviceArena() { Reset(); }
   DeviceArena(DeviceArena&& o) noexcept { *this = std::move(o); }
   DeviceArena& operator=(DeviceArena&& o) noexcept;
@@ -50,6 +54,7 @@ class DeviceArena {
  private:
   void Reset();
   Device* device_ = nullptr;
+  MemoryPool pool_ = MemoryPool::kCache;
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
 };
@@ -76,16 +81,21 @@ class Device {
   // "host" or "cuda:N".
   virtual std::string name() const = 0;
 
-  // Allocates `bytes` of device memory. RESOURCE_EXHAUSTED when the budget cannot hold it.
-  // Contents are unspecified.
-  absl::StatusOr<DeviceArena> Allocate(size_t bytes);
+  // Allocates `bytes` of device memory from `pool`. RESOURCE_EXHAUSTED when the pool's budget
+  // cannot hold it. Contents are unspecified.
+  absl::StatusOr<DeviceArena> Allocate(size_t bytes, MemoryPool pool = MemoryPool::kCache);
 
-  size_t budget_bytes() const { return budget_bytes_; }
-  size_t used_bytes() const;
+  size_t budget_bytes(MemoryPool pool = MemoryPool::kCache) const {
+    return budgets_[static_cast<int>(pool)];
+  }
+  size_t used_bytes(MemoryPool pool = MemoryPool::kCache) const;
+  size_t free_bytes(MemoryPool pool = MemoryPool::kCache) const;
 
   // For each plane p (in order) and each i, copies row_bytes from
   // src[cursor] to row rows[i] of p, where cursor walks src contiguously: the layout of an
-  // Append payload for one group. REQUIRES: every row index is within the arena.
+  // Append payload for one group. A row index of -1 skips its source row (a token that would be
+  // overwritten within the same batch); no other row may appear twice. REQUIRES: every other
+  // row index is within the arena.
   virtual absl::Status Scatter(const DeviceArena& arena, absl::Span<const Plane> planes,
                                absl::Span<const int32_t> rows, const uint8_t* src) = 0;
 
@@ -99,13 +109,23 @@ class Device {
                                 absl::Span<const int32_t> src_rows,
                                 absl::Span<const int32_t> dst_rows) = 0;
 
+  // For each plane index p and each i: row dst_rows[i] of dst_planes[p] in `dst` = row
+  // src_rows[i] of src_planes[p] in `src`. Plane lists have equal length and equal row_bytes
+  // pairwise; row lists have equal length. `src` and `dst` may be the same arena only when no
+  // row is both read and written. Both arenas belong to this device (either pool).
+  virtual absl::Status CopyRowsBetween(const DeviceArena& src, absl::Span<const Plane> src_planes,
+                                       absl::Span<const int32_t> src_rows, const DeviceArena& dst,
+                                       absl::Span<const Plane> dst_planes,
+                                       absl::Span<const int32_t> dst_rows) = 0;
+
   // Rotates the keys in rows `rows` of every plane by params.delta positions (ARCHITECTURE.md
   // §3), computing in float32 and rounding back to params.dtype.
   virtual absl::Status RopeShift(const DeviceArena& arena, absl::Span<const Plane> planes,
                                  absl::Span<const int32_t> rows, const RopeShiftParams& params) = 0;
 
  protected:
-  explicit Device(size_t budget_bytes) : budget_bytes_(budget_bytes) {}
+  Device(size_t budget_bytes, size_t snapshot_budget_bytes)
+      : budgets_{budget_bytes, snapshot_budget_bytes} {}
 
   // Implementations allocate and free raw memory; accounting is done by the base class.
   virtual absl::StatusOr<uint8_t*> RawAllocate(size_t bytes) = 0;
@@ -113,10 +133,10 @@ class Device {
 
  private:
   friend class DeviceArena;
-  void Release(uint8_t* data, size_t bytes);
+  void Release(MemoryPool pool, uint8_t* data, size_t bytes);
 
-  const size_t budget_bytes_;
-  mutable std::atomic<size_t> used_bytes_{0};
+  const size_t budgets_[2];
+  mutable std::atomic<size_t> used_bytes_[2] = {0, 0};
 };
 
 }  // namespace kvmesh

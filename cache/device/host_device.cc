@@ -30,7 +30,7 @@ absl::Status HostDevice::Scatter(const DeviceArena& arena, absl::Span<const Plan
   for (const Plane& plane : planes) {
     uint8_t* base = arena.data() + plane.offset;
     for (int32_t row : rows) {
-      std::memcpy(base + size_t(row) * plane.row_bytes, src, plane.row_bytes);
+      if (row >= 0) std::memcpy(base + size_t(row) * plane.row_bytes, src, plane.row_bytes);
       src += plane.row_bytes;
     }
   }
@@ -57,6 +57,24 @@ absl::Status HostDevice::CopyRows(const DeviceArena& arena, absl::Span<const Pla
     for (size_t i = 0; i < src_rows.size(); ++i) {
       std::memcpy(base + size_t(dst_rows[i]) * plane.row_bytes,
                   base + size_t(src_rows[i]) * plane.row_bytes, plane.row_bytes);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HostDevice::CopyRowsBetween(const DeviceArena& src,
+                                         absl::Span<const Plane> src_planes,
+                                         absl::Span<const int32_t> src_rows,
+                                         const DeviceArena& dst,
+                                         absl::Span<const Plane> dst_planes,
+                                         absl::Span<const int32_t> dst_rows) {
+  for (size_t p = 0; p < src_planes.size(); ++p) {
+    const uint8_t* from = src.data() + src_planes[p].offset;
+    uint8_t* to = dst.data() + dst_planes[p].offset;
+    const size_t row_bytes = src_planes[p].row_bytes;
+    for (size_t i = 0; i < src_rows.size(); ++i) {
+      std::memcpy(to + size_t(dst_rows[i]) * row_bytes, from + size_t(src_rows[i]) * row_bytes,
+                  row_bytes);
     }
   }
   return absl::OkStatus();

@@ -10,7 +10,10 @@ namespace kvmesh {
 
 class HostDevice : public Device {
  public:
-  explicit HostDevice(size_t budget_bytes) : Device(budget_bytes) {}
+  // The snapshot pool defaults to the size of the cache pool.
+  explicit HostDevice(size_t budget_bytes) : Device(budget_bytes, budget_bytes) {}
+  HostDevice(size_t budget_bytes, size_t snapshot_budget_bytes)
+      : Device(budget_bytes, snapshot_budget_bytes) {}
 
   std::string name() const override { return "host"; }
   absl::Status Scatter(const DeviceArena& arena, absl::Span<const Plane> planes,
@@ -20,6 +23,10 @@ class HostDevice : public Device {
   absl::Status CopyRows(const DeviceArena& arena, absl::Span<const Plane> planes,
                         absl::Span<const int32_t> src_rows,
                         absl::Span<const int32_t> dst_rows) override;
+  absl::Status CopyRowsBetween(const DeviceArena& src, absl::Span<const Plane> src_planes,
+                               absl::Span<const int32_t> src_rows, const DeviceArena& dst,
+                               absl::Span<const Plane> dst_planes,
+                               absl::Span<const int32_t> dst_rows) override;
   absl::Status RopeShift(const DeviceArena& arena, absl::Span<const Plane> planes,
                          absl::Span<const int32_t> rows, const RopeShiftParams& params) override;
 

@@ -104,14 +104,20 @@ inline double DecodeElement(DType dtype, absl::Span<const uint8_t> data, size_t 
   return DecodeElement(dtype, data.data() + i * ElementBytes(dtype));
 }
 
-// Elements of one token's K (or V) row in one layer of attention group `group`.
+// Elements of one token's K (or V) row in one layer of Attention or Rotating group `group`.
 inline size_t KRowElements(const CacheSpec& spec, int group) {
-  const AttentionSpec& a = spec.groups[group].attention;
-  return static_cast<size_t>(a.num_kv_heads) * a.head_dim_k;
+  const GroupSpec& g = spec.groups[group];
+  if (g.kind == GroupKind::kRotating) {
+    return static_cast<size_t>(g.rotating.num_kv_heads) * g.rotating.head_dim_k;
+  }
+  return static_cast<size_t>(g.attention.num_kv_heads) * g.attention.head_dim_k;
 }
 inline size_t VRowElements(const CacheSpec& spec, int group) {
-  const AttentionSpec& a = spec.groups[group].attention;
-  return static_cast<size_t>(a.num_kv_heads) * a.head_dim_v;
+  const GroupSpec& g = spec.groups[group];
+  if (g.kind == GroupKind::kRotating) {
+    return static_cast<size_t>(g.rotating.num_kv_heads) * g.rotating.head_dim_v;
+  }
+  return static_cast<size_t>(g.attention.num_kv_heads) * g.attention.head_dim_v;
 }
 
 // The pattern stream of the K (key=true) or V row that token `token_id` has in `layer` of
@@ -130,6 +136,33 @@ inline std::vector<uint8_t> RowBytes(const CacheSpec& spec, uint64_t token_id, i
   return row;
 }
 
+// One layer of one recurrent state of Recurrent group `group`: conv [conv_tail][conv_dim] in
+// the cache dtype, then delta [num_v_heads][head_v_dim][head_k_dim] in float32, from the pattern
+// streams of `state_id`. States are identified by ids the test chooses, like token rows.
+inline std::vector<uint8_t> StateLayerBytes(const CacheSpec& spec, uint64_t state_id, int group,
+                                            int layer) {
+  const RecurrentSpec& r = spec.groups[group].recurrent;
+  const size_t conv = static_cast<size_t>(r.conv_tail) * r.conv_dim;
+  const size_t delta = static_cast<size_t>(r.num_v_heads) * r.head_v_dim * r.head_k_dim;
+  std::vector<uint8_t> out(conv * ElementBytes(spec.dtype) + delta * 4);
+  const uint64_t seed = RowSeed(state_id ^ 0x5EC0DE5EC0DEull, group, layer, true);
+  FillPattern(spec.dtype, seed, conv, out.data());
+  FillPattern(DType::kF32, Mix64(seed), delta, out.data() + conv * ElementBytes(spec.dtype));
+  return out;
+}
+
+// Appends the section of Recurrent group `group` holding the states `state_ids`: for each
+// layer, each state's conv then delta.
+inline void AppendGroupStates(const CacheSpec& spec, int group,
+                              absl::Span<const uint64_t> state_ids, std::string* out) {
+  for (int layer = 0; layer < spec.groups[group].num_layers; ++layer) {
+    for (uint64_t id : state_ids) {
+      const std::vector<uint8_t> bytes = StateLayerBytes(spec, id, group, layer);
+      out->append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    }
+  }
+}
+
 // Appends, for each group and layer, K rows then V rows of `ids_per_group[g]` to out.
 inline void AppendGroupRows(const CacheSpec& spec, int group, absl::Span<const uint64_t> ids,
                             std::string* out) {
@@ -143,22 +176,33 @@ inline void AppendGroupRows(const CacheSpec& spec, int group, absl::Span<const u
   }
 }
 
-// The Append payload for a batch whose i-th token has id token_ids[i] (Attention groups only).
+// The Append payload for a batch whose i-th token has id token_ids[i]. Recurrent groups get
+// the states `state_ids` (one per distinct sequence, or one per token when speculative).
 inline std::vector<uint8_t> AppendPayload(const CacheSpec& spec,
-                                          absl::Span<const uint64_t> token_ids) {
+                                          absl::Span<const uint64_t> token_ids,
+                                          absl::Span<const uint64_t> state_ids = {}) {
   std::string bytes;
   for (int g = 0; g < static_cast<int>(spec.groups.size()); ++g) {
-    AppendGroupRows(spec, g, token_ids, &bytes);
+    if (spec.groups[g].kind == GroupKind::kRecurrent) {
+      AppendGroupStates(spec, g, state_ids, &bytes);
+    } else {
+      AppendGroupRows(spec, g, token_ids, &bytes);
+    }
   }
   return std::vector<uint8_t>(bytes.begin(), bytes.end());
 }
 
-// The Read payload when group g returns the rows of ids_per_group[g], in that order.
+// The Read payload when group g returns the rows of ids_per_group[g], in that order; for a
+// Recurrent group ids_per_group[g] holds the id of the state returned (or nothing).
 inline std::string ReadPayload(const CacheSpec& spec,
                                const std::vector<std::vector<uint64_t>>& ids_per_group) {
   std::string bytes;
   for (int g = 0; g < static_cast<int>(spec.groups.size()); ++g) {
-    AppendGroupRows(spec, g, ids_per_group[g], &bytes);
+    if (spec.groups[g].kind == GroupKind::kRecurrent) {
+      AppendGroupStates(spec, g, ids_per_group[g], &bytes);
+    } else {
+      AppendGroupRows(spec, g, ids_per_group[g], &bytes);
+    }
   }
   return bytes;
 }

@@ -1,0 +1,348 @@
+#include "cache/recurrent_group.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvmesh {
+
+RecurrentGroup::RecurrentGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device)
+    : LayerGroup(index),
+      geo_(ComputeRecurrentGeometry(spec, index)),
+      device_(device),
+      arena_(std::move(arena)),
+      refs_(static_cast<size_t>(geo_.slots), 0) {
+  // Arena layout: for each layer, [slots][conv + delta].
+  const size_t layer_bytes = geo_.conv_bytes + geo_.delta_bytes;
+  for (int32_t l = 0; l < spec.groups[index].num_layers; ++l) {
+    planes_.push_back(Plane{size_t(l) * size_t(geo_.slots) * layer_bytes, layer_bytes});
+    row_bytes_.push_back(layer_bytes);
+  }
+  free_.reserve(geo_.slots);
+  for (int32_t s = geo_.slots - 1; s >= 0; --s) free_.push_back(s);
+}
+
+const RecurrentGroup::Sequence* RecurrentGroup::Find(int64_t seq) const {
+  auto it = seqs_.find(seq);
+  return it == seqs_.end() ? nullptr : &it->second;
+}
+
+int32_t RecurrentGroup::Offset(int64_t seq) const {
+  const Sequence* s = Find(seq);
+  if (s == nullptr) return 0;
+  return s->pending.empty() ? s->offset : s->pending.back().pos + 1;
+}
+
+void RecurrentGroup::AddLive(absl::flat_hash_set<int64_t>* live) const {
+  for (const auto& [seq, s] : seqs_) live->insert(seq);
+}
+
+GroupSequenceInfo RecurrentGroup::Info(int64_t seq) const {
+  GroupSequenceInfo g;
+  const Sequence* s = Find(seq);
+  if (s == nullptr) return g;
+  g.shared = s->slot >= 0 && refs_[s->slot] > 1 ? 1 : 0;
+  g.state = s->valid || !s->pending.empty() ? StateStatus::kValid : StateStatus::kInvalid;
+  return g;
+}
+
+GroupUsage RecurrentGroup::Usage() const {
+  GroupUsage g;
+  g.cells_total = geo_.slots;
+  g.cells_used = geo_.slots - static_cast<int64_t>(free_.size());
+  g.memory = kUnlimitedMemory;
+  g.bytes = arena_.size();
+  return g;
+}
+
+void RecurrentGroup::AddPendingChunks(absl::flat_hash_set<const RowChunk*>* chunks) const {
+  for (const auto& [seq, s] : seqs_) {
+    for (const PendingRow& row : s.pending) chunks->insert(row.chunk.get());
+  }
+}
+
+int32_t RecurrentGroup::TakeSlot() {
+  const int32_t slot = free_.back();
+  free_.pop_back();
+  refs_[slot] = 1;
+  return slot;
+}
+
+void RecurrentGroup::ReleaseSlot(int32_t slot) {
+  if (slot >= 0 && --refs_[slot] == 0) free_.push_back(slot);
+}
+
+void RecurrentGroup::Drop(int64_t seq) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return;
+  ReleaseSlot(it->second.slot);
+  seqs_.erase(it);
+}
+
+int32_t RecurrentGroup::MakeWritable(Sequence* s) {
+  if (s->slot >= 0 && refs_[s->slot] == 1) return s->slot;
+  ReleaseSlot(s->slot);
+  s->slot = TakeSlot();
+  return s->slot;
+}
+
+// ---- Append -------------------------------------------------------------------------------
+
+absl::Status RecurrentGroup::PrepareAppend(const AppendBatch& batch) {
+  if (batch.speculative) {
+    absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
+        AllocateChunk(device_, MemoryPool::kCache, row_bytes_,
+                      static_cast<int32_t>(batch.tokens.size()));
+    if (!chunk.ok()) return chunk.status();
+    spec_chunk_ = *std::move(chunk);
+    return absl::OkStatus();
+  }
+  size_t needed = 0;
+  for (int64_t seq : batch.seqs) needed += NeedsSlot(Find(seq));
+  if (needed > free_.size()) {
+    return absl::ResourceExhaustedError(absl::StrCat("group ", index(), ": the batch needs ",
+                                                     needed, " new state slots; ", free_.size(),
+                                                     " of ", geo_.slots, " are free"));
+  }
+  return absl::OkStatus();
+}
+
+size_t RecurrentGroup::SectionBytes(const AppendBatch& batch) const {
+  return geo_.state_bytes * (batch.speculative ? batch.tokens.size() : batch.seqs.size());
+}
+
+absl::Status RecurrentGroup::WriteAppend(const AppendBatch& batch, const uint8_t* section) {
+  if (batch.speculative) {
+    std::vector<int32_t> rows(batch.tokens.size());
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
+    return device_->Scatter(spec_chunk_->arena, spec_chunk_->planes, rows, section);
+  }
+  // A private slot is overwritten in place; a shared or missing one is replaced by a fresh
+  // slot, so the sequences sharing it keep their state.
+  std::vector<int32_t> slots;
+  for (int64_t seq : batch.seqs) {
+    const Sequence* s = Find(seq);
+    if (NeedsSlot(s)) {
+      writes_.push_back(Write{seq, TakeSlot(), s == nullptr ? -1 : s->slot});
+    } else {
+      writes_.push_back(Write{seq, s->slot, -1});
+    }
+    slots.push_back(writes_.back().slot);
+  }
+  return device_->Scatter(arena_, planes_, slots, section);
+}
+
+void RecurrentGroup::CommitAppend(const AppendBatch& batch) {
+  if (batch.speculative) {
+    for (size_t i = 0; i < batch.tokens.size(); ++i) {
+      Sequence& s = seqs_[batch.tokens[i].seq];
+      s.pending.push_back(PendingRow{spec_chunk_, static_cast<int32_t>(i), batch.tokens[i].pos});
+    }
+    spec_chunk_.reset();
+    return;
+  }
+  absl::flat_hash_map<int64_t, int32_t> last;
+  for (const Token& t : batch.tokens) last[t.seq] = t.pos;
+  for (const Write& w : writes_) {
+    Sequence& s = seqs_[w.seq];
+    if (w.slot != s.slot) {
+      ReleaseSlot(s.slot);
+      s.slot = w.slot;
+    }
+    s.offset = last[w.seq] + 1;
+    s.valid = true;
+  }
+  writes_.clear();
+}
+
+void RecurrentGroup::AbandonAppend() {
+  for (const Write& w : writes_) {
+    const Sequence* s = Find(w.seq);
+    if (s == nullptr || s->slot != w.slot) ReleaseSlot(w.slot);
+  }
+  writes_.clear();
+  spec_chunk_.reset();
+}
+
+absl::Status RecurrentGroup::CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
+                                               int32_t accepted) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return absl::OkStatus();
+  Sequence& s = it->second;
+  std::vector<PendingRow> rows = std::move(s.pending);
+  s.pending.clear();
+  absl::Status status;
+  if (accepted > 0) {
+    if (NeedsSlot(&s) && free_.empty()) {
+      return absl::InternalError(absl::StrCat("group ", index(), ": no free state slot for ",
+                                              "sequence ", seq));
+    }
+    const PendingRow& row = rows[accepted - 1];
+    const int32_t slot = MakeWritable(&s);
+    const int32_t src = row.row;
+    status = device_->CopyRowsBetween(row.chunk->arena, row.chunk->planes, {&src, 1}, arena_,
+                                      planes_, {&slot, 1});
+    s.offset = row.pos + 1;
+    s.valid = true;
+  }
+  if (s.offset == 0) Drop(seq);
+  return status;
+}
+
+// ---- Read / CanResume ---------------------------------------------------------------------
+
+ReadPart RecurrentGroup::PlanRead(int64_t seq, int64_t begin, int64_t end,
+                                  int32_t seq_offset) const {
+  ReadPart part;
+  const Sequence* s = Find(seq);
+  if (s == nullptr || end < seq_offset) return part;
+  if (!s->pending.empty()) {
+    part.rows.push_back(-static_cast<int32_t>(s->pending.size()));  // the last pending state
+  } else if (s->valid) {
+    part.rows.push_back(s->slot);
+  } else {
+    part.state = StateStatus::kInvalid;
+    return part;
+  }
+  part.state = StateStatus::kValid;
+  part.bytes = geo_.state_bytes;
+  return part;
+}
+
+absl::Status RecurrentGroup::Gather(int64_t seq, const ReadPart& part, uint8_t* dst) const {
+  if (part.rows.empty()) return absl::OkStatus();
+  const int32_t row = part.rows[0];
+  if (row >= 0) return device_->Gather(arena_, planes_, {&row, 1}, dst);
+  const PendingRow& pending = Find(seq)->pending[-row - 1];
+  return device_->Gather(pending.chunk->arena, pending.chunk->planes, {&pending.row, 1}, dst);
+}
+
+bool RecurrentGroup::CanResume(int64_t seq, int32_t pos) const {
+  const Sequence* s = Find(seq);
+  if (s == nullptr) return pos == 0;
+  if (!s->pending.empty()) return pos == Offset(seq);
+  return pos == s->offset && s->valid;
+}
+
+// ---- CopyPrefix ---------------------------------------------------------------------------
+
+absl::Status RecurrentGroup::CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const {
+  const Sequence* s = Find(src);
+  if (s == nullptr || length >= s->offset) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "group ", index(), " is Recurrent: sequence ", src, "'s state exists only at its offset ",
+      s->offset, ", so a prefix of length ", length, " cannot be copied"));
+}
+
+bool RecurrentGroup::CopyPrefixYields(int64_t src, int32_t length) const {
+  const Sequence* s = Find(src);
+  return s != nullptr && length >= s->offset;
+}
+
+absl::Status RecurrentGroup::ApplyCopyPrefix(int64_t src, int64_t dst, int32_t length) {
+  Drop(dst);
+  const Sequence* s = Find(src);
+  if (s == nullptr) return absl::OkStatus();
+  Sequence copy;
+  copy.slot = s->slot;
+  copy.offset = s->offset;
+  copy.valid = s->valid;
+  if (copy.slot >= 0) ++refs_[copy.slot];
+  seqs_.emplace(dst, std::move(copy));
+  return absl::OkStatus();
+}
+
+// ---- Remove -------------------------------------------------------------------------------
+
+absl::Status RecurrentGroup::ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end() || begin >= it->second.offset) return absl::OkStatus();
+  Sequence& s = it->second;
+  const int32_t removed = (end.has_value() ? std::min(*end, s.offset) : s.offset) - begin;
+  s.offset -= removed;
+  if (s.offset == 0) {
+    Drop(seq);
+    return absl::OkStatus();
+  }
+  // The state summarizes every position before the offset; with some of them gone it describes
+  // nothing that exists any more.
+  ReleaseSlot(s.slot);
+  s.slot = -1;
+  s.valid = false;
+  return absl::OkStatus();
+}
+
+// ---- Snapshots ----------------------------------------------------------------------------
+
+absl::Status RecurrentGroup::CheckSnapshot(int64_t seq, int32_t from) const {
+  const Sequence* s = Find(seq);
+  if (s != nullptr && s->valid) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "group ", index(), " is Recurrent and sequence ", seq,
+      s == nullptr ? " has no state" : "'s state is INVALID (a removal below its offset)",
+      "; there is nothing to snapshot"));
+}
+
+absl::StatusOr<GroupSnapshot> RecurrentGroup::TakeSnapshot(int64_t seq, int32_t from,
+                                                           int32_t to) const {
+  GroupSnapshot snap;
+  snap.row_bytes = geo_.state_bytes;
+  const Sequence* s = Find(seq);
+  absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
+      AllocateChunk(device_, MemoryPool::kSnapshot, row_bytes_, 1);
+  if (!chunk.ok()) return chunk.status();
+  const int32_t zero = 0;
+  const absl::Status copied = device_->CopyRowsBetween(arena_, planes_, {&s->slot, 1},
+                                                       (*chunk)->arena, (*chunk)->planes,
+                                                       {&zero, 1});
+  if (!copied.ok()) return copied;
+  Segment segment;
+  segment.chunk = *std::move(chunk);
+  segment.rows = 1;
+  snap.segments.push_back(std::move(segment));
+  snap.has_state = true;
+  return snap;
+}
+
+absl::Status RecurrentGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,
+                                          int32_t to, int32_t target) const {
+  const Sequence* s = Find(seq);
+  if (snap == nullptr) {
+    const int32_t offset = s == nullptr ? 0 : s->offset;
+    if (target != offset) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "group ", index(), " is Recurrent: its state cannot be rewound from offset ", offset,
+          " to ", target, " without a snapshot"));
+    }
+    return absl::OkStatus();
+  }
+  if (target != to) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", index(), " is Recurrent: the snapshot's state belongs to offset ",
+                     to, ", so it can only be restored with target ", to, ", not ", target));
+  }
+  if (!snap->has_state) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", index(), ": the snapshot holds no recurrent state"));
+  }
+  if (NeedsSlot(s) && free_.empty()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("group ", index(), ": no free state slot for sequence ", seq));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RecurrentGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,
+                                          int32_t to, int32_t target) {
+  if (snap == nullptr) return absl::OkStatus();
+  Sequence& s = seqs_[seq];
+  const int32_t slot = MakeWritable(&s);
+  s.offset = to;
+  s.valid = true;
+  const Segment& segment = snap->segments.front();
+  return device_->CopyRowsBetween(segment.chunk->arena, segment.chunk->planes,
+                                  {&segment.first_row, 1}, arena_, planes_, {&slot, 1});
+}
+
+}  // namespace kvmesh

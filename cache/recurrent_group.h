@@ -1,0 +1,108 @@
+// RecurrentGroup: one Recurrent layer group of a Cache (lfm2_hybrid_cache.go's conv slots and
+// mlx_recurrent_cache.go's gated-delta state). Each sequence has at most one state slot: conv
+// [conv_tail][conv_dim] in dtype and delta [num_v_heads][head_v_dim][head_k_dim] in float32 per
+// layer. Slots are reference-counted; CopyPrefix shares a slot copy-on-write and the next write
+// to either sequence goes to a private slot. A state cannot be rewound: a removal below the
+// offset marks it INVALID (and frees the slot) rather than zeroing it.
+//
+// Thread safety: none. The owning Cache serializes access under its lock.
+#ifndef KVMESH_CACHE_RECURRENT_GROUP_H_
+#define KVMESH_CACHE_RECURRENT_GROUP_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "cache/device/device.h"
+#include "cache/layer_group.h"
+#include "cache/spec.h"
+
+namespace kvmesh {
+
+class RecurrentGroup final : public LayerGroup {
+ public:
+  RecurrentGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device);
+
+  GroupKind kind() const override { return GroupKind::kRecurrent; }
+  bool Has(int64_t seq) const override { return seqs_.contains(seq); }
+  int32_t Offset(int64_t seq) const override;
+  void AddLive(absl::flat_hash_set<int64_t>* live) const override;
+  size_t LiveCount() const override { return seqs_.size(); }
+  GroupSequenceInfo Info(int64_t seq) const override;
+  GroupUsage Usage() const override;
+  void AddPendingChunks(absl::flat_hash_set<const RowChunk*>* chunks) const override;
+
+  absl::Status PrepareAppend(const AppendBatch& batch) override;
+  size_t SectionBytes(const AppendBatch& batch) const override;
+  bool WritesInPlace(const AppendBatch& batch) const override { return !batch.speculative; }
+  absl::Status WriteAppend(const AppendBatch& batch, const uint8_t* section) override;
+  void CommitAppend(const AppendBatch& batch) override;
+  void AbandonAppend() override;
+  absl::Status CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
+                                 int32_t accepted) override;
+
+  ReadPart PlanRead(int64_t seq, int64_t begin, int64_t end, int32_t seq_offset) const override;
+  absl::Status Gather(int64_t seq, const ReadPart& part, uint8_t* dst) const override;
+  std::vector<int32_t> Visible(const Query&) const override { return {}; }
+  bool CanResume(int64_t seq, int32_t pos) const override;
+
+  absl::Status CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const override;
+  bool CopyPrefixYields(int64_t src, int32_t length) const override;
+  absl::Status ApplyCopyPrefix(int64_t src, int64_t dst, int32_t length) override;
+
+  absl::Status CheckRemove(int64_t, int32_t, std::optional<int32_t>) const override {
+    return absl::OkStatus();
+  }
+  absl::Status ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) override;
+
+  absl::Status CheckSnapshot(int64_t seq, int32_t from) const override;
+  absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from,
+                                             int32_t to) const override;
+  absl::Status CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
+                            int32_t target) const override;
+  absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
+                            int32_t target) override;
+
+ private:
+  struct Sequence {
+    int32_t slot = -1;   // -1: no state (invalidated, or only pending tokens so far)
+    int32_t offset = 0;  // the position the committed state belongs to
+    bool valid = false;
+    std::vector<PendingRow> pending;  // one state per pending token
+  };
+
+  const Sequence* Find(int64_t seq) const;
+  // Whether writing `s`'s state needs a new slot (none yet, or shared copy-on-write).
+  bool NeedsSlot(const Sequence* s) const { return s == nullptr || s->slot < 0 || refs_[s->slot] > 1; }
+  int32_t TakeSlot();
+  void ReleaseSlot(int32_t slot);
+  void Drop(int64_t seq);
+  // Points `s` at a slot it may overwrite: its own private one, or a fresh one (the shared one
+  // loses a reference).
+  int32_t MakeWritable(Sequence* s);
+
+  const RecurrentGeometry geo_;
+  Device* const device_;
+  DeviceArena arena_;
+  std::vector<Plane> planes_;  // one per layer, row = conv + delta bytes
+  std::vector<size_t> row_bytes_;
+
+  std::vector<int32_t> refs_;  // per slot
+  std::vector<int32_t> free_;
+  absl::flat_hash_map<int64_t, Sequence> seqs_;
+
+  // The Append in progress: (sequence, slot written, slot it replaces or -1).
+  struct Write {
+    int64_t seq;
+    int32_t slot;
+    int32_t old_slot;
+  };
+  std::vector<Write> writes_;
+  std::shared_ptr<RowChunk> spec_chunk_;
+};
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_CACHE_RECURRENT_GROUP_H_

@@ -1,0 +1,427 @@
+#include "cache/rotating_group.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvmesh {
+
+RotatingGroup::RotatingGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device)
+    : LayerGroup(index),
+      spec_(spec.groups[index].rotating),
+      geo_(ComputeRotatingGeometry(spec, index)),
+      device_(device),
+      arena_(std::move(arena)) {
+  // Arena layout: for each layer, K [rings * max_size][k_row] then V [...][v_row].
+  const size_t rows = size_t(geo_.rings) * size_t(geo_.max_size);
+  size_t offset = 0;
+  for (int32_t l = 0; l < spec.groups[index].num_layers; ++l) {
+    planes_.push_back(Plane{offset, geo_.k_row_bytes});
+    offset += rows * geo_.k_row_bytes;
+    planes_.push_back(Plane{offset, geo_.v_row_bytes});
+    offset += rows * geo_.v_row_bytes;
+    row_bytes_.push_back(geo_.k_row_bytes);
+    row_bytes_.push_back(geo_.v_row_bytes);
+  }
+  free_rings_.reserve(geo_.rings);
+  for (int32_t r = geo_.rings - 1; r >= 0; --r) free_rings_.push_back(r);
+}
+
+const RotatingGroup::Sequence* RotatingGroup::Find(int64_t seq) const {
+  auto it = seqs_.find(seq);
+  return it == seqs_.end() ? nullptr : &it->second;
+}
+
+int32_t RotatingGroup::Offset(int64_t seq) const {
+  const Sequence* s = Find(seq);
+  if (s == nullptr) return 0;
+  return s->pending.empty() ? s->offset : s->pending.back().pos + 1;
+}
+
+void RotatingGroup::AddLive(absl::flat_hash_set<int64_t>* live) const {
+  for (const auto& [seq, s] : seqs_) live->insert(seq);
+}
+
+GroupSequenceInfo RotatingGroup::Info(int64_t seq) const {
+  GroupSequenceInfo g;
+  const Sequence* s = Find(seq);
+  if (s == nullptr) return g;
+  const int32_t window = s->offset - WindowStart(*s);
+  g.stored = window + static_cast<int32_t>(s->pending.size());
+  if (g.stored > 0) {
+    g.first = window > 0 ? WindowStart(*s) : s->pending.front().pos;
+    g.last = Offset(seq) - 1;
+  }
+  return g;
+}
+
+GroupUsage RotatingGroup::Usage() const {
+  GroupUsage g;
+  g.cells_total = int64_t{geo_.rings} * geo_.max_size;
+  for (const auto& [seq, s] : seqs_) g.cells_used += s.offset - WindowStart(s);
+  g.memory = geo_.max_size;
+  g.bytes = arena_.size();
+  return g;
+}
+
+void RotatingGroup::AddPendingChunks(absl::flat_hash_set<const RowChunk*>* chunks) const {
+  for (const auto& [seq, s] : seqs_) {
+    for (const PendingRow& row : s.pending) chunks->insert(row.chunk.get());
+  }
+}
+
+int32_t RotatingGroup::TakeRing() {
+  const int32_t ring = free_rings_.back();
+  free_rings_.pop_back();
+  return ring;
+}
+
+void RotatingGroup::Drop(int64_t seq) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return;
+  if (it->second.ring >= 0) free_rings_.push_back(it->second.ring);
+  seqs_.erase(it);
+}
+
+std::vector<int32_t> RotatingGroup::Positions(const Sequence& s, int64_t begin,
+                                              int64_t end) const {
+  std::vector<int32_t> out;
+  for (int64_t p = std::max<int64_t>(begin, WindowStart(s)); p < std::min<int64_t>(end, s.offset);
+       ++p) {
+    out.push_back(static_cast<int32_t>(p));
+  }
+  for (const PendingRow& row : s.pending) {
+    if (row.pos >= begin && row.pos < end) out.push_back(row.pos);
+  }
+  return out;
+}
+
+// ---- Append -------------------------------------------------------------------------------
+
+absl::Status RotatingGroup::PrepareAppend(const AppendBatch& batch) {
+  if (batch.speculative) {
+    absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
+        AllocateChunk(device_, MemoryPool::kCache, row_bytes_,
+                      static_cast<int32_t>(batch.tokens.size()));
+    if (!chunk.ok()) return chunk.status();
+    spec_chunk_ = *std::move(chunk);
+    return absl::OkStatus();
+  }
+  size_t needed = 0;
+  for (int64_t seq : batch.seqs) {
+    const Sequence* s = Find(seq);
+    needed += s == nullptr || s->ring < 0;
+  }
+  if (needed > free_rings_.size()) {
+    return absl::ResourceExhaustedError(absl::StrCat("group ", index(), ": the batch needs ",
+                                                     needed, " new rings; ",
+                                                     free_rings_.size(), " are free"));
+  }
+  return absl::OkStatus();
+}
+
+size_t RotatingGroup::SectionBytes(const AppendBatch& batch) const {
+  return batch.tokens.size() * TokenBytes();
+}
+
+absl::Status RotatingGroup::WriteAppend(const AppendBatch& batch, const uint8_t* section) {
+  const absl::Span<const Token> tokens = batch.tokens;
+  if (batch.speculative) {
+    std::vector<int32_t> rows(tokens.size());
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
+    return device_->Scatter(spec_chunk_->arena, spec_chunk_->planes, rows, section);
+  }
+  for (int64_t seq : batch.seqs) {
+    Sequence& s = seqs_[seq];
+    if (s.ring < 0) {
+      s.ring = TakeRing();
+      new_rings_.push_back(seq);
+    }
+  }
+  // Only the last max_size tokens of each sequence reach the ring; earlier ones would be
+  // overwritten within this batch, so they are skipped (row -1).
+  absl::flat_hash_map<int64_t, int32_t> last;
+  for (const Token& t : tokens) last[t.seq] = t.pos;
+  std::vector<int32_t> rows(tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const Sequence& s = seqs_.at(tokens[i].seq);
+    rows[i] = tokens[i].pos > last[tokens[i].seq] - geo_.max_size ? Row(s, tokens[i].pos) : -1;
+  }
+  return device_->Scatter(arena_, planes_, rows, section);
+}
+
+void RotatingGroup::CommitAppend(const AppendBatch& batch) {
+  for (size_t i = 0; i < batch.tokens.size(); ++i) {
+    const Token& t = batch.tokens[i];
+    Sequence& s = seqs_[t.seq];
+    if (batch.speculative) {
+      s.pending.push_back(PendingRow{spec_chunk_, static_cast<int32_t>(i), t.pos});
+    } else {
+      s.offset = t.pos + 1;
+    }
+  }
+  new_rings_.clear();
+  spec_chunk_.reset();
+}
+
+void RotatingGroup::AbandonAppend() {
+  for (int64_t seq : new_rings_) Drop(seq);
+  new_rings_.clear();
+  spec_chunk_.reset();
+}
+
+absl::Status RotatingGroup::CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
+                                              int32_t accepted) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return absl::OkStatus();
+  Sequence& s = it->second;
+  std::vector<PendingRow> rows = std::move(s.pending);
+  s.pending.clear();
+  absl::Status status;
+  if (accepted > 0) {
+    if (s.ring < 0) {
+      if (free_rings_.empty()) {
+        return absl::InternalError(absl::StrCat("group ", index(), ": no free ring for sequence ",
+                                                seq, " (more live sequences than rings)"));
+      }
+      s.ring = TakeRing();
+    }
+    s.offset = rows[accepted - 1].pos + 1;
+    // The accepted rows that stay in the window, grouped by chunk.
+    for (int32_t i = std::max(0, accepted - geo_.max_size); i < accepted;) {
+      const RowChunk* chunk = rows[i].chunk.get();
+      std::vector<int32_t> src, dst;
+      for (; i < accepted && rows[i].chunk.get() == chunk; ++i) {
+        src.push_back(rows[i].row);
+        dst.push_back(Row(s, rows[i].pos));
+      }
+      const absl::Status copied =
+          device_->CopyRowsBetween(chunk->arena, chunk->planes, src, arena_, planes_, dst);
+      if (status.ok()) status = copied;
+    }
+  }
+  if (s.offset == 0) Drop(seq);
+  return status;
+}
+
+// ---- Read / Visible / CanResume -----------------------------------------------------------
+
+ReadPart RotatingGroup::PlanRead(int64_t seq, int64_t begin, int64_t end, int32_t) const {
+  ReadPart part;
+  const Sequence* s = Find(seq);
+  if (s == nullptr) return part;
+  part.positions = Positions(*s, begin, end);
+  // rows: ring rows for window positions; -(i + 1) for pending token i.
+  for (int32_t pos : part.positions) {
+    if (pos < s->offset) {
+      part.rows.push_back(Row(*s, pos));
+    } else {
+      for (size_t i = 0; i < s->pending.size(); ++i) {
+        if (s->pending[i].pos == pos) part.rows.push_back(-static_cast<int32_t>(i) - 1);
+      }
+    }
+  }
+  part.bytes = part.positions.size() * TokenBytes();
+  return part;
+}
+
+absl::Status RotatingGroup::Gather(int64_t seq, const ReadPart& part, uint8_t* dst) const {
+  const Sequence* s = Find(seq);
+  if (s == nullptr || part.rows.empty()) return absl::OkStatus();
+  std::vector<int32_t> ring_rows;
+  std::vector<const PendingRow*> pending;
+  for (int32_t row : part.rows) {
+    if (row >= 0) {
+      ring_rows.push_back(row);
+    } else {
+      pending.push_back(&s->pending[-row - 1]);
+    }
+  }
+  // The payload is plane-major: every plane's window rows, then its pending rows.
+  for (size_t p = 0; p < planes_.size(); ++p) {
+    if (!ring_rows.empty()) {
+      const absl::Status s1 =
+          device_->Gather(arena_, absl::MakeConstSpan(&planes_[p], 1), ring_rows, dst);
+      if (!s1.ok()) return s1;
+      dst += ring_rows.size() * planes_[p].row_bytes;
+    }
+    for (const PendingRow* row : pending) {
+      const int32_t r = row->row;
+      const absl::Status s2 = device_->Gather(
+          row->chunk->arena, absl::MakeConstSpan(&row->chunk->planes[p], 1), {&r, 1}, dst);
+      if (!s2.ok()) return s2;
+      dst += planes_[p].row_bytes;
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int32_t> RotatingGroup::Visible(const Query& query) const {
+  const Sequence* s = Find(query.seq);
+  if (s == nullptr) return {};
+  const int64_t lo = int64_t{query.pos} - geo_.max_size + 1;
+  const int64_t hi = query.non_causal ? int64_t{INT32_MAX} + 1 : int64_t{query.pos} + 1;
+  return Positions(*s, lo, hi);
+}
+
+bool RotatingGroup::CanResume(int64_t seq, int32_t pos) const {
+  const Sequence* s = Find(seq);
+  if (s == nullptr) return pos == 0;
+  const int32_t offset = Offset(seq);
+  return pos == offset || (pos < offset && !Wrapped(*s));
+}
+
+// ---- CopyPrefix ---------------------------------------------------------------------------
+
+absl::Status RotatingGroup::CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const {
+  const Sequence* s = Find(src);
+  if (s == nullptr || length >= s->offset || !Wrapped(*s)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "group ", index(), " is Rotating and sequence ", src, "'s ring has wrapped (offset ",
+      s->offset, " > max_size ", geo_.max_size, "): a prefix of length ", length,
+      " no longer exists; copy at least ", s->offset));
+}
+
+bool RotatingGroup::CopyPrefixYields(int64_t src, int32_t length) const {
+  const Sequence* s = Find(src);
+  return s != nullptr && std::min(length, s->offset) > 0;
+}
+
+absl::Status RotatingGroup::ApplyCopyPrefix(int64_t src, int64_t dst, int32_t length) {
+  const Sequence* s = Find(src);
+  const int32_t n = s == nullptr ? 0 : std::min(length, s->offset);
+  if (n == 0) {
+    Drop(dst);
+    return absl::OkStatus();
+  }
+  Sequence& d = seqs_[dst];
+  s = Find(src);  // seqs_ may have rehashed
+  d.pending.clear();
+  if (d.ring < 0) d.ring = TakeRing();
+  d.offset = n;
+  std::vector<int32_t> from, to;
+  for (int32_t p = std::max(0, n - geo_.max_size); p < n; ++p) {
+    from.push_back(Row(*s, p));
+    to.push_back(Row(d, p));
+  }
+  return device_->CopyRows(arena_, planes_, from, to);
+}
+
+// ---- Remove -------------------------------------------------------------------------------
+
+absl::Status RotatingGroup::CheckRemove(int64_t seq, int32_t begin,
+                                        std::optional<int32_t> end) const {
+  const Sequence* s = Find(seq);
+  if (s == nullptr || begin >= s->offset) return absl::OkStatus();
+  if (end.has_value() && *end < s->offset) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", index(), " is Rotating: removing [", begin, ", ", *end, ") from sequence ", seq,
+        " would move its positions >= ", *end, "; a ring can only be truncated"));
+  }
+  if (begin > 0 && Wrapped(*s)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", index(), " is Rotating and sequence ", seq, "'s ring has wrapped (offset ",
+        s->offset, " > max_size ", geo_.max_size, "): truncating at ", begin,
+        " would leave an incomplete window"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RotatingGroup::ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end() || begin >= it->second.offset) return absl::OkStatus();
+  if (begin == 0) {
+    Drop(seq);
+  } else {
+    it->second.offset = begin;
+  }
+  return absl::OkStatus();
+}
+
+// ---- Snapshots ----------------------------------------------------------------------------
+
+absl::StatusOr<GroupSnapshot> RotatingGroup::TakeSnapshot(int64_t seq, int32_t from,
+                                                          int32_t to) const {
+  GroupSnapshot snap;
+  snap.row_bytes = TokenBytes();
+  snap.ring_index = to % geo_.max_size;
+  const Sequence* s = Find(seq);
+  if (s == nullptr || s->offset == 0) return snap;
+  Segment segment;
+  std::vector<int32_t> src, dst;
+  for (int32_t p = WindowStart(*s); p < s->offset; ++p) {
+    segment.positions.push_back(p);
+    src.push_back(Row(*s, p));
+    dst.push_back(static_cast<int32_t>(dst.size()));
+  }
+  segment.rows = static_cast<int32_t>(src.size());
+  absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
+      AllocateChunk(device_, MemoryPool::kSnapshot, row_bytes_, segment.rows);
+  if (!chunk.ok()) return chunk.status();
+  const absl::Status copied =
+      device_->CopyRowsBetween(arena_, planes_, src, (*chunk)->arena, (*chunk)->planes, dst);
+  if (!copied.ok()) return copied;
+  segment.chunk = *std::move(chunk);
+  snap.segments.push_back(std::move(segment));
+  return snap;
+}
+
+absl::Status RotatingGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,
+                                         int32_t to, int32_t target) const {
+  const Sequence* s = Find(seq);
+  const int32_t offset = s == nullptr ? 0 : s->offset;
+  if (snap == nullptr) {
+    if (target < offset && Wrapped(*s)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "group ", index(), " is Rotating and sequence ", seq, "'s ring has wrapped (offset ",
+          offset, " > max_size ", geo_.max_size, "): rewinding to ", target,
+          " needs a snapshot"));
+    }
+    return absl::OkStatus();
+  }
+  if (target < to && to > geo_.max_size) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", index(), " is Rotating: the snapshot ends at ", to, " > max_size ",
+        geo_.max_size, ", so clamping it to target ", target,
+        " would leave an incomplete window"));
+  }
+  if (target > 0 && (s == nullptr || s->ring < 0) && free_rings_.empty()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("group ", index(), ": no free ring for sequence ", seq));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RotatingGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,
+                                         int32_t to, int32_t target) {
+  if (target == 0) {
+    Drop(seq);
+    return absl::OkStatus();
+  }
+  if (snap == nullptr) {
+    auto it = seqs_.find(seq);
+    if (it != seqs_.end()) it->second.offset = std::min(it->second.offset, target);
+    return absl::OkStatus();
+  }
+  Sequence& s = seqs_[seq];
+  if (s.ring < 0) s.ring = TakeRing();
+  s.offset = target;
+  absl::Status status;
+  for (const Segment& segment : snap->segments) {
+    std::vector<int32_t> src, dst;
+    for (int32_t i = 0; i < segment.rows; ++i) {
+      const int32_t pos = segment.positions[i];
+      if (pos < target - geo_.max_size || pos >= target) continue;
+      src.push_back(segment.first_row + i);
+      dst.push_back(Row(s, pos));
+    }
+    if (src.empty()) continue;
+    const absl::Status copied = device_->CopyRowsBetween(
+        segment.chunk->arena, segment.chunk->planes, src, arena_, planes_, dst);
+    if (status.ok()) status = copied;
+  }
+  return status;
+}
+
+}  // namespace kvmesh

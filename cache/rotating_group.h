@@ -1,0 +1,103 @@
+// RotatingGroup: one Rotating layer group of a Cache (mlx_cache.go's RotatingKVCache): each
+// sequence owns a ring of max_size rows holding its last max_size committed tokens, position p
+// in row p mod max_size. Pending speculative tokens stay outside the ring, in chunks of the
+// cache pool, until CommitSpeculation copies the accepted ones in; a rejected token therefore
+// never overwrites the window.
+//
+// Thread safety: none. The owning Cache serializes access under its lock.
+#ifndef KVMESH_CACHE_ROTATING_GROUP_H_
+#define KVMESH_CACHE_ROTATING_GROUP_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "cache/device/device.h"
+#include "cache/layer_group.h"
+#include "cache/spec.h"
+
+namespace kvmesh {
+
+class RotatingGroup final : public LayerGroup {
+ public:
+  RotatingGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device);
+
+  GroupKind kind() const override { return GroupKind::kRotating; }
+  bool Has(int64_t seq) const override { return seqs_.contains(seq); }
+  int32_t Offset(int64_t seq) const override;
+  void AddLive(absl::flat_hash_set<int64_t>* live) const override;
+  size_t LiveCount() const override { return seqs_.size(); }
+  GroupSequenceInfo Info(int64_t seq) const override;
+  GroupUsage Usage() const override;
+  void AddPendingChunks(absl::flat_hash_set<const RowChunk*>* chunks) const override;
+
+  absl::Status PrepareAppend(const AppendBatch& batch) override;
+  size_t SectionBytes(const AppendBatch& batch) const override;
+  bool WritesInPlace(const AppendBatch& batch) const override { return !batch.speculative; }
+  absl::Status WriteAppend(const AppendBatch& batch, const uint8_t* section) override;
+  void CommitAppend(const AppendBatch& batch) override;
+  void AbandonAppend() override;
+  absl::Status CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
+                                 int32_t accepted) override;
+
+  ReadPart PlanRead(int64_t seq, int64_t begin, int64_t end, int32_t seq_offset) const override;
+  absl::Status Gather(int64_t seq, const ReadPart& part, uint8_t* dst) const override;
+  std::vector<int32_t> Visible(const Query& query) const override;
+  bool CanResume(int64_t seq, int32_t pos) const override;
+
+  absl::Status CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const override;
+  bool CopyPrefixYields(int64_t src, int32_t length) const override;
+  absl::Status ApplyCopyPrefix(int64_t src, int64_t dst, int32_t length) override;
+
+  absl::Status CheckRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) const override;
+  absl::Status ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) override;
+
+  absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from,
+                                             int32_t to) const override;
+  absl::Status CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
+                            int32_t target) const override;
+  absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
+                            int32_t target) override;
+
+ private:
+  struct Sequence {
+    int32_t ring = -1;   // index of the ring, -1 while only pending tokens exist
+    int32_t offset = 0;  // committed tokens: the window is [max(0, offset - max_size), offset)
+    std::vector<PendingRow> pending;
+  };
+
+  bool Wrapped(const Sequence& s) const { return s.offset > geo_.max_size; }
+  int32_t WindowStart(const Sequence& s) const {
+    return s.offset > geo_.max_size ? s.offset - geo_.max_size : 0;
+  }
+  int32_t Row(const Sequence& s, int32_t pos) const {
+    return s.ring * geo_.max_size + pos % geo_.max_size;
+  }
+  const Sequence* Find(int64_t seq) const;
+  // Bytes of one token over every layer (K and V).
+  size_t TokenBytes() const { return planes_.size() / 2 * (geo_.k_row_bytes + geo_.v_row_bytes); }
+  // Positions of `seq` (window, then pending) in [begin, end).
+  std::vector<int32_t> Positions(const Sequence& s, int64_t begin, int64_t end) const;
+  int32_t TakeRing();
+  void Drop(int64_t seq);  // forgets `seq` and frees its ring
+
+  const RotatingSpec spec_;
+  const RotatingGeometry geo_;
+  Device* const device_;
+  DeviceArena arena_;
+  std::vector<Plane> planes_;  // K0, V0, K1, V1, ...: the payload order
+  std::vector<size_t> row_bytes_;
+
+  std::vector<int32_t> free_rings_;
+  absl::flat_hash_map<int64_t, Sequence> seqs_;
+
+  // The Append in progress.
+  std::vector<int64_t> new_rings_;         // sequences given a ring by it
+  std::shared_ptr<RowChunk> spec_chunk_;   // its speculative rows
+};
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_CACHE_ROTATING_GROUP_H_
