@@ -202,18 +202,6 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
     if (!speculative) RETURN_IF_ERROR(CheckNotPendingLocked(seq, "a plain Append"));
     const int32_t offset = OffsetLocked(seq);
     const int32_t first = batch.lowest.at(seq);
-    if (contiguous_ && first != offset) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sequence ", seq, " continues at position ", first, " but its offset is ", offset,
-          "; a cache with Rotating or Recurrent groups needs every Append to continue a "
-          "sequence exactly at its offset"));
-    }
-    if (contiguous_ && last_in_batch.at(seq) - first + 1 != count.at(seq)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the positions of sequence ", seq, " in the batch run from ", first, " to ",
-          last_in_batch.at(seq), " with gaps; a cache with Rotating or Recurrent groups needs "
-          "consecutive positions"));
-    }
     if (speculative) {
       if (first < offset) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -227,6 +215,21 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
             "sequence ", seq, " would hold ", held + count.at(seq),
             " pending speculative tokens, more than max_batch = ", spec_.max_batch));
       }
+    }
+  }
+  if (contiguous_) {
+    absl::flat_hash_map<int64_t, int32_t> expected;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      auto [it, inserted] = expected.emplace(tokens[i].seq, 0);
+      if (inserted) it->second = OffsetLocked(tokens[i].seq);
+      if (tokens[i].pos != it->second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tokens[", i, "]: sequence ", tokens[i].seq, " has position ", tokens[i].pos,
+            " where ", it->second, " is expected (its offset is ", OffsetLocked(tokens[i].seq),
+            "); a cache with Rotating or Recurrent groups needs every Append to continue each "
+            "sequence exactly at its offset, without gaps"));
+      }
+      ++it->second;
     }
   }
   int32_t new_sequences = 0;

@@ -98,14 +98,41 @@ absl::Status RecurrentGroup::PrepareAppend(const AppendBatch& batch) {
     spec_chunk_ = *std::move(chunk);
     return absl::OkStatus();
   }
+  PlanWrites(batch);
   size_t needed = 0;
-  for (int64_t seq : batch.seqs) needed += NeedsSlot(Find(seq));
+  for (const Write& w : writes_) needed += w.slot < 0;
+  in_place_ = writes_.size() > needed;
   if (needed > free_.size()) {
+    writes_.clear();
     return absl::ResourceExhaustedError(absl::StrCat("group ", index(), ": the batch needs ",
                                                      needed, " new state slots; ", free_.size(),
                                                      " of ", geo_.slots, " are free"));
   }
   return absl::OkStatus();
+}
+
+void RecurrentGroup::PlanWrites(const AppendBatch& batch) {
+  // A private slot is overwritten in place. A shared one is left to the sequences that keep
+  // it: a writer moves to a fresh slot, except that when every sharer writes in this batch the
+  // last of them may keep the old slot (it is then private).
+  absl::flat_hash_map<int32_t, int32_t> remaining;  // slot -> sharers not yet moved
+  writes_.clear();
+  for (int64_t seq : batch.seqs) {
+    const Sequence* s = Find(seq);
+    const int32_t old = s == nullptr ? -1 : s->slot;
+    if (old < 0) {
+      writes_.push_back(Write{seq, -1, -1});
+      continue;
+    }
+    auto [it, inserted] = remaining.emplace(old, refs_[old]);
+    if (it->second == 1) {
+      writes_.push_back(Write{seq, old, -1});
+    } else {
+      --it->second;
+      writes_.push_back(Write{seq, -1, old});
+    }
+  }
+  // A sharer outside the batch keeps the slot: then every writer of it moved, as planned.
 }
 
 size_t RecurrentGroup::SectionBytes(const AppendBatch& batch) const {
@@ -118,17 +145,13 @@ absl::Status RecurrentGroup::WriteAppend(const AppendBatch& batch, const uint8_t
     for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
     return device_->Scatter(spec_chunk_->arena, spec_chunk_->planes, rows, section);
   }
-  // A private slot is overwritten in place; a shared or missing one is replaced by a fresh
-  // slot, so the sequences sharing it keep their state.
   std::vector<int32_t> slots;
-  for (int64_t seq : batch.seqs) {
-    const Sequence* s = Find(seq);
-    if (NeedsSlot(s)) {
-      writes_.push_back(Write{seq, TakeSlot(), s == nullptr ? -1 : s->slot});
-    } else {
-      writes_.push_back(Write{seq, s->slot, -1});
+  for (Write& w : writes_) {
+    if (w.slot < 0) {
+      w.slot = TakeSlot();
+      w.fresh = true;
     }
-    slots.push_back(writes_.back().slot);
+    slots.push_back(w.slot);
   }
   return device_->Scatter(arena_, planes_, slots, section);
 }
@@ -158,8 +181,7 @@ void RecurrentGroup::CommitAppend(const AppendBatch& batch) {
 
 void RecurrentGroup::AbandonAppend() {
   for (const Write& w : writes_) {
-    const Sequence* s = Find(w.seq);
-    if (s == nullptr || s->slot != w.slot) ReleaseSlot(w.slot);
+    if (w.fresh) ReleaseSlot(w.slot);
   }
   writes_.clear();
   spec_chunk_.reset();

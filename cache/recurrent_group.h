@@ -36,7 +36,9 @@ class RecurrentGroup final : public LayerGroup {
 
   absl::Status PrepareAppend(const AppendBatch& batch) override;
   size_t SectionBytes(const AppendBatch& batch) const override;
-  bool WritesInPlace(const AppendBatch& batch) const override { return !batch.speculative; }
+  bool WritesInPlace(const AppendBatch& batch) const override {
+    return !batch.speculative && in_place_;
+  }
   absl::Status WriteAppend(const AppendBatch& batch, const uint8_t* section) override;
   void CommitAppend(const AppendBatch& batch) override;
   void AbandonAppend() override;
@@ -93,13 +95,17 @@ class RecurrentGroup final : public LayerGroup {
   std::vector<int32_t> free_;
   absl::flat_hash_map<int64_t, Sequence> seqs_;
 
-  // The Append in progress: (sequence, slot written, slot it replaces or -1).
+  // The Append in progress: per batch sequence, the slot written (-1 until WriteAppend takes a
+  // fresh one) and the shared slot it leaves (-1 when none).
   struct Write {
     int64_t seq;
     int32_t slot;
     int32_t old_slot;
+    bool fresh = false;  // taken by WriteAppend
   };
+  void PlanWrites(const AppendBatch& batch);
   std::vector<Write> writes_;
+  bool in_place_ = false;  // some write overwrites a stored state
   std::shared_ptr<RowChunk> spec_chunk_;
 };
 

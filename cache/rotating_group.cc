@@ -113,6 +113,8 @@ absl::Status RotatingGroup::PrepareAppend(const AppendBatch& batch) {
     const Sequence* s = Find(seq);
     needed += s == nullptr || s->ring < 0;
   }
+  // Writing into a ring that holds a window overwrites stored rows; a fresh ring holds none.
+  in_place_ = needed < batch.seqs.size();
   if (needed > free_rings_.size()) {
     return absl::ResourceExhaustedError(absl::StrCat("group ", index(), ": the batch needs ",
                                                      needed, " new rings; ",

@@ -35,7 +35,9 @@ class RotatingGroup final : public LayerGroup {
 
   absl::Status PrepareAppend(const AppendBatch& batch) override;
   size_t SectionBytes(const AppendBatch& batch) const override;
-  bool WritesInPlace(const AppendBatch& batch) const override { return !batch.speculative; }
+  bool WritesInPlace(const AppendBatch& batch) const override {
+    return !batch.speculative && in_place_;
+  }
   absl::Status WriteAppend(const AppendBatch& batch, const uint8_t* section) override;
   void CommitAppend(const AppendBatch& batch) override;
   void AbandonAppend() override;
@@ -96,6 +98,7 @@ class RotatingGroup final : public LayerGroup {
   // The Append in progress.
   std::vector<int64_t> new_rings_;         // sequences given a ring by it
   std::shared_ptr<RowChunk> spec_chunk_;   // its speculative rows
+  bool in_place_ = false;                  // it writes into rings that hold a window
 };
 
 }  // namespace kvmesh

@@ -30,9 +30,11 @@ int64_t DistinctSequences(absl::Span<const Token> tokens) {
 
 // Checks the shape of an Append batch against the spec before any payload is touched: at
 // least one token, at most max_batch, and `payload_bytes` (named `payload_field` in messages)
-// equal to the spec's arithmetic. The engine checks the semantics (positions, capacity).
+// equal to the spec's arithmetic for a plain or `speculative` Append. The engine checks the
+// semantics (positions, capacity, pending tokens).
 absl::Status CheckAppendShape(const CacheSpec& spec, absl::Span<const Token> tokens,
-                              absl::string_view payload_field, int64_t payload_bytes) {
+                              bool speculative, absl::string_view payload_field,
+                              int64_t payload_bytes) {
   if (tokens.empty()) {
     return absl::InvalidArgumentError("tokens is empty: an Append needs at least one token");
   }
@@ -41,18 +43,28 @@ absl::Status CheckAppendShape(const CacheSpec& spec, absl::Span<const Token> tok
                                                    " tokens exceeds max_batch = ", spec.max_batch,
                                                    " of cache '", spec.name, "'"));
   }
-  const size_t expected =
-      AppendPayloadBytes(spec, static_cast<int64_t>(tokens.size()), DistinctSequences(tokens));
+  const size_t expected = AppendPayloadBytes(spec, static_cast<int64_t>(tokens.size()),
+                                             DistinctSequences(tokens), speculative);
   if (payload_bytes < 0 || static_cast<uint64_t>(payload_bytes) != expected) {
     return absl::InvalidArgumentError(
         absl::StrCat(payload_field, " = ", payload_bytes, " bytes, but ", tokens.size(),
-                     " tokens of cache '", spec.name, "' need ", expected, " bytes"));
+                     speculative ? " speculative" : "", " tokens of cache '", spec.name, "' need ",
+                     expected, " bytes"));
   }
   return absl::OkStatus();
 }
 
 absl::Span<const uint8_t> AsBytes(const std::string& s) {
   return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+}
+
+// INVALID_ARGUMENT naming `field` when `value` is negative: the engine's ids and offsets are
+// never negative.
+absl::Status CheckNotNegative(absl::string_view field, int64_t value) {
+  if (value < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " = ", value, " is negative"));
+  }
+  return absl::OkStatus();
 }
 
 grpc::Status InvalidArgument(std::string message) {
@@ -182,14 +194,17 @@ class CacheServiceImpl::AppendStreamReactor final
   absl::Status CheckHeaderAgainstCache() {
     ASSIGN_OR_RETURN(cache_, service_->FindCache(header_.cache()));
     const CacheSpec& spec = cache_->spec();
-    const size_t max_bytes = AppendPayloadBytes(spec, spec.max_batch, spec.max_batch);
+    // A speculative batch carries one Recurrent state per token: the largest payload of all.
+    const size_t max_bytes =
+        AppendPayloadBytes(spec, spec.max_batch, spec.max_batch, /*speculative=*/true);
     if (static_cast<uint64_t>(payload_bytes_) > max_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
           "header.payload_bytes = ", payload_bytes_, " exceeds the largest payload cache '",
           spec.name, "' accepts: ", max_bytes, " bytes for max_batch = ", spec.max_batch));
     }
     ASSIGN_OR_RETURN(tokens_, TokensFromProto(header_.tokens()));
-    RETURN_IF_ERROR(CheckAppendShape(spec, tokens_, "header.payload_bytes", payload_bytes_));
+    RETURN_IF_ERROR(CheckAppendShape(spec, tokens_, header_.speculative(), "header.payload_bytes",
+                                     payload_bytes_));
     if (payload_.size() > static_cast<uint64_t>(payload_bytes_)) {
       return absl::InvalidArgumentError(
           absl::StrCat("AppendStream data exceeds header.payload_bytes = ", payload_bytes_,
@@ -225,7 +240,7 @@ class CacheServiceImpl::AppendStreamReactor final
       Done(CancelledStatus());
       return;
     }
-    const absl::Status status = cache_->Append(tokens_, AsBytes(payload_));
+    const absl::Status status = cache_->Append(tokens_, AsBytes(payload_), header_.speculative());
     if (status.ok()) *response_->mutable_usage() = UsageToProto(cache_->Usage());
     Done(ToGrpcStatus(status));
   }
@@ -441,9 +456,9 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* 
   return RunUnary(context, [this, request, response]() -> absl::Status {
     ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
     ASSIGN_OR_RETURN(const std::vector<Token> tokens, TokensFromProto(request->tokens()));
-    RETURN_IF_ERROR(CheckAppendShape(cache->spec(), tokens, "payload",
+    RETURN_IF_ERROR(CheckAppendShape(cache->spec(), tokens, request->speculative(), "payload",
                                      static_cast<int64_t>(request->payload().size())));
-    RETURN_IF_ERROR(cache->Append(tokens, AsBytes(request->payload())));
+    RETURN_IF_ERROR(cache->Append(tokens, AsBytes(request->payload()), request->speculative()));
     *response->mutable_usage() = UsageToProto(cache->Usage());
     return absl::OkStatus();
   });
@@ -513,6 +528,102 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListSequences(grpc::CallbackServerCo
     for (const SequenceInfo& info : cache->ListSequences()) {
       *response->add_sequences() = SequenceInfoToProto(info);
     }
+    return absl::OkStatus();
+  });
+}
+
+// ---- snapshots and speculation --------------------------------------------------------------
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Snapshot(grpc::CallbackServerContext* context,
+                                                     const v1::SnapshotRequest* request,
+                                                     v1::SnapshotResponse* response) {
+  return RunUnary(context, [this, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
+    RETURN_IF_ERROR(CheckNotNegative("from_offset", request->from_offset()));
+    ASSIGN_OR_RETURN(const SnapshotInfo info,
+                     cache->Snapshot(request->seq(), request->from_offset()));
+    *response->mutable_snapshot() = SnapshotInfoToProto(info);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Restore(grpc::CallbackServerContext* context,
+                                                    const v1::RestoreRequest* request,
+                                                    v1::RestoreResponse* response) {
+  return RunUnary(context, [this, request]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
+    RETURN_IF_ERROR(CheckNotNegative("target", request->target()));
+    const std::optional<uint64_t> snapshot_id =
+        request->has_snapshot_id() ? std::optional<uint64_t>(request->snapshot_id()) : std::nullopt;
+    return cache->Restore(request->seq(), snapshot_id, request->target());
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::MergeSnapshots(grpc::CallbackServerContext* context,
+                                                           const v1::MergeSnapshotsRequest* request,
+                                                           v1::MergeSnapshotsResponse* response) {
+  return RunUnary(context, [this, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    ASSIGN_OR_RETURN(const SnapshotInfo merged,
+                     cache->MergeSnapshots(request->parent(), request->child()));
+    *response->mutable_snapshot() = SnapshotInfoToProto(merged);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::SplitSnapshot(grpc::CallbackServerContext* context,
+                                                          const v1::SplitSnapshotRequest* request,
+                                                          v1::SplitSnapshotResponse* response) {
+  return RunUnary(context, [this, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    ASSIGN_OR_RETURN(const SplitResult split,
+                     cache->SplitSnapshot(request->snapshot_id(), request->at()));
+    if (split.parent.has_value()) *response->mutable_parent() = SnapshotInfoToProto(*split.parent);
+    if (split.child.has_value()) *response->mutable_child() = SnapshotInfoToProto(*split.child);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::DropSnapshot(grpc::CallbackServerContext* context,
+                                                         const v1::DropSnapshotRequest* request,
+                                                         v1::DropSnapshotResponse* response) {
+  return RunUnary(context, [this, request]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    return cache->DropSnapshot(request->snapshot_id());
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::ListSnapshots(grpc::CallbackServerContext* context,
+                                                          const v1::ListSnapshotsRequest* request,
+                                                          v1::ListSnapshotsResponse* response) {
+  return RunUnary(context, [this, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    for (const SnapshotInfo& info : cache->ListSnapshots()) {
+      *response->add_snapshots() = SnapshotInfoToProto(info);
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::CommitSpeculation(
+    grpc::CallbackServerContext* context, const v1::CommitSpeculationRequest* request,
+    v1::CommitSpeculationResponse* response) {
+  return RunUnary(context, [this, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
+    RETURN_IF_ERROR(CheckNotNegative("accepted", request->accepted()));
+    RETURN_IF_ERROR(cache->CommitSpeculation(request->seq(), request->accepted()));
+    // The sequence's offset afterwards; a commit of 0 tokens may leave it storing nothing.
+    int32_t offset = 0;
+    for (const SequenceInfo& info : cache->ListSequences()) {
+      if (info.seq == request->seq()) {
+        offset = info.offset;
+        break;
+      }
+    }
+    response->set_offset(offset);
     return absl::OkStatus();
   });
 }

@@ -7,6 +7,8 @@
 // UNAVAILABLE (retry later), never by waiting.
 //
 //  - Unary RPCs use DefaultReactor(); the executor task calls Finish().
+//  - Append and AppendStream pass the request's `speculative` flag to the engine; the payload
+//    size they expect follows it (one Recurrent state per token when speculative).
 //  - AppendStream checks the first message's header (cache, tokens, payload_bytes) before it
 //    buffers any data, refuses data beyond header.payload_bytes as soon as it arrives, and
 //    appends only when the stream ends with exactly payload_bytes.
@@ -87,6 +89,27 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
   grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* context,
                                           const v1::ListSequencesRequest* request,
                                           v1::ListSequencesResponse* response) override;
+  grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* context,
+                                     const v1::SnapshotRequest* request,
+                                     v1::SnapshotResponse* response) override;
+  grpc::ServerUnaryReactor* Restore(grpc::CallbackServerContext* context,
+                                    const v1::RestoreRequest* request,
+                                    v1::RestoreResponse* response) override;
+  grpc::ServerUnaryReactor* MergeSnapshots(grpc::CallbackServerContext* context,
+                                           const v1::MergeSnapshotsRequest* request,
+                                           v1::MergeSnapshotsResponse* response) override;
+  grpc::ServerUnaryReactor* SplitSnapshot(grpc::CallbackServerContext* context,
+                                          const v1::SplitSnapshotRequest* request,
+                                          v1::SplitSnapshotResponse* response) override;
+  grpc::ServerUnaryReactor* DropSnapshot(grpc::CallbackServerContext* context,
+                                         const v1::DropSnapshotRequest* request,
+                                         v1::DropSnapshotResponse* response) override;
+  grpc::ServerUnaryReactor* ListSnapshots(grpc::CallbackServerContext* context,
+                                          const v1::ListSnapshotsRequest* request,
+                                          v1::ListSnapshotsResponse* response) override;
+  grpc::ServerUnaryReactor* CommitSpeculation(grpc::CallbackServerContext* context,
+                                              const v1::CommitSpeculationRequest* request,
+                                              v1::CommitSpeculationResponse* response) override;
 
  private:
   class AppendStreamReactor;

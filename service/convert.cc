@@ -60,6 +60,22 @@ v1::RopeType RopeTypeToProto(RopeType type) {
   return v1::ROPE_TYPE_NONE;
 }
 
+absl::StatusOr<RopeSpec> RopeFromProto(const std::string& field, const v1::Rope& proto) {
+  RopeSpec rope;
+  ASSIGN_OR_RETURN(rope.type, RopeTypeFromProto(field + ".type", proto.type()));
+  rope.dims = proto.dims();
+  rope.base = proto.base();
+  rope.freq_scale = proto.freq_scale();
+  return rope;
+}
+
+void RopeToProto(const RopeSpec& rope, v1::Rope* proto) {
+  proto->set_type(RopeTypeToProto(rope.type));
+  proto->set_dims(rope.dims);
+  proto->set_base(rope.base);
+  proto->set_freq_scale(rope.freq_scale);
+}
+
 absl::StatusOr<AttentionSpec> AttentionFromProto(const std::string& field,
                                                  const v1::Attention& proto) {
   AttentionSpec a;
@@ -82,11 +98,29 @@ absl::StatusOr<AttentionSpec> AttentionFromProto(const std::string& field,
       a.window.chunk = proto.window().chunked().chunk();
       break;
   }
-  ASSIGN_OR_RETURN(a.rope.type, RopeTypeFromProto(field + ".rope.type", proto.rope().type()));
-  a.rope.dims = proto.rope().dims();
-  a.rope.base = proto.rope().base();
-  a.rope.freq_scale = proto.rope().freq_scale();
+  ASSIGN_OR_RETURN(a.rope, RopeFromProto(field + ".rope", proto.rope()));
   return a;
+}
+
+absl::StatusOr<RotatingSpec> RotatingFromProto(const std::string& field,
+                                               const v1::Rotating& proto) {
+  RotatingSpec r;
+  r.num_kv_heads = proto.num_kv_heads();
+  r.head_dim_k = proto.head_dim_k();
+  r.head_dim_v = proto.head_dim_v();
+  r.max_size = proto.max_size();
+  ASSIGN_OR_RETURN(r.rope, RopeFromProto(field + ".rope", proto.rope()));
+  return r;
+}
+
+RecurrentSpec RecurrentFromProto(const v1::Recurrent& proto) {
+  RecurrentSpec r;
+  r.conv_tail = proto.conv_tail();
+  r.conv_dim = proto.conv_dim();
+  r.num_v_heads = proto.num_v_heads();
+  r.head_v_dim = proto.head_v_dim();
+  r.head_k_dim = proto.head_k_dim();
+  return r;
 }
 
 }  // namespace
@@ -111,8 +145,18 @@ absl::StatusOr<CacheSpec> SpecFromProto(const v1::CacheSpec& proto) {
                          AttentionFromProto(field + ".attention", group.attention()));
         break;
       }
+      case v1::LayerGroup::kRotating: {
+        out.kind = GroupKind::kRotating;
+        ASSIGN_OR_RETURN(out.rotating, RotatingFromProto(field + ".rotating", group.rotating()));
+        break;
+      }
+      case v1::LayerGroup::kRecurrent:
+        out.kind = GroupKind::kRecurrent;
+        out.recurrent = RecurrentFromProto(group.recurrent());
+        break;
       case v1::LayerGroup::KIND_NOT_SET:
-        return absl::InvalidArgumentError(absl::StrCat(field, " has no kind: set attention"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, " has no kind: set attention, rotating or recurrent"));
     }
     spec.groups.push_back(std::move(out));
   }
@@ -150,11 +194,27 @@ v1::CacheSpec SpecToProto(const CacheSpec& spec) {
             window->mutable_chunked()->set_chunk(a.window.chunk);
             break;
         }
-        v1::Rope* rope = attention->mutable_rope();
-        rope->set_type(RopeTypeToProto(a.rope.type));
-        rope->set_dims(a.rope.dims);
-        rope->set_base(a.rope.base);
-        rope->set_freq_scale(a.rope.freq_scale);
+        RopeToProto(a.rope, attention->mutable_rope());
+        break;
+      }
+      case GroupKind::kRotating: {
+        const RotatingSpec& r = group.rotating;
+        v1::Rotating* rotating = out->mutable_rotating();
+        rotating->set_num_kv_heads(r.num_kv_heads);
+        rotating->set_head_dim_k(r.head_dim_k);
+        rotating->set_head_dim_v(r.head_dim_v);
+        rotating->set_max_size(r.max_size);
+        RopeToProto(r.rope, rotating->mutable_rope());
+        break;
+      }
+      case GroupKind::kRecurrent: {
+        const RecurrentSpec& r = group.recurrent;
+        v1::Recurrent* recurrent = out->mutable_recurrent();
+        recurrent->set_conv_tail(r.conv_tail);
+        recurrent->set_conv_dim(r.conv_dim);
+        recurrent->set_num_v_heads(r.num_v_heads);
+        recurrent->set_head_v_dim(r.head_v_dim);
+        recurrent->set_head_k_dim(r.head_k_dim);
         break;
       }
     }
@@ -175,6 +235,8 @@ v1::CacheUsage UsageToProto(const CacheUsage& usage) {
   }
   proto.set_sequences_live(usage.sequences_live);
   proto.set_bytes_held(static_cast<int64_t>(usage.bytes_held));
+  proto.set_snapshots(usage.snapshots);
+  proto.set_snapshot_bytes(static_cast<int64_t>(usage.snapshot_bytes));
   return proto;
 }
 
@@ -182,6 +244,7 @@ v1::SequenceInfo SequenceInfoToProto(const SequenceInfo& info) {
   v1::SequenceInfo proto;
   proto.set_seq(info.seq);
   proto.set_offset(info.offset);
+  proto.set_pending(info.pending);
   for (size_t g = 0; g < info.groups.size(); ++g) {
     const GroupSequenceInfo& group = info.groups[g];
     v1::GroupSequence* out = proto.add_groups();
@@ -190,6 +253,7 @@ v1::SequenceInfo SequenceInfoToProto(const SequenceInfo& info) {
     out->set_shared(group.shared);
     out->set_first(group.first);
     out->set_last(group.last);
+    out->set_state(StateStatusToProto(group.state));
   }
   return proto;
 }
@@ -207,9 +271,81 @@ v1::ReadHeader ReadHeaderToProto(const ReadResult& result) {
     v1::GroupPositions* out = proto.add_groups();
     out->set_group(static_cast<int32_t>(g));
     out->mutable_positions()->Add(result.positions[g].begin(), result.positions[g].end());
+    if (g < result.states.size()) out->set_state(StateStatusToProto(result.states[g]));
   }
   proto.set_payload_bytes(static_cast<int64_t>(result.payload.size()));
   return proto;
+}
+
+v1::StateStatus StateStatusToProto(StateStatus status) {
+  switch (status) {
+    case StateStatus::kNone:
+      return v1::STATE_STATUS_NONE;
+    case StateStatus::kValid:
+      return v1::STATE_STATUS_VALID;
+    case StateStatus::kInvalid:
+      return v1::STATE_STATUS_INVALID;
+  }
+  return v1::STATE_STATUS_NONE;
+}
+
+absl::StatusOr<StateStatus> StateStatusFromProto(const std::string& field, int value) {
+  switch (value) {
+    case v1::STATE_STATUS_NONE:
+      return StateStatus::kNone;
+    case v1::STATE_STATUS_VALID:
+      return StateStatus::kValid;
+    case v1::STATE_STATUS_INVALID:
+      return StateStatus::kInvalid;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " = ", value, " is not a known StateStatus"));
+}
+
+v1::SnapshotInfo SnapshotInfoToProto(const SnapshotInfo& info) {
+  v1::SnapshotInfo proto;
+  proto.set_id(info.id);
+  proto.set_seq(info.seq);
+  proto.set_from_offset(info.from);
+  proto.set_to_offset(info.to);
+  proto.set_bytes(static_cast<int64_t>(info.bytes));
+  for (size_t g = 0; g < info.groups.size(); ++g) {
+    const SnapshotGroupInfo& group = info.groups[g];
+    v1::SnapshotGroup* out = proto.add_groups();
+    out->set_group(static_cast<int32_t>(g));
+    out->set_stored(group.stored);
+    out->set_ring_index(group.ring_index);
+    out->set_state(StateStatusToProto(group.state));
+  }
+  return proto;
+}
+
+absl::StatusOr<SnapshotInfo> SnapshotInfoFromProto(const v1::SnapshotInfo& proto) {
+  SnapshotInfo info;
+  info.id = proto.id();
+  info.seq = proto.seq();
+  info.from = proto.from_offset();
+  info.to = proto.to_offset();
+  if (proto.bytes() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("snapshot.bytes = ", proto.bytes(), " is negative"));
+  }
+  info.bytes = static_cast<size_t>(proto.bytes());
+  info.groups.reserve(proto.groups_size());
+  for (int g = 0; g < proto.groups_size(); ++g) {
+    const v1::SnapshotGroup& group = proto.groups(g);
+    if (group.group() != g) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("snapshot.groups[", g, "].group = ", group.group(), ", expected ", g));
+    }
+    SnapshotGroupInfo out;
+    out.stored = group.stored();
+    out.ring_index = group.ring_index();
+    ASSIGN_OR_RETURN(out.state, StateStatusFromProto(absl::StrCat("snapshot.groups[", g, "].state"),
+                                                     group.state()));
+    info.groups.push_back(out);
+  }
+  return info;
 }
 
 absl::StatusOr<std::vector<Token>> TokensFromProto(

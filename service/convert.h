@@ -8,6 +8,7 @@
 #ifndef KVMESH_SERVICE_CONVERT_H_
 #define KVMESH_SERVICE_CONVERT_H_
 
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -20,23 +21,36 @@
 
 namespace kvmesh {
 
-// The engine spec of `proto`, checked by kvmesh::ValidateSpec. An unset window means FULL.
-// INVALID_ARGUMENT naming the field for DTYPE_UNSPECIFIED or an unknown enum value, a group
-// without a kind, and anything ValidateSpec rejects.
+// The engine spec of `proto`, checked by kvmesh::ValidateSpec. An unset window means FULL;
+// Attention and Rotating groups take their rope alike. INVALID_ARGUMENT naming the field for
+// DTYPE_UNSPECIFIED or an unknown enum value, a group without a kind (attention, rotating or
+// recurrent), and anything ValidateSpec rejects.
 absl::StatusOr<CacheSpec> SpecFromProto(const v1::CacheSpec& proto);
 
 // The inverse of SpecFromProto: SpecFromProto(SpecToProto(s)) == s for every valid `s`.
 v1::CacheSpec SpecToProto(const CacheSpec& spec);
 
-// Usage with kUnlimitedMemory reported as memory 0, as the proto documents.
+// Usage with kUnlimitedMemory reported as memory 0, as the proto documents, and the cache's
+// snapshot count and bytes.
 v1::CacheUsage UsageToProto(const CacheUsage& usage);
 
+// Offset, pending speculative tokens and, per group, stored positions and Recurrent state.
 v1::SequenceInfo SequenceInfoToProto(const SequenceInfo& info);
+
+v1::StateStatus StateStatusToProto(StateStatus status);
+// INVALID_ARGUMENT naming `field` and `value` for a value outside the enum.
+absl::StatusOr<StateStatus> StateStatusFromProto(const std::string& field, int value);
+
+// A snapshot's id, source sequence, range [from_offset, to_offset), bytes and per-group data.
+v1::SnapshotInfo SnapshotInfoToProto(const SnapshotInfo& info);
+// The inverse of SnapshotInfoToProto. INVALID_ARGUMENT for negative bytes, a group entry out
+// of order or an unknown state.
+absl::StatusOr<SnapshotInfo> SnapshotInfoFromProto(const v1::SnapshotInfo& proto);
 
 // Spec and current usage of `cache` (takes the cache's lock shared, briefly).
 v1::CacheInfo CacheInfoToProto(const Cache& cache);
 
-// Positions per group and payload size of a Read, without the payload itself.
+// Positions and Recurrent state per group and payload size of a Read, without the payload.
 v1::ReadHeader ReadHeaderToProto(const ReadResult& result);
 
 // Tokens of an Append. INVALID_ARGUMENT naming the index and value of a negative seq or pos.

@@ -1,6 +1,9 @@
 #include "service/ctl_parse.h"
 
+#include <initializer_list>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
@@ -102,61 +105,133 @@ absl::StatusOr<v1::DType> ParseDType(absl::string_view text) {
 }
 
 absl::StatusOr<v1::LayerGroup> ParseGroup(absl::string_view text) {
-  absl::string_view rest = text;
-  if (!absl::ConsumePrefix(&rest, "attention:")) {
-    return Bad("group must start with 'attention:' (the only group kind of this API version)",
-               text);
+  const size_t colon = text.find(':');
+  const std::string kind =
+      absl::AsciiStrToLower(text.substr(0, colon == absl::string_view::npos ? text.size() : colon));
+  if (colon == absl::string_view::npos ||
+      (kind != "attention" && kind != "rotating" && kind != "recurrent")) {
+    return Bad("group must start with 'attention:', 'rotating:' or 'recurrent:'", text);
   }
+  const absl::string_view rest = text.substr(colon + 1);
+  // Keys of each kind, for the unknown-key message.
+  const absl::string_view keys =
+      kind == "attention"  ? "layers, heads, head_dim, head_dim_k, head_dim_v, window, rope"
+      : kind == "rotating" ? "layers, heads, head_dim, head_dim_k, head_dim_v, max_size, rope"
+                           : "layers, conv_tail, conv_dim, v_heads, head_v_dim, head_k_dim";
   v1::LayerGroup group;
-  v1::Attention* att = group.mutable_attention();
+  // The fields shared by Attention and Rotating groups land in `att` and are moved into a
+  // Rotating message at the end, so both kinds parse their common keys the same way.
+  v1::Attention att;
+  v1::Rotating rot;
+  v1::Recurrent rec;
+  std::vector<std::string> seen;
   for (absl::string_view item : absl::StrSplit(rest, ',', absl::SkipEmpty())) {
+    if (item.find('=') == absl::string_view::npos) {
+      return Bad(absl::StrCat(kind, " group item '", item, "' is not KEY=VALUE (keys: ", keys, ")"),
+                 text);
+    }
     std::pair<absl::string_view, absl::string_view> kv =
         absl::StrSplit(item, absl::MaxSplits('=', 1));
     const absl::string_view key = kv.first;
     const absl::string_view value = kv.second;
+    seen.emplace_back(key);
+    const bool kv_kind = kind != "recurrent";
     if (key == "layers") {
       auto v = ParseInt(key, value);
       if (!v.ok()) return v.status();
       group.set_num_layers(*v);
-    } else if (key == "heads" || key == "kv_heads") {
+    } else if (kv_kind && (key == "heads" || key == "kv_heads")) {
       auto v = ParseInt(key, value);
       if (!v.ok()) return v.status();
-      att->set_num_kv_heads(*v);
-    } else if (key == "head_dim") {
+      att.set_num_kv_heads(*v);
+    } else if (kv_kind && key == "head_dim") {
       auto v = ParseInt(key, value);
       if (!v.ok()) return v.status();
-      att->set_head_dim_k(*v);
-      att->set_head_dim_v(*v);
-    } else if (key == "head_dim_k") {
+      att.set_head_dim_k(*v);
+      att.set_head_dim_v(*v);
+    } else if (kv_kind && key == "head_dim_k") {
       auto v = ParseInt(key, value);
       if (!v.ok()) return v.status();
-      att->set_head_dim_k(*v);
-    } else if (key == "head_dim_v") {
+      att.set_head_dim_k(*v);
+    } else if (kv_kind && key == "head_dim_v") {
       auto v = ParseInt(key, value);
       if (!v.ok()) return v.status();
-      att->set_head_dim_v(*v);
-    } else if (key == "window") {
+      att.set_head_dim_v(*v);
+    } else if (kind == "attention" && key == "window") {
       auto w = ParseWindow(value);
       if (!w.ok()) return w.status();
-      *att->mutable_window() = *w;
-    } else if (key == "rope") {
+      *att.mutable_window() = *w;
+    } else if (kv_kind && key == "rope") {
       auto r = ParseRope(value);
       if (!r.ok()) return r.status();
       if (r->type() == v1::ROPE_TYPE_NONE) {
-        att->clear_rope();
+        att.clear_rope();
       } else {
-        *att->mutable_rope() = *r;
+        *att.mutable_rope() = *r;
       }
+    } else if (kind == "rotating" && key == "max_size") {
+      auto v = ParseInt(key, value);
+      if (!v.ok()) return v.status();
+      rot.set_max_size(*v);
+    } else if (kind == "recurrent" && key == "conv_tail") {
+      auto v = ParseInt(key, value);
+      if (!v.ok()) return v.status();
+      rec.set_conv_tail(*v);
+    } else if (kind == "recurrent" && key == "conv_dim") {
+      auto v = ParseInt(key, value);
+      if (!v.ok()) return v.status();
+      rec.set_conv_dim(*v);
+    } else if (kind == "recurrent" && (key == "v_heads" || key == "num_v_heads")) {
+      auto v = ParseInt(key, value);
+      if (!v.ok()) return v.status();
+      rec.set_num_v_heads(*v);
+    } else if (kind == "recurrent" && key == "head_v_dim") {
+      auto v = ParseInt(key, value);
+      if (!v.ok()) return v.status();
+      rec.set_head_v_dim(*v);
+    } else if (kind == "recurrent" && key == "head_k_dim") {
+      auto v = ParseInt(key, value);
+      if (!v.ok()) return v.status();
+      rec.set_head_k_dim(*v);
     } else {
-      return Bad(absl::StrCat("unknown group key '", key,
-                              "' (layers, heads, head_dim, head_dim_k, head_dim_v, window, rope)"),
-                 text);
+      return Bad(absl::StrCat("unknown ", kind, " group key '", key, "' (", keys, ")"), text);
     }
   }
-  if (!att->has_window()) att->mutable_window()->mutable_full();
-  if (att->has_rope() && att->rope().dims() == 0) {
-    att->mutable_rope()->set_dims(att->head_dim_k());
+  auto has = [&seen](std::initializer_list<absl::string_view> names) {
+    for (const std::string& s : seen) {
+      for (absl::string_view n : names) {
+        if (s == n) return true;
+      }
+    }
+    return false;
+  };
+  if (att.has_rope() && att.rope().dims() == 0) att.mutable_rope()->set_dims(att.head_dim_k());
+  if (kind == "attention") {
+    if (!att.has_window()) att.mutable_window()->mutable_full();
+    *group.mutable_attention() = std::move(att);
+    return group;
   }
+  if (kind == "rotating") {
+    if (!has({"max_size"})) return Bad("rotating group needs max_size=TOKENS", text);
+    rot.set_num_kv_heads(att.num_kv_heads());
+    rot.set_head_dim_k(att.head_dim_k());
+    rot.set_head_dim_v(att.head_dim_v());
+    if (att.has_rope()) *rot.mutable_rope() = att.rope();
+    *group.mutable_rotating() = std::move(rot);
+    return group;
+  }
+  if (!has({"conv_tail"}) || !has({"conv_dim"})) {
+    return Bad("recurrent group needs conv_tail=T and conv_dim=C", text);
+  }
+  if (rec.num_v_heads() == 0 && (rec.head_v_dim() != 0 || rec.head_k_dim() != 0)) {
+    return Bad("recurrent head_v_dim and head_k_dim need v_heads > 0", text);
+  }
+  if (rec.num_v_heads() != 0 && (!has({"head_v_dim"}) || !has({"head_k_dim"}))) {
+    return Bad(absl::StrCat("recurrent v_heads=", rec.num_v_heads(),
+                            " needs head_v_dim and head_k_dim"),
+               text);
+  }
+  *group.mutable_recurrent() = std::move(rec);
   return group;
 }
 

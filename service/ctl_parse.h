@@ -19,13 +19,18 @@ namespace ctl {
 // "f32", "f16" or "bf16" (any case, "DTYPE_" prefix allowed).
 absl::StatusOr<v1::DType> ParseDType(absl::string_view text);
 
-// One --group flag:
+// One --group flag, KIND:KEY=VALUE,...:
 //   attention:layers=32,heads=8,head_dim=128,window=full,rope=neox:128:500000
-// Keys: layers, heads (or kv_heads), head_dim (sets K and V), head_dim_k, head_dim_v,
+//   rotating:layers=4,heads=8,head_dim=128,max_size=4096,rope=neox:128:10000
+//   recurrent:layers=10,conv_tail=2,conv_dim=2048[,v_heads=16,head_v_dim=128,head_k_dim=128]
+// attention keys: layers, heads (or kv_heads), head_dim (sets K and V), head_dim_k, head_dim_v,
 // window=full | sliding:WINDOW[:MEMORY] | chunked:CHUNK,
 // rope=none | normal|neox[:DIMS[:BASE[:FREQ_SCALE]]] (DIMS defaults to head_dim_k, BASE to
 // 10000, FREQ_SCALE to 1). Missing window means full; missing rope means none.
-// INVALID_ARGUMENT names the part that does not parse.
+// rotating keys: those of attention but window, plus max_size (required).
+// recurrent keys: layers, conv_tail and conv_dim (required), v_heads (or num_v_heads),
+// head_v_dim, head_k_dim (required when v_heads > 0; v_heads absent means no delta state).
+// INVALID_ARGUMENT names the key and the value that do not parse (ranges are the server's).
 absl::StatusOr<v1::LayerGroup> ParseGroup(absl::string_view text);
 
 // A position list: comma-separated items, each a position "P" or a half-open range "B:E"

@@ -45,7 +45,7 @@ constexpr char kDefaultAddr[] = "127.0.0.1:7700";
 constexpr absl::Duration kDefaultTimeout = absl::Seconds(30);
 constexpr int64_t kDefaultChunkBytes = int64_t{1} << 20;
 
-constexpr absl::string_view kBoolFlags[] = {"json", "stream", "help", "non-causal"};
+constexpr absl::string_view kBoolFlags[] = {"json", "stream", "help", "non-causal", "speculative"};
 
 constexpr char kUsage[] =
     R"(kvmeshctl: command-line client of a kvmesh node (kvmesh.v1.CacheService).
@@ -63,31 +63,50 @@ commands
                 GROUP: attention:layers=32,heads=8,head_dim=128,window=WINDOW,rope=ROPE
                   also head_dim_k=, head_dim_v=; WINDOW: full | sliding:W[:MEMORY] | chunked:N
                   ROPE: none | normal|neox[:DIMS[:BASE[:FREQ_SCALE]]]
+                GROUP: rotating:layers=N,heads=H,head_dim=D,max_size=TOKENS[,rope=ROPE]
+                  a ring of the last max_size tokens per sequence; also head_dim_k=, head_dim_v=
+                GROUP: recurrent:layers=N,conv_tail=T,conv_dim=C[,v_heads=V,head_v_dim=DV,
+                  head_k_dim=DK]: per-sequence conv state [T][C] (+ delta state [V][DV][DK] f32)
                 shorthand flags override the fields of --spec-json
   delete        --cache=CACHE
   get           --cache=CACHE                  spec and usage
   list                                         every cache on the node
-  usage         --cache=CACHE                  cells used/total per group, bytes, sequences
+  usage         --cache=CACHE                  cells used/total per group, bytes, sequences,
+                                               snapshots
   append        --cache=CACHE --seq=N --positions=LIST [--seed=N | --payload-file=FILE]
-                [--batch=TOKENS] [--stream [--chunk-bytes=BYTES]]
+                [--batch=TOKENS] [--stream [--chunk-bytes=BYTES]] [--speculative]
                 LIST: comma-separated P or half-open BEGIN:END, e.g. 0:512 or 0,1,2,10:20.
                 The payload is the pattern of --seed (default 0) for these positions, or FILE
                 (the payload of all the tokens as one batch). Tokens go in Appends of --batch
                 tokens (default: the cache's max_batch); a failed Append stops the command and
                 the earlier ones stay. A unary Append must fit the node's --max-message-bytes
                 (default 128MiB); --stream uses AppendStream in chunks of --chunk-bytes
-                (default 1MiB) and has no such limit.
+                (default 1MiB) and has no such limit. Recurrent groups get the pattern state
+                of --seed at the offset each Append reaches (a plain FILE of such a cache
+                must fit one Append). --speculative: the tokens are pending until
+                commit-speculation (one Recurrent state per token).
   read          --cache=CACHE --seq=N [--begin=P] [--end=P] [--out=FILE] [--verify-seed=N]
                 [--max-chunk-bytes=BYTES]
-                prints the positions per group, payload size and FNV-1a 64 checksum;
-                --verify-seed compares the payload with the pattern of that seed (exit 1,
+                prints the positions (or Recurrent state) per group, payload size and FNV-1a
+                64 checksum; --verify-seed compares the payload with the pattern of that seed,
+                a Recurrent state with that seed's state at the sequence's offset (exit 1,
                 DATA_LOSS, on a mismatch)
   visible       --cache=CACHE [--group=G] (--query=SEQ:POS[:nc]... | --seq=N --pos=LIST
                 [--non-causal])
   copy-prefix   --cache=CACHE --src=N --dst=N --length=TOKENS
   remove        --cache=CACHE --seq=N --begin=P [--end=P]     no --end: truncate from --begin
   can-resume    --cache=CACHE --seq=N --pos=LIST
-  list-sequences --cache=CACHE
+  list-sequences --cache=CACHE                 offset, pending tokens, per-group storage/state
+  snapshot      --cache=CACHE --seq=N [--from=P (0)]   copy [P, offset) of seq into the
+                                               snapshot pool; prints the new snapshot id
+  restore       --cache=CACHE --seq=N --target=P [--snapshot=ID]
+                without --snapshot: rewind seq's live data to P; with it: write the snapshot's
+                data into seq (any sequence of the cache) and clamp to P
+  merge-snapshots --cache=CACHE --parent=ID --child=ID   [a,b) + [b,c) -> [a,c) (new id)
+  split-snapshot --cache=CACHE --snapshot=ID --at=P      [a,c) -> [a,P) + [P,c) (new ids)
+  drop-snapshot --cache=CACHE --snapshot=ID
+  list-snapshots --cache=CACHE
+  commit-speculation --cache=CACHE --seq=N --accepted=K  keep the first K pending tokens
   health        [--service=NAME]               grpc.health.v1.Health/Check ("" = the server)
   help          this text
 
@@ -133,51 +152,109 @@ std::string DTypeText(v1::DType dtype) {
   }
 }
 
-// The --group shorthand of a group, so `get` output can be pasted back into `create`.
-std::string GroupText(const v1::LayerGroup& group) {
-  if (!group.has_attention()) return absl::StrCat("layers=", group.num_layers(), " (unknown kind)");
-  const v1::Attention& a = group.attention();
-  std::string out =
-      absl::StrCat("attention:layers=", group.num_layers(), ",heads=", a.num_kv_heads());
-  if (a.head_dim_k() == a.head_dim_v()) {
-    absl::StrAppend(&out, ",head_dim=", a.head_dim_k());
-  } else {
-    absl::StrAppend(&out, ",head_dim_k=", a.head_dim_k(), ",head_dim_v=", a.head_dim_v());
-  }
-  const v1::Window& w = a.window();
-  switch (w.kind_case()) {
-    case v1::Window::kSliding:
-      absl::StrAppend(&out, ",window=sliding:", w.sliding().window());
-      if (w.sliding().memory() != 0) absl::StrAppend(&out, ":", w.sliding().memory());
-      break;
-    case v1::Window::kChunked:
-      absl::StrAppend(&out, ",window=chunked:", w.chunked().chunk());
-      break;
-    default:
-      absl::StrAppend(&out, ",window=full");
-  }
-  const v1::Rope& r = a.rope();
-  if (r.type() == v1::ROPE_TYPE_NONE) {
-    absl::StrAppend(&out, ",rope=none");
-  } else {
-    absl::StrAppend(&out, ",rope=", r.type() == v1::ROPE_TYPE_NEOX ? "neox" : "normal", ":",
-                    r.dims(), ":", r.base());
-    if (r.freq_scale() != 1.0f) absl::StrAppend(&out, ":", r.freq_scale());
-  }
+// ",rope=..." of a group's shorthand.
+std::string RopeText(const v1::Rope& r) {
+  if (r.type() == v1::ROPE_TYPE_NONE) return ",rope=none";
+  std::string out = absl::StrCat(",rope=", r.type() == v1::ROPE_TYPE_NEOX ? "neox" : "normal",
+                                 ":", r.dims(), ":", r.base());
+  if (r.freq_scale() != 1.0f) absl::StrAppend(&out, ":", r.freq_scale());
   return out;
 }
 
-void PrintUsage(const v1::CacheUsage& usage, int32_t max_sequences) {
-  std::printf("  sequences live %d/%d, bytes held %s\n", usage.sequences_live(), max_sequences,
-              Mib(usage.bytes_held()).c_str());
+std::string HeadDimText(int32_t k, int32_t v) {
+  if (k == v) return absl::StrCat(",head_dim=", k);
+  return absl::StrCat(",head_dim_k=", k, ",head_dim_v=", v);
+}
+
+// The --group shorthand of a group, so `get` output can be pasted back into `create`.
+std::string GroupText(const v1::LayerGroup& group) {
+  switch (group.kind_case()) {
+    case v1::LayerGroup::kAttention: {
+      const v1::Attention& a = group.attention();
+      std::string out = absl::StrCat("attention:layers=", group.num_layers(),
+                                     ",heads=", a.num_kv_heads(),
+                                     HeadDimText(a.head_dim_k(), a.head_dim_v()));
+      const v1::Window& w = a.window();
+      switch (w.kind_case()) {
+        case v1::Window::kSliding:
+          absl::StrAppend(&out, ",window=sliding:", w.sliding().window());
+          if (w.sliding().memory() != 0) absl::StrAppend(&out, ":", w.sliding().memory());
+          break;
+        case v1::Window::kChunked:
+          absl::StrAppend(&out, ",window=chunked:", w.chunked().chunk());
+          break;
+        default:
+          absl::StrAppend(&out, ",window=full");
+      }
+      return out + RopeText(a.rope());
+    }
+    case v1::LayerGroup::kRotating: {
+      const v1::Rotating& r = group.rotating();
+      return absl::StrCat("rotating:layers=", group.num_layers(), ",heads=", r.num_kv_heads(),
+                          HeadDimText(r.head_dim_k(), r.head_dim_v()),
+                          ",max_size=", r.max_size(), RopeText(r.rope()));
+    }
+    case v1::LayerGroup::kRecurrent: {
+      const v1::Recurrent& r = group.recurrent();
+      std::string out = absl::StrCat("recurrent:layers=", group.num_layers(),
+                                     ",conv_tail=", r.conv_tail(), ",conv_dim=", r.conv_dim());
+      if (r.num_v_heads() != 0) {
+        absl::StrAppend(&out, ",v_heads=", r.num_v_heads(), ",head_v_dim=", r.head_v_dim(),
+                        ",head_k_dim=", r.head_k_dim());
+      }
+      return out;
+    }
+    case v1::LayerGroup::KIND_NOT_SET:
+      break;
+  }
+  return absl::StrCat("layers=", group.num_layers(), " (unknown kind)");
+}
+
+// The kind of group `g` of `spec` ("?" when out of range).
+v1::LayerGroup::KindCase GroupKindOf(const v1::CacheSpec& spec, int g) {
+  if (g < 0 || g >= spec.groups_size()) return v1::LayerGroup::KIND_NOT_SET;
+  return spec.groups(g).kind_case();
+}
+
+std::string StateText(v1::StateStatus state) {
+  switch (state) {
+    case v1::STATE_STATUS_VALID:
+      return "VALID";
+    case v1::STATE_STATUS_INVALID:
+      return "INVALID";
+    case v1::STATE_STATUS_NONE:
+      return "none";
+    default:
+      return v1::StateStatus_Name(state);
+  }
+}
+
+void PrintUsage(const v1::CacheUsage& usage, const v1::CacheSpec& spec) {
+  std::printf("  sequences live %d/%d, bytes held %s, snapshots %d (%s)\n", usage.sequences_live(),
+              spec.max_sequences(), Mib(usage.bytes_held()).c_str(), usage.snapshots(),
+              Mib(usage.snapshot_bytes()).c_str());
   for (const v1::GroupUsage& g : usage.groups()) {
     const double pct =
         g.cells_total() > 0 ? 100.0 * static_cast<double>(g.cells_used()) / g.cells_total() : 0;
     const std::string memory =
         g.memory() == 0 ? std::string("unlimited") : absl::StrCat(g.memory(), " tokens/seq");
-    std::printf("  group %d: cells %" PRId64 "/%" PRId64 " used (%.1f%%), memory %s, %s\n",
-                g.group(), g.cells_used(), g.cells_total(), pct, memory.c_str(),
-                Mib(g.bytes()).c_str());
+    switch (GroupKindOf(spec, g.group())) {
+      case v1::LayerGroup::kRotating:
+        std::printf("  group %d (rotating): ring rows %" PRId64 "/%" PRId64
+                    " used (%.1f%%), memory %s, %s\n",
+                    g.group(), g.cells_used(), g.cells_total(), pct, memory.c_str(),
+                    Mib(g.bytes()).c_str());
+        break;
+      case v1::LayerGroup::kRecurrent:
+        std::printf("  group %d (recurrent): state slots %" PRId64 "/%" PRId64
+                    " used (%.1f%%), %s\n",
+                    g.group(), g.cells_used(), g.cells_total(), pct, Mib(g.bytes()).c_str());
+        break;
+      default:
+        std::printf("  group %d: cells %" PRId64 "/%" PRId64 " used (%.1f%%), memory %s, %s\n",
+                    g.group(), g.cells_used(), g.cells_total(), pct, memory.c_str(),
+                    Mib(g.bytes()).c_str());
+    }
   }
 }
 
@@ -190,7 +267,7 @@ void PrintInfo(const v1::CacheInfo& info) {
     std::printf("  group %d: %s\n", g, GroupText(s.groups(g)).c_str());
   }
   std::printf("usage\n");
-  PrintUsage(info.usage(), s.max_sequences());
+  PrintUsage(info.usage(), s);
 }
 
 // One line summary of an Append's usage answer.
@@ -199,8 +276,13 @@ std::string UsageLine(const v1::CacheUsage& usage) {
   for (const v1::GroupUsage& g : usage.groups()) {
     groups.push_back(absl::StrCat("g", g.group(), " ", g.cells_used(), "/", g.cells_total()));
   }
-  return absl::StrCat("sequences live ", usage.sequences_live(), ", cells ",
-                      absl::StrJoin(groups, ", "), ", held ", Mib(usage.bytes_held()));
+  std::string line = absl::StrCat("sequences live ", usage.sequences_live(), ", cells ",
+                                  absl::StrJoin(groups, ", "), ", held ", Mib(usage.bytes_held()));
+  if (usage.snapshots() != 0) {
+    absl::StrAppend(&line, ", snapshots ", usage.snapshots(), " (", Mib(usage.snapshot_bytes()),
+                    ")");
+  }
+  return line;
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
@@ -269,6 +351,13 @@ class Ctl {
   absl::Status Remove(const Args& args);
   absl::Status CanResume(const Args& args);
   absl::Status ListSequences(const Args& args);
+  absl::Status Snapshot(const Args& args);
+  absl::Status Restore(const Args& args);
+  absl::Status MergeSnapshots(const Args& args);
+  absl::Status SplitSnapshot(const Args& args);
+  absl::Status DropSnapshot(const Args& args);
+  absl::Status ListSnapshots(const Args& args);
+  absl::Status CommitSpeculation(const Args& args);
   absl::Status Health(const Args& args);
 
  private:
@@ -288,9 +377,8 @@ class Ctl {
   }
 
   // The engine's view of a cache's spec, for payload arithmetic.
-  absl::StatusOr<CacheSpec> FetchSpec(const std::string& cache) const {
-    ASSIGN_OR_RETURN(v1::CacheInfo info, FetchInfo(cache));
-    auto spec = SpecFromProto(info.spec());
+  static absl::StatusOr<CacheSpec> EngineSpec(const v1::CacheSpec& proto) {
+    auto spec = SpecFromProto(proto);
     if (!spec.ok()) {
       return absl::InternalError(
           absl::StrCat("node returned a spec this client cannot use: ", spec.status().message()));
@@ -298,10 +386,19 @@ class Ctl {
     return spec;
   }
 
+  absl::StatusOr<CacheSpec> FetchSpec(const std::string& cache) const {
+    ASSIGN_OR_RETURN(v1::CacheInfo info, FetchInfo(cache));
+    return EngineSpec(info.spec());
+  }
+
   absl::StatusOr<v1::AppendResponse> SendAppend(const std::string& cache, int64_t seq,
                                                 absl::Span<const int32_t> positions,
                                                 std::string payload, bool stream,
-                                                int64_t chunk_bytes) const;
+                                                int64_t chunk_bytes, bool speculative) const;
+
+  // The offset of `seq` (pending tokens included), from ListSequences; NOT_FOUND when the cache
+  // does not list it.
+  absl::StatusOr<int32_t> FetchOffset(const std::string& cache, int64_t seq) const;
 
   std::unique_ptr<v1::CacheService::Stub> stub_;
   HealthClient health_;
@@ -392,7 +489,7 @@ absl::Status Ctl::Usage(const Args& args) {
   ASSIGN_OR_RETURN(v1::CacheInfo info, FetchInfo(cache));
   if (json_) return PrintJson(info.usage());
   std::printf("usage of cache %s\n", cache.c_str());
-  PrintUsage(info.usage(), info.spec().max_sequences());
+  PrintUsage(info.usage(), info.spec());
   return absl::OkStatus();
 }
 
@@ -417,7 +514,7 @@ absl::Status Ctl::List(const Args& args) {
 absl::StatusOr<v1::AppendResponse> Ctl::SendAppend(const std::string& cache, int64_t seq,
                                                    absl::Span<const int32_t> positions,
                                                    std::string payload, bool stream,
-                                                   int64_t chunk_bytes) const {
+                                                   int64_t chunk_bytes, bool speculative) const {
   v1::AppendResponse response;
   if (!stream) {
     v1::AppendRequest request;
@@ -428,6 +525,7 @@ absl::StatusOr<v1::AppendResponse> Ctl::SendAppend(const std::string& cache, int
       t->set_pos(pos);
     }
     *request.mutable_payload() = std::move(payload);
+    request.set_speculative(speculative);
     RETURN_IF_ERROR(FromGrpcStatus(stub_->Append(Context().get(), request, &response)));
     return response;
   }
@@ -443,6 +541,7 @@ absl::StatusOr<v1::AppendResponse> Ctl::SendAppend(const std::string& cache, int
     t->set_pos(pos);
   }
   header->set_payload_bytes(static_cast<int64_t>(payload.size()));
+  header->set_speculative(speculative);
   size_t sent = 0;
   // The header goes with the first chunk; an empty payload still sends the header.
   do {
@@ -462,6 +561,7 @@ absl::Status Ctl::Append(const Args& args) {
   ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
   ASSIGN_OR_RETURN(std::vector<int32_t> positions, GetPositions(args, "positions"));
   ASSIGN_OR_RETURN(bool stream, args.GetBool("stream"));
+  ASSIGN_OR_RETURN(bool speculative, args.GetBool("speculative"));
   ASSIGN_OR_RETURN(int64_t chunk_bytes, args.GetBytes("chunk-bytes", kDefaultChunkBytes));
   if (chunk_bytes <= 0) return absl::InvalidArgumentError("--chunk-bytes must be > 0");
   if (args.Has("seed") && args.Has("payload-file")) {
@@ -476,11 +576,19 @@ absl::Status Ctl::Append(const Args& args) {
   std::optional<std::string> file_payload;
   if (auto path = args.Get("payload-file")) {
     ASSIGN_OR_RETURN(file_payload, ReadFile(*path));
-    const size_t want = AppendPayloadBytes(spec, static_cast<int64_t>(positions.size()), 1);
+    const size_t want =
+        AppendPayloadBytes(spec, static_cast<int64_t>(positions.size()), 1, speculative);
     if (file_payload->size() != want) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--payload-file '", *path, "' has ", file_payload->size(), " bytes; ",
-                       positions.size(), " tokens of cache ", cache, " need ", want));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--payload-file '", *path, "' has ", file_payload->size(), " bytes; ", positions.size(),
+          speculative ? " speculative" : "", " tokens of cache ", cache, " need ", want));
+    }
+    if (!speculative && HasRecurrentGroup(spec) &&
+        static_cast<int64_t>(positions.size()) > batch) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--payload-file holds one recurrent state (after all ", positions.size(),
+          " tokens), so it cannot be split into Appends of --batch=", batch,
+          " tokens; raise --batch or use --seed"));
     }
   }
 
@@ -493,21 +601,22 @@ absl::Status Ctl::Append(const Args& args) {
                                    absl::MakeConstSpan(
                                        reinterpret_cast<const uint8_t*>(file_payload->data()),
                                        file_payload->size()),
-                                   n, begin, end)
-                     : MakePatternPayload(spec, slice, static_cast<uint64_t>(seed));
+                                   n, begin, end, speculative)
+                     : MakePatternPayload(spec, slice, static_cast<uint64_t>(seed), speculative);
     const int64_t bytes = static_cast<int64_t>(payload.size());
     const absl::Time start = absl::Now();
     ASSIGN_OR_RETURN(v1::AppendResponse response,
-                     SendAppend(cache, seq, slice, std::move(payload), stream, chunk_bytes));
+                     SendAppend(cache, seq, slice, std::move(payload), stream, chunk_bytes,
+                                speculative));
     const absl::Duration elapsed = absl::Now() - start;
     if (json_) {
       RETURN_IF_ERROR(PrintJson(response));
       continue;
     }
-    std::printf("appended seq %" PRId64 " positions %s (%zu tokens, %s%s) in %s, %s\n", seq,
+    std::printf("appended seq %" PRId64 " positions %s (%zu tokens%s, %s%s) in %s, %s\n", seq,
                 FormatPositions(std::vector<int32_t>(slice.begin(), slice.end())).c_str(),
-                slice.size(), Mib(bytes).c_str(), stream ? ", stream" : "", Ms(elapsed).c_str(),
-                Rate(bytes, elapsed).c_str());
+                slice.size(), speculative ? ", speculative: pending" : "", Mib(bytes).c_str(),
+                stream ? ", stream" : "", Ms(elapsed).c_str(), Rate(bytes, elapsed).c_str());
     if (end == n) std::printf("  %s\n", UsageLine(response.usage()).c_str());
   }
   return absl::OkStatus();
@@ -536,9 +645,14 @@ absl::Status Ctl::Read(const Args& args) {
     ASSIGN_OR_RETURN(int64_t s, args.GetInt("verify-seed"));
     verify_seed = static_cast<uint64_t>(s);
   }
+  // The spec: group kinds for the text output, payload arithmetic for --verify-seed.
+  std::optional<v1::CacheInfo> info;
   std::optional<CacheSpec> spec;
+  if (verify_seed || !json_) {
+    ASSIGN_OR_RETURN(info, FetchInfo(request.cache()));
+  }
   if (verify_seed) {
-    ASSIGN_OR_RETURN(spec, FetchSpec(request.cache()));
+    ASSIGN_OR_RETURN(spec, EngineSpec(info->spec()));
   }
   const bool keep = out_path.has_value() || verify_seed.has_value();
 
@@ -582,15 +696,23 @@ absl::Status Ctl::Read(const Args& args) {
   std::optional<PatternCheck> check;
   if (verify_seed) {
     std::vector<std::vector<int32_t>> positions(spec->groups.size());
+    std::vector<std::optional<int32_t>> state_offsets(spec->groups.size());
+    std::optional<int32_t> offset;  // the sequence's, fetched once a group returned a state
     for (const v1::GroupPositions& g : header.groups()) {
       if (g.group() < 0 || g.group() >= static_cast<int>(positions.size())) {
         return absl::DataLossError(absl::StrCat("read header names group ", g.group(),
                                                 " of a cache with ", positions.size()));
       }
       positions[g.group()].assign(g.positions().begin(), g.positions().end());
+      if (g.state() == v1::STATE_STATUS_VALID) {
+        if (!offset) {
+          ASSIGN_OR_RETURN(offset, FetchOffset(request.cache(), seq));
+        }
+        state_offsets[g.group()] = *offset;
+      }
     }
     check = CheckPatternPayload(
-        *spec, positions,
+        *spec, positions, state_offsets,
         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()),
         *verify_seed);
   }
@@ -617,9 +739,26 @@ absl::Status Ctl::Read(const Args& args) {
                 request.has_end() ? absl::StrCat(request.end()).c_str() : "end",
                 request.cache().c_str());
     for (const v1::GroupPositions& g : header.groups()) {
-      std::printf("  group %d: %d positions %s\n", g.group(), g.positions_size(),
-                  FormatPositions(std::vector<int32_t>(g.positions().begin(), g.positions().end()))
-                      .c_str());
+      switch (GroupKindOf(info->spec(), g.group())) {
+        case v1::LayerGroup::kRecurrent:
+          std::printf("  group %d (recurrent): state %s%s\n", g.group(),
+                      StateText(g.state()).c_str(),
+                      g.state() == v1::STATE_STATUS_VALID     ? " (in the payload)"
+                      : g.state() == v1::STATE_STATUS_INVALID ? " (invalidated; not served)"
+                                                              : " (range ends before the offset)");
+          break;
+        case v1::LayerGroup::kRotating:
+          std::printf("  group %d (rotating): %d positions %s\n", g.group(), g.positions_size(),
+                      FormatPositions(
+                          std::vector<int32_t>(g.positions().begin(), g.positions().end()))
+                          .c_str());
+          break;
+        default:
+          std::printf("  group %d: %d positions %s\n", g.group(), g.positions_size(),
+                      FormatPositions(
+                          std::vector<int32_t>(g.positions().begin(), g.positions().end()))
+                          .c_str());
+      }
     }
     std::printf("  payload %" PRId64 " bytes (%s) in %s, %s, fnv1a64 %s\n", received,
                 Mib(received).c_str(), Ms(elapsed).c_str(), Rate(received, elapsed).c_str(),
@@ -752,23 +891,197 @@ absl::Status Ctl::CanResume(const Args& args) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<int32_t> Ctl::FetchOffset(const std::string& cache, int64_t seq) const {
+  v1::ListSequencesRequest request;
+  request.set_cache(cache);
+  v1::ListSequencesResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->ListSequences(Context().get(), request, &response)));
+  for (const v1::SequenceInfo& s : response.sequences()) {
+    if (s.seq() == seq) return s.offset();
+  }
+  return absl::NotFoundError(
+      absl::StrCat("seq ", seq, " is not listed by cache ", cache, " (needed for its offset)"));
+}
+
 absl::Status Ctl::ListSequences(const Args& args) {
   v1::ListSequencesRequest request;
   ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
   v1::ListSequencesResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(stub_->ListSequences(Context().get(), request, &response)));
   if (json_) return PrintJson(response);
-  std::printf("%-8s %7s  %s\n", "SEQ", "OFFSET", "PER GROUP: stored (shared) [first, last]");
+  ASSIGN_OR_RETURN(v1::CacheInfo info, FetchInfo(request.cache()));
+  std::printf("%-8s %7s %7s  %s\n", "SEQ", "OFFSET", "PENDING",
+              "PER GROUP: stored (shared) [first, last] | recurrent: state (shared)");
   for (const v1::SequenceInfo& s : response.sequences()) {
     std::vector<std::string> groups;
     for (const v1::GroupSequence& g : s.groups()) {
-      groups.push_back(absl::StrCat("g", g.group(), ": ", g.stored(), " (", g.shared(), ") [",
-                                    g.first(), ", ", g.last(), "]"));
+      switch (GroupKindOf(info.spec(), g.group())) {
+        case v1::LayerGroup::kRecurrent:
+          groups.push_back(absl::StrCat("g", g.group(), ": state ", StateText(g.state()),
+                                        g.shared() > 0 ? " (shared)" : ""));
+          break;
+        case v1::LayerGroup::kRotating:
+          groups.push_back(absl::StrCat("g", g.group(), ": ring ", g.stored(), " (", g.shared(),
+                                        ") [", g.first(), ", ", g.last(), "]"));
+          break;
+        default:
+          groups.push_back(absl::StrCat("g", g.group(), ": ", g.stored(), " (", g.shared(), ") [",
+                                        g.first(), ", ", g.last(), "]"));
+      }
     }
-    std::printf("%-8" PRId64 " %7d  %s\n", s.seq(), s.offset(),
+    std::printf("%-8" PRId64 " %7d %7d  %s\n", s.seq(), s.offset(), s.pending(),
                 absl::StrJoin(groups, "  ").c_str());
   }
   if (response.sequences().empty()) std::printf("(no sequences)\n");
+  return absl::OkStatus();
+}
+
+// One line describing a snapshot: id, source, range, bytes and what each group holds.
+std::string SnapshotLine(const v1::SnapshotInfo& snap, const v1::CacheSpec& spec) {
+  std::vector<std::string> groups;
+  for (const v1::SnapshotGroup& g : snap.groups()) {
+    switch (GroupKindOf(spec, g.group())) {
+      case v1::LayerGroup::kRecurrent:
+        groups.push_back(absl::StrCat("g", g.group(), ": state ", StateText(g.state())));
+        break;
+      case v1::LayerGroup::kRotating:
+        groups.push_back(
+            absl::StrCat("g", g.group(), ": window ", g.stored(), ", ring index ", g.ring_index()));
+        break;
+      default:
+        groups.push_back(absl::StrCat("g", g.group(), ": ", g.stored(), " positions"));
+    }
+  }
+  return absl::StrCat("snapshot ", snap.id(), ": seq ", snap.seq(), " [", snap.from_offset(), ", ",
+                      snap.to_offset(), "), ", Mib(snap.bytes()), "; ",
+                      absl::StrJoin(groups, ", "));
+}
+
+// A snapshot id flag: > 0.
+absl::StatusOr<uint64_t> GetSnapshotId(const Args& args, absl::string_view name) {
+  ASSIGN_OR_RETURN(int64_t id, args.GetInt(name));
+  if (id <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, "=", id, " is not a snapshot id (> 0)"));
+  }
+  return static_cast<uint64_t>(id);
+}
+
+absl::Status Ctl::Snapshot(const Args& args) {
+  v1::SnapshotRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
+  ASSIGN_OR_RETURN(int32_t from, GetInt32(args, "from", 0));
+  request.set_seq(seq);
+  request.set_from_offset(from);
+  v1::SnapshotResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->Snapshot(Context().get(), request, &response)));
+  if (json_) return PrintJson(response);
+  ASSIGN_OR_RETURN(v1::CacheInfo info, FetchInfo(request.cache()));
+  std::printf("took %s\n", SnapshotLine(response.snapshot(), info.spec()).c_str());
+  return absl::OkStatus();
+}
+
+absl::Status Ctl::Restore(const Args& args) {
+  v1::RestoreRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
+  ASSIGN_OR_RETURN(int32_t target, GetInt32(args, "target"));
+  request.set_seq(seq);
+  request.set_target(target);
+  if (args.Has("snapshot")) {
+    ASSIGN_OR_RETURN(uint64_t id, GetSnapshotId(args, "snapshot"));
+    request.set_snapshot_id(id);
+  }
+  v1::RestoreResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->Restore(Context().get(), request, &response)));
+  if (json_) return PrintJson(response);
+  if (request.has_snapshot_id()) {
+    std::printf("restored seq %" PRId64 " from snapshot %" PRIu64 " up to %d\n", seq,
+                request.snapshot_id(), target);
+  } else {
+    std::printf("rewound seq %" PRId64 " to %d\n", seq, target);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Ctl::MergeSnapshots(const Args& args) {
+  v1::MergeSnapshotsRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(uint64_t parent, GetSnapshotId(args, "parent"));
+  ASSIGN_OR_RETURN(uint64_t child, GetSnapshotId(args, "child"));
+  request.set_parent(parent);
+  request.set_child(child);
+  v1::MergeSnapshotsResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->MergeSnapshots(Context().get(), request, &response)));
+  if (json_) return PrintJson(response);
+  ASSIGN_OR_RETURN(v1::CacheInfo info, FetchInfo(request.cache()));
+  std::printf("merged snapshots %" PRIu64 " + %" PRIu64 " (both consumed) into %s\n", parent,
+              child, SnapshotLine(response.snapshot(), info.spec()).c_str());
+  return absl::OkStatus();
+}
+
+absl::Status Ctl::SplitSnapshot(const Args& args) {
+  v1::SplitSnapshotRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(uint64_t id, GetSnapshotId(args, "snapshot"));
+  ASSIGN_OR_RETURN(int32_t at, GetInt32(args, "at"));
+  request.set_snapshot_id(id);
+  request.set_at(at);
+  v1::SplitSnapshotResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->SplitSnapshot(Context().get(), request, &response)));
+  if (json_) return PrintJson(response);
+  ASSIGN_OR_RETURN(v1::CacheInfo info, FetchInfo(request.cache()));
+  std::printf("split snapshot %" PRIu64 " at %d (consumed)\n", id, at);
+  std::printf("  parent: %s\n", response.has_parent()
+                                     ? SnapshotLine(response.parent(), info.spec()).c_str()
+                                     : "none");
+  std::printf("  child:  %s\n", response.has_child()
+                                     ? SnapshotLine(response.child(), info.spec()).c_str()
+                                     : "none");
+  return absl::OkStatus();
+}
+
+absl::Status Ctl::DropSnapshot(const Args& args) {
+  v1::DropSnapshotRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(uint64_t id, GetSnapshotId(args, "snapshot"));
+  request.set_snapshot_id(id);
+  v1::DropSnapshotResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->DropSnapshot(Context().get(), request, &response)));
+  if (json_) return PrintJson(response);
+  std::printf("dropped snapshot %" PRIu64 "\n", id);
+  return absl::OkStatus();
+}
+
+absl::Status Ctl::ListSnapshots(const Args& args) {
+  v1::ListSnapshotsRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  v1::ListSnapshotsResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->ListSnapshots(Context().get(), request, &response)));
+  if (json_) return PrintJson(response);
+  ASSIGN_OR_RETURN(v1::CacheInfo info, FetchInfo(request.cache()));
+  for (const v1::SnapshotInfo& snap : response.snapshots()) {
+    std::printf("%s\n", SnapshotLine(snap, info.spec()).c_str());
+  }
+  if (response.snapshots().empty()) std::printf("(no snapshots)\n");
+  std::printf("pool: %d snapshots, %s\n", info.usage().snapshots(),
+              Mib(info.usage().snapshot_bytes()).c_str());
+  return absl::OkStatus();
+}
+
+absl::Status Ctl::CommitSpeculation(const Args& args) {
+  v1::CommitSpeculationRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
+  ASSIGN_OR_RETURN(int32_t accepted, GetInt32(args, "accepted"));
+  request.set_seq(seq);
+  request.set_accepted(accepted);
+  v1::CommitSpeculationResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->CommitSpeculation(Context().get(), request, &response)));
+  if (json_) return PrintJson(response);
+  std::printf("committed %d pending tokens of seq %" PRId64 "; offset now %d\n", accepted, seq,
+              response.offset());
   return absl::OkStatus();
 }
 
@@ -804,7 +1117,7 @@ const std::vector<CommandDef>& Commands() {
       {"usage", {"cache", "name"}, &Ctl::Usage},
       {"append",
        {"cache", "name", "seq", "positions", "seed", "payload-file", "batch", "stream",
-        "chunk-bytes"},
+        "chunk-bytes", "speculative"},
        &Ctl::Append},
       {"read",
        {"cache", "name", "seq", "begin", "end", "out", "verify-seed", "max-chunk-bytes"},
@@ -814,6 +1127,13 @@ const std::vector<CommandDef>& Commands() {
       {"remove", {"cache", "name", "seq", "begin", "end"}, &Ctl::Remove},
       {"can-resume", {"cache", "name", "seq", "pos"}, &Ctl::CanResume},
       {"list-sequences", {"cache", "name"}, &Ctl::ListSequences},
+      {"snapshot", {"cache", "name", "seq", "from"}, &Ctl::Snapshot},
+      {"restore", {"cache", "name", "seq", "snapshot", "target"}, &Ctl::Restore},
+      {"merge-snapshots", {"cache", "name", "parent", "child"}, &Ctl::MergeSnapshots},
+      {"split-snapshot", {"cache", "name", "snapshot", "at"}, &Ctl::SplitSnapshot},
+      {"drop-snapshot", {"cache", "name", "snapshot"}, &Ctl::DropSnapshot},
+      {"list-snapshots", {"cache", "name"}, &Ctl::ListSnapshots},
+      {"commit-speculation", {"cache", "name", "seq", "accepted"}, &Ctl::CommitSpeculation},
       {"health", {"service"}, &Ctl::Health},
   };
   return *kCommands;

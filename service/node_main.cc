@@ -41,6 +41,9 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:7700",
 ABSL_FLAG(std::string, node_name, "", "this node's name in the cluster (default: the hostname)");
 ABSL_FLAG(kvmesh::ByteSize, memory_budget, kvmesh::ByteSize{uint64_t{8} << 30},
           "device memory the caches may use, in bytes or with a suffix: 512MiB, 8GiB");
+ABSL_FLAG(kvmesh::ByteSize, snapshot_budget, kvmesh::ByteSize{uint64_t{2} << 30},
+          "device memory the snapshots of all caches may use, apart from --memory-budget, in "
+          "bytes or with a suffix: 512MiB, 2GiB");
 ABSL_FLAG(kvmesh::ByteSize, max_message_bytes, kvmesh::ByteSize{uint64_t{128} << 20},
           "largest gRPC message received or sent (Append payloads, Read chunks); the default "
           "fits a unary Append of 512 Llama-3-8B tokens (64 MiB) with room to spare");
@@ -124,7 +127,8 @@ int Run() {
     return Fail(absl::StrCat("pthread_sigmask: ", std::strerror(err)));
   }
 
-  HostDevice device(absl::GetFlag(FLAGS_memory_budget).bytes);
+  HostDevice device(absl::GetFlag(FLAGS_memory_budget).bytes,
+                    absl::GetFlag(FLAGS_snapshot_budget).bytes);
   CacheRegistry registry(&device);
   Executor executor(threads, static_cast<size_t>(queue));
   CacheServiceImpl::Options options;

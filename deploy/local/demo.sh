@@ -2,18 +2,23 @@
 # kvmesh demo on loopback: builds kvmesh-node and kvmeshctl, starts a node on 127.0.0.1 and
 # runs what a cluster scheduler does through kvmeshctl: create a Llama-shaped cache, push a
 # prompt, fork it three ways, continue each fork, context-shift one, ask what can resume, show
-# that forks share cells, read back and verify, stop.
+# that forks share cells, read back and verify. Then a hybrid model (LFM2-shaped: attention
+# layers with RoPE plus short-conv recurrent layers): push a prompt, snapshot it, extend the
+# sequence, restore it from the snapshot, fork from the snapshot, decode speculatively and commit
+# part of the draft, merge/split/drop snapshots, verifying every step's data. Stop.
 #
 #   deploy/local/demo.sh           (from any directory; as root or with sudo for bootstrap)
 #
 # Environment: KVMESH_BUILD_DIR (default <repo>/build), KVMESH_DEMO_BUDGET (node memory budget,
-# default 4GiB). Logs and port files go to deploy/local/run/ (not tracked by git).
+# default 4GiB), KVMESH_DEMO_SNAPSHOT_BUDGET (node snapshot pool, default 1GiB), KVMESH_RUN_DIR
+# (logs and port files, default deploy/local/run/, not tracked by git).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-run_dir="$root/deploy/local/run"
+run_dir=${KVMESH_RUN_DIR:-$root/deploy/local/run}
 build_dir=${KVMESH_BUILD_DIR:-$root/build}
 budget=${KVMESH_DEMO_BUDGET:-4GiB}
+snapshot_budget=${KVMESH_DEMO_SNAPSHOT_BUDGET:-1GiB}
 mkdir -p "$run_dir"
 
 step() { printf '\n=== %s\n' "$*"; }
@@ -48,7 +53,8 @@ start_node() {
   local port_file="$run_dir/$name.port"
   rm -f "$port_file"
   "$node_bin" --listen=127.0.0.1:0 --port-file="$port_file" --node-name="$name" \
-    --memory-budget="$budget" --max-message-bytes=128MiB "$@" \
+    --memory-budget="$budget" --snapshot-budget="$snapshot_budget" --max-message-bytes=128MiB \
+    "$@" \
     >"$run_dir/$name.out" 2>"$run_dir/$name.log" &
   local pid=$!
   node_pid[$name]=$pid
@@ -108,6 +114,29 @@ expect_json() {
   out=$("$ctl_bin" --addr="${node_addr[$name]}" --timeout=60s --json "$@")
   printf '%s\n' "$out"
   [[ "$out" == *"$want"* ]] || die "expected $want from: kvmeshctl $*"
+}
+
+# expect_fail NODE CODE ARGS...: runs kvmeshctl, which must fail with status CODE (e.g.
+# FAILED_PRECONDITION); prints the error it gave.
+expect_fail() {
+  local name=$1 code=$2
+  shift 2
+  printf '$ kvmeshctl %s   (expected to fail with %s)\n' "$*" "$code"
+  local rc=0
+  "$ctl_bin" --addr="${node_addr[$name]}" --timeout=60s "$@" >"$run_dir/expect-fail.out" \
+    2>"$run_dir/expect-fail.err" || rc=$?
+  [ "$rc" -ne 0 ] || die "kvmeshctl $* succeeded; expected $code"
+  grep -q "^error: $code: " "$run_dir/expect-fail.err" ||
+    die "kvmeshctl $* failed differently than $code: $(cat "$run_dir/expect-fail.err")"
+  echo "  $(cat "$run_dir/expect-fail.err")"
+}
+
+# snapshot_id JSON: the "id" of the first snapshot in a kvmeshctl --json answer.
+snapshot_id() {
+  local id
+  id=$(printf '%s' "$1" | sed -n 's/^[^}]*"id":"\([0-9]*\)".*/\1/p')
+  [ -n "$id" ] || die "no snapshot id in: $1"
+  echo "$id"
 }
 
 # ---- the workload --------------------------------------------------------------------------
@@ -177,8 +206,95 @@ if "$ctl_bin" --addr="${node_addr[$N]}" read --cache=$cache --seq=1 --begin=16 -
 fi
 echo "  $(cat "$run_dir/shift-check.txt")"
 
-step "delete the cache and stop the node"
+step "delete the cache"
 ctl $N delete --cache=$cache
+ctl $N list
+
+# ---- a hybrid model: snapshots and speculative decoding -----------------------------------------
+hc=lfm2-1.2b
+step "create an LFM2-1.2B-shaped hybrid cache: 6 attention layers (GQA, NEOX RoPE) + 10 short-conv layers (conv state [2][2048] per layer and sequence)"
+ctl $N create --name=$hc --dtype=bf16 --max-sequences=4 --capacity=2048 --max-batch=256 \
+  --group=attention:layers=6,heads=8,head_dim=64,window=full,rope=neox:64:1000000 \
+  --group=recurrent:layers=10,conv_tail=2,conv_dim=2048
+
+step "prefill seq 0 with a 512-token prompt (2 appends of 256 tokens; each carries the conv state it reaches)"
+ctl $N append --cache=$hc --seq=0 --positions=0:512 --seed=1
+ctl $N list-sequences --cache=$hc
+ctl $N read --cache=$hc --seq=0 --verify-seed=1
+
+step "snapshot the prompt: seq 0 [0, 512) goes to the node's snapshot pool"
+printf '$ kvmeshctl --json snapshot --cache=%s --seq=0 --from=0\n' "$hc"
+snap_json=$("$ctl_bin" --addr="${node_addr[$N]}" --json snapshot --cache=$hc --seq=0 --from=0)
+printf '%s\n' "$snap_json"
+prompt_snap=$(snapshot_id "$snap_json")
+ctl $N list-snapshots --cache=$hc
+
+step "extend seq 0 with a 128-token turn (seed 2): the conv state moves on to offset 640"
+ctl $N append --cache=$hc --seq=0 --positions=512:640 --seed=2
+ctl $N list-sequences --cache=$hc
+ctl $N read --cache=$hc --seq=0 --end=512 --verify-seed=1
+ctl $N read --cache=$hc --seq=0 --begin=512 --verify-seed=2
+
+step "a recurrent state cannot be rewound from live data: restore without a snapshot is refused"
+expect_fail $N FAILED_PRECONDITION restore --cache=$hc --seq=0 --target=512
+
+step "restore seq 0 from snapshot $prompt_snap: back to the prompt (offset 512, the conv state of offset 512)"
+ctl $N restore --cache=$hc --seq=0 --snapshot=$prompt_snap --target=512
+ctl $N list-sequences --cache=$hc
+ctl $N read --cache=$hc --seq=0 --verify-seed=1
+ctl $N list-snapshots --cache=$hc
+
+step "fork from the snapshot: restore it into a new seq 1, which continues differently (seed 4)"
+ctl $N restore --cache=$hc --seq=1 --snapshot=$prompt_snap --target=512
+ctl $N append --cache=$hc --seq=1 --positions=512:520 --seed=4
+ctl $N list-sequences --cache=$hc
+ctl $N read --cache=$hc --seq=1 --end=512 --verify-seed=1
+ctl $N read --cache=$hc --seq=1 --begin=512 --verify-seed=4
+
+step "speculative decoding on seq 0: a 4-token draft is pending (one conv state per draft token)"
+ctl $N append --cache=$hc --seq=0 --positions=512:516 --seed=3 --speculative
+ctl $N list-sequences --cache=$hc
+ctl $N read --cache=$hc --seq=0 --begin=512 --verify-seed=3
+expect_fail $N ABORTED snapshot --cache=$hc --seq=0
+
+step "the target model accepts 2 of the 4 draft tokens: the rest is dropped, the state is the one after token 2"
+ctl $N commit-speculation --cache=$hc --seq=0 --accepted=2
+expect_json $N '{"seq":"0","offset":514,' list-sequences --cache=$hc
+ctl $N read --cache=$hc --seq=0 --begin=512 --verify-seed=3
+
+step "snapshot chain: [512, 514) on top of the prompt snapshot, merged into one [0, 514)"
+printf '$ kvmeshctl --json snapshot --cache=%s --seq=0 --from=512\n' "$hc"
+snap_json=$("$ctl_bin" --addr="${node_addr[$N]}" --json snapshot --cache=$hc --seq=0 --from=512)
+printf '%s\n' "$snap_json"
+turn_snap=$(snapshot_id "$snap_json")
+printf '$ kvmeshctl --json merge-snapshots --cache=%s --parent=%s --child=%s\n' "$hc" \
+  "$prompt_snap" "$turn_snap"
+snap_json=$("$ctl_bin" --addr="${node_addr[$N]}" --json merge-snapshots --cache=$hc \
+  --parent=$prompt_snap --child=$turn_snap)
+printf '%s\n' "$snap_json"
+merged_snap=$(snapshot_id "$snap_json")
+ctl $N list-snapshots --cache=$hc
+
+step "restore the merged snapshot $merged_snap into seq 2 and verify both of its parts"
+ctl $N restore --cache=$hc --seq=2 --snapshot=$merged_snap --target=514
+ctl $N list-sequences --cache=$hc
+ctl $N read --cache=$hc --seq=2 --end=512 --verify-seed=1
+ctl $N read --cache=$hc --seq=2 --begin=512 --verify-seed=3
+
+step "split snapshot $merged_snap at 512: a recurrent state cannot be split, so it stays whole (no parent)"
+ctl $N split-snapshot --cache=$hc --snapshot=$merged_snap --at=512
+ctl $N list-snapshots --cache=$hc
+ctl $N usage --cache=$hc
+
+step "drop every snapshot; the pool is empty again"
+for id in $(printf '%s' "$("$ctl_bin" --addr="${node_addr[$N]}" --json list-snapshots --cache=$hc)" |
+              grep -o '"id":"[0-9]*"' | grep -o '[0-9]*'); do
+  ctl $N drop-snapshot --cache=$hc --snapshot="$id"
+done
+ctl $N list-snapshots --cache=$hc
+
+step "delete the hybrid cache and stop the node"
+ctl $N delete --cache=$hc
 ctl $N list
 stop_all_nodes
 echo

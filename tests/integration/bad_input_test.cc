@@ -1,8 +1,9 @@
 // A table of malformed or unservable requests for every RPC, each with its exact status code and
 // the values its message must name, run against a real kvmesh-node. Every case also checks that
-// the node's state (caches, usage, sequences and their bytes) is byte-identical before and after:
-// a failed operation changes nothing.
+// the node's state (caches, usage, sequences and their bytes, snapshots) is byte-identical
+// before and after: a failed operation changes nothing.
 #include <functional>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -51,6 +52,37 @@ v1::CacheSpec NoRopeSpec() { return SmallSpec("norope", 4, 16, v1::ROPE_TYPE_NON
 v1::CacheSpec FullSpec() { return SmallSpec("full", 2, 4, v1::ROPE_TYPE_NORMAL); }
 constexpr size_t kTokenBytes = 32;
 
+// hyb: F32, 4 sequences x 16, max_batch 4; full Attention, sliding Attention (window 2),
+// Rotating (max_size 4), Recurrent (conv 2 x 3, delta 1 x 2 x 2): 96 bytes per token (3 x 32)
+// and 40 bytes per state.
+//   seq 0 stores 0..3; snapshot 1 is [0, 4), snapshot 2 is [1, 4)
+//   seq 1 stores 0..1 and has 2..3 pending
+//   seq 2 stored 0..1, then lost position 1: its state is INVALID
+//   seq 3 stores 0..5 (its ring wrapped); snapshot 3 is [0, 6)
+// rot: F32, 2 sequences x 16, max_batch 4; full Attention and Rotating (max_size 4):
+//   seq 0 stores 0..5 (wrapped); snapshot 1 is [0, 6)
+// bad: snapshot 1 is [2, 4) of seq 0.
+v1::CacheSpec HybSpec() {
+  AttentionOptions full;
+  full.num_layers = 1;
+  full.num_kv_heads = 1;
+  AttentionOptions sliding = full;
+  sliding.sliding_window = 2;
+  return SpecProto(
+      "hyb", 4, 16, 4,
+      {AttentionGroupProto(full), AttentionGroupProto(sliding),
+       RotatingGroupProto(RotatingOptions()), RecurrentGroupProto(RecurrentOptions())});
+}
+v1::CacheSpec RotSpec() {
+  AttentionOptions full;
+  full.num_layers = 1;
+  full.num_kv_heads = 1;
+  return SpecProto("rot", 2, 16, 4,
+                   {AttentionGroupProto(full), RotatingGroupProto(RotatingOptions())});
+}
+constexpr size_t kHybTokenBytes = 96;
+constexpr size_t kHybStateBytes = 40;
+
 // A valid spec for a new cache, which each CreateCache case breaks in one way.
 v1::CacheSpec FreshSpec() {
   AttentionOptions a;
@@ -63,6 +95,15 @@ v1::CacheSpec FreshSpec() {
 }
 v1::Attention* FreshAttention(v1::CacheSpec* spec) {
   return spec->mutable_groups(0)->mutable_attention();
+}
+// FreshSpec() with a valid Rotating (max_size 4) or Recurrent group added as groups[1].
+v1::Rotating* AddRotating(v1::CacheSpec* spec) {
+  *spec->add_groups() = RotatingGroupProto(RotatingOptions());
+  return spec->mutable_groups(1)->mutable_rotating();
+}
+v1::Recurrent* AddRecurrent(v1::CacheSpec* spec) {
+  *spec->add_groups() = RecurrentGroupProto(RecurrentOptions());
+  return spec->mutable_groups(1)->mutable_recurrent();
 }
 
 grpc::Status CreateRaw(Stub& stub, const v1::CreateCacheRequest& request) {
@@ -101,6 +142,13 @@ BadCase AppendCase(std::string name, v1::AppendRequest request, grpc::StatusCode
                    std::vector<std::string> message_has) {
   return BadCase{std::move(name), [request](Stub& stub) { return Append(stub, request); }, code,
                  std::move(message_has)};
+}
+
+v1::AppendRequest SpeculativeAppendOf(const std::string& cache, const std::vector<int64_t>& seqs,
+                                      const std::vector<int32_t>& positions, size_t payload_bytes) {
+  v1::AppendRequest request = AppendOf(cache, seqs, positions, payload_bytes);
+  request.set_speculative(true);
+  return request;
 }
 
 v1::AppendStreamRequest Header(const std::string& cache, const std::vector<int64_t>& seqs,
@@ -163,6 +211,241 @@ BadCase VisibleCase(std::string name, const std::string& cache, int32_t group,
 const auto kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
 const auto kNotFound = grpc::StatusCode::NOT_FOUND;
 const auto kExhausted = grpc::StatusCode::RESOURCE_EXHAUSTED;
+const auto kPrecondition = grpc::StatusCode::FAILED_PRECONDITION;
+const auto kAborted = grpc::StatusCode::ABORTED;
+
+// Rotating and Recurrent specs, speculative Appends, snapshots and speculation.
+void AddSnapshotCases(std::vector<BadCase>* out) {
+  std::vector<BadCase>& cases = *out;
+
+  // ---- CreateCache: Rotating and Recurrent groups ----
+  cases.push_back(CreateCase("CreateRotatingMaxSizeZero",
+                             [](v1::CacheSpec* s) { AddRotating(s)->set_max_size(0); }, kInvalid,
+                             {"groups[1].rotating.max_size = 0"}));
+  cases.push_back(CreateCase("CreateRotatingMaxSizeAboveCapacity",
+                             [](v1::CacheSpec* s) { AddRotating(s)->set_max_size(17); }, kInvalid,
+                             {"groups[1].rotating.max_size = 17", "16"}));
+  cases.push_back(CreateCase("CreateRotatingHeadsZero",
+                             [](v1::CacheSpec* s) { AddRotating(s)->set_num_kv_heads(0); },
+                             kInvalid, {"groups[1].rotating.num_kv_heads = 0"}));
+  cases.push_back(CreateCase("CreateRotatingHeadDimVNegative",
+                             [](v1::CacheSpec* s) { AddRotating(s)->set_head_dim_v(-4); }, kInvalid,
+                             {"groups[1].rotating.head_dim_v = -4"}));
+  cases.push_back(CreateCase("CreateRotatingRopeDimsOdd",
+                             [](v1::CacheSpec* s) { AddRotating(s)->mutable_rope()->set_dims(3); },
+                             kInvalid, {"groups[1].rotating.rope.dims = 3"}));
+  cases.push_back(CreateCase("CreateRotatingRopeTypeUnknown",
+                             [](v1::CacheSpec* s) {
+                               AddRotating(s)->mutable_rope()->set_type(
+                                   static_cast<v1::RopeType>(9));
+                             },
+                             kInvalid, {"groups[1].rotating.rope.type = 9"}));
+  cases.push_back(CreateCase("CreateRecurrentConvTailZero",
+                             [](v1::CacheSpec* s) { AddRecurrent(s)->set_conv_tail(0); }, kInvalid,
+                             {"groups[1].recurrent.conv_tail = 0"}));
+  cases.push_back(CreateCase("CreateRecurrentConvTailHuge",
+                             [](v1::CacheSpec* s) { AddRecurrent(s)->set_conv_tail(1025); },
+                             kInvalid, {"groups[1].recurrent.conv_tail = 1025"}));
+  cases.push_back(CreateCase("CreateRecurrentConvDimNegative",
+                             [](v1::CacheSpec* s) { AddRecurrent(s)->set_conv_dim(-2); }, kInvalid,
+                             {"groups[1].recurrent.conv_dim = -2"}));
+  cases.push_back(CreateCase("CreateRecurrentVHeadsNegative",
+                             [](v1::CacheSpec* s) { AddRecurrent(s)->set_num_v_heads(-1); },
+                             kInvalid, {"groups[1].recurrent.num_v_heads = -1"}));
+  cases.push_back(CreateCase("CreateRecurrentDeltaDimsWithoutHeads",
+                             [](v1::CacheSpec* s) { AddRecurrent(s)->set_num_v_heads(0); },
+                             kInvalid, {"head_v_dim = 2", "head_k_dim = 2", "num_v_heads"}));
+  cases.push_back(CreateCase("CreateRecurrentHeadKDimZero",
+                             [](v1::CacheSpec* s) { AddRecurrent(s)->set_head_k_dim(0); }, kInvalid,
+                             {"groups[1].recurrent.head_k_dim = 0"}));
+  cases.push_back(CreateCase("CreateSecondGroupWithoutKind",
+                             [](v1::CacheSpec* s) {
+                               AddRecurrent(s);
+                               s->mutable_groups(1)->clear_recurrent();
+                             },
+                             kInvalid, {"groups[1] has no kind"}));
+
+  // ---- Append and AppendStream: contiguity, Recurrent states, speculation ----
+  const size_t plain1 = kHybTokenBytes + kHybStateBytes;              // 136
+  const size_t plain2 = 2 * kHybTokenBytes + kHybStateBytes;          // 232
+  const size_t speculative2 = 2 * (kHybTokenBytes + kHybStateBytes);  // 272
+  cases.push_back(AppendCase("AppendRecurrentStateMissing", AppendOf("hyb", {0}, {4}, 96), kInvalid,
+                             {"payload = 96", "136"}));
+  cases.push_back(AppendCase("AppendRecurrentStatePerTokenInPlainAppend",
+                             AppendOf("hyb", {0, 0}, {4, 5}, speculative2), kInvalid,
+                             {"payload = 272", "232"}));
+  cases.push_back(AppendCase("AppendSpeculativeWithOneStatePerSequence",
+                             SpeculativeAppendOf("hyb", {0, 0}, {4, 5}, plain2), kInvalid,
+                             {"payload = 232", "272"}));
+  cases.push_back(AppendCase("AppendNotContiguous", AppendOf("hyb", {0}, {5}, plain1), kInvalid,
+                             {"sequence 0", "position 5", "offset is 4"}));
+  cases.push_back(AppendCase("AppendNewSequenceNotAtZero", AppendOf("rot", {1}, {3}, 64), kInvalid,
+                             {"sequence 1", "position 3", "offset is 0"}));
+  cases.push_back(AppendCase("AppendSpeculativeNotContiguous",
+                             SpeculativeAppendOf("hyb", {0}, {6}, plain1), kInvalid,
+                             {"sequence 0", "position 6", "offset is 4"}));
+  cases.push_back(AppendCase("AppendPlainWhilePending", AppendOf("hyb", {1}, {4}, plain1), kAborted,
+                             {"sequence 1", "pending"}));
+  cases.push_back(AppendCase("AppendSpeculativeBeyondMaxPending",
+                             SpeculativeAppendOf("hyb", {1, 1, 1}, {4, 5, 6}, 3 * plain1),
+                             kExhausted, {"sequence 1", "5 pending", "max_batch = 4"}));
+  {
+    v1::AppendStreamRequest header = Header("hyb", {0, 0}, {4, 5}, plain2);
+    header.mutable_header()->set_speculative(true);
+    cases.push_back(StreamCase("StreamSpeculativeWithOneStatePerSequence", {header, Data(plain2)},
+                               kInvalid, {"header.payload_bytes = 232", "272"}));
+  }
+  // The largest payload a stream may announce is max_batch speculative tokens: 4 x 136.
+  cases.push_back(StreamCase("StreamSpeculativeSizedPlainBatch",
+                             {Header("hyb", {0, 0, 0, 0}, {4, 5, 6, 7}, 4 * plain1)}, kInvalid,
+                             {"header.payload_bytes = 544", "424"}));
+  cases.push_back(StreamCase("StreamPayloadBytesAboveSpeculativeMax",
+                             {Header("hyb", {0}, {4}, 4 * plain1 + 1)}, kInvalid,
+                             {"header.payload_bytes = 545", "544 bytes"}));
+  cases.push_back(StreamCase("StreamPlainWhilePending",
+                             {Header("hyb", {1}, {4}, plain1), Data(plain1)}, kAborted,
+                             {"sequence 1", "pending"}));
+
+  // ---- Snapshot ----
+  auto snapshot = [](std::string cache, int64_t seq, int32_t from) {
+    return [=](Stub& stub) { return Snapshot(stub, cache, seq, from); };
+  };
+  cases.push_back({"SnapshotUnknownCache", snapshot("nosuch", 0, 0), kNotFound, {"nosuch"}});
+  cases.push_back({"SnapshotEmptyCacheName", snapshot("", 0, 0), kInvalid, {"cache is empty"}});
+  cases.push_back({"SnapshotNegativeSeq", snapshot("hyb", -1, 0), kInvalid, {"seq = -1"}});
+  cases.push_back(
+      {"SnapshotNegativeFromOffset", snapshot("hyb", 0, -2), kInvalid, {"from_offset = -2"}});
+  cases.push_back({"SnapshotUnknownSequence", snapshot("hyb", 7, 0), kNotFound, {"sequence 7"}});
+  cases.push_back({"SnapshotFromAtOffset",
+                   snapshot("hyb", 0, 4),
+                   kPrecondition,
+                   {"from_offset = 4", "offset 4 of sequence 0"}});
+  cases.push_back({"SnapshotFromBeyondOffset",
+                   snapshot("bad", 1, 9),
+                   kPrecondition,
+                   {"from_offset = 9", "offset 2 of sequence 1"}});
+  cases.push_back(
+      {"SnapshotWhilePending", snapshot("hyb", 1, 0), kAborted, {"sequence 1", "pending"}});
+  cases.push_back({"SnapshotInvalidRecurrentState",
+                   snapshot("hyb", 2, 0),
+                   kPrecondition,
+                   {"group 3", "sequence 2", "INVALID"}});
+
+  // ---- Restore ----
+  auto restore = [](std::string cache, int64_t seq, std::optional<uint64_t> id, int32_t target) {
+    return [=](Stub& stub) { return Restore(stub, cache, seq, id, target); };
+  };
+  cases.push_back({"RestoreUnknownCache", restore("nosuch", 0, 1, 4), kNotFound, {"nosuch"}});
+  cases.push_back({"RestoreEmptyCacheName", restore("", 0, 1, 4), kInvalid, {"cache is empty"}});
+  cases.push_back({"RestoreNegativeSeq", restore("hyb", -3, 1, 4), kInvalid, {"seq = -3"}});
+  cases.push_back({"RestoreNegativeTarget", restore("hyb", 0, 1, -1), kInvalid, {"target = -1"}});
+  cases.push_back({"RestoreUnknownSnapshot", restore("hyb", 0, 99, 4), kNotFound, {"snapshot 99"}});
+  cases.push_back({"RestoreSnapshotZero", restore("hyb", 0, 0, 4), kNotFound, {"snapshot 0"}});
+  cases.push_back({"RestoreTargetBeyondSnapshotEnd",
+                   restore("hyb", 0, 1, 5),
+                   kPrecondition,
+                   {"target = 5", "end 4 of snapshot 1"}});
+  cases.push_back({"RestoreSequenceBelowSnapshotStart",
+                   restore("bad", 3, 1, 4),
+                   kPrecondition,
+                   {"sequence 3 has offset 0", "start 2 of snapshot 1"}});
+  cases.push_back({"RestoreClampsWrappedRotatingWindow",
+                   restore("rot", 0, 1, 5),
+                   kPrecondition,
+                   {"group 1", "ends at 6", "target 5"}});
+  cases.push_back({"RestoreRecurrentTargetNotSnapshotEnd",
+                   restore("hyb", 0, 1, 3),
+                   kPrecondition,
+                   {"group 3", "target 4, not 3"}});
+  cases.push_back(
+      {"RestoreWhilePending", restore("hyb", 1, 1, 4), kAborted, {"sequence 1", "pending"}});
+  cases.push_back({"RestoreBeyondMaxSequences",
+                   restore("hyb", 5, 1, 4),
+                   kExhausted,
+                   {"sequence 5", "max_sequences = 4"}});
+  cases.push_back({"RestoreLiveRecurrentBelowOffset",
+                   restore("hyb", 0, std::nullopt, 2),
+                   kPrecondition,
+                   {"group 3", "offset 4 to 2"}});
+  cases.push_back({"RestoreLiveWrappedRotating",
+                   restore("rot", 0, std::nullopt, 5),
+                   kPrecondition,
+                   {"sequence 0", "offset 6", "rewinding to 5"}});
+  cases.push_back({"RestoreLiveBeyondOffset",
+                   restore("bad", 0, std::nullopt, 9),
+                   kPrecondition,
+                   {"target = 9", "offset 4 of sequence 0"}});
+  cases.push_back({"RestoreLiveEmptySequenceNonZero",
+                   restore("bad", 3, std::nullopt, 2),
+                   kPrecondition,
+                   {"target = 2", "offset 0 of sequence 3"}});
+  cases.push_back({"RestoreLiveWhilePending",
+                   restore("hyb", 1, std::nullopt, 4),
+                   kAborted,
+                   {"sequence 1", "pending"}});
+
+  // ---- MergeSnapshots ----
+  auto merge = [](std::string cache, uint64_t parent, uint64_t child) {
+    return [=](Stub& stub) { return MergeSnapshots(stub, cache, parent, child); };
+  };
+  cases.push_back({"MergeUnknownCache", merge("nosuch", 1, 2), kNotFound, {"nosuch"}});
+  cases.push_back({"MergeEmptyCacheName", merge("", 1, 2), kInvalid, {"cache is empty"}});
+  cases.push_back({"MergeParentIsChild", merge("hyb", 1, 1), kInvalid, {"both snapshot 1"}});
+  cases.push_back({"MergeUnknownParent", merge("hyb", 99, 1), kNotFound, {"snapshot 99"}});
+  cases.push_back({"MergeUnknownChild", merge("hyb", 1, 98), kNotFound, {"snapshot 98"}});
+  cases.push_back({"MergeSnapshotZero", merge("hyb", 0, 1), kNotFound, {"snapshot 0"}});
+  cases.push_back({"MergeMismatchedBoundary",
+                   merge("hyb", 1, 2),
+                   kInvalid,
+                   {"snapshot 1 covers [0, 4)", "snapshot 2 covers [1, 4)"}});
+  cases.push_back({"MergeReversed",
+                   merge("hyb", 2, 1),
+                   kInvalid,
+                   {"snapshot 2 covers [1, 4)", "snapshot 1 covers [0, 4)"}});
+
+  // ---- SplitSnapshot, DropSnapshot, ListSnapshots ----
+  auto split = [](std::string cache, uint64_t id, int32_t at) {
+    return [=](Stub& stub) { return SplitSnapshot(stub, cache, id, at); };
+  };
+  cases.push_back({"SplitUnknownCache", split("nosuch", 1, 2), kNotFound, {"nosuch"}});
+  cases.push_back({"SplitEmptyCacheName", split("", 1, 2), kInvalid, {"cache is empty"}});
+  cases.push_back({"SplitUnknownSnapshot", split("hyb", 99, 2), kNotFound, {"snapshot 99"}});
+  cases.push_back({"SplitSnapshotZero", split("bad", 0, 3), kNotFound, {"snapshot 0"}});
+  auto drop = [](std::string cache, uint64_t id) {
+    return [=](Stub& stub) { return DropSnapshot(stub, cache, id); };
+  };
+  cases.push_back({"DropUnknownCache", drop("nosuch", 1), kNotFound, {"nosuch"}});
+  cases.push_back({"DropEmptyCacheName", drop("", 1), kInvalid, {"cache is empty"}});
+  cases.push_back({"DropUnknownSnapshot", drop("hyb", 99), kNotFound, {"snapshot 99"}});
+  cases.push_back({"DropSnapshotZero", drop("hyb", 0), kNotFound, {"snapshot 0"}});
+  cases.push_back(
+      {"DropSnapshotOfAnotherCache", drop("rot", 3), kNotFound, {"'rot'", "snapshot 3"}});
+  auto list = [](std::string cache) {
+    return [=](Stub& stub) {
+      v1::ListSnapshotsResponse response;
+      return ListSnapshots(stub, cache, &response);
+    };
+  };
+  cases.push_back({"ListSnapshotsUnknownCache", list("nosuch"), kNotFound, {"nosuch"}});
+  cases.push_back({"ListSnapshotsEmptyCacheName", list(""), kInvalid, {"cache is empty"}});
+
+  // ---- CommitSpeculation ----
+  auto commit = [](std::string cache, int64_t seq, int32_t accepted) {
+    return [=](Stub& stub) { return CommitSpeculation(stub, cache, seq, accepted); };
+  };
+  cases.push_back({"CommitUnknownCache", commit("nosuch", 1, 1), kNotFound, {"nosuch"}});
+  cases.push_back({"CommitEmptyCacheName", commit("", 1, 1), kInvalid, {"cache is empty"}});
+  cases.push_back({"CommitNegativeSeq", commit("hyb", -1, 1), kInvalid, {"seq = -1"}});
+  cases.push_back({"CommitNegativeAccepted", commit("hyb", 1, -1), kInvalid, {"accepted = -1"}});
+  cases.push_back(
+      {"CommitWithoutPending", commit("hyb", 0, 0), kPrecondition, {"sequence 0", "pending"}});
+  cases.push_back(
+      {"CommitUnknownSequence", commit("hyb", 9, 0), kPrecondition, {"sequence 9", "pending"}});
+  cases.push_back({"CommitMoreThanPending",
+                   commit("hyb", 1, 3),
+                   kInvalid,
+                   {"accepted = 3", "2 pending", "sequence 1"}});
+}
 
 std::vector<BadCase> Cases() {
   std::vector<BadCase> cases;
@@ -491,6 +774,8 @@ std::vector<BadCase> Cases() {
   cases.push_back({"CanResumeEmptyCacheName", can_resume("", 0, 0), kInvalid, {"cache is empty"}});
   cases.push_back({"CanResumeNegativeSeq", can_resume("bad", -1, 0), kInvalid, {"seq = -1"}});
   cases.push_back({"CanResumeNegativePos", can_resume("bad", 0, -7), kInvalid, {"pos = -7"}});
+
+  AddSnapshotCases(&cases);
   return cases;
 }
 
@@ -499,7 +784,7 @@ class BadInputTest : public NodeSuite, public ::testing::WithParamInterface<BadC
   static void SetUpTestSuite() {
     StartNode({"--memory-budget=64MiB"});
     if (HasFatalFailure()) return;
-    for (const v1::CacheSpec& spec : {BadSpec(), NoRopeSpec(), FullSpec()}) {
+    for (const v1::CacheSpec& spec : {BadSpec(), NoRopeSpec(), FullSpec(), HybSpec(), RotSpec()}) {
       KVMESH_ASSERT_OK(CreateCache(stub(), spec));
     }
     KVMESH_ASSERT_OK(Append(stub(), MakeAppend(BadSpec(), 0, {0, 1, 2, 3})));
@@ -508,6 +793,29 @@ class BadInputTest : public NodeSuite, public ::testing::WithParamInterface<BadC
     KVMESH_ASSERT_OK(Append(stub(), MakeAppend(NoRopeSpec(), 0, {4, 5})));
     KVMESH_ASSERT_OK(Append(stub(), MakeAppend(FullSpec(), 0, {0, 1, 2, 3})));
     KVMESH_ASSERT_OK(Append(stub(), MakeAppend(FullSpec(), 1, {0, 1, 2})));
+    v1::SnapshotInfo snapshot;
+    KVMESH_ASSERT_OK(Snapshot(stub(), "bad", 0, 2, &snapshot));
+    ASSERT_EQ(snapshot.id(), 1u);
+
+    const v1::CacheSpec hyb = HybSpec();
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(hyb, 0, {0, 1, 2, 3})));
+    KVMESH_ASSERT_OK(Snapshot(stub(), "hyb", 0, 0, &snapshot));
+    ASSERT_EQ(snapshot.id(), 1u);
+    KVMESH_ASSERT_OK(Snapshot(stub(), "hyb", 0, 1, &snapshot));
+    ASSERT_EQ(snapshot.id(), 2u);
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(hyb, 1, {0, 1})));
+    KVMESH_ASSERT_OK(Append(stub(), MakeSpeculativeAppend(hyb, 1, {2, 3})));
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(hyb, 2, {0, 1})));
+    KVMESH_ASSERT_OK(Remove(stub(), "hyb", 2, 1));
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(hyb, 3, {0, 1, 2, 3})));
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(hyb, 3, {4, 5})));
+    KVMESH_ASSERT_OK(Snapshot(stub(), "hyb", 3, 0, &snapshot));
+    ASSERT_EQ(snapshot.id(), 3u);
+
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(RotSpec(), 0, {0, 1, 2, 3})));
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(RotSpec(), 0, {4, 5})));
+    KVMESH_ASSERT_OK(Snapshot(stub(), "rot", 0, 0, &snapshot));
+    ASSERT_EQ(snapshot.id(), 1u);
   }
 
   // Everything a client can observe: the caches with spec and usage, and for each cache its
@@ -527,6 +835,10 @@ class BadInputTest : public NodeSuite, public ::testing::WithParamInterface<BadC
       const grpc::Status status = ListSequences(stub(), info.spec().name(), &seqs);
       EXPECT_TRUE(status.ok()) << StatusText(status);
       state += seqs.DebugString();
+      v1::ListSnapshotsResponse snapshots;
+      const grpc::Status listed_snapshots = ListSnapshots(stub(), info.spec().name(), &snapshots);
+      EXPECT_TRUE(listed_snapshots.ok()) << StatusText(listed_snapshots);
+      state += snapshots.DebugString();
       for (const v1::SequenceInfo& seq : seqs.sequences()) {
         ReadOutput out;
         const grpc::Status read = Read(stub(), ReadRequest(info.spec().name(), seq.seq()), &out);

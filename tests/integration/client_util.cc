@@ -1,5 +1,6 @@
 #include "tests/integration/client_util.h"
 
+#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -100,6 +101,35 @@ v1::LayerGroup AttentionGroupProto(const AttentionOptions& o) {
   return group;
 }
 
+v1::LayerGroup RotatingGroupProto(const RotatingOptions& o) {
+  v1::LayerGroup group;
+  group.set_num_layers(o.num_layers);
+  v1::Rotating* r = group.mutable_rotating();
+  r->set_num_kv_heads(o.num_kv_heads);
+  r->set_head_dim_k(o.head_dim_k);
+  r->set_head_dim_v(o.head_dim_v);
+  r->set_max_size(o.max_size);
+  r->mutable_rope()->set_type(o.rope);
+  if (o.rope != v1::ROPE_TYPE_NONE) {
+    r->mutable_rope()->set_dims(o.rope_dims);
+    r->mutable_rope()->set_base(10000.0f);
+    r->mutable_rope()->set_freq_scale(1.0f);
+  }
+  return group;
+}
+
+v1::LayerGroup RecurrentGroupProto(const RecurrentOptions& o) {
+  v1::LayerGroup group;
+  group.set_num_layers(o.num_layers);
+  v1::Recurrent* r = group.mutable_recurrent();
+  r->set_conv_tail(o.conv_tail);
+  r->set_conv_dim(o.conv_dim);
+  r->set_num_v_heads(o.num_v_heads);
+  r->set_head_v_dim(o.head_v_dim);
+  r->set_head_k_dim(o.head_k_dim);
+  return group;
+}
+
 v1::CacheSpec SpecProto(const std::string& name, int32_t max_sequences, int32_t capacity,
                         int32_t max_batch, std::vector<v1::LayerGroup> groups, v1::DType dtype) {
   v1::CacheSpec spec;
@@ -121,6 +151,10 @@ uint64_t TokenId(int64_t seq, int32_t pos, uint64_t seed) {
   return Mix64(seed) ^ (static_cast<uint64_t>(seq) << 32) ^ static_cast<uint32_t>(pos);
 }
 
+uint64_t StateId(int64_t seq, int32_t pos, uint64_t seed) {
+  return Mix64(TokenId(seq, pos, seed) ^ 0x57A7E57A7Eull);
+}
+
 v1::AppendRequest MakeAppend(const v1::CacheSpec& spec, int64_t seq,
                              const std::vector<int32_t>& positions, uint64_t seed) {
   return MakeMultiAppend(spec, std::vector<int64_t>(positions.size(), seq), positions, seed);
@@ -135,7 +169,35 @@ v1::AppendRequest MakeMultiAppend(const v1::CacheSpec& spec, const std::vector<i
     token->set_seq(seqs[i]);
     token->set_pos(positions[i]);
   }
-  const std::vector<uint8_t> payload = AppendPayload(EngineSpec(spec), Ids(seqs, positions, seed));
+  // The state after the batch of each distinct sequence, in order of first appearance.
+  std::vector<int64_t> order;
+  std::map<int64_t, int32_t> last;
+  for (size_t i = 0; i < positions.size(); ++i) {
+    if (last.find(seqs[i]) == last.end()) order.push_back(seqs[i]);
+    last[seqs[i]] = positions[i];
+  }
+  std::vector<uint64_t> states;
+  for (int64_t seq : order) states.push_back(StateId(seq, last[seq], seed));
+  const std::vector<uint8_t> payload =
+      AppendPayload(EngineSpec(spec), Ids(seqs, positions, seed), states);
+  request.set_payload(payload.data(), payload.size());
+  return request;
+}
+
+v1::AppendRequest MakeSpeculativeAppend(const v1::CacheSpec& spec, int64_t seq,
+                                        const std::vector<int32_t>& positions, uint64_t seed) {
+  v1::AppendRequest request;
+  request.set_cache(spec.name());
+  request.set_speculative(true);
+  std::vector<uint64_t> states;
+  for (int32_t pos : positions) {
+    v1::Token* token = request.add_tokens();
+    token->set_seq(seq);
+    token->set_pos(pos);
+    states.push_back(StateId(seq, pos, seed));
+  }
+  const std::vector<uint8_t> payload = AppendPayload(
+      EngineSpec(spec), Ids(std::vector<int64_t>(positions.size(), seq), positions, seed), states);
   request.set_payload(payload.data(), payload.size());
   return request;
 }
@@ -221,6 +283,7 @@ std::vector<v1::AppendStreamRequest> StreamMessages(const v1::AppendRequest& req
   header->set_cache(request.cache());
   *header->mutable_tokens() = request.tokens();
   header->set_payload_bytes(static_cast<int64_t>(request.payload().size()));
+  header->set_speculative(request.speculative());
   const std::string& payload = request.payload();
   size_t offset = std::min(first_chunk, payload.size());
   messages[0].set_data(payload.substr(0, offset));
@@ -323,6 +386,92 @@ grpc::Status ListSequences(Stub& stub, const std::string& cache,
   v1::ListSequencesRequest request;
   request.set_cache(cache);
   return stub.ListSequences(&context, request, response);
+}
+
+grpc::Status Snapshot(Stub& stub, const std::string& cache, int64_t seq, int32_t from_offset,
+                      v1::SnapshotInfo* snapshot) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::SnapshotRequest request;
+  request.set_cache(cache);
+  request.set_seq(seq);
+  request.set_from_offset(from_offset);
+  v1::SnapshotResponse response;
+  const grpc::Status status = stub.Snapshot(&context, request, &response);
+  if (snapshot != nullptr) *snapshot = response.snapshot();
+  return status;
+}
+
+grpc::Status Restore(Stub& stub, const std::string& cache, int64_t seq,
+                     std::optional<uint64_t> snapshot_id, int32_t target) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::RestoreRequest request;
+  request.set_cache(cache);
+  request.set_seq(seq);
+  if (snapshot_id.has_value()) request.set_snapshot_id(*snapshot_id);
+  request.set_target(target);
+  v1::RestoreResponse response;
+  return stub.Restore(&context, request, &response);
+}
+
+grpc::Status MergeSnapshots(Stub& stub, const std::string& cache, uint64_t parent, uint64_t child,
+                            v1::SnapshotInfo* merged) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::MergeSnapshotsRequest request;
+  request.set_cache(cache);
+  request.set_parent(parent);
+  request.set_child(child);
+  v1::MergeSnapshotsResponse response;
+  const grpc::Status status = stub.MergeSnapshots(&context, request, &response);
+  if (merged != nullptr) *merged = response.snapshot();
+  return status;
+}
+
+grpc::Status SplitSnapshot(Stub& stub, const std::string& cache, uint64_t snapshot_id, int32_t at,
+                           v1::SplitSnapshotResponse* response) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::SplitSnapshotRequest request;
+  request.set_cache(cache);
+  request.set_snapshot_id(snapshot_id);
+  request.set_at(at);
+  v1::SplitSnapshotResponse ignored;
+  return stub.SplitSnapshot(&context, request, response != nullptr ? response : &ignored);
+}
+
+grpc::Status DropSnapshot(Stub& stub, const std::string& cache, uint64_t snapshot_id) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::DropSnapshotRequest request;
+  request.set_cache(cache);
+  request.set_snapshot_id(snapshot_id);
+  v1::DropSnapshotResponse response;
+  return stub.DropSnapshot(&context, request, &response);
+}
+
+grpc::Status ListSnapshots(Stub& stub, const std::string& cache,
+                           v1::ListSnapshotsResponse* response) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::ListSnapshotsRequest request;
+  request.set_cache(cache);
+  return stub.ListSnapshots(&context, request, response);
+}
+
+grpc::Status CommitSpeculation(Stub& stub, const std::string& cache, int64_t seq, int32_t accepted,
+                               int32_t* offset) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::CommitSpeculationRequest request;
+  request.set_cache(cache);
+  request.set_seq(seq);
+  request.set_accepted(accepted);
+  v1::CommitSpeculationResponse response;
+  const grpc::Status status = stub.CommitSpeculation(&context, request, &response);
+  if (offset != nullptr) *offset = response.offset();
+  return status;
 }
 
 grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,

@@ -51,6 +51,29 @@ struct AttentionOptions {
 
 v1::LayerGroup AttentionGroupProto(const AttentionOptions& options);
 
+struct RotatingOptions {
+  int32_t num_layers = 1;
+  int32_t num_kv_heads = 1;
+  int32_t head_dim_k = 4;
+  int32_t head_dim_v = 4;
+  int32_t max_size = 4;
+  v1::RopeType rope = v1::ROPE_TYPE_NORMAL;
+  int32_t rope_dims = 2;  // when rope != NONE
+};
+
+v1::LayerGroup RotatingGroupProto(const RotatingOptions& options);
+
+struct RecurrentOptions {
+  int32_t num_layers = 1;
+  int32_t conv_tail = 2;
+  int32_t conv_dim = 3;
+  int32_t num_v_heads = 1;  // 0: conv state only
+  int32_t head_v_dim = 2;
+  int32_t head_k_dim = 2;
+};
+
+v1::LayerGroup RecurrentGroupProto(const RecurrentOptions& options);
+
 v1::CacheSpec SpecProto(const std::string& name, int32_t max_sequences, int32_t capacity,
                         int32_t max_batch, std::vector<v1::LayerGroup> groups,
                         v1::DType dtype = v1::DTYPE_F32);
@@ -63,16 +86,26 @@ CacheSpec EngineSpec(const v1::CacheSpec& proto);
 // The pattern id of token (seq, pos) as first appended: equal ids give equal K/V rows.
 uint64_t TokenId(int64_t seq, int32_t pos, uint64_t seed = 0);
 
+// The pattern id of the Recurrent state of `seq` after its token at `pos`.
+uint64_t StateId(int64_t seq, int32_t pos, uint64_t seed = 0);
+
 // What a sequence stores, per group: position -> pattern id of the row it holds.
 using SequenceModel = std::vector<std::map<int32_t, uint64_t>>;
 
-// An Append of `positions` of `seq` whose rows are TokenId(seq, pos, seed).
+// An Append of `positions` of `seq` whose rows are TokenId(seq, pos, seed). Recurrent groups
+// get the state StateId(seq, last position, seed).
 v1::AppendRequest MakeAppend(const v1::CacheSpec& spec, int64_t seq,
                              const std::vector<int32_t>& positions, uint64_t seed = 0);
 
-// An Append over several sequences: tokens[i] = (seqs[i], positions[i]).
+// An Append over several sequences: tokens[i] = (seqs[i], positions[i]). Recurrent groups get,
+// per distinct sequence in order of first appearance, StateId of its last token in the batch.
 v1::AppendRequest MakeMultiAppend(const v1::CacheSpec& spec, const std::vector<int64_t>& seqs,
                                   const std::vector<int32_t>& positions, uint64_t seed = 0);
+
+// A speculative Append of `positions` of `seq`: rows TokenId(seq, pos, seed) and, for
+// Recurrent groups, one state per token, StateId(seq, pos, seed).
+v1::AppendRequest MakeSpeculativeAppend(const v1::CacheSpec& spec, int64_t seq,
+                                        const std::vector<int32_t>& positions, uint64_t seed = 0);
 
 // Records an Append of `positions` (ids TokenId(seq, pos, seed)) in every group of `model`.
 void ModelAppend(const v1::CacheSpec& spec, int64_t seq, const std::vector<int32_t>& positions,
@@ -122,6 +155,21 @@ grpc::Status CanResume(Stub& stub, const std::string& cache, int64_t seq, int32_
                        bool* can_resume);
 grpc::Status ListSequences(Stub& stub, const std::string& cache,
                            v1::ListSequencesResponse* response);
+
+// Snapshots and speculation. Output pointers may be null.
+grpc::Status Snapshot(Stub& stub, const std::string& cache, int64_t seq, int32_t from_offset,
+                      v1::SnapshotInfo* snapshot = nullptr);
+grpc::Status Restore(Stub& stub, const std::string& cache, int64_t seq,
+                     std::optional<uint64_t> snapshot_id, int32_t target);
+grpc::Status MergeSnapshots(Stub& stub, const std::string& cache, uint64_t parent, uint64_t child,
+                            v1::SnapshotInfo* merged = nullptr);
+grpc::Status SplitSnapshot(Stub& stub, const std::string& cache, uint64_t snapshot_id, int32_t at,
+                           v1::SplitSnapshotResponse* response = nullptr);
+grpc::Status DropSnapshot(Stub& stub, const std::string& cache, uint64_t snapshot_id);
+grpc::Status ListSnapshots(Stub& stub, const std::string& cache,
+                           v1::ListSnapshotsResponse* response);
+grpc::Status CommitSpeculation(Stub& stub, const std::string& cache, int64_t seq, int32_t accepted,
+                               int32_t* offset = nullptr);
 
 // grpc.health.v1.Health/Check of `service` ("" = the server), through kvmeshctl's
 // HealthClient. *serving_status is the response's enum value (1 = SERVING, 2 = NOT_SERVING).

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -138,6 +139,14 @@ TEST(ServiceInProcessTest, FullExecutorRefusesEveryRpcWithUnavailable) {
   results.emplace_back("Read", Read(node.stub(), ReadRequest("c", 0), &out));
   bool can_resume = false;
   results.emplace_back("CanResume", CanResume(node.stub(), "c", 0, 0, &can_resume));
+  results.emplace_back("Snapshot", Snapshot(node.stub(), "c", 0, 0));
+  results.emplace_back("Restore", Restore(node.stub(), "c", 0, std::nullopt, 0));
+  results.emplace_back("MergeSnapshots", MergeSnapshots(node.stub(), "c", 1, 2));
+  results.emplace_back("SplitSnapshot", SplitSnapshot(node.stub(), "c", 1, 0));
+  results.emplace_back("DropSnapshot", DropSnapshot(node.stub(), "c", 1));
+  v1::ListSnapshotsResponse snapshots;
+  results.emplace_back("ListSnapshots", ListSnapshots(node.stub(), "c", &snapshots));
+  results.emplace_back("CommitSpeculation", CommitSpeculation(node.stub(), "c", 0, 0));
   for (const auto& [rpc, status] : results) {
     EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE)
         << rpc << ": " << StatusText(status);

@@ -2,7 +2,12 @@
 // RopeShift fails on request. Append must leave the cache as it was (all groups are written
 // before any is committed); a Remove whose data rewrite failed must leave consistent metadata
 // and refuse further data operations instead of serving possibly wrong bytes.
+#include <algorithm>
+#include <functional>
+#include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "cache/cache.h"
 #include "cache/device/host_device.h"
@@ -29,28 +34,48 @@ class FaultyDevice : public HostDevice {
   int fail_scatter_at = -1;
   int fail_copy_at = -1;
   int fail_rope_at = -1;
+  int fail_copy_between_at = -1;
+  bool triggered = false;  // whether an injected fault fired since ResetCounts
 
   absl::Status Scatter(const DeviceArena& arena, absl::Span<const Plane> planes,
                        absl::Span<const int32_t> rows, const uint8_t* src) override {
-    if (scatter_calls_++ == fail_scatter_at) return absl::InternalError("injected scatter fault");
+    if (scatter_calls_++ == fail_scatter_at) return Fault("injected scatter fault");
     return HostDevice::Scatter(arena, planes, rows, src);
   }
   absl::Status CopyRows(const DeviceArena& arena, absl::Span<const Plane> planes,
                         absl::Span<const int32_t> src, absl::Span<const int32_t> dst) override {
-    if (copy_calls_++ == fail_copy_at) return absl::InternalError("injected copy fault");
+    if (copy_calls_++ == fail_copy_at) return Fault("injected copy fault");
     return HostDevice::CopyRows(arena, planes, src, dst);
   }
   absl::Status RopeShift(const DeviceArena& arena, absl::Span<const Plane> planes,
                          absl::Span<const int32_t> rows, const RopeShiftParams& p) override {
-    if (rope_calls_++ == fail_rope_at) return absl::InternalError("injected rope fault");
+    if (rope_calls_++ == fail_rope_at) return Fault("injected rope fault");
     return HostDevice::RopeShift(arena, planes, rows, p);
   }
-  void ResetCounts() { scatter_calls_ = copy_calls_ = rope_calls_ = 0; }
+  absl::Status CopyRowsBetween(const DeviceArena& src, absl::Span<const Plane> src_planes,
+                               absl::Span<const int32_t> src_rows, const DeviceArena& dst,
+                               absl::Span<const Plane> dst_planes,
+                               absl::Span<const int32_t> dst_rows) override {
+    if (copy_between_calls_++ == fail_copy_between_at) {
+      return Fault("injected copy-between fault");
+    }
+    return HostDevice::CopyRowsBetween(src, src_planes, src_rows, dst, dst_planes, dst_rows);
+  }
+  void ResetCounts() {
+    scatter_calls_ = copy_calls_ = rope_calls_ = copy_between_calls_ = 0;
+    triggered = false;
+  }
+  void NoFaults() { fail_scatter_at = fail_copy_at = fail_rope_at = fail_copy_between_at = -1; }
 
  private:
+  absl::Status Fault(const char* what) {
+    triggered = true;
+    return absl::InternalError(what);
+  }
   int scatter_calls_ = 0;
   int copy_calls_ = 0;
   int rope_calls_ = 0;
+  int copy_between_calls_ = 0;
 };
 
 // Group 0 sliding (window 2, memory 3 with two sequences), group 1 full: a batch far ahead
@@ -133,6 +158,396 @@ TEST(CacheDeviceFaultTest, RemoveWithFailedCopyOfSharedCellsRefusesFurtherDataOp
             absl::StatusCode::kFailedPrecondition);
   // Cells stay accounted for: 8 shared + 4 private copies of the moved ones.
   EXPECT_EQ((*cache)->Usage().groups[0].cells_used, 12);
+}
+
+// ---- Rotating, Recurrent, Restore, commit: fault sweeps -------------------------------------
+//
+// Each scenario sets up a cache, then runs one operation with the n-th call of one device
+// operation failing, for every n until the operation completes without reaching the fault.
+// Whenever the fault fires, the operation must fail with the device's error and then either the
+// cache is exactly as before (nothing stored was overwritten yet) or it refuses data operations
+// with FAILED_PRECONDITION naming the device error: it never serves wrong bytes.
+
+enum class FaultKind { kScatter, kCopy, kCopyBetween, kRope };
+
+const char* FaultKindName(FaultKind kind) {
+  switch (kind) {
+    case FaultKind::kScatter:
+      return "Scatter";
+    case FaultKind::kCopy:
+      return "CopyRows";
+    case FaultKind::kCopyBetween:
+      return "CopyRowsBetween";
+    case FaultKind::kRope:
+      return "RopeShift";
+  }
+  return "?";
+}
+
+void Arm(FaultyDevice& device, FaultKind kind, int n) {
+  device.NoFaults();
+  switch (kind) {
+    case FaultKind::kScatter:
+      device.fail_scatter_at = n;
+      break;
+    case FaultKind::kCopy:
+      device.fail_copy_at = n;
+      break;
+    case FaultKind::kCopyBetween:
+      device.fail_copy_between_at = n;
+      break;
+    case FaultKind::kRope:
+      device.fail_rope_at = n;
+      break;
+  }
+}
+
+// Read, Append (of a new sequence 2), CopyPrefix and Remove refuse with FAILED_PRECONDITION.
+::testing::AssertionResult RefusesDataOperations(Cache& cache, int64_t seq) {
+  const absl::Status read = cache.Read(seq, 0, std::nullopt).status();
+  if (read.code() != absl::StatusCode::kFailedPrecondition ||
+      read.message().find("injected") == absl::string_view::npos) {
+    return ::testing::AssertionFailure() << "Read: " << read;
+  }
+  const absl::Status append = AppendRange(cache, 2, 0, 1);
+  if (append.code() != absl::StatusCode::kFailedPrecondition) {
+    return ::testing::AssertionFailure() << "Append: " << append;
+  }
+  const absl::Status copy = cache.CopyPrefix(seq, 2, 1000);
+  if (copy.code() != absl::StatusCode::kFailedPrecondition) {
+    return ::testing::AssertionFailure() << "CopyPrefix: " << copy;
+  }
+  const absl::Status remove = cache.Remove(seq, 0, std::nullopt);
+  if (remove.code() != absl::StatusCode::kFailedPrecondition) {
+    return ::testing::AssertionFailure() << "Remove: " << remove;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+struct FaultScenario {
+  std::string name;
+  CacheSpec spec;
+  std::function<void(Cache&)> setup;          // runs without faults
+  std::function<absl::Status(Cache&)> op;     // runs with one fault armed
+  std::function<void(const Cache&)> success;  // checks the result when no fault fired
+};
+
+void RunFaultSweep(const FaultScenario& scenario) {
+  int fired_runs = 0;
+  for (FaultKind kind :
+       {FaultKind::kScatter, FaultKind::kCopy, FaultKind::kCopyBetween, FaultKind::kRope}) {
+    for (int n = 0;; ++n) {
+      SCOPED_TRACE(::testing::Message()
+                   << scenario.name << ": " << FaultKindName(kind) << " call " << n << " fails");
+      ASSERT_LT(n, 64) << "the operation never completes";
+      FaultyDevice device;
+      absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(scenario.spec, &device);
+      ASSERT_TRUE(created.ok()) << created.status();
+      Cache& cache = **created;
+      scenario.setup(cache);
+      if (::testing::Test::HasFatalFailure()) return;
+      const testutil::CacheState before = CaptureState(cache);
+      device.ResetCounts();
+      Arm(device, kind, n);
+      const absl::Status status = scenario.op(cache);
+      const bool fired = device.triggered;
+      device.NoFaults();
+      if (!fired) {
+        ASSERT_TRUE(status.ok()) << status;
+        scenario.success(cache);
+        break;  // every later n is past the operation's calls
+      }
+      ++fired_runs;
+      ASSERT_FALSE(status.ok()) << "the device error was swallowed";
+      EXPECT_EQ(status.code(), absl::StatusCode::kInternal) << status;
+      const testutil::CacheState after = CaptureState(cache);
+      // Either nothing changed, or every data operation refuses.
+      if (!SameState(before, after)) {
+        EXPECT_TRUE(RefusesDataOperations(cache, 0));
+      }
+    }
+  }
+  EXPECT_GT(fired_runs, 0) << scenario.name << ": no device call to fail";
+}
+
+// Rings of 4 rows, 2 layers, so a wrapped Append overwrites rows in place.
+CacheSpec RingSpec() {
+  return Spec(DType::kF16, 3, 32, 8, {testutil::RotatingGroup(4, 2, 1, 4, 4)});
+}
+
+CacheSpec StateSpec() {
+  return Spec(DType::kF16, 3, 32, 8, {testutil::RecurrentGroup(2, 2, 3, 1, 2, 2)});
+}
+
+CacheSpec HybridSpec() {
+  return Spec(DType::kF16, 3, 32, 4,
+              {testutil::RotatingGroup(4, 2, 1, 4, 4), testutil::RecurrentGroup(2, 2, 3, 1, 2, 2),
+               Group(Full(), 1, 1, 4, 4, Rope(RopeType::kNormal, 4))});
+}
+
+::testing::AssertionResult HybridHolds(const Cache& cache, int64_t seq, int32_t n) {
+  const std::vector<int32_t> window = testutil::Range(std::max(0, n - 4), n);
+  return testutil::ReadIs(cache, seq, 0, std::nullopt, {window, {}, testutil::Range(0, n)},
+                          {testutil::Ids(seq, window),
+                           {testutil::StateId(seq, n)},
+                           testutil::Ids(seq, testutil::Range(0, n))});
+}
+
+TEST(CacheDeviceFaultTest, RotatingWrappedDecode) {
+  RunFaultSweep(
+      {"rotating decode", RingSpec(), [](Cache& c) { ASSERT_TRUE(AppendRange(c, 0, 0, 6).ok()); },
+       [](Cache& c) { return AppendRange(c, 0, 6, 7, /*salt=*/1); },
+       [](const Cache& c) {
+         EXPECT_TRUE(testutil::ReadIs(c, 0, 0, std::nullopt, {testutil::Range(3, 7)},
+                                      {{testutil::TokenId(0, 3), testutil::TokenId(0, 4),
+                                        testutil::TokenId(0, 5), testutil::TokenId(0, 6, 1)}}));
+       }});
+}
+
+TEST(CacheDeviceFaultTest, RotatingPrefillAroundTheRing) {
+  RunFaultSweep(
+      {"rotating prefill", RingSpec(),
+       [](Cache& c) {
+         ASSERT_TRUE(AppendRange(c, 0, 0, 3).ok());
+         ASSERT_TRUE(AppendRange(c, 1, 0, 2).ok());
+       },
+       [](Cache& c) { return AppendRange(c, 0, 3, 9, /*salt=*/1); },
+       [](const Cache& c) {
+         EXPECT_TRUE(testutil::ReadIs(c, 0, 0, std::nullopt, {testutil::Range(5, 9)},
+                                      {testutil::Ids(0, testutil::Range(5, 9), 1)}));
+         EXPECT_TRUE(testutil::ReadIs(c, 1, 0, std::nullopt, {{0, 1}}, {testutil::Ids(1, {0, 1})}));
+       }});
+}
+
+TEST(CacheDeviceFaultTest, RecurrentStateOverwrittenInPlace) {
+  RunFaultSweep(
+      {"recurrent in place", StateSpec(),
+       [](Cache& c) { ASSERT_TRUE(AppendRange(c, 0, 0, 3).ok()); },
+       [](Cache& c) { return AppendRange(c, 0, 3, 4, /*salt=*/1); },
+       [](const Cache& c) {
+         EXPECT_TRUE(testutil::ReadIs(c, 0, 0, std::nullopt, {{}}, {{testutil::StateId(0, 4, 1)}}));
+       }});
+}
+
+TEST(CacheDeviceFaultTest, RecurrentCopyOnWrite) {
+  RunFaultSweep(
+      {"recurrent copy-on-write", StateSpec(),
+       [](Cache& c) {
+         ASSERT_TRUE(AppendRange(c, 0, 0, 3).ok());
+         ASSERT_TRUE(c.CopyPrefix(0, 1, 3).ok());
+       },
+       [](Cache& c) { return AppendRange(c, 1, 3, 4); },
+       [](const Cache& c) {
+         EXPECT_TRUE(testutil::ReadIs(c, 0, 0, std::nullopt, {{}}, {{testutil::StateId(0, 3)}}));
+         EXPECT_TRUE(testutil::ReadIs(c, 1, 0, std::nullopt, {{}}, {{testutil::StateId(1, 4)}}));
+       }});
+}
+
+TEST(CacheDeviceFaultTest, HybridAppend) {
+  RunFaultSweep({"hybrid append", HybridSpec(),
+                 [](Cache& c) {
+                   ASSERT_TRUE(AppendRange(c, 0, 0, 4).ok());
+                   ASSERT_TRUE(AppendRange(c, 0, 4, 6).ok());
+                 },
+                 [](Cache& c) { return AppendRange(c, 0, 6, 8); },
+                 [](const Cache& c) { EXPECT_TRUE(HybridHolds(c, 0, 8)); }});
+}
+
+TEST(CacheDeviceFaultTest, HybridRestoreFromSnapshot) {
+  RunFaultSweep({"hybrid restore", HybridSpec(),
+                 [](Cache& c) {
+                   ASSERT_TRUE(AppendRange(c, 0, 0, 4).ok());
+                   ASSERT_TRUE(AppendRange(c, 0, 4, 6).ok());
+                   ASSERT_TRUE(c.Snapshot(0, 3).ok());
+                   ASSERT_TRUE(AppendRange(c, 0, 6, 9, /*salt=*/1).ok());
+                 },
+                 [](Cache& c) { return c.Restore(0, 1, 6); },
+                 [](const Cache& c) { EXPECT_TRUE(HybridHolds(c, 0, 6)); }});
+}
+
+TEST(CacheDeviceFaultTest, HybridRestoreIntoANewSequence) {
+  RunFaultSweep({"hybrid restore new", HybridSpec(),
+                 [](Cache& c) {
+                   ASSERT_TRUE(AppendRange(c, 0, 0, 4).ok());
+                   ASSERT_TRUE(AppendRange(c, 0, 4, 6).ok());
+                   ASSERT_TRUE(c.Snapshot(0, 0).ok());
+                 },
+                 [](Cache& c) { return c.Restore(1, 1, 6); },
+                 [](const Cache& c) {
+                   const std::vector<int32_t> window = testutil::Range(2, 6);
+                   EXPECT_TRUE(testutil::ReadIs(c, 1, 0, std::nullopt,
+                                                {window, {}, testutil::Range(0, 6)},
+                                                {testutil::Ids(0, window),
+                                                 {testutil::StateId(0, 6)},
+                                                 testutil::Ids(0, testutil::Range(0, 6))}));
+                 }});
+}
+
+TEST(CacheDeviceFaultTest, HybridCommitSpeculation) {
+  RunFaultSweep({"hybrid commit", HybridSpec(),
+                 [](Cache& c) {
+                   ASSERT_TRUE(AppendRange(c, 0, 0, 4).ok());
+                   ASSERT_TRUE(AppendRange(c, 0, 4, 6).ok());
+                   ASSERT_TRUE(testutil::AppendSpeculative(c, 0, 6, 9).ok());
+                 },
+                 [](Cache& c) { return c.CommitSpeculation(0, 2); },
+                 [](const Cache& c) { EXPECT_TRUE(HybridHolds(c, 0, 8)); }});
+}
+
+TEST(CacheDeviceFaultTest, HybridSnapshotLeavesLiveDataAlone) {
+  RunFaultSweep({"hybrid snapshot", HybridSpec(),
+                 [](Cache& c) {
+                   ASSERT_TRUE(AppendRange(c, 0, 0, 4).ok());
+                   ASSERT_TRUE(AppendRange(c, 0, 4, 6).ok());
+                 },
+                 [](Cache& c) { return c.Snapshot(0, 2).status(); },
+                 [](const Cache& c) {
+                   EXPECT_TRUE(HybridHolds(c, 0, 6));
+                   EXPECT_EQ(c.ListSnapshots().size(), 1u);
+                 }});
+}
+
+TEST(CacheDeviceFaultTest, SnapshotFailureCreatesNoSnapshot) {
+  FaultyDevice device;
+  auto cache = Cache::Create(HybridSpec(), &device);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(AppendRange(**cache, 0, 0, 4).ok());
+  device.ResetCounts();
+  device.fail_copy_between_at = 0;
+  device.fail_copy_at = 0;
+  device.fail_scatter_at = 0;
+  const absl::Status s = (*cache)->Snapshot(0, 0).status();
+  if (device.triggered) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_TRUE((*cache)->ListSnapshots().empty());
+    EXPECT_EQ(device.used_bytes(MemoryPool::kSnapshot), 0u);
+    EXPECT_TRUE(HybridHolds(**cache, 0, 4));
+  }
+  device.NoFaults();
+  absl::StatusOr<SnapshotInfo> snap = (*cache)->Snapshot(0, 0);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+}
+
+TEST(CacheDeviceFaultTest, HybridMiddleRemoval) {
+  // Attention with RoPE plus Recurrent: the removal shifts keys and invalidates the state.
+  const CacheSpec spec = Spec(DType::kF32, 3, 32, 8,
+                              {Group(Full(), 1, 1, 4, 4, Rope(RopeType::kNormal, 4)),
+                               testutil::RecurrentGroup(1, 2, 3, 1, 2, 2)});
+  RunFaultSweep({"hybrid middle removal", spec,
+                 [](Cache& c) {
+                   ASSERT_TRUE(AppendRange(c, 0, 0, 6).ok());
+                   ASSERT_TRUE(c.CopyPrefix(0, 1, 6).ok());
+                 },
+                 [](Cache& c) { return c.Remove(1, 1, 3); },
+                 [](const Cache& c) {
+                   const std::optional<SequenceInfo> info = testutil::FindSequence(c, 1);
+                   ASSERT_TRUE(info.has_value());
+                   EXPECT_EQ(info->offset, 4);
+                   EXPECT_EQ(info->groups[1].state, StateStatus::kInvalid);
+                   EXPECT_TRUE(testutil::ReadIs(
+                       c, 0, 0, std::nullopt, {testutil::Range(0, 6), {}},
+                       {testutil::Ids(0, testutil::Range(0, 6)), {testutil::StateId(0, 6)}}));
+                 }});
+}
+
+TEST(CacheDeviceFaultTest, RotatingCopyPrefixOverAnExistingRing) {
+  RunFaultSweep({"rotating copy over ring", RingSpec(),
+                 [](Cache& c) {
+                   ASSERT_TRUE(AppendRange(c, 0, 0, 6).ok());
+                   ASSERT_TRUE(AppendRange(c, 1, 0, 3).ok());
+                 },
+                 [](Cache& c) { return c.CopyPrefix(1, 0, 3); },
+                 [](const Cache& c) {
+                   EXPECT_TRUE(testutil::ReadIs(c, 0, 0, std::nullopt, {{0, 1, 2}},
+                                                {testutil::Ids(1, {0, 1, 2})}));
+                 }});
+}
+
+TEST(CacheDeviceFaultTest, RecurrentRestoreIntoASharedState) {
+  RunFaultSweep(
+      {"recurrent restore shared", StateSpec(),
+       [](Cache& c) {
+         ASSERT_TRUE(AppendRange(c, 1, 0, 4).ok());
+         ASSERT_TRUE(c.Snapshot(1, 0).ok());
+         ASSERT_TRUE(c.Remove(1, 0, std::nullopt).ok());
+         ASSERT_TRUE(AppendRange(c, 0, 0, 4, /*salt=*/1).ok());
+         ASSERT_TRUE(c.CopyPrefix(0, 1, 4).ok());
+       },
+       [](Cache& c) { return c.Restore(1, 1, 4); },
+       [](const Cache& c) {
+         EXPECT_TRUE(testutil::ReadIs(c, 1, 0, std::nullopt, {{}}, {{testutil::StateId(1, 4)}}));
+         EXPECT_TRUE(testutil::ReadIs(c, 0, 0, std::nullopt, {{}}, {{testutil::StateId(0, 4, 1)}}));
+       }});
+}
+
+TEST(CacheDeviceFaultTest, HybridSpeculativeAppend) {
+  RunFaultSweep({"hybrid speculative append", HybridSpec(),
+                 [](Cache& c) {
+                   ASSERT_TRUE(AppendRange(c, 0, 0, 4).ok());
+                   ASSERT_TRUE(AppendRange(c, 0, 4, 6).ok());
+                   ASSERT_TRUE(testutil::AppendSpeculative(c, 0, 6, 7).ok());
+                 },
+                 [](Cache& c) { return testutil::AppendSpeculative(c, 0, 7, 9); },
+                 [](const Cache& c) {
+                   EXPECT_TRUE(testutil::ReadIs(c, 0, 5, std::nullopt,
+                                                {testutil::Range(5, 9), {}, testutil::Range(5, 9)},
+                                                {testutil::Ids(0, testutil::Range(5, 9)),
+                                                 {testutil::StateId(0, 9)},
+                                                 testutil::Ids(0, testutil::Range(5, 9))}));
+                 }});
+}
+
+// Writes that overwrite nothing stored (a new sequence's ring or state slot, the private copy of
+// a shared state) fall under the all-or-nothing rule: a failed Append leaves the cache exactly
+// as before and usable, as in the foundation.
+TEST(CacheDeviceFaultTest, AppendOfANewSequenceFailingLeavesCacheAsBefore) {
+  for (const CacheSpec& spec : {RingSpec(), StateSpec(), HybridSpec()}) {
+    SCOPED_TRACE(GroupKindName(spec.groups[0].kind) + std::string(" first, ") +
+                 std::to_string(spec.groups.size()) + " groups");
+    FaultyDevice device;
+    auto cache = Cache::Create(spec, &device);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    ASSERT_TRUE(AppendRange(**cache, 0, 0, 3).ok());
+    const testutil::CacheState before = CaptureState(**cache);
+    bool appended = false;
+    for (int n = 0; n < 3 && !appended; ++n) {
+      device.ResetCounts();
+      device.fail_scatter_at = n;
+      const absl::Status s = AppendRange(**cache, 1, 0, 2);
+      device.NoFaults();
+      if (!device.triggered) {
+        // Fewer Scatter calls than n + 1: this Append went through untouched.
+        ASSERT_TRUE(s.ok()) << s;
+        appended = true;
+        break;
+      }
+      EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+      EXPECT_TRUE(SameState(before, CaptureState(**cache))) << "scatter call " << n;
+    }
+    if (!appended) {
+      ASSERT_TRUE(AppendRange(**cache, 1, 0, 2).ok());
+    }
+    EXPECT_TRUE((*cache)->Read(0, 0, std::nullopt).ok());
+  }
+}
+
+TEST(CacheDeviceFaultTest, CopyOnWriteAppendFailingLeavesCacheAsBefore) {
+  FaultyDevice device;
+  auto cache = Cache::Create(StateSpec(), &device);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(AppendRange(**cache, 0, 0, 3).ok());
+  ASSERT_TRUE((*cache)->CopyPrefix(0, 1, 3).ok());
+  const testutil::CacheState before = CaptureState(**cache);
+  device.ResetCounts();
+  device.fail_scatter_at = 0;  // the new state into seq 1's private slot
+  const absl::Status s = AppendRange(**cache, 1, 3, 4);
+  device.NoFaults();
+  ASSERT_TRUE(device.triggered);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_TRUE(SameState(before, CaptureState(**cache)));
+  ASSERT_TRUE(AppendRange(**cache, 1, 3, 4).ok());
+  EXPECT_TRUE(testutil::ReadIs(**cache, 1, 0, std::nullopt, {{}}, {{testutil::StateId(1, 4)}}));
+  EXPECT_TRUE(testutil::ReadIs(**cache, 0, 0, std::nullopt, {{}}, {{testutil::StateId(0, 3)}}));
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #define KVMESH_TESTS_UNIT_CACHE_TEST_UTIL_H_
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -66,6 +67,35 @@ inline GroupSpec Group(WindowSpec window, int32_t num_layers = 1, int32_t heads 
   return g;
 }
 
+// A Rotating group (per-sequence ring of `max_size` rows).
+inline GroupSpec RotatingGroup(int32_t max_size, int32_t num_layers = 1, int32_t heads = 1,
+                               int32_t head_dim_k = 4, int32_t head_dim_v = 4, RopeSpec rope = {}) {
+  GroupSpec g;
+  g.num_layers = num_layers;
+  g.kind = GroupKind::kRotating;
+  g.rotating.num_kv_heads = heads;
+  g.rotating.head_dim_k = head_dim_k;
+  g.rotating.head_dim_v = head_dim_v;
+  g.rotating.max_size = max_size;
+  g.rotating.rope = rope;
+  return g;
+}
+
+// A Recurrent group: conv [conv_tail][conv_dim] and delta [num_v_heads][head_v_dim][head_k_dim].
+inline GroupSpec RecurrentGroup(int32_t num_layers = 1, int32_t conv_tail = 2, int32_t conv_dim = 3,
+                                int32_t num_v_heads = 1, int32_t head_v_dim = 2,
+                                int32_t head_k_dim = 2) {
+  GroupSpec g;
+  g.num_layers = num_layers;
+  g.kind = GroupKind::kRecurrent;
+  g.recurrent.conv_tail = conv_tail;
+  g.recurrent.conv_dim = conv_dim;
+  g.recurrent.num_v_heads = num_v_heads;
+  g.recurrent.head_v_dim = head_v_dim;
+  g.recurrent.head_k_dim = head_k_dim;
+  return g;
+}
+
 inline CacheSpec Spec(DType dtype, int32_t max_sequences, int32_t capacity, int32_t max_batch,
                       std::vector<GroupSpec> groups, std::string name = "test") {
   CacheSpec s;
@@ -97,11 +127,37 @@ inline std::vector<int32_t> Range(int32_t begin, int32_t end) {
   return r;
 }
 
+// The id of the recurrent state a test appends for `seq` once it reaches `offset` (the state
+// after the token at offset - 1); `salt` tells rewrites apart.
+inline uint64_t StateId(int64_t seq, int32_t offset, uint64_t salt = 0) {
+  return Mix64(TokenId(seq, offset, salt) ^ 0x57A7E57A7E5ull);
+}
+
+// The Append payload of `tokens` with rows TokenId(seq, pos, salt) and, for Recurrent groups,
+// the state StateId(seq, last pos + 1, salt) per distinct sequence in order of first appearance
+// (speculative: StateId(seq, pos + 1, salt) per token), so that a state's id names the offset
+// it belongs to whichever way it was appended.
 inline std::vector<uint8_t> PayloadFor(const CacheSpec& spec, absl::Span<const Token> tokens,
-                                       uint64_t salt = 0) {
+                                       uint64_t salt = 0, bool speculative = false) {
   std::vector<uint64_t> ids;
   for (const Token& t : tokens) ids.push_back(TokenId(t.seq, t.pos, salt));
-  return AppendPayload(spec, ids);
+  std::vector<uint64_t> states;
+  if (speculative) {
+    for (const Token& t : tokens) states.push_back(StateId(t.seq, t.pos + 1, salt));
+  } else {
+    std::vector<int64_t> order;
+    std::map<int64_t, int32_t> last;
+    for (const Token& t : tokens) {
+      auto [it, inserted] = last.emplace(t.seq, t.pos);
+      if (inserted) {
+        order.push_back(t.seq);
+      } else {
+        it->second = std::max(it->second, t.pos);
+      }
+    }
+    for (int64_t seq : order) states.push_back(StateId(seq, last[seq] + 1, salt));
+  }
+  return AppendPayload(spec, ids, states);
 }
 
 inline absl::Status AppendTokens(Cache& cache, const std::vector<Token>& tokens,
@@ -113,6 +169,43 @@ inline absl::Status AppendTokens(Cache& cache, const std::vector<Token>& tokens,
 inline absl::Status AppendRange(Cache& cache, int64_t seq, int32_t begin, int32_t end,
                                 uint64_t salt = 0) {
   return AppendTokens(cache, Tokens(seq, begin, end), salt);
+}
+
+// A speculative Append of (seq, begin..end-1), one state per token.
+inline absl::Status AppendSpeculative(Cache& cache, int64_t seq, int32_t begin, int32_t end,
+                                      uint64_t salt = 0) {
+  const std::vector<Token> tokens = Tokens(seq, begin, end);
+  const std::vector<uint8_t> payload = PayloadFor(cache.spec(), tokens, salt, true);
+  return cache.Append(tokens, payload, /*speculative=*/true);
+}
+
+// Whether `text` contains `needle` not directly preceded or followed by a letter, digit or '_'
+// (so "5" does not match inside "15" or "x5").
+inline bool ContainsToken(const std::string& text, const std::string& needle) {
+  auto word = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) {
+    const bool left = at == 0 || !word(text[at - 1]) || !word(needle.front());
+    const size_t end = at + needle.size();
+    const bool right = end == text.size() || !word(text[end]) || !word(needle.back());
+    if (left && right) return true;
+  }
+  return false;
+}
+
+// The status has `code` and its message names every one of `values`.
+inline ::testing::AssertionResult IsError(const absl::Status& status, absl::StatusCode code,
+                                          const std::vector<std::string>& values = {}) {
+  if (status.code() != code) {
+    return ::testing::AssertionFailure()
+           << "got " << status << ", expected " << absl::StatusCodeToString(code);
+  }
+  const std::string message(status.message());
+  for (const std::string& v : values) {
+    if (!ContainsToken(message, v)) {
+      return ::testing::AssertionFailure() << "message \"" << message << "\" does not name " << v;
+    }
+  }
+  return ::testing::AssertionSuccess();
 }
 
 // Row ids of `seq` at `positions` (appended with salt 0, never shifted).
@@ -240,25 +333,33 @@ inline CacheState CaptureState(const Cache& cache) {
   CacheState s;
   std::ostringstream os;
   for (const SequenceInfo& info : cache.ListSequences()) {
-    os << "seq " << info.seq << " offset " << info.offset << ":";
+    os << "seq " << info.seq << " offset " << info.offset << " pending " << info.pending << ":";
     for (const GroupSequenceInfo& g : info.groups) {
       os << " [stored " << g.stored << " shared " << g.shared << " first " << g.first << " last "
-         << g.last << "]";
+         << g.last << " state " << StateStatusName(g.state) << "]";
     }
     os << "\n";
     absl::StatusOr<ReadResult> read = cache.Read(info.seq, 0, std::nullopt);
     if (read.ok()) {
       s.positions[info.seq] = read->positions;
       s.payloads[info.seq] = read->payload;
+      os << "read states:";
+      for (StateStatus st : read->states) os << " " << StateStatusName(st);
+      os << "\n";
     } else {
       os << "read failed: " << read.status() << "\n";
     }
   }
   const CacheUsage usage = cache.Usage();
-  os << "live " << usage.sequences_live << " bytes " << usage.bytes_held << ":";
+  os << "live " << usage.sequences_live << " bytes " << usage.bytes_held << " snapshots "
+     << usage.snapshots << " snapshot bytes " << usage.snapshot_bytes << ":";
   for (const GroupUsage& g : usage.groups) {
     os << " [" << g.cells_used << "/" << g.cells_total << " memory " << g.memory << " bytes "
        << g.bytes << "]";
+  }
+  for (const SnapshotInfo& snap : cache.ListSnapshots()) {
+    os << "\nsnapshot " << snap.id << " seq " << snap.seq << " [" << snap.from << ", " << snap.to
+       << ") bytes " << snap.bytes;
   }
   s.description = os.str();
   return s;
@@ -290,9 +391,58 @@ inline std::vector<std::vector<int32_t>> StoredPositions(const Cache& cache, int
   return read->positions;
 }
 
+// Read(seq, begin, end) returns `positions` per group and exactly the rows `ids[g]` (for a
+// Recurrent group: the state ids[g], or none). `states` defaults to kValid for a Recurrent
+// group with a state id, kNone otherwise.
+inline ::testing::AssertionResult ReadIs(const Cache& cache, int64_t seq, int32_t begin,
+                                         std::optional<int32_t> end,
+                                         const std::vector<std::vector<int32_t>>& positions,
+                                         const std::vector<std::vector<uint64_t>>& ids,
+                                         std::vector<StateStatus> states = {}) {
+  const CacheSpec& spec = cache.spec();
+  if (states.empty()) {
+    for (size_t g = 0; g < spec.groups.size(); ++g) {
+      states.push_back(spec.groups[g].kind == GroupKind::kRecurrent && !ids[g].empty()
+                           ? StateStatus::kValid
+                           : StateStatus::kNone);
+    }
+  }
+  absl::StatusOr<ReadResult> read = cache.Read(seq, begin, end);
+  if (!read.ok()) return ::testing::AssertionFailure() << "Read: " << read.status();
+  if (read->positions != positions) {
+    ::testing::AssertionResult r = ::testing::AssertionFailure();
+    r << "positions differ:";
+    for (size_t g = 0; g < read->positions.size(); ++g) {
+      r << " group " << g << " " << ToString(read->positions[g]);
+    }
+    return r;
+  }
+  if (read->states != states) {
+    ::testing::AssertionResult r = ::testing::AssertionFailure();
+    r << "states differ:";
+    for (size_t g = 0; g < read->states.size(); ++g) {
+      r << " group " << g << " " << StateStatusName(read->states[g]) << " (expected "
+        << (g < states.size() ? StateStatusName(states[g]) : "none") << ")";
+    }
+    return r;
+  }
+  return SameBytes(ReadPayload(spec, ids), read->payload);
+}
+
+// The ListSequences entry of `seq`, if live.
+inline std::optional<SequenceInfo> FindSequence(const Cache& cache, int64_t seq) {
+  for (const SequenceInfo& info : cache.ListSequences()) {
+    if (info.seq == seq) return info;
+  }
+  return std::nullopt;
+}
+
 // A HostDevice with room to spare and a cache on it.
 struct TestCache {
-  explicit TestCache(const CacheSpec& spec, size_t budget = size_t{1} << 30) : device(budget) {
+  explicit TestCache(const CacheSpec& spec, size_t budget = size_t{1} << 30)
+      : TestCache(spec, budget, budget) {}
+  TestCache(const CacheSpec& spec, size_t budget, size_t snapshot_budget)
+      : device(budget, snapshot_budget) {
     absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(spec, &device);
     EXPECT_TRUE(created.ok()) << created.status();
     if (created.ok()) cache = std::move(created).value();

@@ -1,5 +1,6 @@
 // Unit tests of kvmeshctl's helpers: shorthand parsers, argument parsing, pattern payloads.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,7 +53,7 @@ TEST(ParseGroupTest, SlidingChunkedAndDefaults) {
 }
 
 TEST(ParseGroupTest, RejectsWithTheBadPart) {
-  for (const char* bad : {"rotating:layers=1", "attention:layers=x", "attention:foo=1",
+  for (const char* bad : {"mamba:layers=1", "attention", "attention:layers=x", "attention:foo=1",
                           "attention:window=sliding", "attention:window=chunked:1:2",
                           "attention:rope=yarn", "attention:rope=neox:1:2:3:4"}) {
     auto g = ParseGroup(bad);
@@ -60,6 +61,94 @@ TEST(ParseGroupTest, RejectsWithTheBadPart) {
   }
   EXPECT_THAT(std::string(ParseGroup("attention:foo=1").status().message()),
               ::testing::HasSubstr("foo"));
+}
+
+TEST(ParseGroupTest, Rotating) {
+  auto g = ParseGroup("rotating:layers=4,heads=2,head_dim=64,max_size=512,rope=neox:32:1e6");
+  ASSERT_TRUE(g.ok()) << g.status();
+  ASSERT_TRUE(g->has_rotating());
+  EXPECT_EQ(g->num_layers(), 4);
+  EXPECT_EQ(g->rotating().num_kv_heads(), 2);
+  EXPECT_EQ(g->rotating().head_dim_k(), 64);
+  EXPECT_EQ(g->rotating().head_dim_v(), 64);
+  EXPECT_EQ(g->rotating().max_size(), 512);
+  EXPECT_EQ(g->rotating().rope().type(), v1::ROPE_TYPE_NEOX);
+  EXPECT_EQ(g->rotating().rope().dims(), 32);
+  EXPECT_EQ(g->rotating().rope().base(), 1e6f);
+
+  auto d = ParseGroup("rotating:layers=1,kv_heads=1,head_dim_k=16,head_dim_v=8,max_size=4,"
+                      "rope=normal");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->rotating().head_dim_v(), 8);
+  EXPECT_EQ(d->rotating().rope().dims(), 16);  // defaults to head_dim_k
+  auto n = ParseGroup("rotating:layers=1,heads=1,head_dim=8,max_size=4");
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_FALSE(n->rotating().has_rope());
+}
+
+TEST(ParseGroupTest, Recurrent) {
+  auto conv = ParseGroup("recurrent:layers=10,conv_tail=2,conv_dim=2048");
+  ASSERT_TRUE(conv.ok()) << conv.status();
+  ASSERT_TRUE(conv->has_recurrent());
+  EXPECT_EQ(conv->num_layers(), 10);
+  EXPECT_EQ(conv->recurrent().conv_tail(), 2);
+  EXPECT_EQ(conv->recurrent().conv_dim(), 2048);
+  EXPECT_EQ(conv->recurrent().num_v_heads(), 0);
+
+  auto delta = ParseGroup(
+      "recurrent:layers=3,conv_tail=3,conv_dim=8192,v_heads=32,head_v_dim=128,head_k_dim=64");
+  ASSERT_TRUE(delta.ok()) << delta.status();
+  EXPECT_EQ(delta->recurrent().num_v_heads(), 32);
+  EXPECT_EQ(delta->recurrent().head_v_dim(), 128);
+  EXPECT_EQ(delta->recurrent().head_k_dim(), 64);
+}
+
+TEST(ParseGroupTest, NewKindsRejectWithKeyAndValue) {
+  struct Case {
+    const char* text;
+    const char* want;  // substring of the message
+  };
+  for (const Case& c : std::vector<Case>{
+           {"rotating:layers=1,heads=1,head_dim=8", "max_size"},
+           {"rotating:layers=1,heads=1,head_dim=8,max_size=big",
+            "max_size is not an integer: 'big'"},
+           {"rotating:layers=1,heads=1,head_dim=8,max_size=4,window=full", "'window'"},
+           {"rotating:layers=1,heads=1,head_dim=8,max_size=4,rope=yarn", "yarn"},
+           {"recurrent:layers=1,conv_tail=2", "conv_dim"},
+           {"recurrent:layers=1,conv_tail=2,conv_dim=abc", "conv_dim is not an integer: 'abc'"},
+           {"recurrent:layers=1,conv_tail=x2,conv_dim=4", "conv_tail is not an integer: 'x2'"},
+           {"recurrent:layers=1,conv_tail=2,conv_dim=4,heads=2", "'heads'"},
+           {"recurrent:layers=1,conv_tail=2,conv_dim=4,v_heads=2", "head_v_dim and head_k_dim"},
+           {"recurrent:layers=1,conv_tail=2,conv_dim=4,head_k_dim=2", "v_heads > 0"},
+           {"recurrent:layers=1,conv_tail=2,conv_dim=4,v_heads=z",
+            "v_heads is not an integer: 'z'"},
+           {"recurrent:layers=1,conv_tail", "'conv_tail' is not KEY=VALUE"},
+           {"attention:layers=1,max_size=4", "'max_size'"},
+           {"lstm:layers=1", "'attention:', 'rotating:' or 'recurrent:'"},
+       }) {
+    auto g = ParseGroup(c.text);
+    ASSERT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument) << c.text;
+    EXPECT_THAT(std::string(g.status().message()), ::testing::HasSubstr(c.want)) << c.text;
+  }
+}
+
+TEST(ParseGroupTest, HybridSpecConverts) {
+  v1::CacheSpec proto;
+  proto.set_name("lfm2");
+  proto.set_dtype(v1::DTYPE_BF16);
+  proto.set_max_sequences(4);
+  proto.set_capacity(256);
+  proto.set_max_batch(64);
+  *proto.add_groups() = *ParseGroup("attention:layers=6,heads=8,head_dim=64,rope=neox:64:1000000");
+  *proto.add_groups() = *ParseGroup("recurrent:layers=10,conv_tail=2,conv_dim=2048");
+  *proto.add_groups() = *ParseGroup("rotating:layers=2,heads=2,head_dim=16,max_size=32");
+  auto spec = SpecFromProto(proto);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  ASSERT_EQ(spec->groups.size(), 3u);
+  EXPECT_EQ(spec->groups[1].kind, GroupKind::kRecurrent);
+  EXPECT_EQ(spec->groups[1].recurrent.conv_dim, 2048);
+  EXPECT_EQ(spec->groups[2].kind, GroupKind::kRotating);
+  EXPECT_EQ(spec->groups[2].rotating.max_size, 32);
 }
 
 TEST(ParseDTypeTest, Names) {
@@ -172,6 +261,169 @@ TEST(PatternTest, SliceTokensEqualsPatternOfTheSlice) {
       spec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(all.data()), all.size()), 5, 1,
       4);
   EXPECT_EQ(slice, MakePatternPayload(spec, {1, 2, 3}, 1));
+}
+
+// Attention (2 layers) + Rotating (window 3) + Recurrent (2 layers, conv and delta), f16.
+CacheSpec HybridSpec() {
+  CacheSpec spec;
+  spec.name = "h";
+  spec.dtype = DType::kF16;
+  spec.max_sequences = 2;
+  spec.capacity = 64;
+  spec.max_batch = 8;
+  GroupSpec att;
+  att.num_layers = 2;
+  att.kind = GroupKind::kAttention;
+  att.attention.num_kv_heads = 1;
+  att.attention.head_dim_k = 4;
+  att.attention.head_dim_v = 4;
+  GroupSpec rot;
+  rot.num_layers = 1;
+  rot.kind = GroupKind::kRotating;
+  rot.rotating.num_kv_heads = 1;
+  rot.rotating.head_dim_k = 2;
+  rot.rotating.head_dim_v = 2;
+  rot.rotating.max_size = 3;
+  GroupSpec rec;
+  rec.num_layers = 2;
+  rec.kind = GroupKind::kRecurrent;
+  rec.recurrent.conv_tail = 2;
+  rec.recurrent.conv_dim = 3;
+  rec.recurrent.num_v_heads = 1;
+  rec.recurrent.head_v_dim = 2;
+  rec.recurrent.head_k_dim = 2;
+  spec.groups = {att, rot, rec};
+  return spec;
+}
+
+// Group g's section of an Append payload of `tokens` tokens and `states` recurrent states.
+std::string Section(const CacheSpec& spec, const std::string& payload, size_t tokens, size_t states,
+                    int g) {
+  size_t begin = 0;
+  for (int i = 0; i < g; ++i) {
+    begin += GroupTokenBytes(spec, i) * tokens + GroupStateBytes(spec, i) * states;
+  }
+  return payload.substr(begin,
+                        GroupTokenBytes(spec, g) * tokens + GroupStateBytes(spec, g) * states);
+}
+
+absl::Span<const uint8_t> Bytes(const std::string& s) {
+  return absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+}
+
+TEST(PatternTest, HybridPayloadSizesAndStates) {
+  const CacheSpec spec = HybridSpec();
+  ASSERT_TRUE(ValidateSpec(spec).ok()) << ValidateSpec(spec);
+  EXPECT_TRUE(HasRecurrentGroup(spec));
+  EXPECT_FALSE(HasRecurrentGroup(TwoGroupSpec()));
+  const size_t state = GroupStateBytes(spec, 2);
+  ASSERT_EQ(state, 2u * (2 * 3 * 2 + 1 * 2 * 2 * 4));
+
+  const std::string plain = MakePatternPayload(spec, {5, 6, 7}, 4);
+  EXPECT_EQ(plain.size(), AppendPayloadBytes(spec, 3, 1));
+  const std::string spec_payload = MakePatternPayload(spec, {5, 6, 7}, 4, /*speculative=*/true);
+  EXPECT_EQ(spec_payload.size(), AppendPayloadBytes(spec, 3, 1, true));
+  EXPECT_TRUE(MakePatternPayload(spec, {}, 4).empty());
+
+  // K/V sections do not depend on speculation.
+  for (int g = 0; g < 2; ++g) {
+    EXPECT_EQ(Section(spec, plain, 3, 1, g), Section(spec, spec_payload, 3, 3, g)) << g;
+  }
+  // The speculative state after the token at position p is the plain state of a batch ending
+  // at p: the state depends on (seed, offset reached) only.
+  const std::string spec_states = Section(spec, spec_payload, 3, 3, 2);
+  const size_t layer_state = state / 2;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<int32_t> upto;
+    for (int32_t p = 0; p <= 5 + i; ++p) upto.push_back(p);
+    const std::string states = Section(spec, MakePatternPayload(spec, upto, 4), upto.size(), 1, 2);
+    for (int layer = 0; layer < 2; ++layer) {
+      EXPECT_EQ(states.substr(layer * layer_state, layer_state),
+                spec_states.substr((layer * 3 + i) * layer_state, layer_state))
+          << "token " << i << " layer " << layer;
+    }
+  }
+  // Different layers, seeds and offsets give different states.
+  const std::string at8 = Section(spec, plain, 3, 1, 2);
+  EXPECT_NE(at8.substr(0, layer_state), at8.substr(layer_state));
+  EXPECT_NE(at8, Section(spec, MakePatternPayload(spec, {5, 6, 7}, 5), 3, 1, 2));
+  EXPECT_NE(at8, Section(spec, MakePatternPayload(spec, {5, 6}, 4), 2, 1, 2));
+}
+
+TEST(PatternTest, HybridReadVerifies) {
+  const CacheSpec spec = HybridSpec();
+  // A sequence appended as [0, 3) then [3, 5) with seed 7: offset 5. The Read holds the
+  // Attention positions 0..4, the Rotating window 2..4 and the Recurrent state at offset 5.
+  const std::string first = MakePatternPayload(spec, {0, 1, 2}, 7);
+  const std::string second = MakePatternPayload(spec, {3, 4}, 7);
+  const std::string window = MakePatternPayload(spec, {2, 3, 4}, 7);
+  const std::string all = MakePatternPayload(spec, {0, 1, 2, 3, 4}, 7);
+  const std::string read = Section(spec, all, 5, 1, 0) + Section(spec, window, 3, 1, 1) +
+                           Section(spec, second, 2, 1, 2);
+  const std::vector<std::vector<int32_t>> positions = {{0, 1, 2, 3, 4}, {2, 3, 4}, {}};
+  PatternCheck ok = CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5},
+                                        Bytes(read), 7);
+  EXPECT_EQ(ok.mismatches, 0u) << ok.first_mismatch;
+  EXPECT_EQ(ok.elements, 2u * 8 * 5 + 1u * 4 * 3 + 2u * (6 + 4));
+
+  // The state of the first Append belongs to offset 3: checking it as offset 5 fails.
+  const std::string stale = Section(spec, all, 5, 1, 0) + Section(spec, window, 3, 1, 1) +
+                            Section(spec, first, 3, 1, 2);
+  PatternCheck wrong_state = CheckPatternPayload(
+      spec, positions, {std::nullopt, std::nullopt, 5}, Bytes(stale), 7);
+  EXPECT_GT(wrong_state.mismatches, 10u);
+  EXPECT_THAT(wrong_state.first_mismatch,
+              ::testing::HasSubstr("group 2 layer 0 conv state (offset 5)"));
+  PatternCheck as_three = CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 3},
+                                              Bytes(stale), 7);
+  EXPECT_EQ(as_three.mismatches, 0u) << as_three.first_mismatch;
+
+  // One flipped byte in the last layer's delta state.
+  std::string flipped = read;
+  flipped[flipped.size() - 1] ^= 0x40;
+  PatternCheck delta = CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5},
+                                           Bytes(flipped), 7);
+  EXPECT_EQ(delta.mismatches, 1u);
+  EXPECT_EQ(delta.first_mismatch, "group 2 layer 1 delta state (offset 5) element 3");
+
+  // A rotating row from another seed.
+  const std::string other_window = MakePatternPayload(spec, {2, 3, 4}, 8);
+  const std::string bad_window = Section(spec, all, 5, 1, 0) +
+                                 Section(spec, other_window, 3, 1, 1) +
+                                 Section(spec, second, 2, 1, 2);
+  PatternCheck rot = CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5},
+                                         Bytes(bad_window), 7);
+  EXPECT_GT(rot.mismatches, 0u);
+  EXPECT_THAT(rot.first_mismatch, ::testing::HasSubstr("group 1 layer 0 K pos 2"));
+
+  // A state the header does not announce (or one announced but missing): a size mismatch.
+  PatternCheck unannounced = CheckPatternPayload(spec, positions, Bytes(read), 7);
+  EXPECT_EQ(unannounced.mismatches, unannounced.elements);
+  EXPECT_THAT(unannounced.first_mismatch, ::testing::HasSubstr("bytes"));
+  const std::string no_state = Section(spec, all, 5, 1, 0) + Section(spec, window, 3, 1, 1);
+  PatternCheck missing = CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5},
+                                             Bytes(no_state), 7);
+  EXPECT_EQ(missing.mismatches, missing.elements);
+  EXPECT_GT(missing.elements, 0u);
+  // Without the state (a Read whose range stops before the offset) the rest verifies.
+  PatternCheck kv_only = CheckPatternPayload(spec, positions, Bytes(no_state), 7);
+  EXPECT_EQ(kv_only.mismatches, 0u) << kv_only.first_mismatch;
+}
+
+TEST(PatternTest, HybridSliceTokens) {
+  const CacheSpec spec = HybridSpec();
+  const std::string spec_all = MakePatternPayload(spec, {0, 1, 2, 3, 4}, 3, true);
+  EXPECT_EQ(SliceTokens(spec, Bytes(spec_all), 5, 1, 4, true),
+            MakePatternPayload(spec, {1, 2, 3}, 3, true));
+  // A plain batch holds one state (after its last token): the slice that ends the batch is
+  // exact, earlier slices carry that same final state.
+  const std::string plain = MakePatternPayload(spec, {0, 1, 2, 3, 4}, 3);
+  EXPECT_EQ(SliceTokens(spec, Bytes(plain), 5, 2, 5), MakePatternPayload(spec, {2, 3, 4}, 3));
+  const std::string head = SliceTokens(spec, Bytes(plain), 5, 0, 2);
+  EXPECT_EQ(head.size(), AppendPayloadBytes(spec, 2, 1));
+  EXPECT_EQ(Section(spec, head, 2, 1, 2), Section(spec, plain, 5, 1, 2));
+  EXPECT_EQ(Section(spec, head, 2, 1, 0),
+            Section(spec, MakePatternPayload(spec, {0, 1}, 3), 2, 1, 0));
 }
 
 TEST(Fnv1aTest, KnownValuesAndChunking) {

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -113,6 +114,112 @@ TEST(HostDeviceTest, EmptyRowListsAreNoOps) {
   EXPECT_TRUE(device.Gather(*arena, planes, {}, nullptr).ok());
   EXPECT_TRUE(device.CopyRows(*arena, planes, {}, {}).ok());
   for (int i = 0; i < 200; ++i) ASSERT_EQ(arena->data()[i], 0x5A) << i;
+}
+
+TEST(HostDeviceTest, SnapshotPoolHasItsOwnBudget) {
+  HostDevice device(1000, 300);
+  EXPECT_EQ(device.budget_bytes(), 1000u);
+  EXPECT_EQ(device.budget_bytes(MemoryPool::kCache), 1000u);
+  EXPECT_EQ(device.budget_bytes(MemoryPool::kSnapshot), 300u);
+  absl::StatusOr<DeviceArena> cache_arena = device.Allocate(900);
+  ASSERT_TRUE(cache_arena.ok()) << cache_arena.status();
+  // A full cache pool does not limit the snapshot pool, and the other way round.
+  absl::StatusOr<DeviceArena> snap = device.Allocate(300, MemoryPool::kSnapshot);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(device.used_bytes(MemoryPool::kCache), 900u);
+  EXPECT_EQ(device.used_bytes(MemoryPool::kSnapshot), 300u);
+  EXPECT_EQ(device.free_bytes(MemoryPool::kCache), 100u);
+  EXPECT_EQ(device.free_bytes(MemoryPool::kSnapshot), 0u);
+  absl::StatusOr<DeviceArena> more = device.Allocate(1, MemoryPool::kSnapshot);
+  EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted) << more.status();
+  EXPECT_NE(more.status().message().find("snapshot budget (300 of 300 bytes in use)"),
+            std::string::npos)
+      << more.status();
+  absl::StatusOr<DeviceArena> rest = device.Allocate(100);
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  absl::StatusOr<DeviceArena> over = device.Allocate(1);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_NE(over.status().message().find("memory budget (1000 of 1000 bytes in use)"),
+            std::string::npos)
+      << over.status();
+  EXPECT_EQ(device.used_bytes(MemoryPool::kSnapshot), 300u);
+  // Freeing returns bytes to the pool they came from, also through moves.
+  DeviceArena moved;
+  moved = std::move(*snap);
+  EXPECT_EQ(device.used_bytes(MemoryPool::kSnapshot), 300u);
+  moved = DeviceArena();
+  EXPECT_EQ(device.used_bytes(MemoryPool::kSnapshot), 0u);
+  EXPECT_EQ(device.used_bytes(MemoryPool::kCache), 1000u);
+  *cache_arena = DeviceArena();
+  EXPECT_EQ(device.used_bytes(MemoryPool::kCache), 100u);
+  EXPECT_EQ(device.used_bytes(MemoryPool::kSnapshot), 0u);
+}
+
+TEST(HostDeviceTest, SnapshotBudgetDefaultsToTheCacheBudget) {
+  HostDevice device(500);
+  EXPECT_EQ(device.budget_bytes(MemoryPool::kSnapshot), 500u);
+  HostDevice none(500, 0);
+  absl::StatusOr<DeviceArena> a = none.Allocate(1, MemoryPool::kSnapshot);
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kResourceExhausted) << a.status();
+  EXPECT_EQ(none.used_bytes(MemoryPool::kSnapshot), 0u);
+}
+
+TEST(HostDeviceTest, CopyRowsBetweenArenasOfBothPools) {
+  HostDevice device(1 << 20, 1 << 20);
+  absl::StatusOr<DeviceArena> src = device.Allocate(200);
+  absl::StatusOr<DeviceArena> dst = device.Allocate(64, MemoryPool::kSnapshot);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  for (int i = 0; i < 200; ++i) src->data()[i] = static_cast<uint8_t>(i);
+  std::memset(dst->data(), 0xEE, 64);
+  // Source planes at 0 and 100 (rows of 6); destination planes packed at 0 and 30.
+  const std::vector<Plane> src_planes = TwoPlanes();
+  const std::vector<Plane> dst_planes = {Plane{0, 6}, Plane{30, 6}};
+  const std::vector<int32_t> src_rows = {7, 2, 4};
+  const std::vector<int32_t> dst_rows = {0, 1, 3};
+  ASSERT_TRUE(device.CopyRowsBetween(*src, src_planes, src_rows, *dst, dst_planes, dst_rows).ok());
+  std::vector<uint8_t> expected(64, 0xEE);
+  for (size_t p = 0; p < 2; ++p) {
+    for (size_t i = 0; i < 3; ++i) {
+      std::memcpy(expected.data() + dst_planes[p].offset + dst_rows[i] * 6,
+                  src->data() + src_planes[p].offset + src_rows[i] * 6, 6);
+    }
+  }
+  EXPECT_EQ(std::vector<uint8_t>(dst->data(), dst->data() + 64), expected);
+  // And back into other rows of the source arena (restore): row r of the copy to source row.
+  const std::vector<uint8_t> before(src->data(), src->data() + 200);
+  const std::vector<int32_t> back_src = {3, 0};
+  const std::vector<int32_t> back_dst = {1, 5};
+  ASSERT_TRUE(device.CopyRowsBetween(*dst, dst_planes, back_src, *src, src_planes, back_dst).ok());
+  std::vector<uint8_t> after = before;
+  for (size_t p = 0; p < 2; ++p) {
+    for (size_t i = 0; i < 2; ++i) {
+      std::memcpy(after.data() + src_planes[p].offset + back_dst[i] * 6,
+                  dst->data() + dst_planes[p].offset + back_src[i] * 6, 6);
+    }
+  }
+  EXPECT_EQ(std::vector<uint8_t>(src->data(), src->data() + 200), after);
+  // Source row 4 went to copy row 3 and came back into row 1.
+  EXPECT_EQ(std::memcmp(src->data() + 1 * 6, before.data() + 4 * 6, 6), 0);
+  EXPECT_EQ(std::memcmp(src->data() + 100 + 5 * 6, before.data() + 100 + 7 * 6, 6), 0);
+}
+
+TEST(HostDeviceTest, CopyRowsBetweenWithinOneArenaAndEmptyLists) {
+  HostDevice device(1 << 20);
+  absl::StatusOr<DeviceArena> arena = device.Allocate(200);
+  ASSERT_TRUE(arena.ok());
+  for (int i = 0; i < 200; ++i) arena->data()[i] = static_cast<uint8_t>(i * 7);
+  const std::vector<uint8_t> before(arena->data(), arena->data() + 200);
+  // Plane 0 rows into plane 1 rows of the same arena (distinct bytes).
+  const std::vector<Plane> from = {Plane{0, 6}};
+  const std::vector<Plane> to = {Plane{100, 6}};
+  const std::vector<int32_t> row2 = {2};
+  const std::vector<int32_t> row0 = {0};
+  ASSERT_TRUE(device.CopyRowsBetween(*arena, from, row2, *arena, to, row0).ok());
+  std::vector<uint8_t> expected = before;
+  std::memcpy(expected.data() + 100, before.data() + 12, 6);
+  EXPECT_EQ(std::vector<uint8_t>(arena->data(), arena->data() + 200), expected);
+  ASSERT_TRUE(device.CopyRowsBetween(*arena, from, {}, *arena, to, {}).ok());
+  EXPECT_EQ(std::vector<uint8_t>(arena->data(), arena->data() + 200), expected);
 }
 
 }  // namespace

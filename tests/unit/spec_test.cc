@@ -19,7 +19,9 @@ using ::testing::HasSubstr;
 using testutil::Chunked;
 using testutil::Full;
 using testutil::Group;
+using testutil::RecurrentGroup;
 using testutil::Rope;
+using testutil::RotatingGroup;
 using testutil::Sliding;
 using testutil::Spec;
 
@@ -300,6 +302,277 @@ TEST(SpecEqualityTest, EveryFieldMatters) {
     EXPECT_NE(base, changed) << "mutation " << i;
     EXPECT_FALSE(base == changed) << "mutation " << i;
   }
+}
+
+// ---- Rotating and Recurrent groups ---------------------------------------------------------
+
+// full attention, rotating (max_size 16, NEOX over 8 of head_dim_k 8), recurrent with delta.
+CacheSpec ValidHybridSpec() {
+  return Spec(DType::kF16, 4, 64, 8,
+              {Group(Full(), 1, 1, 4, 4), RotatingGroup(16, 2, 2, 8, 4, Rope(RopeType::kNeox, 8)),
+               RecurrentGroup(2, 3, 16, 2, 8, 4)});
+}
+
+TEST(ValidateSpecTest, AcceptsValidRotatingAndRecurrentGroups) {
+  EXPECT_TRUE(ValidateSpec(ValidHybridSpec()).ok()) << ValidateSpec(ValidHybridSpec());
+  CacheSpec s = ValidHybridSpec();
+  s.groups[1].rotating.max_size = s.capacity;  // max_size == capacity
+  s.groups[1].rotating.rope = RopeSpec{};      // no rope
+  EXPECT_TRUE(ValidateSpec(s).ok()) << ValidateSpec(s);
+  s.groups[1].rotating.max_size = 1;
+  EXPECT_TRUE(ValidateSpec(s).ok()) << ValidateSpec(s);
+  // Conv state only (lfm2): no delta state.
+  s.groups[2] = RecurrentGroup(1, 3, 16, 0, 0, 0);
+  EXPECT_TRUE(ValidateSpec(s).ok()) << ValidateSpec(s);
+  s.groups[2].recurrent.conv_tail = kMaxConvTail;
+  s.groups[2].recurrent.conv_dim = 1;
+  EXPECT_TRUE(ValidateSpec(s).ok()) << ValidateSpec(s);
+  // A cache of only Rotating or only Recurrent groups.
+  EXPECT_TRUE(ValidateSpec(Spec(DType::kF32, 1, 8, 8, {RotatingGroup(8)})).ok());
+  EXPECT_TRUE(ValidateSpec(Spec(DType::kBF16, 1, 8, 8, {RecurrentGroup()})).ok());
+}
+
+struct ExactMessageCase {
+  std::string label;
+  std::string message;  // the whole INVALID_ARGUMENT message
+  std::function<void(CacheSpec&)> mutate;
+};
+
+class ValidateHybridSpecRejects : public ::testing::TestWithParam<ExactMessageCase> {};
+
+TEST_P(ValidateHybridSpecRejects, WithInvalidArgumentNamingFieldAndValue) {
+  CacheSpec spec = ValidHybridSpec();
+  GetParam().mutate(spec);
+  const absl::Status status = ValidateSpec(spec);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_EQ(std::string(status.message()), GetParam().message);
+}
+
+std::vector<ExactMessageCase> BadHybridSpecs() {
+  return {
+      {"RotatingZeroHeads", "groups[1].rotating.num_kv_heads = 0 is out of range [1, 4096]",
+       [](CacheSpec& s) { s.groups[1].rotating.num_kv_heads = 0; }},
+      {"RotatingTooManyHeads", "groups[1].rotating.num_kv_heads = 4097 is out of range [1, 4096]",
+       [](CacheSpec& s) { s.groups[1].rotating.num_kv_heads = kMaxHeads + 1; }},
+      {"RotatingZeroHeadDimK", "groups[1].rotating.head_dim_k = 0 is out of range [1, 8192]",
+       [](CacheSpec& s) { s.groups[1].rotating.head_dim_k = 0; }},
+      {"RotatingNegativeHeadDimV", "groups[1].rotating.head_dim_v = -4 is out of range [1, 8192]",
+       [](CacheSpec& s) { s.groups[1].rotating.head_dim_v = -4; }},
+      {"RotatingTooBigHeadDimV", "groups[1].rotating.head_dim_v = 8193 is out of range [1, 8192]",
+       [](CacheSpec& s) { s.groups[1].rotating.head_dim_v = kMaxHeadDim + 1; }},
+      {"RotatingZeroMaxSize", "groups[1].rotating.max_size = 0 is out of range [1, 64]",
+       [](CacheSpec& s) { s.groups[1].rotating.max_size = 0; }},
+      {"RotatingNegativeMaxSize", "groups[1].rotating.max_size = -1 is out of range [1, 64]",
+       [](CacheSpec& s) { s.groups[1].rotating.max_size = -1; }},
+      {"RotatingMaxSizeAboveCapacity", "groups[1].rotating.max_size = 65 is out of range [1, 64]",
+       [](CacheSpec& s) { s.groups[1].rotating.max_size = 65; }},
+      {"RotatingOddRopeDims",
+       "groups[1].rotating.rope.dims = 7 must be even and in [2, head_dim_k = 8]",
+       [](CacheSpec& s) { s.groups[1].rotating.rope.dims = 7; }},
+      {"RotatingRopeDimsAboveHeadDim",
+       "groups[1].rotating.rope.dims = 10 must be even and in [2, head_dim_k = 8]",
+       [](CacheSpec& s) { s.groups[1].rotating.rope.dims = 10; }},
+      {"RotatingZeroRopeDims",
+       "groups[1].rotating.rope.dims = 0 must be even and in [2, head_dim_k = 8]",
+       [](CacheSpec& s) { s.groups[1].rotating.rope.dims = 0; }},
+      {"RotatingZeroRopeBase", "groups[1].rotating.rope.base = 0 must be finite and > 0",
+       [](CacheSpec& s) { s.groups[1].rotating.rope.base = 0.0f; }},
+      {"RotatingNegativeFreqScale",
+       "groups[1].rotating.rope.freq_scale = -1 must be finite and > 0",
+       [](CacheSpec& s) { s.groups[1].rotating.rope.freq_scale = -1.0f; }},
+      {"RotatingZeroLayers", "groups[1].num_layers = 0 is out of range [1, 1024]",
+       [](CacheSpec& s) { s.groups[1].num_layers = 0; }},
+      {"RecurrentZeroConvTail", "groups[2].recurrent.conv_tail = 0 is out of range [1, 1024]",
+       [](CacheSpec& s) { s.groups[2].recurrent.conv_tail = 0; }},
+      {"RecurrentTooLongConvTail", "groups[2].recurrent.conv_tail = 1025 is out of range [1, 1024]",
+       [](CacheSpec& s) { s.groups[2].recurrent.conv_tail = kMaxConvTail + 1; }},
+      {"RecurrentZeroConvDim", "groups[2].recurrent.conv_dim = 0 is out of range [1, 1048576]",
+       [](CacheSpec& s) { s.groups[2].recurrent.conv_dim = 0; }},
+      {"RecurrentTooBigConvDim",
+       "groups[2].recurrent.conv_dim = 1048577 is out of range [1, 1048576]",
+       [](CacheSpec& s) { s.groups[2].recurrent.conv_dim = kMaxConvDim + 1; }},
+      {"RecurrentNegativeVHeads", "groups[2].recurrent.num_v_heads = -1 is out of range [0, 4096]",
+       [](CacheSpec& s) { s.groups[2].recurrent.num_v_heads = -1; }},
+      {"RecurrentTooManyVHeads", "groups[2].recurrent.num_v_heads = 4097 is out of range [0, 4096]",
+       [](CacheSpec& s) { s.groups[2].recurrent.num_v_heads = kMaxHeads + 1; }},
+      {"RecurrentZeroHeadVDim", "groups[2].recurrent.head_v_dim = 0 is out of range [1, 8192]",
+       [](CacheSpec& s) { s.groups[2].recurrent.head_v_dim = 0; }},
+      {"RecurrentTooBigHeadKDim", "groups[2].recurrent.head_k_dim = 8193 is out of range [1, 8192]",
+       [](CacheSpec& s) { s.groups[2].recurrent.head_k_dim = kMaxHeadDim + 1; }},
+      {"RecurrentHeadDimsWithoutVHeads",
+       "groups[2].recurrent.head_v_dim = 8 and head_k_dim = 4 must be 0 when num_v_heads is 0",
+       [](CacheSpec& s) { s.groups[2].recurrent.num_v_heads = 0; }},
+      {"RecurrentHeadKDimWithoutVHeads",
+       "groups[2].recurrent.head_v_dim = 0 and head_k_dim = 4 must be 0 when num_v_heads is 0",
+       [](CacheSpec& s) {
+         s.groups[2].recurrent.num_v_heads = 0;
+         s.groups[2].recurrent.head_v_dim = 0;
+       }},
+      {"RotatingRingRowsAboveLimit",
+       "groups[0] needs 16781312 ring rows (max_sequences x max_size), more than 16777216",
+       [](CacheSpec& s) {
+         s.max_sequences = 1 << 12;
+         s.capacity = 1 << 13;
+         s.groups = {RotatingGroup((1 << 12) + 1)};
+       }},
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(RotatingAndRecurrent, ValidateHybridSpecRejects,
+                         ::testing::ValuesIn(BadHybridSpecs()),
+                         [](const ::testing::TestParamInfo<ExactMessageCase>& info) {
+                           return info.param.label;
+                         });
+
+TEST(ValidateSpecTest, RotatingRingRowsAtTheLimitAreValid) {
+  const CacheSpec s = Spec(DType::kF16, 1 << 12, 1 << 12, 1, {RotatingGroup(1 << 12)});
+  EXPECT_TRUE(ValidateSpec(s).ok()) << ValidateSpec(s);
+  EXPECT_EQ(ComputeRotatingGeometry(s, 0).bytes, static_cast<size_t>(kMaxCellsPerGroup) * 16);
+}
+
+TEST(ValidateSpecTest, RecurrentStatesBeyondCacheBytesLimitAreRejected) {
+  // One state is 1024 layers x (1024 x 2^20 x 4 bytes) = 2^42 bytes; 2^9 slots = 2^51 > 2^50.
+  CacheSpec s = Spec(DType::kF32, 1 << 9, 1, 1,
+                     {RecurrentGroup(kMaxLayersPerGroup, kMaxConvTail, kMaxConvDim, 0, 0, 0)});
+  EXPECT_EQ(ValidateSpec(s).code(), absl::StatusCode::kInvalidArgument) << ValidateSpec(s);
+  s.max_sequences = 1 << 8;  // exactly 2^50
+  EXPECT_TRUE(ValidateSpec(s).ok()) << ValidateSpec(s);
+  EXPECT_EQ(CacheBytes(s), kMaxCacheBytes);
+}
+
+TEST(GeometryTest, RotatingGroupIsOneRingPerSequence) {
+  // 3 sequences, max_size 5, 2 layers of 2 heads, head_dim_k 8, head_dim_v 4, BF16.
+  const CacheSpec spec = Spec(DType::kBF16, 3, 16, 4, {RotatingGroup(5, 2, 2, 8, 4)});
+  ASSERT_TRUE(ValidateSpec(spec).ok()) << ValidateSpec(spec);
+  const RotatingGeometry geo = ComputeRotatingGeometry(spec, 0);
+  EXPECT_EQ(geo.rings, 3);
+  EXPECT_EQ(geo.max_size, 5);
+  EXPECT_EQ(geo.k_row_bytes, 2u * 8 * 2);
+  EXPECT_EQ(geo.v_row_bytes, 2u * 4 * 2);
+  EXPECT_EQ(geo.bytes, 2u * 3 * 5 * (32 + 16));
+  EXPECT_EQ(GroupTokenBytes(spec, 0), 2u * (32 + 16));
+  EXPECT_EQ(GroupStateBytes(spec, 0), 0u);
+  EXPECT_EQ(CacheBytes(spec), geo.bytes);
+  EXPECT_TRUE(RequiresContiguousPositions(spec));
+}
+
+TEST(GeometryTest, RecurrentGroupIsOneSlotPerSequence) {
+  // 3 sequences, 2 layers; conv 3 x 16 in F16, delta 2 x 8 x 4 in float32.
+  const CacheSpec spec = Spec(DType::kF16, 3, 16, 4, {RecurrentGroup(2, 3, 16, 2, 8, 4)});
+  ASSERT_TRUE(ValidateSpec(spec).ok()) << ValidateSpec(spec);
+  const RecurrentGeometry geo = ComputeRecurrentGeometry(spec, 0);
+  EXPECT_EQ(geo.slots, 3);
+  EXPECT_EQ(geo.conv_bytes, 3u * 16 * 2);
+  EXPECT_EQ(geo.delta_bytes, 2u * 8 * 4 * 4);
+  EXPECT_EQ(geo.state_bytes, 2u * (96 + 256));
+  EXPECT_EQ(geo.bytes, 3u * 2 * (96 + 256));
+  EXPECT_EQ(GroupTokenBytes(spec, 0), 0u);
+  EXPECT_EQ(GroupStateBytes(spec, 0), 2u * (96 + 256));
+  EXPECT_EQ(CacheBytes(spec), geo.bytes);
+  EXPECT_TRUE(RequiresContiguousPositions(spec));
+  // Without a delta state the slot holds the conv state only, in the cache dtype.
+  CacheSpec conv_only = Spec(DType::kF32, 2, 16, 4, {RecurrentGroup(3, 2, 5, 0, 0, 0)});
+  ASSERT_TRUE(ValidateSpec(conv_only).ok());
+  const RecurrentGeometry conv = ComputeRecurrentGeometry(conv_only, 0);
+  EXPECT_EQ(conv.conv_bytes, 2u * 5 * 4);
+  EXPECT_EQ(conv.delta_bytes, 0u);
+  EXPECT_EQ(conv.state_bytes, 3u * 40);
+  EXPECT_EQ(conv.bytes, 2u * 3 * 40);
+}
+
+TEST(GeometryTest, OnlyAttentionCachesAcceptGaps) {
+  EXPECT_FALSE(RequiresContiguousPositions(ValidSpec()));
+  EXPECT_TRUE(RequiresContiguousPositions(ValidHybridSpec()));
+  EXPECT_TRUE(
+      RequiresContiguousPositions(Spec(DType::kF16, 1, 8, 8, {Group(Full()), RecurrentGroup()})));
+}
+
+TEST(GeometryTest, HybridCacheCreatesAndReportsEveryGroup) {
+  const CacheSpec spec = ValidHybridSpec();
+  const size_t attention = ComputeAttentionGeometry(spec, 0).bytes;
+  const size_t rotating = ComputeRotatingGeometry(spec, 1).bytes;
+  const size_t recurrent = ComputeRecurrentGeometry(spec, 2).bytes;
+  EXPECT_EQ(attention, 4u * 64 * 8 * 2);
+  EXPECT_EQ(rotating, 2u * 4 * 16 * (2 * 8 + 2 * 4) * 2);
+  EXPECT_EQ(recurrent, 4u * 2 * (3 * 16 * 2 + 2 * 8 * 4 * 4));
+  EXPECT_EQ(CacheBytes(spec), attention + rotating + recurrent);
+
+  HostDevice device(size_t{1} << 24);
+  absl::StatusOr<std::unique_ptr<Cache>> cache = Cache::Create(spec, &device);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  const CacheUsage usage = (*cache)->Usage();
+  ASSERT_EQ(usage.groups.size(), 3u);
+  EXPECT_EQ(usage.groups[1].cells_total, 4 * 16);  // rings x max_size
+  EXPECT_EQ(usage.groups[2].cells_total, 4);       // slots
+  EXPECT_EQ(usage.groups[1].cells_used, 0);
+  EXPECT_EQ(usage.groups[2].cells_used, 0);
+  EXPECT_EQ(usage.groups[1].bytes, rotating);
+  EXPECT_EQ(usage.groups[2].bytes, recurrent);
+  EXPECT_EQ(usage.bytes_held, CacheBytes(spec));
+  EXPECT_EQ(device.used_bytes(), CacheBytes(spec));
+  EXPECT_EQ(device.used_bytes(MemoryPool::kSnapshot), 0u);
+  // A budget one byte short refuses the cache and holds nothing.
+  HostDevice small(CacheBytes(spec) - 1);
+  absl::StatusOr<std::unique_ptr<Cache>> refused = Cache::Create(spec, &small);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_EQ(small.used_bytes(), 0u);
+}
+
+TEST(PayloadBytesTest, RecurrentStatesPerSequenceOrPerSpeculativeToken) {
+  const CacheSpec spec = ValidHybridSpec();
+  const size_t attention = 1 * 1 * (4 + 4) * 2;
+  const size_t rotating = 2 * 2 * (8 + 4) * 2;
+  const size_t state = 2 * (3 * 16 * 2 + 2 * 8 * 4 * 4);
+  EXPECT_EQ(GroupTokenBytes(spec, 1), rotating);
+  EXPECT_EQ(GroupStateBytes(spec, 2), state);
+  EXPECT_EQ(GroupStateBytes(spec, 0), 0u);
+  EXPECT_EQ(GroupStateBytes(spec, 1), 0u);
+  EXPECT_EQ(AppendPayloadBytes(spec, 5, 2), 5 * (attention + rotating) + 2 * state);
+  EXPECT_EQ(AppendPayloadBytes(spec, 5, 2, /*speculative=*/false),
+            5 * (attention + rotating) + 2 * state);
+  EXPECT_EQ(AppendPayloadBytes(spec, 5, 2, /*speculative=*/true),
+            5 * (attention + rotating) + 5 * state);
+  EXPECT_EQ(AppendPayloadBytes(spec, 1, 1, true), attention + rotating + state);
+  // The pattern builders agree with the engine's arithmetic, both ways.
+  const std::vector<Token> tokens = {{0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 2}};
+  EXPECT_EQ(testutil::PayloadFor(spec, tokens).size(), AppendPayloadBytes(spec, 5, 2));
+  EXPECT_EQ(testutil::PayloadFor(spec, tokens, 0, true).size(),
+            AppendPayloadBytes(spec, 5, 2, true));
+  // Attention-only caches are unaffected by `speculative`.
+  EXPECT_EQ(AppendPayloadBytes(ValidSpec(), 3, 1, true), AppendPayloadBytes(ValidSpec(), 3, 1));
+}
+
+TEST(SpecEqualityTest, RotatingAndRecurrentFieldsMatter) {
+  const CacheSpec base = ValidHybridSpec();
+  const std::vector<std::function<void(CacheSpec&)>> mutations = {
+      [](CacheSpec& s) { s.groups[1].rotating.num_kv_heads = 1; },
+      [](CacheSpec& s) { s.groups[1].rotating.head_dim_k = 4; },
+      [](CacheSpec& s) { s.groups[1].rotating.head_dim_v = 8; },
+      [](CacheSpec& s) { s.groups[1].rotating.max_size = 15; },
+      [](CacheSpec& s) { s.groups[1].rotating.rope.type = RopeType::kNormal; },
+      [](CacheSpec& s) { s.groups[1].rotating.rope.base = 500.0f; },
+      [](CacheSpec& s) { s.groups[2].recurrent.conv_tail = 4; },
+      [](CacheSpec& s) { s.groups[2].recurrent.conv_dim = 8; },
+      [](CacheSpec& s) { s.groups[2].recurrent.num_v_heads = 1; },
+      [](CacheSpec& s) { s.groups[2].recurrent.head_v_dim = 4; },
+      [](CacheSpec& s) { s.groups[2].recurrent.head_k_dim = 8; },
+      [](CacheSpec& s) { s.groups[2].num_layers = 1; },
+      [](CacheSpec& s) { s.groups[1].kind = GroupKind::kAttention; },
+  };
+  for (size_t i = 0; i < mutations.size(); ++i) {
+    CacheSpec changed = ValidHybridSpec();
+    mutations[i](changed);
+    EXPECT_NE(base, changed) << "mutation " << i;
+  }
+  // Fields of the other kinds are ignored.
+  CacheSpec same = ValidHybridSpec();
+  same.groups[1].attention.num_kv_heads = 7;
+  same.groups[1].recurrent.conv_dim = 9;
+  same.groups[2].rotating.max_size = 3;
+  same.groups[0].rotating.max_size = 3;
+  EXPECT_EQ(base, same);
+  EXPECT_STREQ(GroupKindName(GroupKind::kRotating), "rotating");
+  EXPECT_STREQ(GroupKindName(GroupKind::kRecurrent), "recurrent");
 }
 
 }  // namespace
