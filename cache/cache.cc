@@ -545,7 +545,19 @@ absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, in
           " of snapshot ", record->id, ": restoring it would leave positions [", offset, ", ",
           record->from, ") missing"));
     }
-    if (target > 0) RETURN_IF_ERROR(CheckRoomForLocked(seq, "restoring the snapshot"));
+    // A new sequence counts against max_sequences only if the restore leaves it holding
+    // something: a ring or state (target > 0), or snapshot positions below target.
+    bool yields = false;
+    for (size_t g = 0; g < groups_.size() && !yields; ++g) {
+      if (groups_[g]->kind() != GroupKind::kAttention) {
+        yields = target > 0;
+        continue;
+      }
+      for (const Segment& segment : record->groups[g].segments) {
+        if (!segment.positions.empty() && segment.positions.front() < target) yields = true;
+      }
+    }
+    if (yields) RETURN_IF_ERROR(CheckRoomForLocked(seq, "restoring the snapshot"));
   } else if (target > offset) {
     return absl::FailedPreconditionError(
         absl::StrCat("target = ", target, " is past the offset ", offset, " of sequence ", seq,
