@@ -42,7 +42,7 @@ void FillRow(DType dtype, uint64_t key, size_t elements, uint8_t* out) {
 
 // Hash of everything that names one part of one layer's recurrent state at an offset. The tag
 // keeps these keys apart from RowKey's even if a group index were reused.
-uint64_t StateKey(uint64_t seed, int group, int layer, int part, int32_t offset) {
+uint64_t StateKey(uint64_t seed, int group, int layer, int part, int64_t offset) {
   uint64_t h = SplitMix64(seed ^ 0x7265637572726e74ull);  // "recurrnt"
   h = SplitMix64(h ^ static_cast<uint64_t>(group));
   h = SplitMix64(h ^ (static_cast<uint64_t>(layer) << 1 | static_cast<uint64_t>(part)));
@@ -84,7 +84,7 @@ StateShape RecurrentStateShape(const GroupSpec& group) {
 
 // Writes one layer's state pattern at `offset` to `out`; returns the bytes written.
 size_t FillState(const CacheSpec& spec, int group, int layer, const StateShape& shape,
-                 int32_t offset, uint64_t seed, uint8_t* out) {
+                 int64_t offset, uint64_t seed, uint8_t* out) {
   FillRow(spec.dtype, StateKey(seed, group, layer, 0, offset), shape.conv_elements, out);
   const size_t conv_bytes = shape.conv_elements * DTypeSize(spec.dtype);
   FillRow(DType::kF32, StateKey(seed, group, layer, 1, offset), shape.delta_elements,
@@ -132,9 +132,11 @@ std::string MakePatternPayload(const CacheSpec& spec, absl::Span<const int32_t> 
     for (int layer = 0; layer < group.num_layers; ++layer) {
       if (group.kind == GroupKind::kRecurrent) {
         if (speculative) {
-          for (int32_t pos : positions) out += FillState(spec, g, layer, state, pos + 1, seed, out);
+          for (int32_t pos : positions) {
+            out += FillState(spec, g, layer, state, int64_t{pos} + 1, seed, out);
+          }
         } else {
-          out += FillState(spec, g, layer, state, last + 1, seed, out);
+          out += FillState(spec, g, layer, state, int64_t{last} + 1, seed, out);
         }
         continue;
       }

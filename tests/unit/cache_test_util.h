@@ -137,13 +137,19 @@ inline uint64_t StateId(int64_t seq, int32_t offset, uint64_t salt = 0) {
 // the state StateId(seq, last pos + 1, salt) per distinct sequence in order of first appearance
 // (speculative: StateId(seq, pos + 1, salt) per token), so that a state's id names the offset
 // it belongs to whichever way it was appended.
+// pos + 1 without signed overflow: tests append INT32_MAX to see it refused, and the state id
+// of such a payload does not matter.
+inline int32_t NextOffset(int32_t pos) {
+  return static_cast<int32_t>(static_cast<uint32_t>(pos) + 1u);
+}
+
 inline std::vector<uint8_t> PayloadFor(const CacheSpec& spec, absl::Span<const Token> tokens,
                                        uint64_t salt = 0, bool speculative = false) {
   std::vector<uint64_t> ids;
   for (const Token& t : tokens) ids.push_back(TokenId(t.seq, t.pos, salt));
   std::vector<uint64_t> states;
   if (speculative) {
-    for (const Token& t : tokens) states.push_back(StateId(t.seq, t.pos + 1, salt));
+    for (const Token& t : tokens) states.push_back(StateId(t.seq, NextOffset(t.pos), salt));
   } else {
     std::vector<int64_t> order;
     std::map<int64_t, int32_t> last;
@@ -155,7 +161,7 @@ inline std::vector<uint8_t> PayloadFor(const CacheSpec& spec, absl::Span<const T
         it->second = std::max(it->second, t.pos);
       }
     }
-    for (int64_t seq : order) states.push_back(StateId(seq, last[seq] + 1, salt));
+    for (int64_t seq : order) states.push_back(StateId(seq, NextOffset(last[seq]), salt));
   }
   return AppendPayload(spec, ids, states);
 }
