@@ -127,10 +127,9 @@ absl::Status AttentionGroup::PrepareAppend(const AppendBatch& batch) {
   for (size_t i = 0; i < batch.tokens.size(); ++i) {
     const Index* index = Find(batch.tokens[i].seq);
     if (index != nullptr && index->contains(batch.tokens[i].pos)) {
-      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "]: sequence ",
-                                                     batch.tokens[i].seq,
-                                                     " already stores position ",
-                                                     batch.tokens[i].pos));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens[", i, "]: sequence ", batch.tokens[i].seq,
+                       " already stores position ", batch.tokens[i].pos));
     }
   }
   plan_ = PlanAppend(batch.lowest, batch.pending_first);
@@ -284,9 +283,10 @@ absl::Status AttentionGroup::CheckRemove(int64_t seq, int32_t begin,
   auto moved = index->lower_bound(*end);
   if (moved == index->end()) return absl::OkStatus();
   if (spec_.rope.type == RopeType::kNone) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group ", LayerGroup::index(), " has rope NONE: removing [", begin, ", ", *end, ") from sequence ", seq,
-        " would move its positions >= ", *end, " without re-rotating their keys"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", LayerGroup::index(), " has rope NONE: removing [", begin, ", ", *end,
+                     ") from sequence ", seq, " would move its positions >= ", *end,
+                     " without re-rotating their keys"));
   }
   int64_t shared = 0;
   for (auto it = moved; it != index->end(); ++it) shared += refs_[it->second] > 1;
@@ -295,8 +295,8 @@ absl::Status AttentionGroup::CheckRemove(int64_t seq, int32_t begin,
   for (auto it = index->lower_bound(begin); it != moved; ++it) freed += refs_[it->second] == 1;
   if (free_cells() + freed < shared) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "group ", LayerGroup::index(), ": removing [", begin, ", ", *end, ") from sequence ", seq, " moves ",
-        shared, " cells shared with other sequences, which need private copies; only ",
+        "group ", LayerGroup::index(), ": removing [", begin, ", ", *end, ") from sequence ", seq,
+        " moves ", shared, " cells shared with other sequences, which need private copies; only ",
         free_cells() + freed, " cells are free"));
   }
   return absl::OkStatus();
@@ -410,7 +410,7 @@ absl::StatusOr<GroupSnapshot> AttentionGroup::TakeSnapshot(int64_t seq, int32_t 
   std::vector<size_t> row_bytes;
   for (const Plane& plane : planes_) row_bytes.push_back(plane.row_bytes);
   absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
-      AllocateChunk(device_, MemoryPool::kSnapshot, row_bytes, segment.rows);
+      AllocateChunk(device_, MemoryPool::kSnapshot, arena_, row_bytes, segment.rows);
   if (!chunk.ok()) return chunk.status();
   std::vector<int32_t> rows(cells.size());
   for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
@@ -431,9 +431,9 @@ absl::Status AttentionGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap
   }
   const int64_t available = free_cells() + PrivateCellsFrom(seq, std::min(from, target));
   if (available < needed) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "group ", index(), ": restoring ", needed, " positions into sequence ", seq,
-        " needs as many free cells; ", available, " of ", geo_.cells, " are free"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("group ", index(), ": restoring ", needed, " positions into sequence ", seq,
+                     " needs as many free cells; ", available, " of ", geo_.cells, " are free"));
   }
   return absl::OkStatus();
 }

@@ -55,11 +55,14 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
   RETURN_IF_ERROR(ValidateSpec(spec));
   const size_t needed = CacheBytes(spec);
   if (needed > device->free_bytes()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cache '", spec.name, "' needs ", needed, " bytes on device ", device->name(), " but only ",
-        device->free_bytes(), " of ", device->budget_bytes(),
-        " bytes are free in the memory budget"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cache '", spec.name, "' needs ", needed, " bytes on device ", device->name(),
+                     " but only ", device->free_bytes(), " of ", device->budget_bytes(),
+                     " bytes are free in the memory budget"));
   }
+  // One stream per cache: its arenas (and the snapshot and pending chunks its groups allocate)
+  // are bound to it, so work on different caches can overlap on the device.
+  ASSIGN_OR_RETURN(std::shared_ptr<DeviceStream> stream, device->CreateStream());
   std::unique_ptr<Cache> cache(new Cache(spec));
   MutexLock lock(&cache->mu_);
   for (size_t g = 0; g < spec.groups.size(); ++g) {
@@ -67,21 +70,24 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
     switch (spec.groups[g].kind) {
       case GroupKind::kAttention: {
         ASSIGN_OR_RETURN(DeviceArena arena,
-                         device->Allocate(ComputeAttentionGeometry(spec, index).bytes));
+                         device->Allocate(ComputeAttentionGeometry(spec, index).bytes,
+                                          MemoryPool::kCache, stream));
         cache->groups_.push_back(
             std::make_unique<AttentionGroup>(index, spec, std::move(arena), device));
         break;
       }
       case GroupKind::kRotating: {
         ASSIGN_OR_RETURN(DeviceArena arena,
-                         device->Allocate(ComputeRotatingGeometry(spec, index).bytes));
+                         device->Allocate(ComputeRotatingGeometry(spec, index).bytes,
+                                          MemoryPool::kCache, stream));
         cache->groups_.push_back(
             std::make_unique<RotatingGroup>(index, spec, std::move(arena), device));
         break;
       }
       case GroupKind::kRecurrent: {
         ASSIGN_OR_RETURN(DeviceArena arena,
-                         device->Allocate(ComputeRecurrentGeometry(spec, index).bytes));
+                         device->Allocate(ComputeRecurrentGeometry(spec, index).bytes,
+                                          MemoryPool::kCache, stream));
         cache->groups_.push_back(
             std::make_unique<RecurrentGroup>(index, spec, std::move(arena), device));
         break;
@@ -137,10 +143,9 @@ absl::Status Cache::CheckRoomForLocked(int64_t seq, const char* what) const {
   if (IsLiveLocked(seq)) return absl::OkStatus();
   const int32_t live = LiveCountLocked();
   if (live + 1 <= spec_.max_sequences) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(what, " would make sequence ", seq,
-                                                   " live beside ", live,
-                                                   " others, more than max_sequences = ",
-                                                   spec_.max_sequences));
+  return absl::ResourceExhaustedError(
+      absl::StrCat(what, " would make sequence ", seq, " live beside ", live,
+                   " others, more than max_sequences = ", spec_.max_sequences));
 }
 
 // ---- Append -------------------------------------------------------------------------------
@@ -192,8 +197,8 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
                                              static_cast<int64_t>(batch.seqs.size()), speculative);
   if (payload.size() != expected) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "payload is ", payload.size(), " bytes; ", tokens.size(), " tokens of ",
-        batch.seqs.size(), " sequences", speculative ? " (speculative)" : "", " need ", expected));
+        "payload is ", payload.size(), " bytes; ", tokens.size(), " tokens of ", batch.seqs.size(),
+        " sequences", speculative ? " (speculative)" : "", " need ", expected));
   }
 
   MutexLock lock(&mu_);
@@ -204,16 +209,16 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
     const int32_t first = batch.lowest.at(seq);
     if (speculative) {
       if (first < offset) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "speculative position ", first, " of sequence ", seq,
-            " is not past everything it stores (offset ", offset, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("speculative position ", first, " of sequence ", seq,
+                         " is not past everything it stores (offset ", offset, ")"));
       }
       auto pending = pending_.find(seq);
       const size_t held = pending == pending_.end() ? 0 : pending->second.size();
       if (held + count.at(seq) > static_cast<size_t>(spec_.max_batch)) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "sequence ", seq, " would hold ", held + count.at(seq),
-            " pending speculative tokens, more than max_batch = ", spec_.max_batch));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("sequence ", seq, " would hold ", held + count.at(seq),
+                         " pending speculative tokens, more than max_batch = ", spec_.max_batch));
       }
     }
   }
@@ -224,8 +229,8 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
       if (inserted) it->second = OffsetLocked(tokens[i].seq);
       if (tokens[i].pos != it->second) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "tokens[", i, "]: sequence ", tokens[i].seq, " has position ", tokens[i].pos,
-            " where ", it->second, " is expected (its offset is ", OffsetLocked(tokens[i].seq),
+            "tokens[", i, "]: sequence ", tokens[i].seq, " has position ", tokens[i].pos, " where ",
+            it->second, " is expected (its offset is ", OffsetLocked(tokens[i].seq),
             "); a cache with Rotating or Recurrent groups needs every Append to continue each "
             "sequence exactly at its offset, without gaps"));
       }
@@ -535,15 +540,15 @@ absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, in
   if (snapshot_id.has_value()) {
     ASSIGN_OR_RETURN(record, FindSnapshotLocked(*snapshot_id));
     if (target > record->to) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("target = ", target, " is past the end ", record->to, " of snapshot ",
-                       record->id, " [", record->from, ", ", record->to, ")"));
+      return absl::FailedPreconditionError(absl::StrCat("target = ", target, " is past the end ",
+                                                        record->to, " of snapshot ", record->id,
+                                                        " [", record->from, ", ", record->to, ")"));
     }
     if (has_attention_ && offset < record->from) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "sequence ", seq, " has offset ", offset, ", below the start ", record->from,
-          " of snapshot ", record->id, ": restoring it would leave positions [", offset, ", ",
-          record->from, ") missing"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", seq, " has offset ", offset, ", below the start ", record->from,
+                       " of snapshot ", record->id, ": restoring it would leave positions [",
+                       offset, ", ", record->from, ") missing"));
     }
     // A new sequence counts against max_sequences only if the restore leaves it holding
     // something: a ring or state (target > 0), or snapshot positions below target.

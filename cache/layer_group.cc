@@ -5,6 +5,7 @@
 namespace kvmesh {
 
 absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPool pool,
+                                                        const DeviceArena& owner,
                                                         absl::Span<const size_t> row_bytes,
                                                         int32_t rows) {
   auto chunk = std::make_shared<RowChunk>();
@@ -14,7 +15,7 @@ absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPo
     offset += bytes * size_t(rows);
   }
   if (offset > 0) {
-    absl::StatusOr<DeviceArena> arena = device->Allocate(offset, pool);
+    absl::StatusOr<DeviceArena> arena = device->Allocate(offset, pool, owner.stream());
     if (!arena.ok()) return arena.status();
     chunk->arena = *std::move(arena);
   }

@@ -35,8 +35,10 @@ struct RowChunk {
 };
 
 // Allocates a chunk of `rows` rows for planes of the given row sizes, laid out plane after
-// plane. `rows` may be 0 (no allocation).
+// plane, bound to the stream of `owner` (the arena of the group the chunk belongs to). `rows`
+// may be 0 (no allocation).
 absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPool pool,
+                                                        const DeviceArena& owner,
                                                         absl::Span<const size_t> row_bytes,
                                                         int32_t rows);
 
@@ -78,8 +80,8 @@ struct PendingRow {
 // What every group sees of an Append.
 struct AppendBatch {
   absl::Span<const Token> tokens;
-  std::vector<int64_t> seqs;                      // distinct, in order of first appearance
-  absl::flat_hash_map<int64_t, int32_t> lowest;   // per sequence, its lowest batch position
+  std::vector<int64_t> seqs;                     // distinct, in order of first appearance
+  absl::flat_hash_map<int64_t, int32_t> lowest;  // per sequence, its lowest batch position
   bool speculative = false;
   // Sequences with pending speculative tokens: their first pending position. Sliding-window
   // pruning never goes past (this - memory) for them, so a rejection loses nothing.
@@ -132,8 +134,7 @@ class LayerGroup {
 
   // ---- Read / Visible / CanResume -------------------------------------------------------
   // `end` is exclusive; `seq_offset` is the sequence's offset over all groups.
-  virtual ReadPart PlanRead(int64_t seq, int64_t begin, int64_t end,
-                            int32_t seq_offset) const = 0;
+  virtual ReadPart PlanRead(int64_t seq, int64_t begin, int64_t end, int32_t seq_offset) const = 0;
   virtual absl::Status Gather(int64_t seq, const ReadPart& part, uint8_t* dst) const = 0;
   virtual std::vector<int32_t> Visible(const Query& query) const = 0;
   virtual bool CanResume(int64_t seq, int32_t pos) const = 0;

@@ -91,9 +91,8 @@ int32_t RecurrentGroup::MakeWritable(Sequence* s) {
 
 absl::Status RecurrentGroup::PrepareAppend(const AppendBatch& batch) {
   if (batch.speculative) {
-    absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
-        AllocateChunk(device_, MemoryPool::kCache, row_bytes_,
-                      static_cast<int32_t>(batch.tokens.size()));
+    absl::StatusOr<std::shared_ptr<RowChunk>> chunk = AllocateChunk(
+        device_, MemoryPool::kCache, arena_, row_bytes_, static_cast<int32_t>(batch.tokens.size()));
     if (!chunk.ok()) return chunk.status();
     spec_chunk_ = *std::move(chunk);
     return absl::OkStatus();
@@ -197,8 +196,8 @@ absl::Status RecurrentGroup::CommitSpeculation(int64_t seq, absl::Span<const int
   absl::Status status;
   if (accepted > 0) {
     if (NeedsSlot(&s) && free_.empty()) {
-      return absl::InternalError(absl::StrCat("group ", index(), ": no free state slot for ",
-                                              "sequence ", seq));
+      return absl::InternalError(
+          absl::StrCat("group ", index(), ": no free state slot for ", "sequence ", seq));
     }
     const PendingRow& row = rows[accepted - 1];
     const int32_t slot = MakeWritable(&s);
@@ -312,12 +311,11 @@ absl::StatusOr<GroupSnapshot> RecurrentGroup::TakeSnapshot(int64_t seq, int32_t 
   snap.row_bytes = geo_.state_bytes;
   const Sequence* s = Find(seq);
   absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
-      AllocateChunk(device_, MemoryPool::kSnapshot, row_bytes_, 1);
+      AllocateChunk(device_, MemoryPool::kSnapshot, arena_, row_bytes_, 1);
   if (!chunk.ok()) return chunk.status();
   const int32_t zero = 0;
-  const absl::Status copied = device_->CopyRowsBetween(arena_, planes_, {&s->slot, 1},
-                                                       (*chunk)->arena, (*chunk)->planes,
-                                                       {&zero, 1});
+  const absl::Status copied = device_->CopyRowsBetween(
+      arena_, planes_, {&s->slot, 1}, (*chunk)->arena, (*chunk)->planes, {&zero, 1});
   if (!copied.ok()) return copied;
   Segment segment;
   segment.chunk = *std::move(chunk);
@@ -333,9 +331,9 @@ absl::Status RecurrentGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap
   if (snap == nullptr) {
     const int32_t offset = s == nullptr ? 0 : s->offset;
     if (target != offset) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "group ", index(), " is Recurrent: its state cannot be rewound from offset ", offset,
-          " to ", target, " without a snapshot"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("group ", index(), " is Recurrent: its state cannot be rewound from offset ",
+                       offset, " to ", target, " without a snapshot"));
     }
     return absl::OkStatus();
   }

@@ -84,8 +84,7 @@ void RotatingGroup::Drop(int64_t seq) {
   seqs_.erase(it);
 }
 
-std::vector<int32_t> RotatingGroup::Positions(const Sequence& s, int64_t begin,
-                                              int64_t end) const {
+std::vector<int32_t> RotatingGroup::Positions(const Sequence& s, int64_t begin, int64_t end) const {
   std::vector<int32_t> out;
   for (int64_t p = std::max<int64_t>(begin, WindowStart(s)); p < std::min<int64_t>(end, s.offset);
        ++p) {
@@ -101,9 +100,8 @@ std::vector<int32_t> RotatingGroup::Positions(const Sequence& s, int64_t begin,
 
 absl::Status RotatingGroup::PrepareAppend(const AppendBatch& batch) {
   if (batch.speculative) {
-    absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
-        AllocateChunk(device_, MemoryPool::kCache, row_bytes_,
-                      static_cast<int32_t>(batch.tokens.size()));
+    absl::StatusOr<std::shared_ptr<RowChunk>> chunk = AllocateChunk(
+        device_, MemoryPool::kCache, arena_, row_bytes_, static_cast<int32_t>(batch.tokens.size()));
     if (!chunk.ok()) return chunk.status();
     spec_chunk_ = *std::move(chunk);
     return absl::OkStatus();
@@ -117,8 +115,8 @@ absl::Status RotatingGroup::PrepareAppend(const AppendBatch& batch) {
   in_place_ = needed < batch.seqs.size();
   if (needed > free_rings_.size()) {
     return absl::ResourceExhaustedError(absl::StrCat("group ", index(), ": the batch needs ",
-                                                     needed, " new rings; ",
-                                                     free_rings_.size(), " are free"));
+                                                     needed, " new rings; ", free_rings_.size(),
+                                                     " are free"));
   }
   return absl::OkStatus();
 }
@@ -322,10 +320,10 @@ absl::Status RotatingGroup::CheckRemove(int64_t seq, int32_t begin,
         " would move its positions >= ", *end, "; a ring can only be truncated"));
   }
   if (begin > 0 && Wrapped(*s)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group ", index(), " is Rotating and sequence ", seq, "'s ring has wrapped (offset ",
-        s->offset, " > max_size ", geo_.max_size, "): truncating at ", begin,
-        " would leave an incomplete window"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", index(), " is Rotating and sequence ", seq,
+                     "'s ring has wrapped (offset ", s->offset, " > max_size ", geo_.max_size,
+                     "): truncating at ", begin, " would leave an incomplete window"));
   }
   return absl::OkStatus();
 }
@@ -359,7 +357,7 @@ absl::StatusOr<GroupSnapshot> RotatingGroup::TakeSnapshot(int64_t seq, int32_t f
   }
   segment.rows = static_cast<int32_t>(src.size());
   absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
-      AllocateChunk(device_, MemoryPool::kSnapshot, row_bytes_, segment.rows);
+      AllocateChunk(device_, MemoryPool::kSnapshot, arena_, row_bytes_, segment.rows);
   if (!chunk.ok()) return chunk.status();
   const absl::Status copied =
       device_->CopyRowsBetween(arena_, planes_, src, (*chunk)->arena, (*chunk)->planes, dst);
@@ -377,16 +375,14 @@ absl::Status RotatingGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap,
     if (target < offset && Wrapped(*s)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "group ", index(), " is Rotating and sequence ", seq, "'s ring has wrapped (offset ",
-          offset, " > max_size ", geo_.max_size, "): rewinding to ", target,
-          " needs a snapshot"));
+          offset, " > max_size ", geo_.max_size, "): rewinding to ", target, " needs a snapshot"));
     }
     return absl::OkStatus();
   }
   if (target < to && to > geo_.max_size) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "group ", index(), " is Rotating: the snapshot ends at ", to, " > max_size ",
-        geo_.max_size, ", so clamping it to target ", target,
-        " would leave an incomplete window"));
+        "group ", index(), " is Rotating: the snapshot ends at ", to, " > max_size ", geo_.max_size,
+        ", so clamping it to target ", target, " would leave an incomplete window"));
   }
   if (target > 0 && (s == nullptr || s->ring < 0) && free_rings_.empty()) {
     return absl::ResourceExhaustedError(

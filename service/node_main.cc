@@ -27,6 +27,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cache/cache_registry.h"
+#include "cache/device/cuda_device.h"
 #include "cache/device/host_device.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -51,7 +52,9 @@ ABSL_FLAG(int32_t, executor_threads, 0,
           "threads running engine calls (0: the hardware concurrency, at least 2)");
 ABSL_FLAG(int32_t, executor_queue, 4096,
           "engine calls that may wait for a thread; beyond it calls fail with UNAVAILABLE");
-ABSL_FLAG(std::string, backend, "host", "where caches live: host (cuda is not built yet)");
+ABSL_FLAG(std::string, backend, "host",
+          "where caches live: host (host memory, needs no GPU) or cuda (the GPU --device)");
+ABSL_FLAG(int32_t, device, 0, "with --backend=cuda: the CUDA device index to serve from");
 ABSL_FLAG(std::string, port_file, "", "when set, the bound port is written to this file");
 
 namespace kvmesh {
@@ -86,13 +89,8 @@ bool WritePortFile(const std::string& path, int port) {
 
 int Run() {
   const std::string backend = absl::GetFlag(FLAGS_backend);
-  if (backend == "cuda") {
-    return Fail(
-        "--backend=cuda: the CUDA backend is not built yet in this kvmesh-node; use "
-        "--backend=host");
-  }
-  if (backend != "host") {
-    return Fail(absl::StrCat("--backend=", backend, " is not a backend: use host"));
+  if (backend != "host" && backend != "cuda") {
+    return Fail(absl::StrCat("--backend=", backend, " is not a backend: use host or cuda"));
   }
 
   const std::string listen = absl::GetFlag(FLAGS_listen);
@@ -127,9 +125,25 @@ int Run() {
     return Fail(absl::StrCat("pthread_sigmask: ", std::strerror(err)));
   }
 
-  HostDevice device(absl::GetFlag(FLAGS_memory_budget).bytes,
-                    absl::GetFlag(FLAGS_snapshot_budget).bytes);
-  CacheRegistry registry(&device);
+  const size_t memory_budget = absl::GetFlag(FLAGS_memory_budget).bytes;
+  const size_t snapshot_budget = absl::GetFlag(FLAGS_snapshot_budget).bytes;
+  std::unique_ptr<Device> device;
+  if (backend == "cuda") {
+    CudaDeviceOptions options;
+    options.ordinal = absl::GetFlag(FLAGS_device);
+    options.budget_bytes = memory_budget;
+    options.snapshot_budget_bytes = snapshot_budget;
+    absl::StatusOr<std::unique_ptr<Device>> cuda = CreateCudaDevice(options);
+    if (!cuda.ok()) {
+      return Fail(
+          absl::StrCat("--backend=cuda --device=", options.ordinal, ": ", cuda.status().message()));
+    }
+    device = *std::move(cuda);
+  } else {
+    device = std::make_unique<HostDevice>(memory_budget, snapshot_budget);
+  }
+  // Declared after the device: the registry's caches hold device memory and are destroyed first.
+  CacheRegistry registry(device.get());
   Executor executor(threads, static_cast<size_t>(queue));
   CacheServiceImpl::Options options;
   options.max_send_message_bytes = max_message;

@@ -13,6 +13,7 @@ DeviceArena& DeviceArena::operator=(DeviceArena&& o) noexcept {
     pool_ = o.pool_;
     data_ = o.data_;
     size_ = o.size_;
+    stream_ = std::move(o.stream_);
     o.device_ = nullptr;
     o.data_ = nullptr;
     o.size_ = 0;
@@ -25,6 +26,7 @@ void DeviceArena::Reset() {
   device_ = nullptr;
   data_ = nullptr;
   size_ = 0;
+  stream_.reset();
 }
 
 size_t Device::used_bytes(MemoryPool pool) const {
@@ -36,17 +38,18 @@ size_t Device::free_bytes(MemoryPool pool) const {
   return budget - std::min(budget, used_bytes(pool));
 }
 
-absl::StatusOr<DeviceArena> Device::Allocate(size_t bytes, MemoryPool pool) {
+absl::StatusOr<DeviceArena> Device::Allocate(size_t bytes, MemoryPool pool,
+                                             std::shared_ptr<DeviceStream> stream) {
   const int p = static_cast<int>(pool);
   const size_t budget = budgets_[p];
   // Reserve against the budget first so concurrent allocations cannot overshoot it.
   size_t used = used_bytes_[p].load(std::memory_order_relaxed);
   do {
     if (bytes > budget || used > budget - bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "device ", name(), ": allocating ", bytes, " bytes exceeds the ",
-          pool == MemoryPool::kCache ? "memory" : "snapshot", " budget (", used, " of ", budget,
-          " bytes in use)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("device ", name(), ": allocating ", bytes, " bytes exceeds the ",
+                       pool == MemoryPool::kCache ? "memory" : "snapshot", " budget (", used,
+                       " of ", budget, " bytes in use)"));
     }
   } while (!used_bytes_[p].compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
   absl::StatusOr<uint8_t*> data = RawAllocate(bytes);
@@ -54,7 +57,7 @@ absl::StatusOr<DeviceArena> Device::Allocate(size_t bytes, MemoryPool pool) {
     used_bytes_[p].fetch_sub(bytes, std::memory_order_relaxed);
     return data.status();
   }
-  return DeviceArena(this, pool, *data, bytes);
+  return DeviceArena(this, pool, *data, bytes, std::move(stream));
 }
 
 void Device::Release(MemoryPool pool, uint8_t* data, size_t bytes) {

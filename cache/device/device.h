@@ -7,6 +7,9 @@
 // for K, one for V). Keeping the interface this small is what lets a CUDA device implement each
 // call as one kernel launch.
 //
+// Every row operation is synchronous: when it returns, the data has moved (or the returned error
+// says it could not), so host buffers passed in may be reused at once.
+//
 // Thread safety: a Device is shared by every cache of a node. Allocate/Free and the accounting
 // are thread-safe. Row operations on distinct arenas may run concurrently; callers serialize
 // operations on the same arena (the engine holds the cache's lock).
@@ -30,6 +33,15 @@ namespace kvmesh {
 
 class Device;
 
+// An in-order queue of device work. A cache creates one and binds every arena it allocates to
+// it, so the operations of different caches can run concurrently on the device while those of
+// one cache stay ordered. Shared: arenas hold a reference, so a stream lives as long as the last
+// arena bound to it. HostDevice's streams hold nothing (its operations are plain loops).
+class DeviceStream {
+ public:
+  virtual ~DeviceStream() = default;
+};
+
 // A device keeps two budgets: one for cache storage (group arenas and pending speculative
 // data) and one for snapshots, so that checkpoints can never starve live sequences.
 enum class MemoryPool { kCache, kSnapshot };
@@ -39,8 +51,9 @@ enum class MemoryPool { kCache, kSnapshot };
 class DeviceArena {
  public:
   DeviceArena() = default;
-  DeviceArena(Device* device, MemoryPool pool, uint8_t* data, size_t size)
-      : device_(device), pool_(pool), data_(data), size_(size) {}
+  DeviceArena(Device* device, MemoryPool pool, uint8_t* data, size_t size,
+              std::shared_ptr<DeviceStream> stream)
+      : device_(device), pool_(pool), data_(data), size_(size), stream_(std::move(stream)) {}
   ~DeviceArena() { Reset(); }
   DeviceArena(DeviceArena&& o) noexcept { *this = std::move(o); }
   DeviceArena& operator=(DeviceArena&& o) noexcept;
@@ -50,6 +63,8 @@ class DeviceArena {
   // Device address of the first byte; only the owning Device may dereference it.
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
+  // The stream operations on this arena are issued on; null for the device's own stream.
+  const std::shared_ptr<DeviceStream>& stream() const { return stream_; }
 
  private:
   void Reset();
@@ -57,6 +72,7 @@ class DeviceArena {
   MemoryPool pool_ = MemoryPool::kCache;
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
+  std::shared_ptr<DeviceStream> stream_;
 };
 
 // A table of rows inside an arena: row r occupies [offset + r*row_bytes, +row_bytes).
@@ -81,9 +97,16 @@ class Device {
   // "host" or "cuda:N".
   virtual std::string name() const = 0;
 
-  // Allocates `bytes` of device memory from `pool`. RESOURCE_EXHAUSTED when the pool's budget
-  // cannot hold it. Contents are unspecified.
-  absl::StatusOr<DeviceArena> Allocate(size_t bytes, MemoryPool pool = MemoryPool::kCache);
+  // A new stream for one cache's work (see DeviceStream). Errors mean the device is unusable.
+  virtual absl::StatusOr<std::shared_ptr<DeviceStream>> CreateStream() {
+    return std::make_shared<DeviceStream>();
+  }
+
+  // Allocates `bytes` of device memory from `pool`, bound to `stream` (null: the device's own).
+  // RESOURCE_EXHAUSTED when the pool's budget, or the device itself, cannot hold it. Contents
+  // are unspecified.
+  absl::StatusOr<DeviceArena> Allocate(size_t bytes, MemoryPool pool = MemoryPool::kCache,
+                                       std::shared_ptr<DeviceStream> stream = nullptr);
 
   size_t budget_bytes(MemoryPool pool = MemoryPool::kCache) const {
     return budgets_[static_cast<int>(pool)];

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cache/device/cuda_device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_util.h"
@@ -52,8 +53,16 @@ std::string TempDir() {
   return mkdtemp(dir.data()) != nullptr ? dir : "";
 }
 
-TEST(NodeTest, CudaBackendIsRefusedAtStartup) {
-  ExpectStartupFailure({"--listen=127.0.0.1:0", "--backend=cuda"}, "CUDA backend is not built yet");
+TEST(NodeTest, CudaDeviceThatDoesNotExistIsRefusedAtStartup) {
+  // Ordinal 64 exists on no machine; without a GPU (or a CUDA build) ordinal 0 fails too.
+  ExpectStartupFailure({"--listen=127.0.0.1:0", "--backend=cuda", "--device=64"},
+                       CudaBuilt() ? "--backend=cuda --device=64: CUDA device 64 does not exist"
+                                   : "built without CUDA");
+  if (CudaDeviceCount() == 0) {
+    ExpectStartupFailure({"--listen=127.0.0.1:0", "--backend=cuda"},
+                         CudaBuilt() ? "CUDA device 0 does not exist: 0 CUDA devices are visible"
+                                     : "built without CUDA");
+  }
 }
 
 TEST(NodeTest, UnknownBackendIsRefused) {

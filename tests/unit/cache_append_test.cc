@@ -377,24 +377,24 @@ TEST(AppendTest, CreateFailsBeyondTheDeviceBudget) {
   const CacheSpec spec = Spec(DType::kF32, 4, 64, 8, {Group(Full(), 2, 2, 8, 8)});
   const size_t bytes = 4 * 64 * 2 * 2 * 16 * 4;
   {
-    HostDevice device(bytes - 1);
-    absl::StatusOr<std::unique_ptr<Cache>> cache = Cache::Create(spec, &device);
+    std::unique_ptr<Device> device = testutil::MakeTestDevice(bytes - 1);
+    absl::StatusOr<std::unique_ptr<Cache>> cache = Cache::Create(spec, device.get());
     EXPECT_EQ(cache.status().code(), absl::StatusCode::kResourceExhausted) << cache.status();
-    EXPECT_EQ(device.used_bytes(), 0u);
+    EXPECT_EQ(device->used_bytes(), 0u);
   }
-  HostDevice device(bytes);
-  absl::StatusOr<std::unique_ptr<Cache>> cache = Cache::Create(spec, &device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(bytes);
+  absl::StatusOr<std::unique_ptr<Cache>> cache = Cache::Create(spec, device.get());
   ASSERT_TRUE(cache.ok()) << cache.status();
-  EXPECT_EQ(device.used_bytes(), bytes);
+  EXPECT_EQ(device->used_bytes(), bytes);
   cache->reset();
-  EXPECT_EQ(device.used_bytes(), 0u);
+  EXPECT_EQ(device->used_bytes(), 0u);
 }
 
 TEST(AppendTest, CreateRejectsAnInvalidSpec) {
-  HostDevice device(1 << 20);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(1 << 20);
   CacheSpec spec = Spec(DType::kF32, 0, 64, 8, {Group(Full())});
-  EXPECT_EQ(Cache::Create(spec, &device).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(device.used_bytes(), 0u);
+  EXPECT_EQ(Cache::Create(spec, device.get()).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(device->used_bytes(), 0u);
 }
 
 }  // namespace

@@ -96,8 +96,8 @@ TEST(CacheConcurrencyTest, IndependentSequencesFromManyThreads) {
 }
 
 TEST(CacheConcurrencyTest, RacingCreatesOfOneNameMakeOneCache) {
-  HostDevice device(size_t{1} << 24);
-  CacheRegistry registry(&device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(size_t{1} << 24);
+  CacheRegistry registry(device.get());
   const CacheSpec spec = Spec(DType::kF32, 2, 16, 4, {Group(Full(), 1, 2, 4, 4)}, "shared");
   for (int round = 0; round < 50; ++round) {
     std::vector<absl::StatusOr<CacheRegistry::CreateResult>> results(kThreads);
@@ -115,7 +115,7 @@ TEST(CacheConcurrencyTest, RacingCreatesOfOneNameMakeOneCache) {
     EXPECT_EQ(created, 1);
     results.clear();
     ASSERT_TRUE(registry.Delete("shared").ok());
-    EXPECT_EQ(device.used_bytes(), 0u);
+    EXPECT_EQ(device->used_bytes(), 0u);
   }
 }
 

@@ -1,17 +1,22 @@
-// Device failures in the middle of an operation: a HostDevice whose Scatter, CopyRows or
-// RopeShift fails on request. Append must leave the cache as it was (all groups are written
+// Device failures in the middle of an operation: the device under test (HostDevice, or
+// CudaDevice with KVMESH_TEST_DEVICE=cuda) wrapped so that its Scatter, CopyRows, CopyRowsBetween
+// or RopeShift fails on request. Append must leave the cache as it was (all groups are written
 // before any is committed); a Remove whose data rewrite failed must leave consistent metadata
 // and refuse further data operations instead of serving possibly wrong bytes.
 #include <algorithm>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache/cache.h"
-#include "cache/device/host_device.h"
+#include "cache/device/device.h"
+#include "cache/mutex.h"
 #include "gtest/gtest.h"
+#include "tests/testing/test_device.h"
 #include "tests/unit/cache_test_util.h"
 
 namespace kvmesh {
@@ -26,9 +31,19 @@ using testutil::SameState;
 using testutil::Sliding;
 using testutil::Spec;
 
-class FaultyDevice : public HostDevice {
+// The device under test (MakeTestDevice), with faults injected on request.
+//
+// Memory and streams come from the wrapped device: every arena of this device owns an arena of
+// the wrapped one with the same address (kept in inner_arenas_), and each operation forwards a
+// non-owning view of its arenas (same address, size and stream, no owner) to the wrapped device,
+// so a CudaDevice runs it on the cache's own stream as without the wrapper. Budgets and their
+// accounting are this device's; the wrapped device gets room for both pools in its cache pool
+// (RawAllocate does not say which pool it serves).
+class FaultyDevice : public Device {
  public:
-  FaultyDevice() : HostDevice(size_t{1} << 28) {}
+  static constexpr size_t kBudget = size_t{1} << 28;
+
+  FaultyDevice() : Device(kBudget, kBudget), inner_(testutil::MakeTestDevice(2 * kBudget, 0)) {}
 
   // The n-th call (0-based) of the named operation fails; -1 never.
   int fail_scatter_at = -1;
@@ -37,20 +52,29 @@ class FaultyDevice : public HostDevice {
   int fail_copy_between_at = -1;
   bool triggered = false;  // whether an injected fault fired since ResetCounts
 
+  std::string name() const override { return "faulty " + inner_->name(); }
+  absl::StatusOr<std::shared_ptr<DeviceStream>> CreateStream() override {
+    return inner_->CreateStream();
+  }
+
   absl::Status Scatter(const DeviceArena& arena, absl::Span<const Plane> planes,
                        absl::Span<const int32_t> rows, const uint8_t* src) override {
     if (scatter_calls_++ == fail_scatter_at) return Fault("injected scatter fault");
-    return HostDevice::Scatter(arena, planes, rows, src);
+    return inner_->Scatter(View(arena), planes, rows, src);
+  }
+  absl::Status Gather(const DeviceArena& arena, absl::Span<const Plane> planes,
+                      absl::Span<const int32_t> rows, uint8_t* dst) override {
+    return inner_->Gather(View(arena), planes, rows, dst);
   }
   absl::Status CopyRows(const DeviceArena& arena, absl::Span<const Plane> planes,
                         absl::Span<const int32_t> src, absl::Span<const int32_t> dst) override {
     if (copy_calls_++ == fail_copy_at) return Fault("injected copy fault");
-    return HostDevice::CopyRows(arena, planes, src, dst);
+    return inner_->CopyRows(View(arena), planes, src, dst);
   }
   absl::Status RopeShift(const DeviceArena& arena, absl::Span<const Plane> planes,
                          absl::Span<const int32_t> rows, const RopeShiftParams& p) override {
     if (rope_calls_++ == fail_rope_at) return Fault("injected rope fault");
-    return HostDevice::RopeShift(arena, planes, rows, p);
+    return inner_->RopeShift(View(arena), planes, rows, p);
   }
   absl::Status CopyRowsBetween(const DeviceArena& src, absl::Span<const Plane> src_planes,
                                absl::Span<const int32_t> src_rows, const DeviceArena& dst,
@@ -59,7 +83,8 @@ class FaultyDevice : public HostDevice {
     if (copy_between_calls_++ == fail_copy_between_at) {
       return Fault("injected copy-between fault");
     }
-    return HostDevice::CopyRowsBetween(src, src_planes, src_rows, dst, dst_planes, dst_rows);
+    return inner_->CopyRowsBetween(View(src), src_planes, src_rows, View(dst), dst_planes,
+                                   dst_rows);
   }
   void ResetCounts() {
     scatter_calls_ = copy_calls_ = rope_calls_ = copy_between_calls_ = 0;
@@ -67,11 +92,38 @@ class FaultyDevice : public HostDevice {
   }
   void NoFaults() { fail_scatter_at = fail_copy_at = fail_rope_at = fail_copy_between_at = -1; }
 
+ protected:
+  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes) override {
+    absl::StatusOr<DeviceArena> arena = inner_->Allocate(bytes);
+    if (!arena.ok()) return arena.status();
+    uint8_t* data = arena->data();
+    MutexLock lock(&mu_);
+    inner_arenas_[data] = std::move(arena).value();
+    return data;
+  }
+  void RawFree(uint8_t* data, size_t bytes) override {
+    DeviceArena freed;  // returned to the wrapped device outside the lock
+    MutexLock lock(&mu_);
+    auto it = inner_arenas_.find(data);
+    if (it == inner_arenas_.end()) return;
+    freed = std::move(it->second);
+    inner_arenas_.erase(it);
+  }
+
  private:
+  // The wrapped device's view of one of our arenas. No owner (null device): destroying it frees
+  // nothing; the arena in inner_arenas_ does that.
+  static DeviceArena View(const DeviceArena& arena) {
+    return DeviceArena(nullptr, MemoryPool::kCache, arena.data(), arena.size(), arena.stream());
+  }
   absl::Status Fault(const char* what) {
     triggered = true;
     return absl::InternalError(what);
   }
+
+  const std::unique_ptr<Device> inner_;  // outlives inner_arenas_
+  Mutex mu_;
+  std::map<uint8_t*, DeviceArena> inner_arenas_ ABSL_GUARDED_BY(mu_);
   int scatter_calls_ = 0;
   int copy_calls_ = 0;
   int rope_calls_ = 0;

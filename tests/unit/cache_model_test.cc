@@ -1,7 +1,8 @@
 // Model-based randomized test of the cache engine.
 //
 // A small reference model of ARCHITECTURE.md §3 and docs/semantics.md, written here without
-// engine code, runs the same random operations as a real Cache on a HostDevice:
+// engine code, runs the same random operations as a real Cache on the device under test
+// (tests/testing/test_device.h: HostDevice, or CudaDevice with KVMESH_TEST_DEVICE=cuda):
 //   - Attention groups: a pool of reference-counted cells (so free cells are predicted exactly)
 //     and per sequence an ordered map position -> cell; a cell remembers which pattern row it
 //     holds and how far RoPE has shifted its key.
@@ -59,9 +60,10 @@
 
 #include "absl/status/status.h"
 #include "cache/cache.h"
-#include "cache/device/host_device.h"
+#include "cache/device/device.h"
 #include "gtest/gtest.h"
 #include "tests/testing/pattern.h"
+#include "tests/testing/test_device.h"
 #include "tests/unit/rope_reference.h"
 
 namespace kvmesh {
@@ -1497,14 +1499,15 @@ class Episode {
         model_(spec),
         memo_(spec_),
         no_snapshot_pool_(Mix64(seed ^ 0xB0D6E7) % 16 == 0),
-        device_(size_t{1} << 30, no_snapshot_pool_ ? 0 : size_t{1} << 30) {
+        device_(
+            testutil::MakeTestDevice(size_t{1} << 30, no_snapshot_pool_ ? 0 : size_t{1} << 30)) {
     // A pool of sequence ids: more than max_sequences, one of them beyond 32 bits.
     pool_ = {0, 1, 2, 5, int64_t{1} << 33};
     pool_.resize(std::min<size_t>(pool_.size(), spec.max_sequences + 2));
   }
 
   ::testing::AssertionResult Run(int steps) {
-    absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(spec_, &device_);
+    absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(spec_, device_.get());
     if (!created.ok()) return ::testing::AssertionFailure() << "Create: " << created.status();
     cache_ = std::move(created).value();
     ::testing::AssertionResult initial = CompareAll();
@@ -1521,12 +1524,12 @@ class Episode {
     }
     // Destroying the cache returns every byte, its snapshots' included.
     cache_.reset();
-    if (device_.used_bytes(MemoryPool::kCache) != 0 ||
-        device_.used_bytes(MemoryPool::kSnapshot) != 0) {
+    if (device_->used_bytes(MemoryPool::kCache) != 0 ||
+        device_->used_bytes(MemoryPool::kSnapshot) != 0) {
       return ::testing::AssertionFailure()
              << "after the cache is destroyed the device holds "
-             << device_.used_bytes(MemoryPool::kCache) << " cache and "
-             << device_.used_bytes(MemoryPool::kSnapshot) << " snapshot bytes";
+             << device_->used_bytes(MemoryPool::kCache) << " cache and "
+             << device_->used_bytes(MemoryPool::kSnapshot) << " snapshot bytes";
     }
     return ::testing::AssertionSuccess();
   }
@@ -2117,17 +2120,17 @@ class Episode {
     // Pending speculative data is held in allocations of an unspecified size.
     const bool bytes_ok =
         model_.AnyPending() ? usage.bytes_held >= arenas : usage.bytes_held == arenas;
-    if (!bytes_ok || device_.used_bytes() != usage.bytes_held) {
+    if (!bytes_ok || device_->used_bytes() != usage.bytes_held) {
       return ::testing::AssertionFailure() << "bytes_held " << usage.bytes_held << ", device "
-                                           << device_.used_bytes() << ", arenas " << arenas;
+                                           << device_->used_bytes() << ", arenas " << arenas;
     }
     if (usage.snapshots != static_cast<int32_t>(model_.snapshots().size()) ||
-        usage.snapshot_bytes != device_.used_bytes(MemoryPool::kSnapshot) ||
+        usage.snapshot_bytes != device_->used_bytes(MemoryPool::kSnapshot) ||
         (model_.snapshots().empty() && usage.snapshot_bytes != 0)) {
       return ::testing::AssertionFailure()
              << "snapshots " << usage.snapshots << " holding " << usage.snapshot_bytes
-             << " bytes (snapshot pool " << device_.used_bytes(MemoryPool::kSnapshot) << "), model "
-             << model_.snapshots().size();
+             << " bytes (snapshot pool " << device_->used_bytes(MemoryPool::kSnapshot)
+             << "), model " << model_.snapshots().size();
     }
     // ListSnapshots.
     const std::vector<SnapshotInfo> snaps = cache_->ListSnapshots();
@@ -2282,7 +2285,7 @@ class Episode {
   Model model_;
   RowMemo memo_;
   const bool no_snapshot_pool_;
-  HostDevice device_;
+  std::unique_ptr<Device> device_;  // outlives cache_
   std::unique_ptr<Cache> cache_;
   std::vector<int64_t> pool_;
   std::vector<std::string> log_;

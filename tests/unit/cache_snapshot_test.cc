@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "cache/cache.h"
-#include "cache/device/host_device.h"
 #include "gtest/gtest.h"
 #include "tests/unit/cache_test_util.h"
 
@@ -79,7 +78,7 @@ TEST(SnapshotTest, CopiesTheRangeIntoTheSnapshotPool) {
   ASSERT_NE(tc.cache, nullptr);
   Cache& cache = *tc.cache;
   ASSERT_TRUE(AppendRange(cache, 0, 0, 10).ok());
-  const size_t cache_bytes = tc.device.used_bytes(MemoryPool::kCache);
+  const size_t cache_bytes = tc.device->used_bytes(MemoryPool::kCache);
   absl::StatusOr<SnapshotInfo> snap = cache.Snapshot(0, 4);
   ASSERT_TRUE(snap.ok()) << snap.status();
   EXPECT_EQ(snap->id, 1u);
@@ -92,11 +91,11 @@ TEST(SnapshotTest, CopiesTheRangeIntoTheSnapshotPool) {
   EXPECT_EQ(snap->groups[0].ring_index, -1);
   EXPECT_EQ(snap->groups[0].state, StateStatus::kNone);
   // Snapshot data lives in the snapshot pool, not the cache pool.
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kCache), cache_bytes);
-  EXPECT_GE(tc.device.used_bytes(MemoryPool::kSnapshot), snap->bytes);
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kCache), cache_bytes);
+  EXPECT_GE(tc.device->used_bytes(MemoryPool::kSnapshot), snap->bytes);
   const CacheUsage usage = cache.Usage();
   EXPECT_EQ(usage.snapshots, 1);
-  EXPECT_EQ(usage.snapshot_bytes, tc.device.used_bytes(MemoryPool::kSnapshot));
+  EXPECT_EQ(usage.snapshot_bytes, tc.device->used_bytes(MemoryPool::kSnapshot));
   EXPECT_EQ(usage.bytes_held, CacheBytes(spec));
   // The live sequence is untouched; ids go up.
   EXPECT_TRUE(AttentionHolds(cache, 0, Range(0, 10), Ids(0, Range(0, 10))));
@@ -149,7 +148,7 @@ TEST(SnapshotTest, RefusalsCreateNothing) {
   EXPECT_TRUE(IsError(cache.Snapshot(1, 0).status(), absl::StatusCode::kFailedPrecondition));
   EXPECT_TRUE(SameState(before, CaptureState(cache)));
   EXPECT_TRUE(cache.ListSnapshots().empty());
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kSnapshot), 0u);
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), 0u);
   // Ids still start at 1.
   absl::StatusOr<SnapshotInfo> snap = cache.Snapshot(0, 5);
   ASSERT_TRUE(snap.ok()) << snap.status();
@@ -517,7 +516,7 @@ TEST(SnapshotPoolTest, APoolOneByteShortHoldsNothingAfterTheRefusal) {
     ASSERT_NE(probe.cache, nullptr);
     ASSERT_TRUE(AppendRange(*probe.cache, 0, 0, 6).ok());
     ASSERT_TRUE(probe.cache->Snapshot(0, 0).ok());
-    one = probe.device.used_bytes(MemoryPool::kSnapshot);
+    one = probe.device->used_bytes(MemoryPool::kSnapshot);
   }
   TestCache tc(spec, size_t{1} << 24, one - 1);
   ASSERT_NE(tc.cache, nullptr);
@@ -526,7 +525,7 @@ TEST(SnapshotPoolTest, APoolOneByteShortHoldsNothingAfterTheRefusal) {
   const CacheState before = CaptureState(cache);
   EXPECT_TRUE(IsError(cache.Snapshot(0, 0).status(), absl::StatusCode::kResourceExhausted));
   EXPECT_TRUE(SameState(before, CaptureState(cache)));
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kSnapshot), 0u);
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), 0u);
   // A smaller snapshot (fewer attention rows) still fits.
   absl::StatusOr<SnapshotInfo> small = cache.Snapshot(0, 5);
   ASSERT_TRUE(small.ok()) << small.status();
@@ -607,10 +606,10 @@ TEST(SnapshotPoolTest, SplitHalvesReturnTheirBytesOnlyWhenBothAreDropped) {
   ASSERT_TRUE(AppendRange(cache, 0, 0, 10).ok());
   absl::StatusOr<SnapshotInfo> snap = cache.Snapshot(0, 0);
   ASSERT_TRUE(snap.ok());
-  const size_t pool = tc.device.used_bytes(MemoryPool::kSnapshot);
+  const size_t pool = tc.device->used_bytes(MemoryPool::kSnapshot);
   absl::StatusOr<SplitResult> split = cache.SplitSnapshot(snap->id, 3);
   ASSERT_TRUE(split.ok() && split->parent.has_value() && split->child.has_value());
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kSnapshot), pool);  // Split moves no data
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), pool);  // Split moves no data
   EXPECT_EQ(cache.Usage().snapshots, 2);
   ASSERT_TRUE(cache.DropSnapshot(split->parent->id).ok());
   // The child still restores exactly (into a sequence that reaches its start, 3).
@@ -620,7 +619,7 @@ TEST(SnapshotPoolTest, SplitHalvesReturnTheirBytesOnlyWhenBothAreDropped) {
   ASSERT_TRUE(cache.Restore(0, split->child->id, 10).ok());
   EXPECT_TRUE(AttentionHolds(cache, 0, Range(0, 10), Ids(0, Range(0, 10))));
   ASSERT_TRUE(cache.DropSnapshot(split->child->id).ok());
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kSnapshot), 0u);
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), 0u);
   EXPECT_EQ(cache.Usage().snapshot_bytes, 0u);
 }
 
@@ -638,7 +637,7 @@ TEST(MergeTest, AttentionConcatenates) {
   ASSERT_TRUE(cache.CopyPrefix(0, 1, 10).ok());
   absl::StatusOr<SnapshotInfo> child = cache.Snapshot(1, 4);
   ASSERT_TRUE(parent.ok() && child.ok());
-  const size_t pool = tc.device.used_bytes(MemoryPool::kSnapshot);
+  const size_t pool = tc.device->used_bytes(MemoryPool::kSnapshot);
   absl::StatusOr<SnapshotInfo> merged = cache.MergeSnapshots(parent->id, child->id);
   ASSERT_TRUE(merged.ok()) << merged.status();
   EXPECT_EQ(merged->id, 3u);
@@ -648,7 +647,7 @@ TEST(MergeTest, AttentionConcatenates) {
   EXPECT_EQ(merged->groups[0].stored, 10);
   EXPECT_EQ(merged->bytes, parent->bytes + child->bytes);
   // Merge moves no data.
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kSnapshot), pool);
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), pool);
   const std::vector<SnapshotInfo> list = cache.ListSnapshots();
   ASSERT_EQ(list.size(), 1u);
   EXPECT_EQ(list[0].id, 3u);
@@ -657,7 +656,7 @@ TEST(MergeTest, AttentionConcatenates) {
   ASSERT_TRUE(cache.Restore(2, merged->id, 10).ok());
   EXPECT_TRUE(AttentionHolds(cache, 2, Range(0, 10), Ids(0, Range(0, 10))));
   ASSERT_TRUE(cache.DropSnapshot(merged->id).ok());
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kSnapshot), 0u);
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), 0u);
   EXPECT_EQ(cache.Usage().snapshot_bytes, 0u);
 }
 
@@ -709,7 +708,7 @@ TEST(MergeTest, RotatingAndRecurrentKeepTheChild) {
   EXPECT_TRUE(HybridHolds(cache, 2, 0, 6));
   // Dropping the merge returns everything, including the parent's ring and state data.
   ASSERT_TRUE(cache.DropSnapshot(merged->id).ok());
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kSnapshot), 0u);
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), 0u);
 }
 
 TEST(MergeTest, WithoutAttentionTheRangesNeedNotMeet) {
@@ -773,7 +772,7 @@ TEST(SplitTest, AttentionSplitsAtThePosition) {
   EXPECT_EQ(merged->to, 10);
   EXPECT_EQ(merged->bytes, snap->bytes);
   ASSERT_TRUE(cache.DropSnapshot(merged->id).ok());
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kSnapshot), 0u);
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), 0u);
 }
 
 TEST(SplitTest, OutsideTheRangeGivesOneSide) {
@@ -834,7 +833,7 @@ TEST(SplitTest, RotatingOrRecurrentGroupsCannotSplit) {
     ASSERT_EQ(cache.ListSnapshots().size(), 1u);
     ASSERT_TRUE(cache.Restore(1, split->child->id, 6).ok());
     ASSERT_TRUE(cache.DropSnapshot(split->child->id).ok());
-    EXPECT_EQ(tc.device.used_bytes(MemoryPool::kSnapshot), 0u);
+    EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), 0u);
   }
 }
 
@@ -850,15 +849,15 @@ TEST(SnapshotPoolTest, DropReturnsBytesAndIdsAreNeverReused) {
   absl::StatusOr<SnapshotInfo> b = cache.Snapshot(0, 4);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(cache.Usage().snapshots, 2);
-  const size_t both = tc.device.used_bytes(MemoryPool::kSnapshot);
+  const size_t both = tc.device->used_bytes(MemoryPool::kSnapshot);
   EXPECT_GE(both, a->bytes + b->bytes);
   ASSERT_TRUE(cache.DropSnapshot(a->id).ok());
-  EXPECT_LT(tc.device.used_bytes(MemoryPool::kSnapshot), both);
+  EXPECT_LT(tc.device->used_bytes(MemoryPool::kSnapshot), both);
   EXPECT_TRUE(
       IsError(cache.DropSnapshot(a->id), absl::StatusCode::kNotFound, {std::to_string(a->id)}));
   EXPECT_TRUE(IsError(cache.Restore(0, a->id, 6), absl::StatusCode::kNotFound));
   ASSERT_TRUE(cache.DropSnapshot(b->id).ok());
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kSnapshot), 0u);
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), 0u);
   EXPECT_EQ(cache.Usage().snapshots, 0);
   EXPECT_EQ(cache.Usage().snapshot_bytes, 0u);
   EXPECT_TRUE(cache.ListSnapshots().empty());
@@ -875,7 +874,7 @@ TEST(SnapshotPoolTest, FullPoolIsResourceExhausted) {
     ASSERT_NE(probe.cache, nullptr);
     ASSERT_TRUE(AppendRange(*probe.cache, 0, 0, 6).ok());
     ASSERT_TRUE(probe.cache->Snapshot(0, 0).ok());
-    one = probe.device.used_bytes(MemoryPool::kSnapshot);
+    one = probe.device->used_bytes(MemoryPool::kSnapshot);
   }
   ASSERT_GT(one, 0u);
   // A pool holding exactly one such snapshot.
@@ -888,7 +887,7 @@ TEST(SnapshotPoolTest, FullPoolIsResourceExhausted) {
   const CacheState before = CaptureState(cache);
   EXPECT_TRUE(IsError(cache.Snapshot(0, 0).status(), absl::StatusCode::kResourceExhausted));
   EXPECT_TRUE(SameState(before, CaptureState(cache)));
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kSnapshot), one);
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), one);
   // The cache pool is unaffected: live sequences still grow.
   ASSERT_TRUE(AppendRange(cache, 1, 0, 2).ok());
   ASSERT_TRUE(cache.DropSnapshot(first->id).ok());
@@ -910,19 +909,19 @@ TEST(SnapshotPoolTest, ZeroBudgetRefusesEverySnapshot) {
 
 TEST(SnapshotPoolTest, DestroyingTheCacheFreesItsSnapshots) {
   const CacheSpec spec = HybridSpec();
-  HostDevice device(size_t{1} << 24);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(size_t{1} << 24);
   {
-    absl::StatusOr<std::unique_ptr<Cache>> cache = Cache::Create(spec, &device);
+    absl::StatusOr<std::unique_ptr<Cache>> cache = Cache::Create(spec, device.get());
     ASSERT_TRUE(cache.ok()) << cache.status();
     ASSERT_TRUE(AppendRange(**cache, 0, 0, 6).ok());
     ASSERT_TRUE((*cache)->Snapshot(0, 0).ok());
     ASSERT_TRUE((*cache)->Snapshot(0, 3).ok());
     absl::StatusOr<SplitResult> split = (*cache)->SplitSnapshot(1, 2);
     ASSERT_TRUE(split.ok());
-    EXPECT_GT(device.used_bytes(MemoryPool::kSnapshot), 0u);
+    EXPECT_GT(device->used_bytes(MemoryPool::kSnapshot), 0u);
   }
-  EXPECT_EQ(device.used_bytes(MemoryPool::kSnapshot), 0u);
-  EXPECT_EQ(device.used_bytes(MemoryPool::kCache), 0u);
+  EXPECT_EQ(device->used_bytes(MemoryPool::kSnapshot), 0u);
+  EXPECT_EQ(device->used_bytes(MemoryPool::kCache), 0u);
 }
 
 }  // namespace

@@ -310,7 +310,7 @@ TEST_P(CommitHybridTest, EveryGroupKeepsTheAcceptedPrefix) {
   EXPECT_TRUE(HybridHolds(cache, 0, 6 + accepted));
   EXPECT_TRUE(HybridHolds(cache, 1, 3));
   EXPECT_EQ(cache.Usage().bytes_held, CacheBytes(spec));
-  EXPECT_EQ(tc.device.used_bytes(MemoryPool::kCache), CacheBytes(spec));
+  EXPECT_EQ(tc.device->used_bytes(MemoryPool::kCache), CacheBytes(spec));
   EXPECT_TRUE(Resumes(cache, 0, 6 + accepted));
   ASSERT_TRUE(AppendRange(cache, 0, 6 + accepted, 7 + accepted).ok());
   EXPECT_TRUE(HybridHolds(cache, 0, 7 + accepted));
@@ -426,7 +426,7 @@ TEST(HybridSpeculationTest, PendingDataComesFromTheCachePool) {
   const CacheState before = CaptureState(cache);
   EXPECT_TRUE(IsError(AppendSpeculative(cache, 0, 4, 6), absl::StatusCode::kResourceExhausted));
   EXPECT_TRUE(SameState(before, CaptureState(cache)));
-  EXPECT_EQ(tc.device.used_bytes(), CacheBytes(spec));
+  EXPECT_EQ(tc.device->used_bytes(), CacheBytes(spec));
   ASSERT_TRUE(AppendRange(cache, 0, 4, 6).ok());
   EXPECT_TRUE(HybridHolds(cache, 0, 6));
 }

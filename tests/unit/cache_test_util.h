@@ -19,10 +19,11 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "cache/cache.h"
-#include "cache/device/host_device.h"
+#include "cache/device/device.h"
 #include "cache/spec.h"
 #include "gtest/gtest.h"
 #include "tests/testing/pattern.h"
+#include "tests/testing/test_device.h"
 #include "tests/unit/rope_reference.h"
 
 namespace kvmesh {
@@ -443,17 +444,18 @@ inline std::optional<SequenceInfo> FindSequence(const Cache& cache, int64_t seq)
   return std::nullopt;
 }
 
-// A HostDevice with room to spare and a cache on it.
+// The device under test (MakeTestDevice: HostDevice, or CudaDevice with
+// KVMESH_TEST_DEVICE=cuda) with room to spare, and a cache on it.
 struct TestCache {
   explicit TestCache(const CacheSpec& spec, size_t budget = size_t{1} << 30)
       : TestCache(spec, budget, budget) {}
   TestCache(const CacheSpec& spec, size_t budget, size_t snapshot_budget)
-      : device(budget, snapshot_budget) {
-    absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(spec, &device);
+      : device(MakeTestDevice(budget, snapshot_budget)) {
+    absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(spec, device.get());
     EXPECT_TRUE(created.ok()) << created.status();
     if (created.ok()) cache = std::move(created).value();
   }
-  HostDevice device;
+  std::unique_ptr<Device> device;  // declared first: outlives the cache
   std::unique_ptr<Cache> cache;
 };
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "cache/device/host_device.h"
+#include "cache/device/device.h"
 #include "gtest/gtest.h"
 #include "tests/unit/cache_test_util.h"
 
@@ -25,15 +25,15 @@ CacheSpec SmallSpec(const std::string& name) {
 constexpr size_t kSmallBytes = 2048;
 
 TEST(RegistryTest, CreateGetListDelete) {
-  HostDevice device(1 << 20);
-  CacheRegistry registry(&device);
-  EXPECT_EQ(registry.device(), &device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(1 << 20);
+  CacheRegistry registry(device.get());
+  EXPECT_EQ(registry.device(), device.get());
   absl::StatusOr<CacheRegistry::CreateResult> b = registry.Create(SmallSpec("b"));
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_TRUE(b->created);
   absl::StatusOr<CacheRegistry::CreateResult> a = registry.Create(SmallSpec("a"));
   ASSERT_TRUE(a.ok()) << a.status();
-  EXPECT_EQ(device.used_bytes(), 2 * kSmallBytes);
+  EXPECT_EQ(device->used_bytes(), 2 * kSmallBytes);
 
   absl::StatusOr<std::shared_ptr<Cache>> got = registry.Get("b");
   ASSERT_TRUE(got.ok());
@@ -53,12 +53,12 @@ TEST(RegistryTest, CreateGetListDelete) {
   ASSERT_TRUE(registry.Delete("a").ok());
   EXPECT_EQ(registry.Get("a").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(registry.List().size(), 1u);
-  EXPECT_EQ(device.used_bytes(), kSmallBytes);
+  EXPECT_EQ(device->used_bytes(), kSmallBytes);
 }
 
 TEST(RegistryTest, SameSpecAgainIsIdempotent) {
-  HostDevice device(1 << 20);
-  CacheRegistry registry(&device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(1 << 20);
+  CacheRegistry registry(device.get());
   absl::StatusOr<CacheRegistry::CreateResult> first = registry.Create(SmallSpec("m"));
   ASSERT_TRUE(first.ok());
   ASSERT_TRUE(AppendRange(*first->cache, 0, 0, 3).ok());
@@ -67,12 +67,12 @@ TEST(RegistryTest, SameSpecAgainIsIdempotent) {
   EXPECT_FALSE(again->created);
   EXPECT_EQ(again->cache.get(), first->cache.get());
   EXPECT_EQ(again->cache->Usage().sequences_live, 1);  // the data is still there
-  EXPECT_EQ(device.used_bytes(), kSmallBytes);
+  EXPECT_EQ(device->used_bytes(), kSmallBytes);
 }
 
 TEST(RegistryTest, SameNameDifferentSpecIsAlreadyExists) {
-  HostDevice device(1 << 20);
-  CacheRegistry registry(&device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(1 << 20);
+  CacheRegistry registry(device.get());
   ASSERT_TRUE(registry.Create(SmallSpec("m")).ok());
   CacheSpec other = SmallSpec("m");
   other.capacity = 32;
@@ -89,7 +89,7 @@ TEST(RegistryTest, SameNameDifferentSpecIsAlreadyExists) {
   s = registry.Create(other).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_NE(s.message().find("groups[0]"), std::string::npos) << s;
-  EXPECT_EQ(device.used_bytes(), kSmallBytes);
+  EXPECT_EQ(device->used_bytes(), kSmallBytes);
   absl::StatusOr<std::shared_ptr<Cache>> got = registry.Get("m");
   ASSERT_TRUE(got.ok());
   EXPECT_EQ((*got)->spec(), SmallSpec("m"));
@@ -98,8 +98,8 @@ TEST(RegistryTest, SameNameDifferentSpecIsAlreadyExists) {
 TEST(RegistryTest, RopeFieldsAreIgnoredWithoutRotation) {
   // With rope NONE, base/freq_scale/dims are meaningless (and unchecked): a repeated create
   // that differs only there is the same cache, even with a NaN base.
-  HostDevice device(1 << 20);
-  CacheRegistry registry(&device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(1 << 20);
+  CacheRegistry registry(device.get());
   ASSERT_TRUE(registry.Create(SmallSpec("m")).ok());
   CacheSpec again = SmallSpec("m");
   again.groups[0].attention.rope.base = std::nanf("");
@@ -110,8 +110,8 @@ TEST(RegistryTest, RopeFieldsAreIgnoredWithoutRotation) {
 }
 
 TEST(RegistryTest, UnknownNames) {
-  HostDevice device(1 << 20);
-  CacheRegistry registry(&device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(1 << 20);
+  CacheRegistry registry(device.get());
   EXPECT_EQ(registry.Delete("nope").code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(registry.Get("nope").status().code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(registry.Create(SmallSpec("m")).ok());
@@ -121,43 +121,43 @@ TEST(RegistryTest, UnknownNames) {
 }
 
 TEST(RegistryTest, InvalidSpec) {
-  HostDevice device(1 << 20);
-  CacheRegistry registry(&device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(1 << 20);
+  CacheRegistry registry(device.get());
   CacheSpec bad = SmallSpec("m");
   bad.max_batch = 0;
   EXPECT_EQ(registry.Create(bad).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(registry.Get("m").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(device.used_bytes(), 0u);
+  EXPECT_EQ(device->used_bytes(), 0u);
 }
 
 TEST(RegistryTest, MemoryBudgetAndBytesReturnedOnDelete) {
-  HostDevice device(2 * kSmallBytes + 100);
-  CacheRegistry registry(&device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(2 * kSmallBytes + 100);
+  CacheRegistry registry(device.get());
   ASSERT_TRUE(registry.Create(SmallSpec("a")).ok());
   ASSERT_TRUE(registry.Create(SmallSpec("b")).ok());
   EXPECT_EQ(registry.Create(SmallSpec("c")).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(registry.Get("c").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(device.used_bytes(), 2 * kSmallBytes);
+  EXPECT_EQ(device->used_bytes(), 2 * kSmallBytes);
   ASSERT_TRUE(registry.Delete("a").ok());
-  EXPECT_EQ(device.used_bytes(), kSmallBytes);
+  EXPECT_EQ(device->used_bytes(), kSmallBytes);
   EXPECT_TRUE(registry.Create(SmallSpec("c")).ok());
-  EXPECT_EQ(device.used_bytes(), 2 * kSmallBytes);
+  EXPECT_EQ(device->used_bytes(), 2 * kSmallBytes);
 }
 
 // A holder of the cache keeps its memory until it lets go, even after Delete.
 TEST(RegistryTest, DeleteWhileHeldFreesWhenReleased) {
-  HostDevice device(1 << 20);
-  CacheRegistry registry(&device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(1 << 20);
+  CacheRegistry registry(device.get());
   absl::StatusOr<CacheRegistry::CreateResult> created = registry.Create(SmallSpec("m"));
   ASSERT_TRUE(created.ok());
   std::shared_ptr<Cache> held = created->cache;
   created->cache.reset();
   ASSERT_TRUE(registry.Delete("m").ok());
   EXPECT_EQ(registry.Get("m").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(device.used_bytes(), kSmallBytes);
+  EXPECT_EQ(device->used_bytes(), kSmallBytes);
   ASSERT_TRUE(AppendRange(*held, 0, 0, 2).ok());  // still usable by its holder
   held.reset();
-  EXPECT_EQ(device.used_bytes(), 0u);
+  EXPECT_EQ(device->used_bytes(), 0u);
   // The name is free again.
   EXPECT_TRUE(registry.Create(SmallSpec("m")).ok());
 }

@@ -1,21 +1,26 @@
-// HostDevice::RopeShift against the float64 reference of ARCHITECTURE.md §3.
+// Device::RopeShift of the device under test (tests/testing/test_device.h: HostDevice, or
+// CudaDevice with KVMESH_TEST_DEVICE=cuda) against the float64 reference of ARCHITECTURE.md §3.
+// Rows go in by Scatter and come back by Gather (arena memory may be on the GPU).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
 
-#include "cache/device/host_device.h"
+#include "cache/device/device.h"
 #include "cache/dtype.h"
 #include "gtest/gtest.h"
 #include "tests/testing/pattern.h"
+#include "tests/testing/test_device.h"
 #include "tests/unit/rope_reference.h"
 
 namespace kvmesh {
 namespace {
 
 using testutil::DecodeElement;
+using testutil::MakeTestDevice;
 using testutil::ReferenceRopeShift;
 
 // Rounding bound of one float32 computation stored back in `dtype`: half an ulp of the result
@@ -33,25 +38,25 @@ std::vector<uint8_t> EncodeF32(const std::vector<float>& v) {
   return bytes;
 }
 
-// Rotates one row of F32 values on a HostDevice and returns the result.
+// Rotates one row of F32 values on the device under test and returns the result.
 std::vector<float> ShiftF32(const RopeSpec& rope, int heads, int head_dim, int delta,
                             const std::vector<float>& row) {
-  HostDevice device(1 << 20);
-  absl::StatusOr<DeviceArena> arena = device.Allocate(row.size() * 4);
+  std::unique_ptr<Device> device = MakeTestDevice(1 << 20);
+  absl::StatusOr<DeviceArena> arena = device->Allocate(row.size() * 4);
   EXPECT_TRUE(arena.ok());
   const std::vector<Plane> planes = {Plane{0, row.size() * 4}};
   const std::vector<int32_t> rows = {0};
   const std::vector<uint8_t> src = EncodeF32(row);
-  EXPECT_TRUE(device.Scatter(*arena, planes, rows, src.data()).ok());
+  EXPECT_TRUE(device->Scatter(*arena, planes, rows, src.data()).ok());
   RopeShiftParams params;
   params.rope = rope;
   params.dtype = DType::kF32;
   params.num_heads = heads;
   params.head_dim = head_dim;
   params.delta = delta;
-  EXPECT_TRUE(device.RopeShift(*arena, planes, rows, params).ok());
+  EXPECT_TRUE(device->RopeShift(*arena, planes, rows, params).ok());
   std::vector<float> out(row.size());
-  EXPECT_TRUE(device.Gather(*arena, planes, rows, reinterpret_cast<uint8_t*>(out.data())).ok());
+  EXPECT_TRUE(device->Gather(*arena, planes, rows, reinterpret_cast<uint8_t*>(out.data())).ok());
   return out;
 }
 
@@ -118,15 +123,15 @@ TEST_P(RopeShiftMatchesReference, OnPatternRows) {
   const size_t row_bytes = row_elems * esize;
   const RopeSpec rope = MakeRope(type, dims, 1000.0f, 0.75f);
 
-  HostDevice device(1 << 20);
+  std::unique_ptr<Device> device = MakeTestDevice(1 << 20);
   // Two planes (two layers) with a gap between them.
   const std::vector<Plane> planes = {Plane{0, row_bytes}, Plane{kRows * row_bytes + 64, row_bytes}};
-  absl::StatusOr<DeviceArena> arena = device.Allocate(2 * kRows * row_bytes + 64);
+  absl::StatusOr<DeviceArena> arena = device->Allocate(2 * kRows * row_bytes + 64);
   ASSERT_TRUE(arena.ok());
   std::vector<uint8_t> init(2 * kRows * row_bytes);
   testutil::FillPattern(dtype, 7, init.size() / esize, init.data());
   const std::vector<int32_t> all_rows = {0, 1, 2, 3, 4, 5};
-  ASSERT_TRUE(device.Scatter(*arena, planes, all_rows, init.data()).ok());
+  ASSERT_TRUE(device->Scatter(*arena, planes, all_rows, init.data()).ok());
 
   const std::vector<int32_t> shifted = {4, 1};
   RopeShiftParams params;
@@ -135,10 +140,10 @@ TEST_P(RopeShiftMatchesReference, OnPatternRows) {
   params.num_heads = kHeads;
   params.head_dim = kHeadDim;
   params.delta = delta;
-  ASSERT_TRUE(device.RopeShift(*arena, planes, shifted, params).ok());
+  ASSERT_TRUE(device->RopeShift(*arena, planes, shifted, params).ok());
 
   std::vector<uint8_t> out(init.size());
-  ASSERT_TRUE(device.Gather(*arena, planes, all_rows, out.data()).ok());
+  ASSERT_TRUE(device->Gather(*arena, planes, all_rows, out.data()).ok());
   for (int plane = 0; plane < 2; ++plane) {
     for (int r = 0; r < kRows; ++r) {
       const size_t off = (plane * kRows + r) * row_bytes;
@@ -187,23 +192,23 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(RopeShiftTest, ZeroDeltaIsExact) {
   for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
-    HostDevice device(1 << 20);
+    std::unique_ptr<Device> device = MakeTestDevice(1 << 20);
     const size_t row_bytes = 8 * DTypeSize(dtype);
-    absl::StatusOr<DeviceArena> arena = device.Allocate(row_bytes);
+    absl::StatusOr<DeviceArena> arena = device->Allocate(row_bytes);
     ASSERT_TRUE(arena.ok());
     std::vector<uint8_t> init(row_bytes);
     testutil::FillPattern(dtype, 3, 8, init.data());
     const std::vector<Plane> planes = {Plane{0, row_bytes}};
     const std::vector<int32_t> rows = {0};
-    ASSERT_TRUE(device.Scatter(*arena, planes, rows, init.data()).ok());
+    ASSERT_TRUE(device->Scatter(*arena, planes, rows, init.data()).ok());
     RopeShiftParams params;
     params.rope = MakeRope(RopeType::kNormal, 8);
     params.dtype = dtype;
     params.num_heads = 1;
     params.head_dim = 8;
     params.delta = 0;
-    ASSERT_TRUE(device.RopeShift(*arena, planes, rows, params).ok());
-    EXPECT_EQ(std::memcmp(arena->data(), init.data(), row_bytes), 0);
+    ASSERT_TRUE(device->RopeShift(*arena, planes, rows, params).ok());
+    EXPECT_EQ(testutil::ArenaBytes(*device, *arena), init);
   }
 }
 

@@ -211,8 +211,8 @@ TEST_P(GeometryTest, FollowsTheSeedCapacityRule) {
   EXPECT_EQ(CacheBytes(spec), geo.bytes);
 
   // A cache created from the spec reports the same geometry and holds exactly those bytes.
-  HostDevice device(size_t{1} << 24);
-  absl::StatusOr<std::unique_ptr<Cache>> cache = Cache::Create(spec, &device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(size_t{1} << 24);
+  absl::StatusOr<std::unique_ptr<Cache>> cache = Cache::Create(spec, device.get());
   ASSERT_TRUE(cache.ok()) << cache.status();
   const CacheUsage usage = (*cache)->Usage();
   ASSERT_EQ(usage.groups.size(), 1u);
@@ -222,7 +222,7 @@ TEST_P(GeometryTest, FollowsTheSeedCapacityRule) {
   EXPECT_EQ(usage.groups[0].bytes, geo.bytes);
   EXPECT_EQ(usage.bytes_held, geo.bytes);
   EXPECT_EQ(usage.sequences_live, 0);
-  EXPECT_EQ(device.used_bytes(), geo.bytes);
+  EXPECT_EQ(device->used_bytes(), geo.bytes);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -497,8 +497,8 @@ TEST(GeometryTest, HybridCacheCreatesAndReportsEveryGroup) {
   EXPECT_EQ(recurrent, 4u * 2 * (3 * 16 * 2 + 2 * 8 * 4 * 4));
   EXPECT_EQ(CacheBytes(spec), attention + rotating + recurrent);
 
-  HostDevice device(size_t{1} << 24);
-  absl::StatusOr<std::unique_ptr<Cache>> cache = Cache::Create(spec, &device);
+  std::unique_ptr<Device> device = testutil::MakeTestDevice(size_t{1} << 24);
+  absl::StatusOr<std::unique_ptr<Cache>> cache = Cache::Create(spec, device.get());
   ASSERT_TRUE(cache.ok()) << cache.status();
   const CacheUsage usage = (*cache)->Usage();
   ASSERT_EQ(usage.groups.size(), 3u);
@@ -509,13 +509,13 @@ TEST(GeometryTest, HybridCacheCreatesAndReportsEveryGroup) {
   EXPECT_EQ(usage.groups[1].bytes, rotating);
   EXPECT_EQ(usage.groups[2].bytes, recurrent);
   EXPECT_EQ(usage.bytes_held, CacheBytes(spec));
-  EXPECT_EQ(device.used_bytes(), CacheBytes(spec));
-  EXPECT_EQ(device.used_bytes(MemoryPool::kSnapshot), 0u);
+  EXPECT_EQ(device->used_bytes(), CacheBytes(spec));
+  EXPECT_EQ(device->used_bytes(MemoryPool::kSnapshot), 0u);
   // A budget one byte short refuses the cache and holds nothing.
-  HostDevice small(CacheBytes(spec) - 1);
-  absl::StatusOr<std::unique_ptr<Cache>> refused = Cache::Create(spec, &small);
+  std::unique_ptr<Device> small = testutil::MakeTestDevice(CacheBytes(spec) - 1);
+  absl::StatusOr<std::unique_ptr<Cache>> refused = Cache::Create(spec, small.get());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
-  EXPECT_EQ(small.used_bytes(), 0u);
+  EXPECT_EQ(small->used_bytes(), 0u);
 }
 
 TEST(PayloadBytesTest, RecurrentStatesPerSequenceOrPerSpeculativeToken) {
