@@ -466,4 +466,10 @@ absl::Status AttentionGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap
   return status;
 }
 
+ChunkFormat AttentionGroup::SnapshotChunkFormat() const {
+  ChunkFormat format{device_, arena_.stream(), {}};
+  for (const Plane& plane : planes_) format.row_bytes.push_back(plane.row_bytes);
+  return format;
+}
+
 }  // namespace kvmesh

@@ -73,6 +73,7 @@ class AttentionGroup final : public LayerGroup {
                             int32_t target) const override;
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) override;
+  ChunkFormat SnapshotChunkFormat() const override;
 
   const AttentionGeometry& geometry() const { return geo_; }
   const AttentionSpec& spec() const { return spec_; }

@@ -11,6 +11,7 @@
 #include "cache/layer_group.h"
 #include "cache/recurrent_group.h"
 #include "cache/rotating_group.h"
+#include "cache/snapshot_wire.h"
 #include "cache/status_macros.h"
 
 namespace kvmesh {
@@ -463,6 +464,7 @@ CacheUsage Cache::Usage() const {
   }
   snapshot_chunks.erase(nullptr);
   for (const RowChunk* chunk : snapshot_chunks) usage.snapshot_bytes += chunk->arena.size();
+  usage.export_bytes = export_bytes_->load();
   usage.snapshots = static_cast<int32_t>(snapshots_.size());
   return usage;
 }
@@ -673,6 +675,75 @@ std::vector<SnapshotInfo> Cache::ListSnapshots() const {
   out.reserve(snapshots_.size());
   for (const auto& [id, record] : snapshots_) out.push_back(InfoLocked(*record));
   return out;
+}
+
+// ---- Moving snapshots between nodes ---------------------------------------------------------
+
+namespace {
+
+// An export reader that counts the bytes it pins in its cache's Usage().export_bytes.
+class CountedExportReader final : public SnapshotExportReader {
+ public:
+  CountedExportReader(std::unique_ptr<SnapshotExportReader> inner,
+                      std::shared_ptr<std::atomic<size_t>> counter, size_t bytes)
+      : inner_(std::move(inner)), counter_(std::move(counter)), bytes_(bytes) {
+    counter_->fetch_add(bytes_);
+  }
+  ~CountedExportReader() override { counter_->fetch_sub(bytes_); }
+  size_t size() const override { return inner_->size(); }
+  const SnapshotInfo& info() const override { return inner_->info(); }
+  absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) override {
+    return inner_->ReadAt(offset, dst);
+  }
+
+ private:
+  const std::unique_ptr<SnapshotExportReader> inner_;
+  const std::shared_ptr<std::atomic<size_t>> counter_;
+  const size_t bytes_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SnapshotExportReader>> Cache::OpenSnapshotExport(uint64_t id) const {
+  SnapshotRecord record;
+  SnapshotInfo info;
+  std::vector<ChunkFormat> formats;
+  {
+    ReaderMutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(const SnapshotRecord* found, FindSnapshotLocked(id));
+    // The copy shares the chunks: they stay alive while the reader exists, whatever happens
+    // to the snapshot.
+    record = *found;
+    info = InfoLocked(record);
+    for (const auto& group : groups_) formats.push_back(group->SnapshotChunkFormat());
+  }
+  const size_t bytes = info.bytes;
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<SnapshotExportReader> reader,
+      NewSnapshotExportReader(spec_, std::move(record), std::move(info), std::move(formats)));
+  return std::unique_ptr<SnapshotExportReader>(
+      new CountedExportReader(std::move(reader), export_bytes_, bytes));
+}
+
+absl::StatusOr<std::unique_ptr<SnapshotImportWriter>> Cache::BeginSnapshotImport(
+    size_t total_bytes) {
+  const size_t min_bytes = MinSnapshotHeaderBytes(spec_);
+  if (total_bytes < min_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "total_bytes = ", total_bytes, " is smaller than the smallest snapshot image (", min_bytes,
+        " bytes) of cache '", spec_.name, "'"));
+  }
+  std::vector<ChunkFormat> formats;
+  {
+    ReaderMutexLock lock(&mu_);
+    for (const auto& group : groups_) formats.push_back(group->SnapshotChunkFormat());
+  }
+  // The writer allocates and fills its chunks without the lock; only Commit takes it.
+  return NewSnapshotImportWriter(spec_, std::move(formats), total_bytes,
+                                 [this](SnapshotRecord record) {
+                                   MutexLock lock(&mu_);
+                                   return AddSnapshotLocked(std::move(record));
+                                 });
 }
 
 }  // namespace kvmesh

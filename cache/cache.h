@@ -10,6 +10,7 @@
 #ifndef KVMESH_CACHE_CACHE_H_
 #define KVMESH_CACHE_CACHE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -91,24 +92,58 @@ struct GroupUsage {
 struct CacheUsage {
   std::vector<GroupUsage> groups;
   int32_t sequences_live = 0;
-  size_t bytes_held = 0;      // group arenas and pending speculative data
+  size_t bytes_held = 0;  // group arenas and pending speculative data
   int32_t snapshots = 0;
   size_t snapshot_bytes = 0;  // snapshot pool bytes held by this cache's snapshots
+  // Snapshot pool bytes pinned by open export readers (exports to other nodes under a lease),
+  // whether or not their snapshot still exists.
+  size_t export_bytes = 0;
 };
 
 struct SnapshotGroupInfo {
-  int32_t stored = 0;       // Attention/Rotating: positions held
-  int32_t ring_index = -1;  // Rotating: the ring's write index (to mod max_size)
+  int32_t stored = 0;                      // Attention/Rotating: positions held
+  int32_t ring_index = -1;                 // Rotating: the ring's write index (to mod max_size)
   StateStatus state = StateStatus::kNone;  // Recurrent: kValid
 };
 
 struct SnapshotInfo {
-  uint64_t id = 0;  // > 0, unique within the cache
-  int64_t seq = 0;  // the sequence it was taken from (the child's, after a merge)
+  uint64_t id = 0;   // > 0, unique within the cache
+  int64_t seq = 0;   // the sequence it was taken from (the child's, after a merge)
   int32_t from = 0;  // the snapshot covers [from, to)
   int32_t to = 0;
   size_t bytes = 0;  // data bytes it references in the snapshot pool
   std::vector<SnapshotGroupInfo> groups;
+};
+
+// The wire image of one snapshot (Cache::OpenSnapshotExport).
+class SnapshotExportReader {
+ public:
+  virtual ~SnapshotExportReader() = default;
+  // Bytes of the whole wire image.
+  virtual size_t size() const = 0;
+  // What the image holds, as SnapshotInfo of the exporting cache (its id there).
+  virtual const SnapshotInfo& info() const = 0;
+  // Copies bytes [offset, offset + dst.size()) of the image into dst (host memory).
+  // OUT_OF_RANGE past size(); device errors as Device::Gather.
+  virtual absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) = 0;
+};
+
+// Receives a wire image (Cache::BeginSnapshotImport). Write appends the next bytes; the header
+// is checked as soon as it is complete (INVALID_ARGUMENT for a malformed one naming the field,
+// FAILED_PRECONDITION when its spec fingerprint differs from the cache's), and the snapshot pool
+// is charged for the data then (RESOURCE_EXHAUSTED). Any error is final: later calls return it.
+// Destroying a writer without Commit frees everything it held; the cache never sees a partial
+// snapshot. One thread at a time; the cache must outlive the writer.
+class SnapshotImportWriter {
+ public:
+  virtual ~SnapshotImportWriter() = default;
+  // Appends `bytes` (host memory). INVALID_ARGUMENT beyond total_bytes.
+  virtual absl::Status Write(absl::Span<const uint8_t> bytes) = 0;
+  // Bytes written so far.
+  virtual size_t written() const = 0;
+  // Stores the snapshot under a new id of the cache. FAILED_PRECONDITION unless exactly
+  // total_bytes were written.
+  virtual absl::StatusOr<SnapshotInfo> Commit() = 0;
 };
 
 struct SplitResult {
@@ -214,6 +249,24 @@ class Cache {
   // All snapshots of the cache in ascending id order.
   std::vector<SnapshotInfo> ListSnapshots() const;
 
+  // ---- Moving snapshots between nodes (docs/cluster.md) ---------------------------------
+  // A snapshot travels as one self-describing byte string, its "wire image": a header (format
+  // version, a fingerprint of the spec, the snapshot's range, per-group metadata: positions,
+  // ring index, state) followed by the data rows of every group and plane. ImportSnapshot on a
+  // cache with an equal spec turns it back into an identical snapshot (Restore of it then
+  // writes the same bytes as a Restore of the original).
+  //
+  // OpenSnapshotExport pins snapshot `id`'s data (the reader shares its chunks, so a later
+  // DropSnapshot, Merge or Split does not free them) and returns a reader of its wire image;
+  // NOT_FOUND for an unknown id. The reader is independent of the cache's lock and may be used
+  // from any thread, one call at a time; it must not outlive the cache's Device.
+  absl::StatusOr<std::unique_ptr<SnapshotExportReader>> OpenSnapshotExport(uint64_t id) const;
+
+  // Starts receiving a wire image of `total_bytes` bytes, written in order with
+  // SnapshotImportWriter::Write and turned into a snapshot of this cache by Commit.
+  // INVALID_ARGUMENT when total_bytes is smaller than any header.
+  absl::StatusOr<std::unique_ptr<SnapshotImportWriter>> BeginSnapshotImport(size_t total_bytes);
+
  private:
   explicit Cache(const CacheSpec& spec);
 
@@ -252,6 +305,10 @@ class Cache {
   // may not be. From then on data operations fail with FAILED_PRECONDITION; the cache must be
   // recreated.
   absl::Status device_failure_ ABSL_GUARDED_BY(mu_);
+  // Data bytes of the snapshots that open export readers pin; shared with the readers, which
+  // may outlive the cache.
+  const std::shared_ptr<std::atomic<size_t>> export_bytes_ =
+      std::make_shared<std::atomic<size_t>>(0);
 };
 
 }  // namespace kvmesh

@@ -8,6 +8,13 @@ absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPo
                                                         const DeviceArena& owner,
                                                         absl::Span<const size_t> row_bytes,
                                                         int32_t rows) {
+  return AllocateChunk(device, pool, owner.stream(), row_bytes, rows);
+}
+
+absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPool pool,
+                                                        std::shared_ptr<DeviceStream> stream,
+                                                        absl::Span<const size_t> row_bytes,
+                                                        int32_t rows) {
   auto chunk = std::make_shared<RowChunk>();
   size_t offset = 0;
   for (size_t bytes : row_bytes) {
@@ -15,7 +22,7 @@ absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPo
     offset += bytes * size_t(rows);
   }
   if (offset > 0) {
-    absl::StatusOr<DeviceArena> arena = device->Allocate(offset, pool, owner.stream());
+    absl::StatusOr<DeviceArena> arena = device->Allocate(offset, pool, std::move(stream));
     if (!arena.ok()) return arena.status();
     chunk->arena = *std::move(arena);
   }

@@ -41,6 +41,21 @@ absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPo
                                                         const DeviceArena& owner,
                                                         absl::Span<const size_t> row_bytes,
                                                         int32_t rows);
+// As above, bound to `stream` directly (a chunk allocated away from its group: an imported
+// snapshot, snapshot_wire.h).
+absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPool pool,
+                                                        std::shared_ptr<DeviceStream> stream,
+                                                        absl::Span<const size_t> row_bytes,
+                                                        int32_t rows);
+
+// How a group's snapshot chunks are made: what importing a snapshot needs to allocate and fill
+// chunks for a group without holding the cache's lock (snapshot_wire.h). Every snapshot chunk
+// of the group has one plane per entry of row_bytes, in this order.
+struct ChunkFormat {
+  Device* device = nullptr;
+  std::shared_ptr<DeviceStream> stream;  // the stream of the group's arena
+  std::vector<size_t> row_bytes;         // per plane
+};
 
 // A run of rows of one chunk: row first_row + i holds position positions[i] (Attention and
 // Rotating), or the one recurrent state (positions empty, one row).
@@ -160,6 +175,8 @@ class LayerGroup {
                                     int32_t to, int32_t target) const = 0;
   virtual absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,
                                     int32_t to, int32_t target) = 0;
+  // The device, stream and plane row sizes of the group's snapshot chunks.
+  virtual ChunkFormat SnapshotChunkFormat() const = 0;
 
  private:
   const int index_;

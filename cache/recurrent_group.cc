@@ -365,4 +365,8 @@ absl::Status RecurrentGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap
                                   {&segment.first_row, 1}, arena_, planes_, {&slot, 1});
 }
 
+ChunkFormat RecurrentGroup::SnapshotChunkFormat() const {
+  return ChunkFormat{device_, arena_.stream(), row_bytes_};
+}
+
 }  // namespace kvmesh

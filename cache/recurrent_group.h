@@ -66,6 +66,7 @@ class RecurrentGroup final : public LayerGroup {
                             int32_t target) const override;
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) override;
+  ChunkFormat SnapshotChunkFormat() const override;
 
  private:
   struct Sequence {

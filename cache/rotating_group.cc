@@ -422,4 +422,8 @@ absl::Status RotatingGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap,
   return status;
 }
 
+ChunkFormat RotatingGroup::SnapshotChunkFormat() const {
+  return ChunkFormat{device_, arena_.stream(), row_bytes_};
+}
+
 }  // namespace kvmesh

@@ -10,7 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "cache/status_macros.h"
+#include "service/cluster.h"
 #include "service/convert.h"
+#include "service/peer_service.h"
 
 namespace kvmesh {
 namespace {
@@ -240,7 +242,8 @@ class CacheServiceImpl::AppendStreamReactor final
       Done(CancelledStatus());
       return;
     }
-    const absl::Status status = cache_->Append(tokens_, AsBytes(payload_), header_.speculative());
+    const absl::Status status = service_->AppendGuarded(*cache_, tokens_, AsBytes(payload_),
+                                                        header_.speculative(), "AppendStream");
     if (status.ok()) *response_->mutable_usage() = UsageToProto(cache_->Usage());
     Done(ToGrpcStatus(status));
   }
@@ -384,6 +387,47 @@ grpc::Status CacheServiceImpl::BusyStatus() const {
                                    executor_->max_queued(), " tasks already; retry later"));
 }
 
+absl::StatusOr<Reservations::Guard> CacheServiceImpl::Guard(Reservations::Kind kind,
+                                                            const std::string& cache,
+                                                            absl::Span<const int64_t> ids,
+                                                            const char* what) const {
+  if (options_.cluster == nullptr) return Reservations::Guard();
+  return options_.cluster->reservations()->BeginOperation(kind, cache, ids, what);
+}
+
+absl::Status CacheServiceImpl::AppendGuarded(Cache& cache, absl::Span<const Token> tokens,
+                                             absl::Span<const uint8_t> payload, bool speculative,
+                                             const char* what) {
+  std::vector<int64_t> seqs;
+  seqs.reserve(tokens.size());
+  for (const Token& t : tokens) seqs.push_back(t.seq);
+  std::sort(seqs.begin(), seqs.end());
+  seqs.erase(std::unique(seqs.begin(), seqs.end()), seqs.end());
+  ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                   Guard(Reservations::Kind::kSequence, cache.spec().name, seqs, what));
+  return cache.Append(tokens, payload, speculative);
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::RunCluster(grpc::CallbackServerContext* context,
+                                                       absl::AnyInvocable<absl::Status() &&> fn) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (options_.cluster == nullptr || options_.cluster_executor == nullptr) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                 "this node serves no cluster operations (no membership)"));
+    return reactor;
+  }
+  const bool queued =
+      options_.cluster_executor->Submit([context, reactor, fn = std::move(fn)]() mutable {
+        if (context->IsCancelled()) {
+          reactor->Finish(CancelledStatus());
+          return;
+        }
+        reactor->Finish(ToGrpcStatus(std::move(fn)()));
+      });
+  if (!queued) reactor->Finish(BusyStatus());
+  return reactor;
+}
+
 absl::StatusOr<std::shared_ptr<Cache>> CacheServiceImpl::FindCache(const std::string& name) const {
   if (name.empty()) {
     return absl::InvalidArgumentError("cache is empty: name the cache to operate on");
@@ -458,7 +502,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* 
     ASSIGN_OR_RETURN(const std::vector<Token> tokens, TokensFromProto(request->tokens()));
     RETURN_IF_ERROR(CheckAppendShape(cache->spec(), tokens, request->speculative(), "payload",
                                      static_cast<int64_t>(request->payload().size())));
-    RETURN_IF_ERROR(cache->Append(tokens, AsBytes(request->payload()), request->speculative()));
+    RETURN_IF_ERROR(AppendGuarded(*cache, tokens, AsBytes(request->payload()),
+                                  request->speculative(), "Append"));
     *response->mutable_usage() = UsageToProto(cache->Usage());
     return absl::OkStatus();
   });
@@ -492,8 +537,21 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Visible(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerContext* context,
                                                        const v1::CopyPrefixRequest* request,
                                                        v1::CopyPrefixResponse* response) {
+  if (!request->source_node().empty() &&
+      (options_.cluster == nullptr ||
+       request->source_node() != options_.cluster->options().self_name)) {
+    return RunCluster(context, [this, context, request, response]() -> absl::Status {
+      ASSIGN_OR_RETURN(*response->mutable_transfer(),
+                       options_.cluster->CopyPrefixFrom(
+                           *request, options_.cluster->Deadline(ContextDeadline(*context))));
+      return absl::OkStatus();
+    });
+  }
   return RunUnary(context, [this, request]() -> absl::Status {
     ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    const int64_t dst[] = {request->dst_seq()};
+    ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                     Guard(Reservations::Kind::kSequence, request->cache(), dst, "CopyPrefix"));
     return cache->CopyPrefix(request->src_seq(), request->dst_seq(), request->length());
   });
 }
@@ -501,12 +559,31 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* context,
                                                    const v1::RemoveRequest* request,
                                                    v1::RemoveResponse* response) {
-  return RunUnary(context, [this, request]() -> absl::Status {
+  auto local = [this, request]() -> absl::Status {
     ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    const int64_t seqs[] = {request->seq()};
+    ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                     Guard(Reservations::Kind::kSequence, request->cache(), seqs, "Remove"));
     const std::optional<int32_t> end =
         request->has_end() ? std::optional<int32_t>(request->end()) : std::nullopt;
     return cache->Remove(request->seq(), request->begin(), end);
-  });
+  };
+  if (request->scope() == v1::REMOVE_SCOPE_CLUSTER) {
+    return RunCluster(context, [this, context, request, response, local]() -> absl::Status {
+      // The local part runs on the engine executor's terms too: it is an engine call.
+      ASSIGN_OR_RETURN(*response,
+                       options_.cluster->RemoveEverywhere(
+                           *request, options_.cluster->Deadline(ContextDeadline(*context)), local));
+      return absl::OkStatus();
+    });
+  }
+  if (request->scope() != v1::REMOVE_SCOPE_LOCAL) {
+    return RunUnary(context, [request]() -> absl::Status {
+      return absl::InvalidArgumentError(
+          absl::StrCat("scope = ", request->scope(), " is not a RemoveScope"));
+    });
+  }
+  return RunUnary(context, std::move(local));
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::CanResume(grpc::CallbackServerContext* context,
@@ -557,6 +634,9 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Restore(grpc::CallbackServerContext*
     RETURN_IF_ERROR(CheckNotNegative("target", request->target()));
     const std::optional<uint64_t> snapshot_id =
         request->has_snapshot_id() ? std::optional<uint64_t>(request->snapshot_id()) : std::nullopt;
+    const int64_t seqs[] = {request->seq()};
+    ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                     Guard(Reservations::Kind::kSequence, request->cache(), seqs, "Restore"));
     return cache->Restore(request->seq(), snapshot_id, request->target());
   });
 }
@@ -566,6 +646,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::MergeSnapshots(grpc::CallbackServerC
                                                            v1::MergeSnapshotsResponse* response) {
   return RunUnary(context, [this, request, response]() -> absl::Status {
     ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    const int64_t ids[] = {static_cast<int64_t>(request->parent()),
+                           static_cast<int64_t>(request->child())};
+    ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                     Guard(Reservations::Kind::kSnapshot, request->cache(), ids, "MergeSnapshots"));
     ASSIGN_OR_RETURN(const SnapshotInfo merged,
                      cache->MergeSnapshots(request->parent(), request->child()));
     *response->mutable_snapshot() = SnapshotInfoToProto(merged);
@@ -578,6 +662,9 @@ grpc::ServerUnaryReactor* CacheServiceImpl::SplitSnapshot(grpc::CallbackServerCo
                                                           v1::SplitSnapshotResponse* response) {
   return RunUnary(context, [this, request, response]() -> absl::Status {
     ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    const int64_t ids[] = {static_cast<int64_t>(request->snapshot_id())};
+    ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                     Guard(Reservations::Kind::kSnapshot, request->cache(), ids, "SplitSnapshot"));
     ASSIGN_OR_RETURN(const SplitResult split,
                      cache->SplitSnapshot(request->snapshot_id(), request->at()));
     if (split.parent.has_value()) *response->mutable_parent() = SnapshotInfoToProto(*split.parent);
@@ -591,6 +678,9 @@ grpc::ServerUnaryReactor* CacheServiceImpl::DropSnapshot(grpc::CallbackServerCon
                                                          v1::DropSnapshotResponse* response) {
   return RunUnary(context, [this, request]() -> absl::Status {
     ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+    const int64_t ids[] = {static_cast<int64_t>(request->snapshot_id())};
+    ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                     Guard(Reservations::Kind::kSnapshot, request->cache(), ids, "DropSnapshot"));
     return cache->DropSnapshot(request->snapshot_id());
   });
 }
@@ -614,6 +704,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CommitSpeculation(
     ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
     RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
     RETURN_IF_ERROR(CheckNotNegative("accepted", request->accepted()));
+    const int64_t seqs[] = {request->seq()};
+    ASSIGN_OR_RETURN(
+        const Reservations::Guard guard,
+        Guard(Reservations::Kind::kSequence, request->cache(), seqs, "CommitSpeculation"));
     RETURN_IF_ERROR(cache->CommitSpeculation(request->seq(), request->accepted()));
     // The sequence's offset afterwards; a commit of 0 tokens may leave it storing nothing.
     int32_t offset = 0;
@@ -624,6 +718,43 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CommitSpeculation(
       }
     }
     response->set_offset(offset);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvmesh
+
+namespace kvmesh {
+
+// ---- cluster ---------------------------------------------------------------------------------
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Migrate(grpc::CallbackServerContext* context,
+                                                    const v1::MigrateRequest* request,
+                                                    v1::MigrateResponse* response) {
+  return RunCluster(context, [this, context, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(
+        *response,
+        options_.cluster->Migrate(*request, options_.cluster->Deadline(ContextDeadline(*context))));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::MigrateSnapshot(
+    grpc::CallbackServerContext* context, const v1::MigrateSnapshotRequest* request,
+    v1::MigrateSnapshotResponse* response) {
+  return RunCluster(context, [this, context, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(*response,
+                     options_.cluster->MigrateSnapshot(
+                         *request, options_.cluster->Deadline(ContextDeadline(*context))));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::ListMembers(grpc::CallbackServerContext* context,
+                                                        const v1::ListMembersRequest* request,
+                                                        v1::ListMembersResponse* response) {
+  return RunCluster(context, [this, response]() -> absl::Status {
+    *response = options_.cluster->DescribeMembers();
     return absl::OkStatus();
   });
 }

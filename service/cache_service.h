@@ -35,8 +35,11 @@
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
 #include "service/executor.h"
+#include "service/reservations.h"
 
 namespace kvmesh {
+
+class Cluster;
 
 // Read chunk size when a request leaves max_chunk_bytes at 0, and the largest one accepted.
 inline constexpr int32_t kDefaultReadChunkBytes = 1 << 20;
@@ -47,6 +50,10 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
   struct Options {
     // The server's limit on one outgoing message; Read messages are cut to stay under it.
     size_t max_send_message_bytes = size_t{64} << 20;
+    // The cluster operations (docs/cluster.md) and the executor they run on, or null: a node
+    // without them serves local operations only and refuses cluster ones (FAILED_PRECONDITION).
+    Cluster* cluster = nullptr;
+    Executor* cluster_executor = nullptr;
   };
 
   // `registry` and `executor` are not owned and must outlive the service.
@@ -110,6 +117,15 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
   grpc::ServerUnaryReactor* CommitSpeculation(grpc::CallbackServerContext* context,
                                               const v1::CommitSpeculationRequest* request,
                                               v1::CommitSpeculationResponse* response) override;
+  grpc::ServerUnaryReactor* Migrate(grpc::CallbackServerContext* context,
+                                    const v1::MigrateRequest* request,
+                                    v1::MigrateResponse* response) override;
+  grpc::ServerUnaryReactor* MigrateSnapshot(grpc::CallbackServerContext* context,
+                                            const v1::MigrateSnapshotRequest* request,
+                                            v1::MigrateSnapshotResponse* response) override;
+  grpc::ServerUnaryReactor* ListMembers(grpc::CallbackServerContext* context,
+                                        const v1::ListMembersRequest* request,
+                                        v1::ListMembersResponse* response) override;
 
  private:
   class AppendStreamReactor;
@@ -119,6 +135,20 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
   // the call with UNAVAILABLE when the executor refuses the task.
   grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context,
                                      absl::AnyInvocable<absl::Status() &&> fn);
+
+  // Append with the operation guard of its sequences.
+  absl::Status AppendGuarded(Cache& cache, absl::Span<const Token> tokens,
+                             absl::Span<const uint8_t> payload, bool speculative, const char* what);
+
+  // Runs `fn` on the cluster executor, as RunUnary; FAILED_PRECONDITION without a cluster.
+  grpc::ServerUnaryReactor* RunCluster(grpc::CallbackServerContext* context,
+                                       absl::AnyInvocable<absl::Status() &&> fn);
+
+  // Marks an operation that changes `seqs` of `cache` (or consumes snapshots) as running, so that
+  // a migration of them cannot start meanwhile; ABORTED while one of them is under migration.
+  // A node without a cluster has no migrations: the guard is empty.
+  absl::StatusOr<Reservations::Guard> Guard(Reservations::Kind kind, const std::string& cache,
+                                            absl::Span<const int64_t> ids, const char* what) const;
 
   // The cache named `name`: INVALID_ARGUMENT when empty, NOT_FOUND when unknown.
   absl::StatusOr<std::shared_ptr<Cache>> FindCache(const std::string& name) const;

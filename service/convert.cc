@@ -237,6 +237,7 @@ v1::CacheUsage UsageToProto(const CacheUsage& usage) {
   proto.set_bytes_held(static_cast<int64_t>(usage.bytes_held));
   proto.set_snapshots(usage.snapshots);
   proto.set_snapshot_bytes(static_cast<int64_t>(usage.snapshot_bytes));
+  proto.set_export_bytes(static_cast<int64_t>(usage.export_bytes));
   return proto;
 }
 

@@ -227,9 +227,9 @@ absl::StatusOr<v1::LayerGroup> ParseGroup(absl::string_view text) {
     return Bad("recurrent head_v_dim and head_k_dim need v_heads > 0", text);
   }
   if (rec.num_v_heads() != 0 && (!has({"head_v_dim"}) || !has({"head_k_dim"}))) {
-    return Bad(absl::StrCat("recurrent v_heads=", rec.num_v_heads(),
-                            " needs head_v_dim and head_k_dim"),
-               text);
+    return Bad(
+        absl::StrCat("recurrent v_heads=", rec.num_v_heads(), " needs head_v_dim and head_k_dim"),
+        text);
   }
   *group.mutable_recurrent() = std::move(rec);
   return group;

@@ -201,17 +201,15 @@ PatternCheck CheckPatternPayload(const CacheSpec& spec,
     if (state_offsets[g].has_value()) {
       const StateShape state = RecurrentStateShape(spec.groups[g]);
       expected_bytes += GroupStateBytes(spec, g);
-      expected_elements +=
-          static_cast<size_t>(spec.groups[g].num_layers) *
-          (state.conv_elements + state.delta_elements);
+      expected_elements += static_cast<size_t>(spec.groups[g].num_layers) *
+                           (state.conv_elements + state.delta_elements);
     }
   }
   if (payload.size() != expected_bytes) {
     check.elements = expected_elements;
     check.mismatches = check.elements;
-    check.first_mismatch =
-        absl::StrCat("payload is ", payload.size(), " bytes, the positions and states need ",
-                     expected_bytes);
+    check.first_mismatch = absl::StrCat("payload is ", payload.size(),
+                                        " bytes, the positions and states need ", expected_bytes);
     return check;
   }
   const uint8_t* in = payload.data();
@@ -226,12 +224,13 @@ PatternCheck CheckPatternPayload(const CacheSpec& spec,
         row.resize(elements * esize);
         for (int32_t pos : positions[g]) {
           FillRow(spec.dtype, RowKey(seed, g, layer, plane, pos), elements, row.data());
-          CompareElements(row.data(), in, elements, esize,
-                          [&] {
-                            return absl::StrCat("group ", g, " layer ", layer,
-                                                plane == 0 ? " K" : " V", " pos ", pos);
-                          },
-                          &check);
+          CompareElements(
+              row.data(), in, elements, esize,
+              [&] {
+                return absl::StrCat("group ", g, " layer ", layer, plane == 0 ? " K" : " V",
+                                    " pos ", pos);
+              },
+              &check);
           in += row.size();
         }
       }
@@ -241,8 +240,8 @@ PatternCheck CheckPatternPayload(const CacheSpec& spec,
         FillState(spec, g, layer, state, offset, seed, row.data());
         auto where = [&](absl::string_view part) {
           return [&, part] {
-            return absl::StrCat("group ", g, " layer ", layer, " ", part, " state (offset ",
-                                offset, ")");
+            return absl::StrCat("group ", g, " layer ", layer, " ", part, " state (offset ", offset,
+                                ")");
           };
         };
         CompareElements(row.data(), in, state.conv_elements, esize, where("conv"), &check);
@@ -259,9 +258,8 @@ PatternCheck CheckPatternPayload(const CacheSpec& spec,
 PatternCheck CheckPatternPayload(const CacheSpec& spec,
                                  const std::vector<std::vector<int32_t>>& positions,
                                  absl::Span<const uint8_t> payload, uint64_t seed) {
-  return CheckPatternPayload(spec, positions,
-                             std::vector<std::optional<int32_t>>(spec.groups.size()), payload,
-                             seed);
+  return CheckPatternPayload(
+      spec, positions, std::vector<std::optional<int32_t>>(spec.groups.size()), payload, seed);
 }
 
 uint64_t Fnv1a64(absl::Span<const uint8_t> data, uint64_t state) {

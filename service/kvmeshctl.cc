@@ -1,5 +1,7 @@
 // kvmeshctl: calls every RPC of kvmesh.v1.CacheService (and grpc.health.v1.Health/Check) from
-// the shell, with readable output or protobuf JSON (--json). `kvmeshctl help` prints the usage.
+// the shell, cluster operations included (list-members, cross-node copy-prefix, migrate,
+// migrate-snapshot, cluster-wide remove), with readable output or protobuf JSON (--json).
+// `kvmeshctl help` prints the usage.
 //
 // Exit status: 0 on success; 1 when an RPC fails (stderr: "error: <CODE>: <message>"), when a
 // local step fails (a file, a payload that does not verify: DATA_LOSS), or a flag has a bad
@@ -33,6 +35,7 @@
 #include "kvmesh/v1/kvmesh.pb.h"
 #include "service/convert.h"
 #include "service/ctl_args.h"
+#include "service/ctl_format.h"
 #include "service/ctl_health.h"
 #include "service/ctl_parse.h"
 #include "service/ctl_payload.h"
@@ -45,7 +48,8 @@ constexpr char kDefaultAddr[] = "127.0.0.1:7700";
 constexpr absl::Duration kDefaultTimeout = absl::Seconds(30);
 constexpr int64_t kDefaultChunkBytes = int64_t{1} << 20;
 
-constexpr absl::string_view kBoolFlags[] = {"json", "stream", "help", "non-causal", "speculative"};
+constexpr absl::string_view kBoolFlags[] = {"json",       "stream",      "help",
+                                            "non-causal", "speculative", "keep-source"};
 
 constexpr char kUsage[] =
     R"(kvmeshctl: command-line client of a kvmesh node (kvmesh.v1.CacheService).
@@ -93,8 +97,13 @@ commands
                 DATA_LOSS, on a mismatch)
   visible       --cache=CACHE [--group=G] (--query=SEQ:POS[:nc]... | --seq=N --pos=LIST
                 [--non-causal])
-  copy-prefix   --cache=CACHE --src=N --dst=N --length=TOKENS
-  remove        --cache=CACHE --seq=N --begin=P [--end=P]     no --end: truncate from --begin
+  copy-prefix   --cache=CACHE --src=N --dst=N --length=TOKENS [--source-node=NODE]
+                with --source-node naming another member: this node (--addr) pulls src's
+                positions < TOKENS from NODE into dst; prints the transfer (transport, bytes,
+                time, GB/s)
+  remove        --cache=CACHE --seq=N --begin=P [--end=P] [--scope=local|cluster]
+                no --end: truncate from --begin; --scope=cluster removes on every member and
+                prints one line per node (the command succeeds when every member answered)
   can-resume    --cache=CACHE --seq=N --pos=LIST
   list-sequences --cache=CACHE                 offset, pending tokens, per-group storage/state
   snapshot      --cache=CACHE --seq=N [--from=P (0)]   copy [P, offset) of seq into the
@@ -109,6 +118,16 @@ commands
   commit-speculation --cache=CACHE --seq=N --accepted=K  keep the first K pending tokens
   health        [--service=NAME]               grpc.health.v1.Health/Check ("" = the server)
   help          this text
+
+cluster commands (the node at --addr runs them)
+  list-members                                 this node (*) and its peers: address, health,
+                                               backend, transports, why unreachable
+  migrate       --cache=CACHE --seq=N --target-node=NODE [--target-seq=N (--seq)]
+                [--keep-source]
+                move seq to NODE as --target-seq (replaced there); the source is removed once
+                the target has committed unless --keep-source; prints the transfer
+  migrate-snapshot --cache=CACHE --snapshot=ID --target-node=NODE [--keep-source]
+                move a snapshot to NODE; prints its id there and the transfer
 
 Sizes take a suffix: 64KiB, 1MiB, 2GiB.
 )";
@@ -155,8 +174,8 @@ std::string DTypeText(v1::DType dtype) {
 // ",rope=..." of a group's shorthand.
 std::string RopeText(const v1::Rope& r) {
   if (r.type() == v1::ROPE_TYPE_NONE) return ",rope=none";
-  std::string out = absl::StrCat(",rope=", r.type() == v1::ROPE_TYPE_NEOX ? "neox" : "normal",
-                                 ":", r.dims(), ":", r.base());
+  std::string out = absl::StrCat(",rope=", r.type() == v1::ROPE_TYPE_NEOX ? "neox" : "normal", ":",
+                                 r.dims(), ":", r.base());
   if (r.freq_scale() != 1.0f) absl::StrAppend(&out, ":", r.freq_scale());
   return out;
 }
@@ -171,9 +190,9 @@ std::string GroupText(const v1::LayerGroup& group) {
   switch (group.kind_case()) {
     case v1::LayerGroup::kAttention: {
       const v1::Attention& a = group.attention();
-      std::string out = absl::StrCat("attention:layers=", group.num_layers(),
-                                     ",heads=", a.num_kv_heads(),
-                                     HeadDimText(a.head_dim_k(), a.head_dim_v()));
+      std::string out =
+          absl::StrCat("attention:layers=", group.num_layers(), ",heads=", a.num_kv_heads(),
+                       HeadDimText(a.head_dim_k(), a.head_dim_v()));
       const v1::Window& w = a.window();
       switch (w.kind_case()) {
         case v1::Window::kSliding:
@@ -191,8 +210,8 @@ std::string GroupText(const v1::LayerGroup& group) {
     case v1::LayerGroup::kRotating: {
       const v1::Rotating& r = group.rotating();
       return absl::StrCat("rotating:layers=", group.num_layers(), ",heads=", r.num_kv_heads(),
-                          HeadDimText(r.head_dim_k(), r.head_dim_v()),
-                          ",max_size=", r.max_size(), RopeText(r.rope()));
+                          HeadDimText(r.head_dim_k(), r.head_dim_v()), ",max_size=", r.max_size(),
+                          RopeText(r.rope()));
     }
     case v1::LayerGroup::kRecurrent: {
       const v1::Recurrent& r = group.recurrent();
@@ -359,6 +378,9 @@ class Ctl {
   absl::Status ListSnapshots(const Args& args);
   absl::Status CommitSpeculation(const Args& args);
   absl::Status Health(const Args& args);
+  absl::Status ListMembers(const Args& args);
+  absl::Status Migrate(const Args& args);
+  absl::Status MigrateSnapshot(const Args& args);
 
  private:
   // A context whose deadline is --timeout from now.
@@ -583,12 +605,11 @@ absl::Status Ctl::Append(const Args& args) {
           "--payload-file '", *path, "' has ", file_payload->size(), " bytes; ", positions.size(),
           speculative ? " speculative" : "", " tokens of cache ", cache, " need ", want));
     }
-    if (!speculative && HasRecurrentGroup(spec) &&
-        static_cast<int64_t>(positions.size()) > batch) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--payload-file holds one recurrent state (after all ", positions.size(),
-          " tokens), so it cannot be split into Appends of --batch=", batch,
-          " tokens; raise --batch or use --seed"));
+    if (!speculative && HasRecurrentGroup(spec) && static_cast<int64_t>(positions.size()) > batch) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--payload-file holds one recurrent state (after all ", positions.size(),
+                       " tokens), so it cannot be split into Appends of --batch=", batch,
+                       " tokens; raise --batch or use --seed"));
     }
   }
 
@@ -605,9 +626,8 @@ absl::Status Ctl::Append(const Args& args) {
                      : MakePatternPayload(spec, slice, static_cast<uint64_t>(seed), speculative);
     const int64_t bytes = static_cast<int64_t>(payload.size());
     const absl::Time start = absl::Now();
-    ASSIGN_OR_RETURN(v1::AppendResponse response,
-                     SendAppend(cache, seq, slice, std::move(payload), stream, chunk_bytes,
-                                speculative));
+    ASSIGN_OR_RETURN(v1::AppendResponse response, SendAppend(cache, seq, slice, std::move(payload),
+                                                             stream, chunk_bytes, speculative));
     const absl::Duration elapsed = absl::Now() - start;
     if (json_) {
       RETURN_IF_ERROR(PrintJson(response));
@@ -748,16 +768,16 @@ absl::Status Ctl::Read(const Args& args) {
                                                               : " (range ends before the offset)");
           break;
         case v1::LayerGroup::kRotating:
-          std::printf("  group %d (rotating): %d positions %s\n", g.group(), g.positions_size(),
-                      FormatPositions(
-                          std::vector<int32_t>(g.positions().begin(), g.positions().end()))
-                          .c_str());
+          std::printf(
+              "  group %d (rotating): %d positions %s\n", g.group(), g.positions_size(),
+              FormatPositions(std::vector<int32_t>(g.positions().begin(), g.positions().end()))
+                  .c_str());
           break;
         default:
-          std::printf("  group %d: %d positions %s\n", g.group(), g.positions_size(),
-                      FormatPositions(
-                          std::vector<int32_t>(g.positions().begin(), g.positions().end()))
-                          .c_str());
+          std::printf(
+              "  group %d: %d positions %s\n", g.group(), g.positions_size(),
+              FormatPositions(std::vector<int32_t>(g.positions().begin(), g.positions().end()))
+                  .c_str());
       }
     }
     std::printf("  payload %" PRId64 " bytes (%s) in %s, %s, fnv1a64 %s\n", received,
@@ -840,10 +860,17 @@ absl::Status Ctl::CopyPrefix(const Args& args) {
   request.set_src_seq(src);
   request.set_dst_seq(dst);
   request.set_length(length);
+  ASSIGN_OR_RETURN(*request.mutable_source_node(), args.GetString("source-node", ""));
   v1::CopyPrefixResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(stub_->CopyPrefix(Context().get(), request, &response)));
   if (json_) return PrintJson(response);
-  std::printf("copied positions < %d of seq %" PRId64 " to seq %" PRId64 "\n", length, src, dst);
+  std::printf(
+      "copied positions < %d of seq %" PRId64 "%s to seq %" PRId64 "\n", length, src,
+      request.source_node().empty() ? "" : absl::StrCat(" on node ", request.source_node()).c_str(),
+      dst);
+  if (response.has_transfer()) {
+    std::printf("transfer: %s\n", TransferLine(response.transfer()).c_str());
+  }
   return absl::OkStatus();
 }
 
@@ -858,9 +885,24 @@ absl::Status Ctl::Remove(const Args& args) {
     ASSIGN_OR_RETURN(int32_t end, GetInt32(args, "end"));
     request.set_end(end);
   }
+  if (auto scope = args.Get("scope")) {
+    ASSIGN_OR_RETURN(v1::RemoveScope parsed, ParseRemoveScope(*scope));
+    request.set_scope(parsed);
+  }
   v1::RemoveResponse response;
   RETURN_IF_ERROR(FromGrpcStatus(stub_->Remove(Context().get(), request, &response)));
   if (json_) return PrintJson(response);
+  if (request.scope() == v1::REMOVE_SCOPE_CLUSTER) {
+    std::printf("%s seq %" PRId64 " on %d nodes:\n",
+                request.has_end()
+                    ? absl::StrCat("remove [", begin, ", ", request.end(), ") of").c_str()
+                    : absl::StrCat("truncate at ", begin, " of").c_str(),
+                seq, response.nodes_size());
+    for (const v1::NodeResult& node : response.nodes()) {
+      std::printf("  %s\n", NodeResultLine(node).c_str());
+    }
+    return absl::OkStatus();
+  }
   if (request.has_end()) {
     std::printf("removed [%d, %d) from seq %" PRId64 "; later positions moved down by %d\n", begin,
                 request.end(), seq, request.end() - begin);
@@ -1016,8 +1058,8 @@ absl::Status Ctl::MergeSnapshots(const Args& args) {
   RETURN_IF_ERROR(FromGrpcStatus(stub_->MergeSnapshots(Context().get(), request, &response)));
   if (json_) return PrintJson(response);
   ASSIGN_OR_RETURN(v1::CacheInfo info, FetchInfo(request.cache()));
-  std::printf("merged snapshots %" PRIu64 " + %" PRIu64 " (both consumed) into %s\n", parent,
-              child, SnapshotLine(response.snapshot(), info.spec()).c_str());
+  std::printf("merged snapshots %" PRIu64 " + %" PRIu64 " (both consumed) into %s\n", parent, child,
+              SnapshotLine(response.snapshot(), info.spec()).c_str());
   return absl::OkStatus();
 }
 
@@ -1034,11 +1076,10 @@ absl::Status Ctl::SplitSnapshot(const Args& args) {
   ASSIGN_OR_RETURN(v1::CacheInfo info, FetchInfo(request.cache()));
   std::printf("split snapshot %" PRIu64 " at %d (consumed)\n", id, at);
   std::printf("  parent: %s\n", response.has_parent()
-                                     ? SnapshotLine(response.parent(), info.spec()).c_str()
-                                     : "none");
-  std::printf("  child:  %s\n", response.has_child()
-                                     ? SnapshotLine(response.child(), info.spec()).c_str()
-                                     : "none");
+                                    ? SnapshotLine(response.parent(), info.spec()).c_str()
+                                    : "none");
+  std::printf("  child:  %s\n",
+              response.has_child() ? SnapshotLine(response.child(), info.spec()).c_str() : "none");
   return absl::OkStatus();
 }
 
@@ -1098,6 +1139,63 @@ absl::Status Ctl::Health(const Args& args) {
   return absl::OkStatus();
 }
 
+absl::Status Ctl::ListMembers(const Args&) {
+  v1::ListMembersResponse response;
+  RETURN_IF_ERROR(
+      FromGrpcStatus(stub_->ListMembers(Context().get(), v1::ListMembersRequest(), &response)));
+  if (json_) return PrintJson(response);
+  std::fputs(MembersTable(response).c_str(), stdout);
+  return absl::OkStatus();
+}
+
+absl::Status Ctl::Migrate(const Args& args) {
+  v1::MigrateRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
+  ASSIGN_OR_RETURN(int64_t target_seq, args.GetInt("target-seq", seq));
+  ASSIGN_OR_RETURN(*request.mutable_target_node(), args.GetString("target-node"));
+  ASSIGN_OR_RETURN(bool keep_source, args.GetBool("keep-source"));
+  request.set_seq(seq);
+  request.set_target_seq(target_seq);
+  request.set_keep_source(keep_source);
+  v1::MigrateResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->Migrate(Context().get(), request, &response)));
+  if (json_) return PrintJson(response);
+  std::printf("migrated seq %" PRId64 " to node %s as seq %" PRId64 "%s\n", seq,
+              request.target_node().c_str(), target_seq,
+              keep_source ? " (source kept)" : " (removed here)");
+  if (response.has_transfer()) {
+    std::printf("transfer: %s\n", TransferLine(response.transfer()).c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Ctl::MigrateSnapshot(const Args& args) {
+  v1::MigrateSnapshotRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(uint64_t id, GetSnapshotId(args, "snapshot"));
+  ASSIGN_OR_RETURN(*request.mutable_target_node(), args.GetString("target-node"));
+  ASSIGN_OR_RETURN(bool keep_source, args.GetBool("keep-source"));
+  request.set_snapshot_id(id);
+  request.set_keep_source(keep_source);
+  v1::MigrateSnapshotResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->MigrateSnapshot(Context().get(), request, &response)));
+  if (json_) return PrintJson(response);
+  std::printf("migrated snapshot %" PRIu64 " to node %s as snapshot %" PRIu64 "%s\n", id,
+              request.target_node().c_str(), response.snapshot().id(),
+              keep_source ? " (source kept)" : " (dropped here)");
+  // The snapshot's groups follow the cache's spec, which this node has too.
+  auto info = FetchInfo(request.cache());
+  if (info.ok()) {
+    std::printf("  on %s: %s\n", request.target_node().c_str(),
+                SnapshotLine(response.snapshot(), info->spec()).c_str());
+  }
+  if (response.has_transfer()) {
+    std::printf("transfer: %s\n", TransferLine(response.transfer()).c_str());
+  }
+  return absl::OkStatus();
+}
+
 // ---- dispatch ------------------------------------------------------------------------------
 
 struct CommandDef {
@@ -1123,8 +1221,8 @@ const std::vector<CommandDef>& Commands() {
        {"cache", "name", "seq", "begin", "end", "out", "verify-seed", "max-chunk-bytes"},
        &Ctl::Read},
       {"visible", {"cache", "name", "group", "query", "seq", "pos", "non-causal"}, &Ctl::Visible},
-      {"copy-prefix", {"cache", "name", "src", "dst", "length"}, &Ctl::CopyPrefix},
-      {"remove", {"cache", "name", "seq", "begin", "end"}, &Ctl::Remove},
+      {"copy-prefix", {"cache", "name", "src", "dst", "length", "source-node"}, &Ctl::CopyPrefix},
+      {"remove", {"cache", "name", "seq", "begin", "end", "scope"}, &Ctl::Remove},
       {"can-resume", {"cache", "name", "seq", "pos"}, &Ctl::CanResume},
       {"list-sequences", {"cache", "name"}, &Ctl::ListSequences},
       {"snapshot", {"cache", "name", "seq", "from"}, &Ctl::Snapshot},
@@ -1135,6 +1233,13 @@ const std::vector<CommandDef>& Commands() {
       {"list-snapshots", {"cache", "name"}, &Ctl::ListSnapshots},
       {"commit-speculation", {"cache", "name", "seq", "accepted"}, &Ctl::CommitSpeculation},
       {"health", {"service"}, &Ctl::Health},
+      {"list-members", {}, &Ctl::ListMembers},
+      {"migrate",
+       {"cache", "name", "seq", "target-node", "target-seq", "keep-source"},
+       &Ctl::Migrate},
+      {"migrate-snapshot",
+       {"cache", "name", "snapshot", "target-node", "keep-source"},
+       &Ctl::MigrateSnapshot},
   };
   return *kCommands;
 }

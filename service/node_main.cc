@@ -3,7 +3,8 @@
 // status turns NOT_SERVING, in-flight calls get a grace period, and the executor drains.
 //
 // Once it listens it prints exactly one line to stdout, which scripts and tests parse:
-//   kvmesh-node <name> listening on <host>:<port> backend=host
+//   kvmesh-node <name> listening on <host>:<port> backend=<host|cuda> peers=<number of peers>
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
@@ -34,8 +35,14 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "service/cache_service.h"
+#include "service/cluster.h"
 #include "service/executor.h"
 #include "service/flags.h"
+#include "service/leases.h"
+#include "service/membership.h"
+#include "service/peer_service.h"
+#include "service/reservations.h"
+#include "transport/grpc_stream_transport.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7700",
           "address to serve on, host:port; port 0 picks a free port (see --port_file)");
@@ -56,6 +63,25 @@ ABSL_FLAG(std::string, backend, "host",
           "where caches live: host (host memory, needs no GPU) or cuda (the GPU --device)");
 ABSL_FLAG(int32_t, device, 0, "with --backend=cuda: the CUDA device index to serve from");
 ABSL_FLAG(std::string, port_file, "", "when set, the bound port is written to this file");
+ABSL_FLAG(std::string, peers, "",
+          "the other members of the cluster: name=host:port,name=host:port,... (docs/cluster.md)");
+ABSL_FLAG(std::string, peer_dns, "",
+          "discover the members from a Kubernetes headless Service instead: SERVICE:PORT "
+          "(StatefulSet pods; each pod's name is the first label of its reverse DNS name)");
+ABSL_FLAG(std::string, transport, "auto",
+          "how payloads move between nodes: auto (nccl when both nodes run on CUDA and have it, "
+          "else grpc-stream), grpc-stream or nccl");
+ABSL_FLAG(int64_t, lease_ms, 30000,
+          "an export lease that sees no transfer for this long expires and frees its copy");
+ABSL_FLAG(int64_t, transfer_timeout_ms, 120000,
+          "deadline of a cluster operation (copy, migration) whose caller set none or a later one");
+ABSL_FLAG(int32_t, cluster_threads, 8,
+          "threads running cluster operations (they wait on the network, apart from the engine)");
+ABSL_FLAG(int64_t, testing_chunk_delay_ms, 0,
+          "testing only: the grpc-stream sender waits this long before each chunk");
+ABSL_FLAG(
+    int32_t, testing_corrupt_chunk, -1,
+    "testing only: the grpc-stream sender flips a byte of this chunk index of every transfer");
 
 namespace kvmesh {
 namespace {
@@ -88,6 +114,12 @@ bool WritePortFile(const std::string& path, int port) {
 }
 
 int Run() {
+  // Payload buffers (gRPC's receive slices of 4 MiB transfer chunks, Append payloads) come and
+  // go at a high rate. glibc would map each one fresh (above its dynamic mmap threshold) and
+  // fault every page in again; keep them in the heap and keep freed heap memory instead.
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+
   const std::string backend = absl::GetFlag(FLAGS_backend);
   if (backend != "host" && backend != "cuda") {
     return Fail(absl::StrCat("--backend=", backend, " is not a backend: use host or cuda"));
@@ -145,9 +177,86 @@ int Run() {
   // Declared after the device: the registry's caches hold device memory and are destroyed first.
   CacheRegistry registry(device.get());
   Executor executor(threads, static_cast<size_t>(queue));
+
+  // ---- cluster ------------------------------------------------------------------------------
+  const std::string transport_flag = absl::GetFlag(FLAGS_transport);
+  if (transport_flag != "auto" && transport_flag != transport::kGrpcStream &&
+      transport_flag != transport::kNccl) {
+    executor.Shutdown();
+    return Fail(absl::StrCat("--transport=", transport_flag,
+                             " is not a transport: use auto, grpc-stream or nccl"));
+  }
+  const int64_t lease_ms = absl::GetFlag(FLAGS_lease_ms);
+  const int64_t transfer_timeout_ms = absl::GetFlag(FLAGS_transfer_timeout_ms);
+  const int32_t cluster_threads = absl::GetFlag(FLAGS_cluster_threads);
+  if (lease_ms <= 0 || transfer_timeout_ms <= 0 || cluster_threads < 1) {
+    executor.Shutdown();
+    return Fail(absl::StrCat("--lease_ms=", lease_ms,
+                             ", --transfer_timeout_ms=", transfer_timeout_ms,
+                             " and --cluster_threads=", cluster_threads, " must all be positive"));
+  }
+  const std::string backend_name = device->name();
+  std::vector<std::string> transports = {transport::kGrpcStream};
+  if (transport_flag == transport::kNccl) {
+    executor.Shutdown();
+    return Fail(
+        "--transport=nccl: this node has no nccl transport (it needs --backend=cuda and "
+        "a build with NCCL)");
+  }
+  Membership::Options membership_options;
+  membership_options.self_name = name;
+  membership_options.self_address = listen;
+  membership_options.backend = backend_name;
+  membership_options.transports = transports;
+  membership_options.max_message_bytes = static_cast<int>(max_message);
+  membership_options.peer_dns = absl::GetFlag(FLAGS_peer_dns);
+  absl::StatusOr<std::vector<MemberAddress>> peers =
+      Membership::ParsePeers(absl::GetFlag(FLAGS_peers));
+  if (!peers.ok()) {
+    executor.Shutdown();
+    return Fail(absl::StrCat("--peers: ", peers.status().message()));
+  }
+  membership_options.peers = *std::move(peers);
+  absl::StatusOr<std::unique_ptr<Membership>> membership =
+      Membership::Create(std::move(membership_options));
+  if (!membership.ok()) {
+    executor.Shutdown();
+    return Fail(std::string(membership.status().message()));
+  }
+  LeaseTable leases;
+  Reservations reservations;
+  transport::GrpcStreamTransport::Options stream_options;
+  stream_options.max_receive_message = static_cast<int32_t>(max_message);
+  Membership* const members = membership->get();
+  transport::GrpcStreamTransport grpc_stream(
+      [members](const std::string& address) {
+        return members->Channel(MemberAddress{address, address});
+      },
+      stream_options);
+  Cluster::Options cluster_options;
+  cluster_options.self_name = name;
+  cluster_options.backend = backend_name;
+  cluster_options.lease_time = absl::Milliseconds(lease_ms);
+  cluster_options.requested_lease_time = absl::Milliseconds(lease_ms);
+  cluster_options.transfer_timeout = absl::Milliseconds(transfer_timeout_ms);
+  cluster_options.transport = transport_flag;
+  Cluster cluster(cluster_options, &registry, members, &leases, &reservations,
+                  {{transport::kGrpcStream, &grpc_stream}});
+  Executor cluster_executor(cluster_threads, static_cast<size_t>(queue));
+
   CacheServiceImpl::Options options;
   options.max_send_message_bytes = max_message;
+  options.cluster = &cluster;
+  options.cluster_executor = &cluster_executor;
   CacheServiceImpl service(&registry, &executor, options);
+  PeerServiceImpl::Options peer_options;
+  peer_options.name = name;
+  peer_options.backend = backend_name;
+  peer_options.transports = transports;
+  peer_options.sender.max_chunk_bytes = static_cast<int>(max_message / 2);
+  peer_options.sender.chunk_delay = absl::Milliseconds(absl::GetFlag(FLAGS_testing_chunk_delay_ms));
+  peer_options.sender.corrupt_chunk = absl::GetFlag(FLAGS_testing_corrupt_chunk);
+  PeerServiceImpl peer_service(&cluster, &leases, &executor, &cluster_executor, peer_options);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -155,6 +264,7 @@ int Run() {
   int port = 0;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
+  builder.RegisterService(&peer_service);
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
   builder.SetMaxSendMessageSize(static_cast<int>(max_message));
   // gRPC sets SO_REUSEPORT by default: a second node on the same port would start and share
@@ -162,20 +272,24 @@ int Run() {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
+    cluster_executor.Shutdown();
     executor.Shutdown();
     return Fail(absl::StrCat("cannot listen on --listen=", listen));
   }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   health->SetServingStatus(v1::CacheService::service_full_name(), true);
+  health->SetServingStatus(v1::PeerService::service_full_name(), true);
+  members->SetSelfAddress(absl::StrCat(host, ":", port));
 
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty() && !WritePortFile(port_file, port)) {
     server->Shutdown();
+    cluster_executor.Shutdown();
     executor.Shutdown();
     return Fail(absl::StrCat("cannot write --port_file=", port_file, ": ", std::strerror(errno)));
   }
-  std::printf("kvmesh-node %s listening on %s:%d backend=%s\n", name.c_str(), host.c_str(), port,
-              backend.c_str());
+  std::printf("kvmesh-node %s listening on %s:%d backend=%s peers=%zu\n", name.c_str(),
+              host.c_str(), port, backend.c_str(), members->Peers().size());
   std::fflush(stdout);
 
   int signal = 0;
@@ -187,6 +301,7 @@ int Run() {
   // Calls still running get the grace period, then are cancelled. The executor keeps running
   // meanwhile: queued tasks are what finish those calls.
   server->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
+  cluster_executor.Shutdown();
   executor.Shutdown();
   server->Wait();
   return EXIT_SUCCESS;

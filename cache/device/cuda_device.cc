@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "cache/device/cuda_check.h"
 #include "cache/device/cuda_kernels.h"
@@ -44,6 +45,7 @@ class CudaStreamState final : public DeviceStream {
     done_ = cuda::Event();
     stream_ = cuda::Stream();
   }
+  int ordinal() const { return ordinal_; }
   cudaStream_t stream() const { return stream_.get(); }
   cudaEvent_t done() const { return done_.get(); }
 
@@ -165,10 +167,110 @@ class ParamWriter {
 };
 
 // Rows per launch such that `planes` plane entries of `plane_entry` bytes, `lists` row lists and
-// `extra` bytes fit in the parameter area.
+// `extra` bytes fit in the parameter area; 0 when not even a few rows fit (RoPE tables of an
+// absurd head_dim), which callers must refuse rather than loop on.
 size_t MaxRowsPerLaunch(size_t planes, size_t plane_entry, int lists, size_t extra) {
   const size_t fixed = AlignUp(planes * plane_entry, 16) + AlignUp(extra, 16) + 64;
-  return (kParamBytes - fixed) / (4 * size_t(lists)) - 4;
+  const size_t per_row = 4 * size_t(lists);
+  if (fixed >= kParamBytes || (kParamBytes - fixed) / per_row <= 4) return 0;
+  return (kParamBytes - fixed) / per_row - 4;
+}
+
+// INVALID_ARGUMENT unless rows [0, max_row] of a plane at `offset` with rows of `row_bytes` lie
+// inside `arena`. HostDevice leaves this to its callers (REQUIRES), but on the GPU a row past the
+// arena is an illegal address, which poisons the CUDA context of every cache on the device.
+absl::Status CheckRowsFit(const char* op, const DeviceArena& arena, size_t offset, size_t row_bytes,
+                          int32_t max_row) {
+  if (max_row < 0 || row_bytes == 0) return absl::OkStatus();
+  if (offset > arena.size() || (arena.size() - offset) / row_bytes <= size_t(max_row)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": row ", max_row, " of a plane at offset ", offset, " with rows of ",
+                     row_bytes, " bytes ends past the arena's ", arena.size(), " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+int32_t MaxRow(absl::Span<const int32_t> rows) {
+  int32_t max_row = -1;
+  for (int32_t r : rows) max_row = std::max(max_row, r);
+  return max_row;
+}
+
+absl::Status CheckPlanesFit(const char* op, const DeviceArena& arena,
+                            absl::Span<const Plane> planes, absl::Span<const int32_t> rows) {
+  const int32_t max_row = MaxRow(rows);
+  for (const Plane& plane : planes) {
+    RETURN_IF_ERROR(CheckRowsFit(op, arena, plane.offset, plane.row_bytes, max_row));
+  }
+  return absl::OkStatus();
+}
+
+// A set of non-negative row indices: a bitmap when the rows are dense enough, else a hash set.
+class RowSet {
+ public:
+  RowSet(int32_t max_row, size_t count) {
+    if (max_row >= 0 && size_t(max_row) / 64 <= 4 * count + 4096) {
+      bits_.assign(size_t(max_row) / 64 + 1, 0);
+    }
+  }
+  bool contains(int32_t r) const {
+    return bits_.empty() ? hash_.contains(r) : ((bits_[size_t(r) / 64] >> (r % 64)) & 1) != 0;
+  }
+  void insert(int32_t r) {
+    if (bits_.empty()) {
+      hash_.insert(r);
+    } else {
+      bits_[size_t(r) / 64] |= uint64_t{1} << (r % 64);
+    }
+  }
+  void erase(int32_t r) {
+    if (bits_.empty()) {
+      hash_.erase(r);
+    } else {
+      bits_[size_t(r) / 64] &= ~(uint64_t{1} << (r % 64));
+    }
+  }
+
+ private:
+  std::vector<uint64_t> bits_;
+  absl::flat_hash_set<int32_t> hash_;
+};
+
+// Splits the pairs (src_rows[i] -> dst_rows[i]) into runs [ends[k-1], ends[k]) of at most
+// max_rows pairs that one launch can copy concurrently with the result of HostDevice's loop,
+// which copies pair after pair. A run ends before a pair that writes a row written earlier in
+// the run (the later write wins) or, when `shared` (source and destination rows address the same
+// bytes: one arena, the same planes), before a pair that reads a row written earlier in the run
+// (it must see the new bytes) or writes a row read earlier (that pair must see the old ones).
+// Launches on one stream run in order, so runs reproduce the host's order exactly. RopeShift
+// passes its rows as both lists: a row listed twice is rotated twice, as on the host. Negative
+// rows move nothing and never conflict. The callers' lists rarely conflict: then this is one
+// pass over them and the runs are only the max_rows split.
+std::vector<size_t> SequentialRuns(absl::Span<const int32_t> src_rows,
+                                   absl::Span<const int32_t> dst_rows, bool shared,
+                                   size_t max_rows) {
+  const size_t n = dst_rows.size();
+  const int32_t max_row = std::max(shared ? MaxRow(src_rows) : -1, MaxRow(dst_rows));
+  RowSet read(shared ? max_row : -1, n), written(max_row, n);
+  std::vector<size_t> ends;
+  size_t begin = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t s = src_rows[i], d = dst_rows[i];
+    const bool conflict = (d >= 0 && (written.contains(d) || (shared && read.contains(d)))) ||
+                          (shared && s >= 0 && written.contains(s));
+    if (conflict || i - begin == max_rows) {
+      ends.push_back(i);
+      for (size_t j = begin; j < i; ++j) {
+        if (shared && src_rows[j] >= 0) read.erase(src_rows[j]);
+        if (dst_rows[j] >= 0) written.erase(dst_rows[j]);
+      }
+      begin = i;
+    }
+    if (shared && s >= 0) read.insert(s);
+    if (d >= 0) written.insert(d);
+  }
+  if (begin < n) ends.push_back(n);
+  return ends;
 }
 
 // A run of whole planes [plane_begin, plane_end) and rows [row_begin, row_end) of one Scatter or
@@ -187,6 +289,11 @@ std::vector<Piece> PlanPieces(absl::Span<const Plane> planes, size_t rows, size_
   size_t p = 0;
   while (p < planes.size()) {
     const size_t row_bytes = planes[p].row_bytes;
+    if (row_bytes == 0) {
+      // Nothing to move (and no batch size to divide by below).
+      ++p;
+      continue;
+    }
     if (row_bytes > payload_bytes) {
       pieces.push_back(Piece{p, p + 1, 0, rows, true});
       ++p;
@@ -257,6 +364,8 @@ class CudaDevice final : public Device {
 
   absl::Status Scatter(const DeviceArena& arena, absl::Span<const Plane> planes,
                        absl::Span<const int32_t> rows, const uint8_t* src) override {
+    if (planes.empty() || rows.empty()) return absl::OkStatus();
+    RETURN_IF_ERROR(CheckPlanesFit("Scatter", arena, planes, rows));
     return Run(arena, [&](Queue q, Staging& staging) {
       return ScatterOn(q, staging, arena, planes, rows, src);
     });
@@ -264,6 +373,8 @@ class CudaDevice final : public Device {
 
   absl::Status Gather(const DeviceArena& arena, absl::Span<const Plane> planes,
                       absl::Span<const int32_t> rows, uint8_t* dst) override {
+    if (planes.empty() || rows.empty()) return absl::OkStatus();
+    RETURN_IF_ERROR(CheckPlanesFit("Gather", arena, planes, rows));
     return Run(arena, [&](Queue q, Staging& staging) {
       return GatherOn(q, staging, arena, planes, rows, dst);
     });
@@ -285,6 +396,17 @@ class CudaDevice final : public Device {
                        dst_planes.size(), " destination planes, ", src_rows.size(),
                        " source rows and ", dst_rows.size(), " destination rows"));
     }
+    if (src_planes.empty() || src_rows.empty()) return absl::OkStatus();
+    // Destination rows are src row_bytes apart, as on the host.
+    const int32_t max_src = MaxRow(src_rows), max_dst = MaxRow(dst_rows);
+    for (size_t p = 0; p < src_planes.size(); ++p) {
+      RETURN_IF_ERROR(CheckRowsFit("CopyRowsBetween", src, src_planes[p].offset,
+                                   src_planes[p].row_bytes, max_src));
+      RETURN_IF_ERROR(CheckRowsFit("CopyRowsBetween", dst, dst_planes[p].offset,
+                                   src_planes[p].row_bytes, max_dst));
+    }
+    // Within one arena a pair may read a row another pair writes: CopyOn keeps the host's order.
+    const bool shared = src.data() == dst.data();
     std::vector<CopyPlane> table(src_planes.size());
     for (size_t p = 0; p < table.size(); ++p) {
       table[p] = CopyPlane{src.data() + src_planes[p].offset, dst.data() + dst_planes[p].offset,
@@ -293,12 +415,20 @@ class CudaDevice final : public Device {
     // Work on the destination's stream: every operation drains its stream before returning,
     // so the source's stream has nothing in flight.
     return Run(dst, [&](Queue q, Staging& staging) {
-      return CopyOn(q, staging, table, src_rows, dst_rows);
+      return CopyOn(q, staging, table, src_rows, dst_rows, shared);
     });
   }
 
   absl::Status RopeShift(const DeviceArena& arena, absl::Span<const Plane> planes,
                          absl::Span<const int32_t> rows, const RopeShiftParams& p) override {
+    // dims 0 (or 1) rotates nothing on the host either.
+    if (planes.empty() || rows.empty() || p.rope.dims / 2 == 0) return absl::OkStatus();
+    // Checked here, before the tables are sized by dims (LaunchRopeShift checks the rest).
+    if (p.rope.dims < 0 || p.rope.dims > p.head_dim) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RopeShift: dims ", p.rope.dims, " not in [0, head_dim ", p.head_dim, "]"));
+    }
+    RETURN_IF_ERROR(CheckPlanesFit("RopeShift", arena, planes, rows));
     return Run(arena, [&](Queue q, Staging& staging) {
       return RopeShiftOn(q, staging, arena, planes, rows, p);
     });
@@ -337,7 +467,7 @@ class CudaDevice final : public Device {
       status = RunOn(Queue{stream_.get(), done_.get()}, *staging, work);
     } else {
       auto* state = dynamic_cast<CudaStreamState*>(arena.stream().get());
-      if (state == nullptr) {
+      if (state == nullptr || state->ordinal() != ordinal_) {
         status = absl::InternalError(
             absl::StrCat("device ", name_, ": arena is bound to a stream of another device"));
       } else {
@@ -387,15 +517,17 @@ class CudaDevice final : public Device {
     staging_released_.notify_one();
   }
 
-  // Device-to-device row copies, split into launches whose row lists fit a parameter area.
+  // Device-to-device row copies, split into launches whose row lists fit a parameter area and
+  // whose pairs do not conflict (SequentialRuns; `shared`: one arena, the same planes).
   static absl::Status CopyOn(Queue q, Staging& staging, absl::Span<const CopyPlane> table,
-                             absl::Span<const int32_t> src_rows,
-                             absl::Span<const int32_t> dst_rows) {
+                             absl::Span<const int32_t> src_rows, absl::Span<const int32_t> dst_rows,
+                             bool shared) {
     const size_t max_rows = MaxRowsPerLaunch(kMaxPlanesPerLaunch, sizeof(CopyPlane), 2, 0);
+    const std::vector<size_t> ends = SequentialRuns(src_rows, dst_rows, shared, max_rows);
     for (size_t p0 = 0; p0 < table.size(); p0 += kMaxPlanesPerLaunch) {
       const size_t planes = std::min(kMaxPlanesPerLaunch, table.size() - p0);
-      for (size_t r0 = 0; r0 < src_rows.size(); r0 += max_rows) {
-        const size_t n = std::min(max_rows, src_rows.size() - r0);
+      for (size_t k = 0, r0 = 0; k < ends.size(); r0 = ends[k++]) {
+        const size_t n = ends[k] - r0;
         ASSIGN_OR_RETURN(Staging::Half * half, staging.Next());
         ParamWriter params(half);
         const CopyPlane* d_table = params.Put(table.data() + p0, planes);
@@ -581,10 +713,16 @@ class CudaDevice final : public Device {
     }
     const size_t max_rows =
         MaxRowsPerLaunch(kMaxPlanesPerLaunch, sizeof(uint8_t*), 1, 2 * 16 + 8 * size_t(half_dims));
+    if (max_rows == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RopeShift: dims ", p.rope.dims, " too large for one launch's tables"));
+    }
+    // A row listed twice is rotated twice, in order, as on the host.
+    const std::vector<size_t> ends = SequentialRuns(rows, rows, /*shared=*/true, max_rows);
     for (size_t p0 = 0; p0 < bases.size(); p0 += kMaxPlanesPerLaunch) {
       const size_t n_planes = std::min(kMaxPlanesPerLaunch, bases.size() - p0);
-      for (size_t r0 = 0; r0 < rows.size(); r0 += max_rows) {
-        const size_t n = std::min(max_rows, rows.size() - r0);
+      for (size_t k = 0, r0 = 0; k < ends.size(); r0 = ends[k++]) {
+        const size_t n = ends[k] - r0;
         ASSIGN_OR_RETURN(Staging::Half * half, staging.Next());
         ParamWriter params(half);
         uint8_t* const* d_planes = params.Put(bases.data() + p0, n_planes);
@@ -639,9 +777,21 @@ absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(const CudaDeviceOptions
   KVMESH_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.ordinal));
   size_t free_bytes = 0, total_bytes = 0;
   KVMESH_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
-  const size_t staging = size_t(kMaxStagingSets) * (options.staging_bytes + 2 * kParamBytes);
-  const size_t needed = options.budget_bytes + options.snapshot_budget_bytes + staging;
-  if (needed > free_bytes) {
+  // Taken from free_bytes one part at a time, so that huge budgets cannot wrap the sum around.
+  size_t left = free_bytes;
+  auto take = [&left](size_t bytes) {
+    if (bytes > left) return false;
+    left -= bytes;
+    return true;
+  };
+  bool fits = take(options.budget_bytes) && take(options.snapshot_budget_bytes);
+  for (int i = 0; fits && i < kMaxStagingSets; ++i) {
+    fits = take(options.staging_bytes) && take(2 * kParamBytes);
+  }
+  const size_t staging = options.staging_bytes > SIZE_MAX / (2 * kMaxStagingSets)
+                             ? SIZE_MAX
+                             : size_t(kMaxStagingSets) * (options.staging_bytes + 2 * kParamBytes);
+  if (!fits) {
     return absl::ResourceExhaustedError(
         absl::StrCat("CUDA device ", options.ordinal, " has ", free_bytes, " of ", total_bytes,
                      " bytes free, less than the memory budget (", options.budget_bytes,

@@ -5,7 +5,10 @@
 # that forks share cells, read back and verify. Then a hybrid model (LFM2-shaped: attention
 # layers with RoPE plus short-conv recurrent layers): push a prompt, snapshot it, extend the
 # sequence, restore it from the snapshot, fork from the snapshot, decode speculatively and commit
-# part of the draft, merge/split/drop snapshots, verifying every step's data. Stop.
+# part of the draft, merge/split/drop snapshots, verifying every step's data. Then a three-node
+# cluster on loopback: a prompt appended on node 0, forked onto node 1 with a cross-node
+# CopyPrefix, migrated to node 2, removed cluster-wide, with the bytes moved and the time taken.
+# Stop every node.
 #
 #   deploy/local/demo.sh           (from any directory; as root or with sudo for bootstrap)
 #
@@ -52,7 +55,7 @@ start_node() {
   shift
   local port_file="$run_dir/$name.port"
   rm -f "$port_file"
-  "$node_bin" --listen=127.0.0.1:0 --port-file="$port_file" --node-name="$name" \
+  "$node_bin" --listen="127.0.0.1:${node_port:-0}" --port-file="$port_file" --node-name="$name" \
     --memory-budget="$budget" --snapshot-budget="$snapshot_budget" --max-message-bytes=128MiB \
     "$@" \
     >"$run_dir/$name.out" 2>"$run_dir/$name.log" &
@@ -296,6 +299,59 @@ ctl $N list-snapshots --cache=$hc
 step "delete the hybrid cache and stop the node"
 ctl $N delete --cache=$hc
 ctl $N list
+stop_all_nodes
+
+# ---- a three-node cluster ------------------------------------------------------------------------
+# free_port: a loopback port nothing listens on now (from 17700 up).
+free_port() {
+  local port=${1:-17700}
+  while ss -Htln "sport = :$port" | grep -q .; do port=$((port + 1)); done
+  echo "$port"
+}
+step "start a three-node cluster on 127.0.0.1: each node knows the others from --peers"
+p0=$(free_port 17700); p1=$(free_port $((p0 + 1))); p2=$(free_port $((p1 + 1)))
+node_port=$p0 start_node node-0 --peers=node-1=127.0.0.1:$p1,node-2=127.0.0.1:$p2
+node_port=$p1 start_node node-1 --peers=node-0=127.0.0.1:$p0,node-2=127.0.0.1:$p2
+node_port=$p2 start_node node-2 --peers=node-0=127.0.0.1:$p0,node-1=127.0.0.1:$p1
+ctl node-1 list-members
+
+cc=llama3-8b
+step "create the Llama-3-8B-shaped cache on every node (32 layers, 8 KV heads, head dim 128, F16)"
+for n in node-0 node-1 node-2; do
+  ctl $n create --name=$cc --dtype=f16 --max-sequences=4 --capacity=4096 --max-batch=512 \
+    --group=attention:layers=32,heads=8,head_dim=128,window=full,rope=$rope
+done
+
+step "node-0: prefill a 1024-token prompt for seq 0 (128 MiB of K/V)"
+ctl node-0 append --cache=$cc --seq=0 --positions=0:1024 --seed=21 --stream --batch=256
+
+step "node-1 forks it: CopyPrefix from node-0's seq 0 into its own seq 5 (the destination pulls)"
+ctl node-1 copy-prefix --cache=$cc --src=0 --dst=5 --length=1024 --source-node=node-0
+ctl node-1 read --cache=$cc --seq=5 --verify-seed=21
+ctl node-1 append --cache=$cc --seq=5 --positions=1024:1040 --seed=22
+ctl node-0 list-sequences --cache=$cc
+ctl node-1 list-sequences --cache=$cc
+
+step "migrate node-0's seq 0 to node-2 as seq 1: copy, commit on node-2, then remove on node-0"
+ctl node-0 migrate --cache=$cc --seq=0 --target-node=node-2 --target-seq=1
+ctl node-2 read --cache=$cc --seq=1 --verify-seed=21
+ctl node-0 list-sequences --cache=$cc
+ctl node-2 list-sequences --cache=$cc
+
+step "remove positions [512, end) of seq 1 everywhere: one result per node"
+ctl node-2 remove --cache=$cc --seq=1 --begin=512 --scope=cluster
+ctl node-2 list-sequences --cache=$cc
+ctl node-2 read --cache=$cc --seq=1 --verify-seed=21
+
+step "remove seq 5 and seq 1 cluster-wide; every node is empty again"
+ctl node-0 remove --cache=$cc --seq=5 --begin=0 --scope=cluster
+ctl node-0 remove --cache=$cc --seq=1 --begin=0 --scope=cluster
+for n in node-0 node-1 node-2; do
+  printf '$ kvmeshctl --json list-sequences --cache=%s   (on %s)\n' "$cc" "$n"
+  out=$("$ctl_bin" --addr="${node_addr[$n]}" --timeout=60s --json list-sequences --cache=$cc)
+  printf '%s\n' "$out"
+  [ "$(printf '%s' "$out" | tr -d ' \n')" = "{}" ] || die "$n still holds sequences"
+done
 stop_all_nodes
 echo
 echo "demo: done"

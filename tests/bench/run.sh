@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Builds the benchmarks and runs them, printing the machine first. Never run by ctest.
 #
-#   tests/bench/run.sh                 engine_bench, then rpc_bench (starts its own node)
+#   tests/bench/run.sh [all]           engine_bench, rpc_bench (starts its own node), then
+#                                      migrate_bench (starts two nodes); takes no ARGS
 #   tests/bench/run.sh engine [ARGS]   engine_bench only; ARGS go to it (--benchmark_filter=Read)
 #   tests/bench/run.sh rpc [ARGS]      rpc_bench only; ARGS go to it (--threads=16 --duration=5s)
+#   tests/bench/run.sh migrate [ARGS]  migrate_bench only; ARGS go to it (--reps=9
+#                                      --node-flags="--transport=grpc-stream")
 #
 # KVMESH_BUILD_DIR picks the build directory (default <repo>/build).
 set -euo pipefail
@@ -12,16 +15,24 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build_dir=${KVMESH_BUILD_DIR:-$root/build}
 what=all
 case "${1:-}" in
-  engine|rpc|all) what=$1; shift ;;
-  -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+  engine|rpc|migrate|all) what=$1; shift ;;
+  -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
 esac
+if [ "$what" = all ] && [ "$#" -gt 0 ]; then
+  echo "run.sh: ARGS need a mode (engine, rpc or migrate): each bench has its own flags" >&2
+  exit 2
+fi
 
 "$root/scripts/bootstrap.sh"
 cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVMESH_BUILD_BENCH=ON \
   >/dev/null
 targets=()
-[ "$what" = rpc ] || targets+=(engine_bench)
-[ "$what" = engine ] || targets+=(rpc_bench)
+case "$what" in
+  engine) targets+=(engine_bench) ;;
+  rpc) targets+=(rpc_bench kvmesh_node) ;;
+  migrate) targets+=(migrate_bench kvmesh_node) ;;
+  all) targets+=(engine_bench rpc_bench migrate_bench kvmesh_node) ;;
+esac
 cmake --build "$build_dir" -j"$(nproc)" --target "${targets[@]}"
 
 echo
@@ -32,13 +43,18 @@ grep MemTotal /proc/meminfo
 echo "kernel: $(uname -r)"
 echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 
-if [ "$what" != rpc ]; then
+if [ "$what" = engine ] || [ "$what" = all ]; then
   echo
   echo "== engine_bench $*"
   "$build_dir/tests/bench/engine_bench" "$@"
 fi
-if [ "$what" != engine ]; then
+if [ "$what" = rpc ] || [ "$what" = all ]; then
   echo
   echo "== rpc_bench $*"
   "$build_dir/tests/bench/rpc_bench" "$@"
+fi
+if [ "$what" = migrate ] || [ "$what" = all ]; then
+  echo
+  echo "== migrate_bench $*"
+  "$build_dir/tests/bench/migrate_bench" "$@"
 fi

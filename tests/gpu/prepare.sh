@@ -11,6 +11,9 @@
 #   .gpu-deps/absl/include/absl/                Debian's libabsl-dev headers
 #   .gpu-deps/absl/lib/x86_64-linux-gnu/        libabsl_*.so* (links resolved to copies) and
 #     cmake/absl/                               the CMake package: -Dabsl_DIR=<that folder>
+#   .gpu-deps/nccl/include/nccl.h               this machine's NCCL header, for a GPU machine
+#                                               whose NCCL (a Python wheel's) comes without one;
+#                                               the library itself is the GPU machine's own
 #   .gpu-deps/MANIFEST                          package versions and the glibc they need
 #
 # The Abseil package config computes every path from its own location (_IMPORT_PREFIX is four
@@ -47,6 +50,13 @@ cp -rL /usr/include/absl "$tmp/absl/include/absl"
 cp -L "$sys_lib"/libabsl_*.so* "$tmp/absl/lib/$multiarch/"
 cp -rL "$sys_lib/cmake/absl" "$tmp/absl/lib/$multiarch/cmake/absl"
 
+# NCCL's header only (tests/gpu/run.sh says why the library is not carried).
+nccl_header=/usr/local/cuda/include/nccl.h
+if [ -f "$nccl_header" ]; then
+  mkdir -p "$tmp/nccl/include"
+  cp -L "$nccl_header" "$tmp/nccl/include/nccl.h"
+fi
+
 # Every path in the package must derive from its location, except the "/usr move" check that
 # compares against the original install folder (false once copied).
 if grep -n '"/usr' "$tmp/absl/lib/$multiarch/cmake/absl/"*.cmake | grep -v -e '_realOrig' -e ':#' \
@@ -71,6 +81,10 @@ needs=$(for f in "$tmp/absl/lib/$multiarch"/libabsl_*.so.*.*.*; do
   echo "build host: $(. /etc/os-release && echo "$PRETTY_NAME"), $(ldd --version | head -1)"
   dpkg-query -W -f='${Package} ${Version}\n' googletest libabsl-dev 2>/dev/null || true
   echo "libabsl_*.so need at least: $needs"
+  if [ -f "$tmp/nccl/include/nccl.h" ]; then
+    echo "nccl.h: NCCL_VERSION_CODE $(grep -m1 -E '^#define NCCL_VERSION_CODE' \
+      "$tmp/nccl/include/nccl.h" | awk '{print $3}')"
+  fi
 } >"$tmp/MANIFEST"
 
 rm -rf "$dest"

@@ -15,6 +15,12 @@
 # build.log (configure + build), env.txt (nvidia-smi, compilers, OS), ctest.log (console),
 # ctest-full.log (every test's whole output), gpu_bench.log, summary.txt.
 #
+# NCCL (the nccl transport's tests/gpu/nccl_self_transfer_test): the build uses the GPU machine's
+# own libnccl.so.2, too large to carry (~200 MiB): /usr/local/cuda's when it has one, else the
+# one in Python's nvidia-nccl wheel (PyTorch's), with that wheel's nccl.h or, lacking one, the
+# nccl.h that prepare.sh copied into .gpu-deps/nccl. KVMESH_GPU_NCCL_DIR=<dir with lib/ and
+# include/> overrides the search. Without NCCL that test is not built (the summary says so).
+#
 # Options:
 #   --build-only      configure and build only (checks the build path on a machine without GPU)
 #   --build-dir DIR   build directory (default <repo>/build-gpu)
@@ -99,6 +105,26 @@ cap() { [ ! -f "$1" ] || [ "$(stat -c %s "$1")" -le 15000000 ] ||
 } >"$log_dir/env.txt" 2>&1
 cat "$log_dir/env.txt"
 
+# ---- NCCL ----------------------------------------------------------------------------------
+nccl_args=()
+nccl_dir=${KVMESH_GPU_NCCL_DIR:-}
+if [ -z "$nccl_dir" ] && ! ls /usr/local/cuda/lib64/libnccl.so* >/dev/null 2>&1; then
+  nccl_dir=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
+fi
+if [ -n "$nccl_dir" ]; then
+  nccl_lib=$(find "$nccl_dir/lib" -maxdepth 1 -name 'libnccl.so*' 2>/dev/null | sort | head -1)
+  nccl_inc=$nccl_dir/include
+  [ -f "$nccl_inc/nccl.h" ] || nccl_inc=$deps/nccl/include
+  if [ -n "$nccl_lib" ] && [ -f "$nccl_inc/nccl.h" ]; then
+    nccl_args=(-DKVMESH_NCCL_LIBRARY="$nccl_lib" -DKVMESH_NCCL_INCLUDE_DIR="$nccl_inc")
+    LD_LIBRARY_PATH=$(dirname "$nccl_lib"):$LD_LIBRARY_PATH
+    note "nccl: $nccl_lib, headers $nccl_inc ($(grep -m1 -E '^#define NCCL_VERSION_CODE' \
+      "$nccl_inc/nccl.h" | awk '{print $3}'))"
+  else
+    note "nccl: WARNING: nothing usable under $nccl_dir (lib/libnccl.so*, include/nccl.h)"
+  fi
+fi
+
 # ---- configure and build -------------------------------------------------------------------
 build_type=${KVMESH_GPU_BUILD_TYPE:-Release}
 jobs=${KVMESH_GPU_JOBS:-$(nproc)}
@@ -109,6 +135,7 @@ configure=(cmake -S "$root" -B "$build_dir" "${generator[@]}"
   -DKVMESH_BUILD_GRPC=OFF -DKVMESH_BUILD_TESTS=ON -DKVMESH_BUILD_BENCH=ON -DKVMESH_CUDA=ON
   -DKVMESH_GTEST_SOURCE_DIR="$gtest_src"
   -Dabsl_DIR="$absl_dir"
+  "${nccl_args[@]}"
   # DT_RPATH, not RUNPATH: it also applies to the libraries' own dependencies (libabsl_* need
   # each other), so the binaries run there without LD_LIBRARY_PATH.
   "-DCMAKE_EXE_LINKER_FLAGS=-Wl,--disable-new-dtags")
@@ -122,6 +149,11 @@ if ! "${configure[@]}" >"$log_dir/build.log" 2>&1; then
 fi
 grep -E '^-- kvmesh:' "$log_dir/build.log"
 cached() { sed -n "s/^$1:[A-Z]*=//p" "$build_dir/CMakeCache.txt"; }
+if grep -q 'NCCL=OFF' "$log_dir/build.log"; then
+  note "nccl: WARNING: not found; nccl_self_transfer_test is not built (see KVMESH_GPU_NCCL_DIR)"
+elif [ ${#nccl_args[@]} = 0 ]; then
+  note "nccl: $(cached KVMESH_NCCL_LIBRARY)"
+fi
 echo "absl_DIR=$(cached absl_DIR)"
 echo "KVMESH_GTEST_SOURCE_DIR=$(cached KVMESH_GTEST_SOURCE_DIR) (GTest_DIR=$(cached GTest_DIR))"
 if [ "$(realpath -m "$(cached absl_DIR)")" != "$(realpath -m "$absl_dir")" ]; then

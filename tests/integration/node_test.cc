@@ -87,7 +87,7 @@ TEST(NodeTest, PrintsOneListeningLineAndWritesThePortFile) {
   std::unique_ptr<NodeProcess> node = StartNode({"--port-file=" + port_file}, "alpha-1");
   ASSERT_NE(node, nullptr);
   EXPECT_THAT(node->listening_line(),
-              MatchesRegex("kvmesh-node alpha-1 listening on 127\\.0\\.0\\.1:[0-9]+ backend=host"));
+              MatchesRegex("kvmesh-node alpha-1 listening on 127\\.0\\.0\\.1:[0-9]+ backend=host peers=0"));
   std::ifstream in(port_file);
   int port = 0;
   in >> port;

@@ -1,9 +1,12 @@
 #include "tests/testing/node_process.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -178,7 +181,7 @@ NodeProcess::NodeProcess(pid_t pid, int stdout_fd, std::string stderr_path)
     : pid_(pid), stdout_fd_(stdout_fd), stderr_path_(std::move(stderr_path)) {}
 
 absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& options) {
-  std::vector<std::string> args = {"--listen=127.0.0.1:0",
+  std::vector<std::string> args = {absl::StrCat("--listen=127.0.0.1:", options.port),
                                    absl::StrCat("--node-name=", options.node_name)};
   args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
   absl::StatusOr<Child> child = Spawn(args);
@@ -205,7 +208,7 @@ absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& o
                                                "'; stderr:\n", node->ReadStderr()));
   }
   node->line_ = text.substr(0, text.find('\n'));
-  // kvmesh-node <name> listening on <host>:<port> backend=<backend>
+  // kvmesh-node <name> listening on <host>:<port> backend=<backend> peers=<n>
   const std::string prefix = absl::StrCat("kvmesh-node ", options.node_name, " listening on ");
   const size_t addr_end = node->line_.find(' ', prefix.size());
   const size_t colon = node->line_.rfind(':', addr_end);
@@ -265,6 +268,23 @@ bool NodeProcess::Running() {
 }
 
 std::string NodeProcess::ReadStderr() const { return ReadFile(stderr_path_); }
+
+int ReservePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
 
 absl::StatusOr<NodeRun> RunNodeToExit(const std::vector<std::string>& args,
                                       absl::Duration timeout) {

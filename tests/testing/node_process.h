@@ -45,6 +45,9 @@ class NodeProcess {
  public:
   struct Options {
     std::string node_name = "test-node";
+    // Port to listen on; 0: one the kernel picks (see ReservePort for a port known in advance,
+    // as a cluster's --peers needs).
+    int port = 0;
     // Further flags, e.g. "--memory-budget=64MiB". --listen and --node-name are set already.
     std::vector<std::string> extra_args;
     // How long the node may take to print its listening line.
@@ -101,6 +104,10 @@ class NodeProcess {
   std::shared_ptr<grpc::Channel> channel_;
   std::optional<ExitStatus> exit_;
 };
+
+// A port on 127.0.0.1 that was free a moment ago (bound, then closed), for nodes whose
+// addresses must be known before they start. 0 when none could be bound.
+int ReservePort();
 
 // Result of running kvmesh-node to completion.
 struct NodeRun {

@@ -69,6 +69,12 @@ absl::StatusOr<std::unique_ptr<Device>> CreateTestDevice(size_t budget_bytes,
 }
 
 std::unique_ptr<Device> MakeTestDevice(size_t budget_bytes, size_t snapshot_budget_bytes) {
+  // CUDA selected and no GPU: TestDeviceSkipper has already marked the test SKIPPED, but gtest
+  // still constructs its fixture, whose members may build a device. Give them a HostDevice; the
+  // test body never runs.
+  if (TestOnCuda() && CudaDeviceCount() == 0) {
+    return std::make_unique<HostDevice>(budget_bytes, snapshot_budget_bytes);
+  }
   absl::StatusOr<std::unique_ptr<Device>> device =
       CreateTestDevice(budget_bytes, snapshot_budget_bytes);
   if (!device.ok()) {
@@ -143,7 +149,8 @@ void TestDeviceEnvironment::SetUp() {
 }
 
 void TestDeviceSkipper::OnTestStart(const ::testing::TestInfo& test_info) {
-  // Recorded in the starting test's result: gtest then neither constructs nor runs it.
+  // Recorded in the starting test's result: gtest then runs neither SetUp nor the body (it
+  // still constructs the fixture; MakeTestDevice allows for that).
   if (environment_->no_gpu()) GTEST_SKIP() << "no CUDA device (see above)";
 }
 

@@ -1,4 +1,5 @@
-// Unit tests of kvmeshctl's helpers: shorthand parsers, argument parsing, pattern payloads.
+// Unit tests of kvmeshctl's helpers: shorthand parsers, argument parsing, pattern payloads, the
+// output of the cluster commands.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -8,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "service/convert.h"
 #include "service/ctl_args.h"
+#include "service/ctl_format.h"
 #include "service/ctl_parse.h"
 #include "service/ctl_payload.h"
 
@@ -32,7 +34,9 @@ TEST(ParseGroupTest, FullLlamaGroup) {
 }
 
 TEST(ParseGroupTest, SlidingChunkedAndDefaults) {
-  auto s = ParseGroup("attention:layers=4,heads=2,head_dim_k=64,head_dim_v=32,window=sliding:1024:2048,rope=normal");
+  auto s = ParseGroup(
+      "attention:layers=4,heads=2,head_dim_k=64,head_dim_v=32,window=sliding:1024:2048,rope="
+      "normal");
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->attention().window().sliding().window(), 1024);
   EXPECT_EQ(s->attention().window().sliding().memory(), 2048);
@@ -76,8 +80,9 @@ TEST(ParseGroupTest, Rotating) {
   EXPECT_EQ(g->rotating().rope().dims(), 32);
   EXPECT_EQ(g->rotating().rope().base(), 1e6f);
 
-  auto d = ParseGroup("rotating:layers=1,kv_heads=1,head_dim_k=16,head_dim_v=8,max_size=4,"
-                      "rope=normal");
+  auto d = ParseGroup(
+      "rotating:layers=1,kv_heads=1,head_dim_k=16,head_dim_v=8,max_size=4,"
+      "rope=normal");
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ(d->rotating().head_dim_v(), 8);
   EXPECT_EQ(d->rotating().rope().dims(), 16);  // defaults to head_dim_k
@@ -172,8 +177,8 @@ TEST(FormatPositionsTest, Ranges) {
 }
 
 TEST(ArgsTest, FlagsAnywhereRepeatedAndBool) {
-  const char* argv[] = {"kvmeshctl", "--json",   "create", "--group=a",  "--group", "b",
-                        "--stream",  "--name", "x"};
+  const char* argv[] = {"kvmeshctl", "--json",   "create", "--group=a", "--group",
+                        "b",         "--stream", "--name", "x"};
   auto args = Args::Parse(9, argv, {"json", "stream"});
   ASSERT_TRUE(args.ok());
   EXPECT_EQ(args->command(), "create");
@@ -211,7 +216,8 @@ CacheSpec TwoGroupSpec() {
   proto.set_capacity(64);
   proto.set_max_batch(16);
   *proto.add_groups() = *ParseGroup("attention:layers=2,heads=2,head_dim=4,rope=neox");
-  *proto.add_groups() = *ParseGroup("attention:layers=1,heads=1,head_dim_k=8,head_dim_v=2,window=sliding:4");
+  *proto.add_groups() =
+      *ParseGroup("attention:layers=1,heads=1,head_dim_k=8,head_dim_v=2,window=sliding:4");
   return *SpecFromProto(proto);
 }
 
@@ -258,8 +264,7 @@ TEST(PatternTest, SliceTokensEqualsPatternOfTheSlice) {
   const CacheSpec spec = TwoGroupSpec();
   const std::string all = MakePatternPayload(spec, {0, 1, 2, 3, 4}, 1);
   const std::string slice = SliceTokens(
-      spec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(all.data()), all.size()), 5, 1,
-      4);
+      spec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(all.data()), all.size()), 5, 1, 4);
   EXPECT_EQ(slice, MakePatternPayload(spec, {1, 2, 3}, 1));
 }
 
@@ -358,31 +363,31 @@ TEST(PatternTest, HybridReadVerifies) {
   const std::string second = MakePatternPayload(spec, {3, 4}, 7);
   const std::string window = MakePatternPayload(spec, {2, 3, 4}, 7);
   const std::string all = MakePatternPayload(spec, {0, 1, 2, 3, 4}, 7);
-  const std::string read = Section(spec, all, 5, 1, 0) + Section(spec, window, 3, 1, 1) +
-                           Section(spec, second, 2, 1, 2);
+  const std::string read =
+      Section(spec, all, 5, 1, 0) + Section(spec, window, 3, 1, 1) + Section(spec, second, 2, 1, 2);
   const std::vector<std::vector<int32_t>> positions = {{0, 1, 2, 3, 4}, {2, 3, 4}, {}};
-  PatternCheck ok = CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5},
-                                        Bytes(read), 7);
+  PatternCheck ok =
+      CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5}, Bytes(read), 7);
   EXPECT_EQ(ok.mismatches, 0u) << ok.first_mismatch;
   EXPECT_EQ(ok.elements, 2u * 8 * 5 + 1u * 4 * 3 + 2u * (6 + 4));
 
   // The state of the first Append belongs to offset 3: checking it as offset 5 fails.
-  const std::string stale = Section(spec, all, 5, 1, 0) + Section(spec, window, 3, 1, 1) +
-                            Section(spec, first, 3, 1, 2);
-  PatternCheck wrong_state = CheckPatternPayload(
-      spec, positions, {std::nullopt, std::nullopt, 5}, Bytes(stale), 7);
+  const std::string stale =
+      Section(spec, all, 5, 1, 0) + Section(spec, window, 3, 1, 1) + Section(spec, first, 3, 1, 2);
+  PatternCheck wrong_state =
+      CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5}, Bytes(stale), 7);
   EXPECT_GT(wrong_state.mismatches, 10u);
   EXPECT_THAT(wrong_state.first_mismatch,
               ::testing::HasSubstr("group 2 layer 0 conv state (offset 5)"));
-  PatternCheck as_three = CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 3},
-                                              Bytes(stale), 7);
+  PatternCheck as_three =
+      CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 3}, Bytes(stale), 7);
   EXPECT_EQ(as_three.mismatches, 0u) << as_three.first_mismatch;
 
   // One flipped byte in the last layer's delta state.
   std::string flipped = read;
   flipped[flipped.size() - 1] ^= 0x40;
-  PatternCheck delta = CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5},
-                                           Bytes(flipped), 7);
+  PatternCheck delta =
+      CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5}, Bytes(flipped), 7);
   EXPECT_EQ(delta.mismatches, 1u);
   EXPECT_EQ(delta.first_mismatch, "group 2 layer 1 delta state (offset 5) element 3");
 
@@ -391,8 +396,8 @@ TEST(PatternTest, HybridReadVerifies) {
   const std::string bad_window = Section(spec, all, 5, 1, 0) +
                                  Section(spec, other_window, 3, 1, 1) +
                                  Section(spec, second, 2, 1, 2);
-  PatternCheck rot = CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5},
-                                         Bytes(bad_window), 7);
+  PatternCheck rot =
+      CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5}, Bytes(bad_window), 7);
   EXPECT_GT(rot.mismatches, 0u);
   EXPECT_THAT(rot.first_mismatch, ::testing::HasSubstr("group 1 layer 0 K pos 2"));
 
@@ -401,8 +406,8 @@ TEST(PatternTest, HybridReadVerifies) {
   EXPECT_EQ(unannounced.mismatches, unannounced.elements);
   EXPECT_THAT(unannounced.first_mismatch, ::testing::HasSubstr("bytes"));
   const std::string no_state = Section(spec, all, 5, 1, 0) + Section(spec, window, 3, 1, 1);
-  PatternCheck missing = CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5},
-                                             Bytes(no_state), 7);
+  PatternCheck missing =
+      CheckPatternPayload(spec, positions, {std::nullopt, std::nullopt, 5}, Bytes(no_state), 7);
   EXPECT_EQ(missing.mismatches, missing.elements);
   EXPECT_GT(missing.elements, 0u);
   // Without the state (a Read whose range stops before the offset) the rest verifies.
@@ -435,6 +440,64 @@ TEST(Fnv1aTest, KnownValuesAndChunking) {
   EXPECT_EQ(Fnv1a64(span("a")), 0xaf63dc4c8601ec8cull);
   EXPECT_EQ(Fnv1a64(span(s)), 0x85944171f73967e8ull);
   EXPECT_EQ(Fnv1a64(span("bar"), Fnv1a64(span("foo"))), Fnv1a64(span(s)));
+}
+
+TEST(ClusterFormatTest, TransferLine) {
+  v1::TransferStats stats;
+  stats.set_transport("grpc-stream");
+  stats.set_bytes(int64_t{64} << 20);
+  stats.set_micros(75300);
+  EXPECT_EQ(TransferLine(stats), "grpc-stream, 64.0 MiB in 75.3 ms, 0.89 GB/s");
+  stats.set_transport("nccl");
+  stats.set_bytes(4096);
+  stats.set_micros(0);
+  EXPECT_EQ(TransferLine(stats), "nccl, 4096 B in 0.0 ms");
+  EXPECT_EQ(TransferLine(v1::TransferStats()), "?, 0 B in 0.0 ms");
+}
+
+TEST(ClusterFormatTest, NodeResultLine) {
+  v1::NodeResult ok;
+  ok.set_node("a");
+  EXPECT_EQ(NodeResultLine(ok), "a: OK");
+  v1::NodeResult missing;
+  missing.set_node("b");
+  missing.set_code(static_cast<int>(absl::StatusCode::kNotFound));
+  missing.set_message("cache 'x' does not exist");
+  EXPECT_EQ(NodeResultLine(missing), "b: NOT_FOUND: cache 'x' does not exist");
+}
+
+TEST(ClusterFormatTest, MembersTable) {
+  v1::ListMembersResponse response;
+  v1::Member* a = response.add_members();
+  a->set_name("a");
+  a->set_address("10.0.0.1:7700");
+  a->set_self(true);
+  a->set_health(v1::MEMBER_HEALTH_SERVING);
+  a->set_backend("cuda:0");
+  a->add_transports("grpc-stream");
+  a->add_transports("nccl");
+  v1::Member* b = response.add_members();
+  b->set_name("node-b");
+  b->set_address("10.0.0.2:7700");
+  b->set_health(v1::MEMBER_HEALTH_UNREACHABLE);
+  b->set_detail("DEADLINE_EXCEEDED: Deadline Exceeded");
+  EXPECT_EQ(MembersTable(response),
+            "NAME    ADDRESS        HEALTH       BACKEND  TRANSPORTS        DETAIL\n"
+            "a *     10.0.0.1:7700  SERVING      cuda:0   grpc-stream,nccl  -\n"
+            "node-b  10.0.0.2:7700  UNREACHABLE  -        -                 "
+            "DEADLINE_EXCEEDED: Deadline Exceeded\n");
+  EXPECT_EQ(MemberHealthText(v1::MEMBER_HEALTH_NOT_SERVING), "NOT_SERVING");
+  EXPECT_EQ(MemberHealthText(v1::MEMBER_HEALTH_UNKNOWN), "UNKNOWN");
+}
+
+TEST(ClusterFormatTest, ParseRemoveScope) {
+  EXPECT_EQ(*ParseRemoveScope("cluster"), v1::REMOVE_SCOPE_CLUSTER);
+  EXPECT_EQ(*ParseRemoveScope("CLUSTER"), v1::REMOVE_SCOPE_CLUSTER);
+  EXPECT_EQ(*ParseRemoveScope("REMOVE_SCOPE_CLUSTER"), v1::REMOVE_SCOPE_CLUSTER);
+  EXPECT_EQ(*ParseRemoveScope("local"), v1::REMOVE_SCOPE_LOCAL);
+  auto bad = ParseRemoveScope("global");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(), "--scope='global': expected local or cluster");
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-#include "service/ctl_health.h"
+#include "service/health_client.h"
 
 #include <cstdint>
 #include <utility>
@@ -9,9 +9,9 @@
 #include "google/protobuf/wire_format_lite.h"
 #include "grpcpp/impl/client_unary_call.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/client_callback.h"
 
 namespace kvmesh {
-namespace ctl {
 namespace {
 
 constexpr char kCheckMethod[] = "/grpc.health.v1.Health/Check";
@@ -53,6 +53,10 @@ bool DecodeResponse(const grpc::ByteBuffer& buffer, ServingStatus* status) {
   return true;
 }
 
+grpc::Status ParseError() {
+  return grpc::Status(grpc::StatusCode::INTERNAL, "health: response does not parse");
+}
+
 }  // namespace
 
 const char* ServingStatusName(ServingStatus status) {
@@ -80,12 +84,29 @@ grpc::Status HealthClient::Check(grpc::ClientContext* context, const std::string
       channel_.get(), check_method_, context, EncodeRequest(service), &response);
   if (!rpc.ok()) return rpc;
   ServingStatus parsed;
-  if (!DecodeResponse(response, &parsed)) {
-    return grpc::Status(grpc::StatusCode::INTERNAL, "health: response does not parse");
-  }
+  if (!DecodeResponse(response, &parsed)) return ParseError();
   *status = parsed;
   return grpc::Status::OK;
 }
 
-}  // namespace ctl
+void HealthClient::CheckAsync(grpc::ClientContext* context, const std::string& service,
+                              std::function<void(grpc::Status, ServingStatus)> done) const {
+  // The messages live until the completion; the channel too (the call holds no reference).
+  struct Call {
+    std::shared_ptr<grpc::Channel> channel;
+    grpc::ByteBuffer request;
+    grpc::ByteBuffer response;
+    std::function<void(grpc::Status, ServingStatus)> done;
+  };
+  auto* call = new Call{channel_, EncodeRequest(service), grpc::ByteBuffer(), std::move(done)};
+  grpc::internal::CallbackUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      call->channel.get(), check_method_, context, &call->request, &call->response,
+      [call](grpc::Status rpc) {
+        ServingStatus parsed = ServingStatus::kUnknown;
+        if (rpc.ok() && !DecodeResponse(call->response, &parsed)) rpc = ParseError();
+        call->done(std::move(rpc), parsed);
+        delete call;
+      });
+}
+
 }  // namespace kvmesh

@@ -1,0 +1,479 @@
+#include "service/cluster.h"
+
+#include <algorithm>
+#include <chrono>
+#include <future>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "cache/spec.h"
+#include "cache/status_macros.h"
+#include "grpcpp/grpcpp.h"
+#include "kvmesh/v1/kvmesh.grpc.pb.h"
+#include "kvmesh/v1/peer.grpc.pb.h"
+#include "service/convert.h"
+#include "transport/checksum.h"
+
+namespace kvmesh {
+namespace {
+
+// Pieces in which Export reads the wire image to checksum it.
+constexpr size_t kChecksumPiece = size_t{4} << 20;
+
+// A lease's payload: the engine's export reader, one ReadAt at a time.
+class ReaderPayload final : public transport::LeasedPayload {
+ public:
+  explicit ReaderPayload(std::unique_ptr<SnapshotExportReader> reader)
+      : reader_(std::move(reader)), size_(reader_->size()) {}
+  size_t size() const override { return size_; }
+  absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) override {
+    MutexLock lock(&mu_);
+    return reader_->ReadAt(offset, dst);
+  }
+
+ private:
+  Mutex mu_;
+  const std::unique_ptr<SnapshotExportReader> reader_ ABSL_PT_GUARDED_BY(mu_);
+  const size_t size_;
+};
+
+void SetDeadline(grpc::ClientContext* context, absl::Time deadline) {
+  if (deadline != absl::InfiniteFuture()) context->set_deadline(absl::ToChronoTime(deadline));
+}
+
+// A peer's status, with the peer named, as the scheduler sees it.
+absl::Status PeerError(const grpc::Status& status, const std::string& peer, const char* rpc) {
+  const absl::Status s = FromGrpcStatus(status);
+  return absl::Status(s.code(), absl::StrCat(rpc, " on node '", peer, "': ", s.message()));
+}
+
+int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
+
+}  // namespace
+
+Cluster::Cluster(Options options, CacheRegistry* registry, Membership* membership,
+                 LeaseTable* leases, Reservations* reservations,
+                 std::map<std::string, transport::Transport*> transports)
+    : options_(std::move(options)),
+      registry_(registry),
+      membership_(membership),
+      leases_(leases),
+      reservations_(reservations),
+      transports_(std::move(transports)) {}
+
+absl::Time Cluster::Deadline(absl::Time requested) const {
+  return std::min(requested, absl::Now() + options_.transfer_timeout);
+}
+
+absl::StatusOr<std::shared_ptr<Cache>> Cluster::FindCache(const std::string& name) const {
+  if (name.empty()) return absl::InvalidArgumentError("cache is empty: name the cache");
+  return registry_->Get(name);
+}
+
+absl::StatusOr<MemberAddress> Cluster::FindPeer(const std::string& name, const char* field) const {
+  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is empty"));
+  if (name == options_.self_name) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " = '", name, "' is this node; name another member"));
+  }
+  absl::StatusOr<MemberAddress> member = membership_->Find(name);
+  if (!member.ok()) {
+    return absl::Status(member.status().code(),
+                        absl::StrCat(field, ": ", member.status().message()));
+  }
+  return member;
+}
+
+absl::StatusOr<transport::Transport*> Cluster::ChooseTransport(const MemberAddress& source,
+                                                               absl::Time deadline) {
+  auto find = [this](const std::string& name) -> absl::StatusOr<transport::Transport*> {
+    auto it = transports_.find(name);
+    if (it == transports_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "transport '", name, "' is not available on node '", options_.self_name, "'"));
+    }
+    return it->second;
+  };
+  if (options_.transport != "auto") return find(options_.transport);
+  // nccl when both nodes run on a GPU and both have it.
+  if (transports_.count(transport::kNccl) == 0 || options_.backend.rfind("cuda", 0) != 0) {
+    return find(transport::kGrpcStream);
+  }
+  std::unique_ptr<v1::PeerService::Stub> stub =
+      v1::PeerService::NewStub(membership_->Channel(source));
+  grpc::ClientContext context;
+  SetDeadline(&context, std::min(deadline, absl::Now() + options_.control_timeout));
+  v1::NodeInfoResponse info;
+  const grpc::Status status = stub->NodeInfo(&context, v1::NodeInfoRequest(), &info);
+  if (!status.ok()) return PeerError(status, source.name, "NodeInfo");
+  const bool peer_nccl = std::find(info.transports().begin(), info.transports().end(),
+                                   transport::kNccl) != info.transports().end();
+  if (peer_nccl && info.backend().rfind("cuda", 0) == 0) return find(transport::kNccl);
+  return find(transport::kGrpcStream);
+}
+
+v1::ListMembersResponse Cluster::DescribeMembers() const {
+  return membership_->Describe(absl::Now() + options_.control_timeout);
+}
+
+// ---- sender side ---------------------------------------------------------------------------
+
+absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& request) {
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.cache()));
+  if (!request.has_spec()) return absl::InvalidArgumentError("spec is missing");
+  ASSIGN_OR_RETURN(const CacheSpec spec, SpecFromProto(request.spec()));
+  if (!(spec == cache->spec())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cache '", request.cache(), "' has another spec on node '", options_.self_name,
+                     "' than on node '", request.receiver(),
+                     "': ", DescribeSpecDifference(cache->spec(), spec)));
+  }
+  if (request.lease_ms() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lease_ms = ", request.lease_ms(), " is negative"));
+  }
+  v1::ExportResponse response;
+  uint64_t snapshot_id = 0;
+  bool temporary = false;
+  if (request.has_sequence()) {
+    const v1::ExportSequence& seq = request.sequence();
+    if (seq.seq() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence.seq = ", seq.seq(), " is negative"));
+    }
+    if (seq.length() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence.length = ", seq.length(), " is negative"));
+    }
+    if (!seq.migration_id().empty() &&
+        !reservations_->IsReserved(Reservations::Kind::kSequence, request.cache(), seq.seq())) {
+      return absl::AbortedError(absl::StrCat("sequence ", seq.seq(), " of cache '", request.cache(),
+                                             "' is not reserved for migration ", seq.migration_id(),
+                                             " on node '", options_.self_name, "'"));
+    }
+    // Nothing stored below `length` (or at all): the receiver empties its destination.
+    std::optional<SequenceInfo> info;
+    for (const SequenceInfo& s : cache->ListSequences()) {
+      if (s.seq == seq.seq()) info = s;
+    }
+    bool empty = !info.has_value();
+    if (info.has_value() && seq.length() > 0) {
+      empty = true;
+      for (const GroupSequenceInfo& g : info->groups) {
+        if ((g.first >= 0 && g.first < seq.length()) || g.state != StateStatus::kNone) {
+          empty = false;
+        }
+      }
+    }
+    if (empty) {
+      response.set_empty(true);
+      return response;
+    }
+    ASSIGN_OR_RETURN(SnapshotInfo taken, cache->Snapshot(seq.seq(), 0));
+    snapshot_id = taken.id;
+    temporary = true;
+    // CopyPrefix of an Attention-only cache sends only the positions below `length`.
+    bool attention_only = true;
+    for (const GroupSpec& g : cache->spec().groups) {
+      if (g.kind != GroupKind::kAttention) attention_only = false;
+    }
+    if (attention_only && seq.length() > 0 && seq.length() < taken.to) {
+      absl::StatusOr<SplitResult> split = cache->SplitSnapshot(snapshot_id, seq.length());
+      if (!split.ok()) {
+        (void)cache->DropSnapshot(snapshot_id);
+        return split.status();
+      }
+      if (split->child.has_value()) (void)cache->DropSnapshot(split->child->id);
+      if (!split->parent.has_value()) {
+        response.set_empty(true);
+        return response;
+      }
+      snapshot_id = split->parent->id;
+    }
+  } else if (request.what_case() == v1::ExportRequest::kSnapshotId) {
+    snapshot_id = request.snapshot_id();
+  } else {
+    return absl::InvalidArgumentError("what is missing: export a sequence or a snapshot_id");
+  }
+  absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
+      cache->OpenSnapshotExport(snapshot_id);
+  // The reader pins the data: the temporary snapshot can go now.
+  if (temporary) (void)cache->DropSnapshot(snapshot_id);
+  if (!reader.ok()) return reader.status();
+  *response.mutable_snapshot() = SnapshotInfoToProto((*reader)->info());
+  auto payload = std::make_shared<ReaderPayload>(*std::move(reader));
+
+  uint32_t crc = 0;
+  std::vector<uint8_t> piece(std::min(kChecksumPiece, payload->size()));
+  for (size_t offset = 0; offset < payload->size(); offset += piece.size()) {
+    const size_t n = std::min(piece.size(), payload->size() - offset);
+    RETURN_IF_ERROR(payload->ReadAt(offset, absl::MakeSpan(piece.data(), n)));
+    crc = transport::Crc32cExtend(crc, absl::MakeConstSpan(piece.data(), n));
+  }
+  absl::Duration ttl =
+      request.lease_ms() == 0 ? options_.lease_time : absl::Milliseconds(request.lease_ms());
+  ttl = std::min(ttl, options_.max_lease_time);
+  const size_t bytes = payload->size();
+  const uint64_t id = leases_->Grant(std::move(payload), request.receiver(), ttl, nullptr);
+  response.set_lease_id(id);
+  response.set_payload_bytes(static_cast<int64_t>(bytes));
+  response.set_crc32c(crc);
+  response.set_lease_ms(absl::ToInt64Milliseconds(ttl));
+  return response;
+}
+
+absl::Status Cluster::Release(const v1::ReleaseRequest& request) {
+  return leases_->Release(request.lease_id());
+}
+
+// ---- receiver side -------------------------------------------------------------------------
+
+absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::shared_ptr<Cache>& cache,
+                                                  const std::string& source,
+                                                  const v1::ExportRequest& what,
+                                                  absl::Time deadline) {
+  const absl::Time start = absl::Now();
+  ASSIGN_OR_RETURN(const MemberAddress member, FindPeer(source, "source_node"));
+  ASSIGN_OR_RETURN(transport::Transport * transport, ChooseTransport(member, deadline));
+  std::unique_ptr<v1::PeerService::Stub> stub =
+      v1::PeerService::NewStub(membership_->Channel(member));
+
+  v1::ExportRequest request = what;
+  request.set_cache(cache->spec().name);
+  *request.mutable_spec() = SpecToProto(cache->spec());
+  request.set_receiver(options_.self_name);
+  request.set_lease_ms(absl::ToInt64Milliseconds(options_.requested_lease_time));
+  request.set_transport(transport->name());
+  v1::ExportResponse exported;
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context, deadline);
+    const grpc::Status status = stub->Export(&context, request, &exported);
+    if (!status.ok()) return PeerError(status, source, "Export");
+  }
+  Pulled pulled;
+  pulled.stats.set_transport(transport->name());
+  if (exported.empty()) {
+    pulled.empty = true;
+    pulled.stats.set_micros(Micros(absl::Now() - start));
+    return pulled;
+  }
+  auto release = [&](bool committed) {
+    grpc::ClientContext context;
+    SetDeadline(&context, std::min(deadline, absl::Now() + options_.control_timeout));
+    v1::ReleaseRequest r;
+    r.set_lease_id(exported.lease_id());
+    r.set_committed(committed);
+    v1::ReleaseResponse ignored;
+    // A failed release costs the sender only until the lease expires.
+    (void)stub->Release(&context, r, &ignored);
+  };
+  if (exported.payload_bytes() < 0) {
+    release(false);
+    return absl::DataLossError(absl::StrCat("Export on node '", source, "' announced ",
+                                            exported.payload_bytes(), " payload bytes"));
+  }
+  absl::StatusOr<std::unique_ptr<SnapshotImportWriter>> writer =
+      cache->BeginSnapshotImport(static_cast<size_t>(exported.payload_bytes()));
+  if (!writer.ok()) {
+    release(false);
+    return writer.status();
+  }
+  transport::Lease lease;
+  lease.sender_name = member.name;
+  lease.sender_address = member.address;
+  lease.id = exported.lease_id();
+  lease.payload_bytes = static_cast<uint64_t>(exported.payload_bytes());
+  lease.crc32c = exported.crc32c();
+  const absl::Status moved = transport->Receive(
+      lease, [&](absl::Span<const uint8_t> bytes) { return (*writer)->Write(bytes); }, deadline);
+  if (!moved.ok()) {
+    release(false);
+    return moved;  // the writer is dropped: nothing of it reaches the cache
+  }
+  absl::StatusOr<SnapshotInfo> committed = (*writer)->Commit();
+  release(committed.ok());
+  if (!committed.ok()) return committed.status();
+  pulled.snapshot = *std::move(committed);
+  pulled.stats.set_bytes(exported.payload_bytes());
+  pulled.stats.set_micros(Micros(absl::Now() - start));
+  return pulled;
+}
+
+absl::Status Cluster::CommitSequence(const std::shared_ptr<Cache>& cache, const Pulled& pulled,
+                                     int64_t dst_seq, int32_t length, const char* what) {
+  const int64_t dst[] = {dst_seq};
+  ASSIGN_OR_RETURN(
+      Reservations::Guard guard,
+      reservations_->BeginOperation(Reservations::Kind::kSequence, cache->spec().name, dst, what));
+  if (pulled.empty) return cache->Remove(dst_seq, 0, std::nullopt);
+  const int32_t target = length > 0 ? std::min(length, pulled.snapshot.to) : pulled.snapshot.to;
+  const absl::Status restored = cache->Restore(dst_seq, pulled.snapshot.id, target);
+  (void)cache->DropSnapshot(pulled.snapshot.id);
+  return restored;
+}
+
+absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const v1::CopyPrefixRequest& request,
+                                                          absl::Time deadline) {
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.cache()));
+  if (request.src_seq() < 0 || request.dst_seq() < 0 || request.length() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("src_seq = ", request.src_seq(), ", dst_seq = ", request.dst_seq(),
+                     ", length = ", request.length(), ": none may be negative"));
+  }
+  v1::ExportRequest what;
+  what.mutable_sequence()->set_seq(request.src_seq());
+  what.mutable_sequence()->set_length(request.length());
+  // A cross-node CopyPrefix of length 0 copies nothing: dst is emptied, as locally.
+  Pulled pulled;
+  if (request.length() == 0) {
+    pulled.empty = true;
+    pulled.stats.set_transport(transport::kGrpcStream);
+  } else {
+    ASSIGN_OR_RETURN(pulled, PullInto(cache, request.source_node(), what, deadline));
+  }
+  RETURN_IF_ERROR(CommitSequence(cache, pulled, request.dst_seq(), request.length(), "CopyPrefix"));
+  return pulled.stats;
+}
+
+absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
+                                               absl::Time deadline) {
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.cache()));
+  v1::ExportRequest what;
+  v1::PullResponse response;
+  if (request.has_sequence()) {
+    if (request.target_seq() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("target_seq = ", request.target_seq(), " is negative"));
+    }
+    *what.mutable_sequence() = request.sequence();
+    ASSIGN_OR_RETURN(const Pulled pulled, PullInto(cache, request.source_node(), what, deadline));
+    RETURN_IF_ERROR(CommitSequence(cache, pulled, request.target_seq(), request.sequence().length(),
+                                   "Migrate"));
+    *response.mutable_transfer() = pulled.stats;
+  } else if (request.what_case() == v1::PullRequest::kSnapshotId) {
+    what.set_snapshot_id(request.snapshot_id());
+    ASSIGN_OR_RETURN(const Pulled pulled, PullInto(cache, request.source_node(), what, deadline));
+    if (pulled.empty) return absl::DataLossError("the sender exported an empty snapshot");
+    *response.mutable_snapshot() = SnapshotInfoToProto(pulled.snapshot);
+    *response.mutable_transfer() = pulled.stats;
+  } else {
+    return absl::InvalidArgumentError("what is missing: pull a sequence or a snapshot_id");
+  }
+  return response;
+}
+
+// ---- migrations ------------------------------------------------------------------------------
+
+absl::StatusOr<v1::MigrateResponse> Cluster::Migrate(const v1::MigrateRequest& request,
+                                                     absl::Time deadline) {
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.cache()));
+  if (request.seq() < 0 || request.target_seq() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("seq = ", request.seq(),
+                                                   ", target_seq = ", request.target_seq(),
+                                                   ": neither may be negative"));
+  }
+  ASSIGN_OR_RETURN(const MemberAddress target, FindPeer(request.target_node(), "target_node"));
+  bool stored = false;
+  for (const SequenceInfo& s : cache->ListSequences()) stored |= s.seq == request.seq();
+  if (!stored) {
+    return absl::NotFoundError(absl::StrCat("sequence ", request.seq(), " of cache '",
+                                            request.cache(), "' stores nothing on node '",
+                                            options_.self_name, "'"));
+  }
+  ASSIGN_OR_RETURN(Reservations::Guard reservation,
+                   reservations_->Reserve(Reservations::Kind::kSequence, request.cache(),
+                                          request.seq(), target.name, deadline));
+  v1::PullRequest pull;
+  pull.set_cache(request.cache());
+  pull.set_source_node(options_.self_name);
+  pull.mutable_sequence()->set_seq(request.seq());
+  pull.mutable_sequence()->set_migration_id(absl::StrCat(options_.self_name, "/", request.cache(),
+                                                         "/", request.seq(), "@",
+                                                         absl::ToUnixNanos(absl::Now())));
+  pull.set_target_seq(request.target_seq());
+  v1::PullResponse pulled;
+  {
+    std::unique_ptr<v1::PeerService::Stub> stub =
+        v1::PeerService::NewStub(membership_->Channel(target));
+    grpc::ClientContext context;
+    SetDeadline(&context, deadline);
+    const grpc::Status status = stub->Pull(&context, pull, &pulled);
+    if (!status.ok()) return PeerError(status, target.name, "Pull");
+  }
+  // The target has committed: the sequence now lives there.
+  if (!request.keep_source()) RETURN_IF_ERROR(cache->Remove(request.seq(), 0, std::nullopt));
+  v1::MigrateResponse response;
+  *response.mutable_transfer() = pulled.transfer();
+  return response;
+}
+
+absl::StatusOr<v1::MigrateSnapshotResponse> Cluster::MigrateSnapshot(
+    const v1::MigrateSnapshotRequest& request, absl::Time deadline) {
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.cache()));
+  ASSIGN_OR_RETURN(const MemberAddress target, FindPeer(request.target_node(), "target_node"));
+  bool known = false;
+  for (const SnapshotInfo& s : cache->ListSnapshots()) known |= s.id == request.snapshot_id();
+  if (!known) {
+    return absl::NotFoundError(absl::StrCat("snapshot ", request.snapshot_id(), " of cache '",
+                                            request.cache(), "' does not exist on node '",
+                                            options_.self_name, "'"));
+  }
+  ASSIGN_OR_RETURN(
+      Reservations::Guard reservation,
+      reservations_->Reserve(Reservations::Kind::kSnapshot, request.cache(),
+                             static_cast<int64_t>(request.snapshot_id()), target.name, deadline));
+  v1::PullRequest pull;
+  pull.set_cache(request.cache());
+  pull.set_source_node(options_.self_name);
+  pull.set_snapshot_id(request.snapshot_id());
+  v1::PullResponse pulled;
+  {
+    std::unique_ptr<v1::PeerService::Stub> stub =
+        v1::PeerService::NewStub(membership_->Channel(target));
+    grpc::ClientContext context;
+    SetDeadline(&context, deadline);
+    const grpc::Status status = stub->Pull(&context, pull, &pulled);
+    if (!status.ok()) return PeerError(status, target.name, "Pull");
+  }
+  if (!request.keep_source()) RETURN_IF_ERROR(cache->DropSnapshot(request.snapshot_id()));
+  v1::MigrateSnapshotResponse response;
+  *response.mutable_snapshot() = pulled.snapshot();
+  *response.mutable_transfer() = pulled.transfer();
+  return response;
+}
+
+absl::StatusOr<v1::RemoveResponse> Cluster::RemoveEverywhere(
+    const v1::RemoveRequest& request, absl::Time deadline,
+    const std::function<absl::Status()>& local) {
+  const std::vector<MemberAddress> peers = membership_->Peers();
+  std::vector<std::future<absl::Status>> results;
+  results.reserve(peers.size());
+  for (const MemberAddress& peer : peers) {
+    results.push_back(std::async(std::launch::async, [this, &request, deadline, peer] {
+      std::unique_ptr<v1::CacheService::Stub> stub =
+          v1::CacheService::NewStub(membership_->Channel(peer));
+      v1::RemoveRequest one = request;
+      one.set_scope(v1::REMOVE_SCOPE_LOCAL);
+      grpc::ClientContext context;
+      SetDeadline(&context, deadline);
+      v1::RemoveResponse ignored;
+      return FromGrpcStatus(stub->Remove(&context, one, &ignored));
+    }));
+  }
+  v1::RemoveResponse response;
+  auto add = [&response](const std::string& node, const absl::Status& status) {
+    v1::NodeResult* result = response.add_nodes();
+    result->set_node(node);
+    result->set_code(static_cast<int>(status.code()));
+    result->set_message(std::string(status.message()));
+  };
+  add(options_.self_name, local());
+  for (size_t i = 0; i < peers.size(); ++i) add(peers[i].name, results[i].get());
+  return response;
+}
+
+}  // namespace kvmesh

@@ -1,0 +1,121 @@
+// Cluster: the cluster operations of a node (docs/cluster.md), both as the node a scheduler
+// calls (CopyPrefix from another node, Migrate, MigrateSnapshot, Remove across the cluster) and
+// as the peer another node pulls from (Export, Release) or asks to pull (Pull).
+//
+// Sender side: Export snapshots the sequence (or takes the snapshot), opens the engine's export
+// reader on it, computes the CRC-32C of the wire image and registers a lease; the temporary
+// snapshot is dropped at once, since the reader pins its data. Receiver side: PullInto calls
+// Export on the sender, moves the payload with a Transport into an import writer, commits it
+// as a snapshot of the local cache and releases the lease; callers then Restore from it.
+//
+// Every call blocks until done or its deadline; CacheServiceImpl and PeerServiceImpl run them
+// on the node's cluster executor, never on gRPC's threads nor on the engine executor (a
+// transfer waits on the network for seconds).
+//
+// Thread safety: thread-safe. Everything passed to the constructor must outlive it.
+#ifndef KVMESH_SERVICE_CLUSTER_H_
+#define KVMESH_SERVICE_CLUSTER_H_
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cache/cache.h"
+#include "cache/cache_registry.h"
+#include "kvmesh/v1/kvmesh.pb.h"
+#include "kvmesh/v1/peer.pb.h"
+#include "service/leases.h"
+#include "service/membership.h"
+#include "service/reservations.h"
+#include "transport/transport.h"
+
+namespace kvmesh {
+
+class Cluster {
+ public:
+  struct Options {
+    std::string self_name;
+    std::string backend = "host";  // "host" or "cuda:N"
+    // Lease time granted when the receiver asks for none, and the most granted.
+    absl::Duration lease_time = absl::Seconds(30);
+    absl::Duration max_lease_time = absl::Minutes(10);
+    // Lease time a receiver asks for.
+    absl::Duration requested_lease_time = absl::Seconds(30);
+    // Deadline of a cluster operation whose caller set none (or a later one).
+    absl::Duration transfer_timeout = absl::Seconds(120);
+    // Deadline of each control RPC of a transfer (Export, Release, NodeInfo) within it.
+    absl::Duration control_timeout = absl::Seconds(10);
+    // "auto", "grpc-stream" or "nccl".
+    std::string transport = "auto";
+  };
+
+  // `transports` maps transport names (transport::kGrpcStream, transport::kNccl) to the
+  // receiver side of each transport this node has; grpc-stream is required.
+  Cluster(Options options, CacheRegistry* registry, Membership* membership, LeaseTable* leases,
+          Reservations* reservations, std::map<std::string, transport::Transport*> transports);
+
+  Cluster(const Cluster&) = delete;
+  Cluster& operator=(const Cluster&) = delete;
+
+  const Options& options() const { return options_; }
+  Reservations* reservations() const { return reservations_; }
+
+  // The deadline of an operation whose caller asked for `requested` (absl::InfiniteFuture()
+  // when none): the earlier of it and now + transfer_timeout.
+  absl::Time Deadline(absl::Time requested) const;
+
+  // ---- scheduler-facing operations (this node is the one called) --------------------------
+  // CopyPrefix with source_node naming another member: pulls into dst_seq.
+  absl::StatusOr<v1::TransferStats> CopyPrefixFrom(const v1::CopyPrefixRequest& request,
+                                                   absl::Time deadline);
+  absl::StatusOr<v1::MigrateResponse> Migrate(const v1::MigrateRequest& request,
+                                              absl::Time deadline);
+  absl::StatusOr<v1::MigrateSnapshotResponse> MigrateSnapshot(
+      const v1::MigrateSnapshotRequest& request, absl::Time deadline);
+  // Remove with REMOVE_SCOPE_CLUSTER: every member, this one first. `local` runs the Remove
+  // here (with the same checks as a local Remove RPC).
+  absl::StatusOr<v1::RemoveResponse> RemoveEverywhere(const v1::RemoveRequest& request,
+                                                      absl::Time deadline,
+                                                      const std::function<absl::Status()>& local);
+
+  // ListMembers: this node and its peers, each peer checked now.
+  v1::ListMembersResponse DescribeMembers() const;
+
+  // ---- peer-facing operations ---------------------------------------------------------------
+  absl::StatusOr<v1::ExportResponse> Export(const v1::ExportRequest& request);
+  absl::Status Release(const v1::ReleaseRequest& request);
+  absl::StatusOr<v1::PullResponse> Pull(const v1::PullRequest& request, absl::Time deadline);
+
+ private:
+  struct Pulled {
+    bool empty = false;     // the sender had nothing to send
+    SnapshotInfo snapshot;  // imported into the local cache (when !empty)
+    v1::TransferStats stats;
+  };
+
+  // Receiver side of the pull protocol: imports `what` of `cache` from member `source` as a
+  // new local snapshot.
+  absl::StatusOr<Pulled> PullInto(const std::shared_ptr<Cache>& cache, const std::string& source,
+                                  const v1::ExportRequest& what, absl::Time deadline);
+  // Restores a pulled sequence into dst_seq (or empties it), then drops the pulled snapshot.
+  absl::Status CommitSequence(const std::shared_ptr<Cache>& cache, const Pulled& pulled,
+                              int64_t dst_seq, int32_t length, const char* what);
+  // The transport to pull from `source` with.
+  absl::StatusOr<transport::Transport*> ChooseTransport(const MemberAddress& source,
+                                                        absl::Time deadline);
+  absl::StatusOr<std::shared_ptr<Cache>> FindCache(const std::string& name) const;
+  absl::StatusOr<MemberAddress> FindPeer(const std::string& name, const char* field) const;
+
+  const Options options_;
+  CacheRegistry* const registry_;
+  Membership* const membership_;
+  LeaseTable* const leases_;
+  Reservations* const reservations_;
+  const std::map<std::string, transport::Transport*> transports_;
+};
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_SERVICE_CLUSTER_H_

@@ -1,0 +1,80 @@
+// LeaseTable: the export leases of a node (docs/cluster.md, "Pull protocol").
+//
+// A lease pins the payload of one export (a snapshot's wire image) for a receiver. It lives
+// until the receiver releases it or until it has not been touched (Fetch, NcclSend) for its
+// lease time; then it expires on its own, so a receiver that dies or freezes costs the sender
+// nothing for long. When a lease ends, by release or expiry, its `on_end` callback runs once
+// (outside the table's lock): it frees what the export held (the snapshot taken for it).
+//
+// Thread safety: thread-safe. A background thread expires leases; the destructor stops it and
+// ends every remaining lease.
+#ifndef KVMESH_SERVICE_LEASES_H_
+#define KVMESH_SERVICE_LEASES_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cache/mutex.h"
+#include "transport/transport.h"
+
+namespace kvmesh {
+
+class LeaseTable final : public transport::LeaseLookup {
+ public:
+  // `tick`: how often the expiry thread looks for expired leases.
+  explicit LeaseTable(absl::Duration tick = absl::Milliseconds(100));
+  ~LeaseTable() override;
+
+  LeaseTable(const LeaseTable&) = delete;
+  LeaseTable& operator=(const LeaseTable&) = delete;
+
+  // Registers a lease on `payload` for `receiver` that expires `ttl` after its last touch.
+  // Returns its id (> 0, never reused).
+  uint64_t Grant(std::shared_ptr<transport::LeasedPayload> payload, std::string receiver,
+                 absl::Duration ttl, std::function<void()> on_end);
+
+  // transport::LeaseLookup.
+  absl::StatusOr<std::shared_ptr<transport::LeasedPayload>> Touch(uint64_t id) override;
+
+  // Ends lease `id` now. NOT_FOUND for an unknown, released or expired lease.
+  absl::Status Release(uint64_t id);
+
+  // Leases alive now.
+  size_t size() const;
+  // Leases ended by expiry since the table was created (for tests and logs).
+  uint64_t expired() const;
+
+ private:
+  struct Lease {
+    std::shared_ptr<transport::LeasedPayload> payload;
+    std::string receiver;
+    absl::Duration ttl;
+    absl::Time expires;
+    std::function<void()> on_end;
+  };
+
+  void ExpiryLoop();
+  std::string NotFound(uint64_t id) const;
+
+  const absl::Duration tick_;
+  mutable Mutex mu_;
+  std::condition_variable_any stop_cv_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t expired_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(mu_);
+  std::thread expiry_thread_;
+};
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_SERVICE_LEASES_H_

@@ -1,0 +1,126 @@
+#include "service/peer_service.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "service/convert.h"
+
+namespace kvmesh {
+
+absl::Time ContextDeadline(const grpc::CallbackServerContext& context) {
+  const std::chrono::system_clock::time_point deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+PeerServiceImpl::PeerServiceImpl(Cluster* cluster, LeaseTable* leases, Executor* engine_executor,
+                                 Executor* cluster_executor, Options options)
+    : cluster_(cluster),
+      leases_(leases),
+      engine_executor_(engine_executor),
+      cluster_executor_(cluster_executor),
+      options_(std::move(options)) {}
+
+grpc::ServerUnaryReactor* PeerServiceImpl::RunOn(Executor* executor,
+                                                 grpc::CallbackServerContext* context,
+                                                 std::function<absl::Status()> fn) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const bool queued = executor->Submit([context, reactor, fn = std::move(fn)]() {
+    if (context->IsCancelled()) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "call cancelled by the peer"));
+      return;
+    }
+    reactor->Finish(ToGrpcStatus(fn()));
+  });
+  if (!queued) {
+    reactor->Finish(grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        absl::StrCat("kvmesh-node ", options_.name, " is overloaded: its executor queue holds ",
+                     executor->max_queued(), " tasks already; retry later")));
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* PeerServiceImpl::NodeInfo(grpc::CallbackServerContext* context,
+                                                    const v1::NodeInfoRequest* request,
+                                                    v1::NodeInfoResponse* response) {
+  response->set_name(options_.name);
+  response->set_backend(options_.backend);
+  for (const std::string& t : options_.transports) response->add_transports(t);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* PeerServiceImpl::Export(grpc::CallbackServerContext* context,
+                                                  const v1::ExportRequest* request,
+                                                  v1::ExportResponse* response) {
+  return RunOn(engine_executor_, context, [this, request, response]() -> absl::Status {
+    absl::StatusOr<v1::ExportResponse> exported = cluster_->Export(*request);
+    if (!exported.ok()) return exported.status();
+    *response = *std::move(exported);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerWriteReactor<v1::Chunk>* PeerServiceImpl::Fetch(grpc::CallbackServerContext* context,
+                                                            const v1::FetchRequest* request) {
+  return transport::ServeFetch(context, request, leases_, options_.sender);
+}
+
+grpc::ServerUnaryReactor* PeerServiceImpl::Release(grpc::CallbackServerContext* context,
+                                                   const v1::ReleaseRequest* request,
+                                                   v1::ReleaseResponse* response) {
+  // Ending a lease frees host memory only (the export reader's pinned data): cheap enough for
+  // gRPC's thread.
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(cluster_->Release(*request)));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* PeerServiceImpl::Pull(grpc::CallbackServerContext* context,
+                                                const v1::PullRequest* request,
+                                                v1::PullResponse* response) {
+  return RunOn(cluster_executor_, context, [this, context, request, response]() -> absl::Status {
+    absl::StatusOr<v1::PullResponse> pulled =
+        cluster_->Pull(*request, cluster_->Deadline(ContextDeadline(*context)));
+    if (!pulled.ok()) return pulled.status();
+    *response = *std::move(pulled);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* PeerServiceImpl::NcclConnect(grpc::CallbackServerContext* context,
+                                                       const v1::NcclConnectRequest* request,
+                                                       v1::NcclConnectResponse* response) {
+  if (!options_.nccl.connect) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(
+        grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                     absl::StrCat("node '", options_.name, "' has no nccl transport (backend ",
+                                  options_.backend, ")")));
+    return reactor;
+  }
+  return RunOn(cluster_executor_, context, [this, context, request]() {
+    return options_.nccl.connect(*request, cluster_->Deadline(ContextDeadline(*context)));
+  });
+}
+
+grpc::ServerUnaryReactor* PeerServiceImpl::NcclSend(grpc::CallbackServerContext* context,
+                                                    const v1::NcclSendRequest* request,
+                                                    v1::NcclSendResponse* response) {
+  if (!options_.nccl.send) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(
+        grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                     absl::StrCat("node '", options_.name, "' has no nccl transport (backend ",
+                                  options_.backend, ")")));
+    return reactor;
+  }
+  return RunOn(cluster_executor_, context, [this, context, request]() {
+    return options_.nccl.send(*request, cluster_->Deadline(ContextDeadline(*context)));
+  });
+}
+
+}  // namespace kvmesh

@@ -1,0 +1,86 @@
+// PeerServiceImpl: kvmesh.v1.PeerService (proto/kvmesh/v1/peer.proto), the node-to-node API of
+// the pull protocol (docs/cluster.md), on gRPC's callback API.
+//
+// Export runs on the engine executor (it snapshots and checksums); Pull, NcclConnect and
+// NcclSend run on the cluster executor (they wait on the network); Fetch is served by the
+// grpc-stream transport's sender (transport::ServeFetch) over the lease table; NodeInfo and
+// Release answer inline. A full executor answers UNAVAILABLE.
+//
+// Thread safety: thread-safe; everything passed to the constructor must outlive it, and the
+// executors must keep running until the server has shut down.
+#ifndef KVMESH_SERVICE_PEER_SERVICE_H_
+#define KVMESH_SERVICE_PEER_SERVICE_H_
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "kvmesh/v1/peer.grpc.pb.h"
+#include "service/cluster.h"
+#include "service/executor.h"
+#include "service/leases.h"
+#include "transport/grpc_stream_transport.h"
+
+namespace kvmesh {
+
+class PeerServiceImpl final : public v1::PeerService::CallbackService {
+ public:
+  // The sender side of the nccl transport, when this node has one.
+  struct NcclHooks {
+    std::function<absl::Status(const v1::NcclConnectRequest&, absl::Time deadline)> connect;
+    std::function<absl::Status(const v1::NcclSendRequest&, absl::Time deadline)> send;
+  };
+  struct Options {
+    std::string name;
+    std::string backend;
+    std::vector<std::string> transports;
+    transport::SenderOptions sender;
+    NcclHooks nccl;  // empty functions: no nccl transport here
+  };
+
+  PeerServiceImpl(Cluster* cluster, LeaseTable* leases, Executor* engine_executor,
+                  Executor* cluster_executor, Options options);
+
+  grpc::ServerUnaryReactor* NodeInfo(grpc::CallbackServerContext* context,
+                                     const v1::NodeInfoRequest* request,
+                                     v1::NodeInfoResponse* response) override;
+  grpc::ServerUnaryReactor* Export(grpc::CallbackServerContext* context,
+                                   const v1::ExportRequest* request,
+                                   v1::ExportResponse* response) override;
+  grpc::ServerWriteReactor<v1::Chunk>* Fetch(grpc::CallbackServerContext* context,
+                                             const v1::FetchRequest* request) override;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
+                                    const v1::ReleaseRequest* request,
+                                    v1::ReleaseResponse* response) override;
+  grpc::ServerUnaryReactor* Pull(grpc::CallbackServerContext* context,
+                                 const v1::PullRequest* request,
+                                 v1::PullResponse* response) override;
+  grpc::ServerUnaryReactor* NcclConnect(grpc::CallbackServerContext* context,
+                                        const v1::NcclConnectRequest* request,
+                                        v1::NcclConnectResponse* response) override;
+  grpc::ServerUnaryReactor* NcclSend(grpc::CallbackServerContext* context,
+                                     const v1::NcclSendRequest* request,
+                                     v1::NcclSendResponse* response) override;
+
+ private:
+  // Runs `fn` on `executor` and finishes the call with its status (UNAVAILABLE when the
+  // executor refuses it).
+  grpc::ServerUnaryReactor* RunOn(Executor* executor, grpc::CallbackServerContext* context,
+                                  std::function<absl::Status()> fn);
+
+  Cluster* const cluster_;
+  LeaseTable* const leases_;
+  Executor* const engine_executor_;
+  Executor* const cluster_executor_;
+  const Options options_;
+};
+
+// The deadline a callback server context carries, absl::InfiniteFuture() for none.
+absl::Time ContextDeadline(const grpc::CallbackServerContext& context);
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_SERVICE_PEER_SERVICE_H_

@@ -1,0 +1,578 @@
+// Cluster operations between real kvmesh-node processes on 127.0.0.1 (docs/cluster.md):
+// ListMembers, CopyPrefix from another node, Migrate, MigrateSnapshot and Remove across the
+// cluster, on a hybrid cache (full and sliding Attention, Rotating, Recurrent) and an
+// Attention-only one; then the faults: the receiver killed mid-transfer, the sender killed
+// mid-transfer, a frozen sender (SIGSTOP), a corrupted chunk, concurrent migrations of one
+// sequence. Whatever survives is compared byte for byte with what was written (pattern
+// payloads of tests/testing/pattern.h), and leftovers are checked through Usage: a lease that
+// expired has freed its copy (export_bytes back to 0), a failed receiver holds no partial
+// sequence.
+#include <signal.h>
+
+#include <atomic>
+#include <cstdint>
+#include <future>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/client_util.h"
+#include "tests/testing/node_process.h"
+
+namespace kvmesh {
+namespace testutil {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<int32_t> Range(int32_t begin, int32_t end) {
+  std::vector<int32_t> out(end - begin);
+  std::iota(out.begin(), out.end(), begin);
+  return out;
+}
+
+// F32, one layer per group: full Attention, sliding Attention (window 2), Rotating (max_size
+// 4), Recurrent (conv 2 x 3, delta 1 x 2 x 2).
+v1::CacheSpec HybridSpec() {
+  AttentionOptions full;
+  full.num_layers = 1;
+  full.num_kv_heads = 1;
+  AttentionOptions sliding = full;
+  sliding.sliding_window = 2;
+  RotatingOptions rotating;
+  rotating.max_size = 4;
+  return SpecProto("hybrid", 4, 64, 16,
+                   {AttentionGroupProto(full), AttentionGroupProto(sliding),
+                    RotatingGroupProto(rotating), RecurrentGroupProto(RecurrentOptions())});
+}
+
+// F16, 4 layers x 8 heads x head_dim 128: 16 KiB per token, so 2048 tokens are 32 MiB, which
+// the slowed-down sender of the fault tests needs seconds to send.
+v1::CacheSpec BigSpec() {
+  AttentionOptions a;
+  a.num_layers = 4;
+  a.num_kv_heads = 8;
+  a.head_dim_k = 128;
+  a.head_dim_v = 128;
+  a.rope = v1::ROPE_TYPE_NEOX;
+  a.rope_dims = 128;
+  return SpecProto("big", 4, 4096, 512, {AttentionGroupProto(a)}, v1::DTYPE_F16);
+}
+constexpr int32_t kBigTokens = 2048;
+
+struct ClusterNode {
+  std::string name;
+  std::unique_ptr<NodeProcess> process;
+  std::unique_ptr<Stub> stub;
+};
+
+// Nodes that know each other from --peers (ports reserved before they start).
+class Cluster {
+ public:
+  // extra[i]: more flags for node i.
+  void Start(const std::vector<std::string>& names,
+             const std::vector<std::vector<std::string>>& extra = {}) {
+    std::vector<int> ports;
+    for (size_t i = 0; i < names.size(); ++i) {
+      ports.push_back(ReservePort());
+      ASSERT_NE(ports.back(), 0);
+    }
+    for (size_t i = 0; i < names.size(); ++i) {
+      std::vector<std::string> peers;
+      for (size_t j = 0; j < names.size(); ++j) {
+        if (j != i) peers.push_back(absl::StrCat(names[j], "=127.0.0.1:", ports[j]));
+      }
+      NodeProcess::Options options;
+      options.node_name = names[i];
+      options.port = ports[i];
+      options.extra_args = {absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
+                            "--memory-budget=512MiB", "--snapshot-budget=512MiB"};
+      if (i < extra.size()) {
+        options.extra_args.insert(options.extra_args.end(), extra[i].begin(), extra[i].end());
+      }
+      absl::StatusOr<std::unique_ptr<NodeProcess>> process = NodeProcess::Start(options);
+      ASSERT_TRUE(process.ok()) << process.status();
+      ClusterNode node;
+      node.name = names[i];
+      node.process = *std::move(process);
+      node.stub = node.process->NewStub();
+      nodes_.push_back(std::move(node));
+    }
+  }
+  // Clients drop their connections first, so that no node waits for an idle client during
+  // its shutdown; then every node is stopped at once.
+  ~Cluster() {
+    for (ClusterNode& node : nodes_) {
+      node.stub.reset();
+      node.process->ReleaseChannel();
+    }
+    std::vector<std::thread> stops;
+    for (ClusterNode& node : nodes_) {
+      stops.emplace_back([&node] { node.process->Stop(); });
+    }
+    for (std::thread& t : stops) t.join();
+  }
+  ClusterNode& operator[](size_t i) { return nodes_[i]; }
+  Stub& stub(size_t i) { return *nodes_[i].stub; }
+
+ private:
+  std::vector<ClusterNode> nodes_;
+};
+
+// Appends `tokens` positions of `seq` (pattern ids of `seed`) in batches of max_batch.
+void AppendTokens(Stub& stub, const v1::CacheSpec& spec, int64_t seq, int32_t tokens,
+                  uint64_t seed) {
+  for (int32_t begin = 0; begin < tokens; begin += spec.max_batch()) {
+    const int32_t end = std::min(tokens, begin + spec.max_batch());
+    const grpc::Status status = Append(stub, MakeAppend(spec, seq, Range(begin, end), seed));
+    ASSERT_TRUE(status.ok()) << StatusText(status);
+  }
+}
+
+// What a Read of the whole sequence returns: header and payload.
+ReadOutput ReadAll(Stub& stub, const std::string& cache, int64_t seq) {
+  ReadOutput out;
+  const grpc::Status status = Read(stub, ReadRequest(cache, seq), &out);
+  EXPECT_TRUE(status.ok()) << StatusText(status);
+  return out;
+}
+
+// Whether two reads returned the same positions, states and bytes.
+void ExpectSameRead(const ReadOutput& a, const ReadOutput& b) {
+  EXPECT_EQ(a.header.SerializeAsString(), b.header.SerializeAsString())
+      << a.header.DebugString() << " vs " << b.header.DebugString();
+  EXPECT_EQ(a.payload.size(), b.payload.size());
+  EXPECT_TRUE(a.payload == b.payload) << "payloads differ";
+}
+
+std::vector<int64_t> LiveSeqs(Stub& stub, const std::string& cache) {
+  v1::ListSequencesResponse list;
+  const grpc::Status status = ListSequences(stub, cache, &list);
+  EXPECT_TRUE(status.ok()) << StatusText(status);
+  std::vector<int64_t> seqs;
+  for (const v1::SequenceInfo& s : list.sequences()) seqs.push_back(s.seq());
+  return seqs;
+}
+
+v1::CacheUsage Usage(Stub& stub, const std::string& cache) {
+  v1::GetCacheResponse response;
+  const grpc::Status status = GetCache(stub, cache, &response);
+  EXPECT_TRUE(status.ok()) << StatusText(status);
+  return response.cache().usage();
+}
+
+grpc::Status CopyFrom(Stub& stub, const std::string& cache, const std::string& source, int64_t src,
+                      int64_t dst, int32_t length, v1::CopyPrefixResponse* response,
+                      absl::Duration timeout = kCallTimeout) {
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout);
+  v1::CopyPrefixRequest request;
+  request.set_cache(cache);
+  request.set_src_seq(src);
+  request.set_dst_seq(dst);
+  request.set_length(length);
+  request.set_source_node(source);
+  return stub.CopyPrefix(&context, request, response);
+}
+
+grpc::Status MigrateSeq(Stub& stub, const std::string& cache, int64_t seq,
+                        const std::string& target, int64_t target_seq, bool keep_source,
+                        v1::MigrateResponse* response = nullptr,
+                        absl::Duration timeout = kCallTimeout) {
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout);
+  v1::MigrateRequest request;
+  request.set_cache(cache);
+  request.set_seq(seq);
+  request.set_target_node(target);
+  request.set_target_seq(target_seq);
+  request.set_keep_source(keep_source);
+  v1::MigrateResponse ignored;
+  return stub.Migrate(&context, request, response != nullptr ? response : &ignored);
+}
+
+// Polls `condition` every 50 ms until it holds or `timeout` passes.
+template <typename F>
+bool Eventually(F condition, absl::Duration timeout) {
+  const absl::Time end = absl::Now() + timeout;
+  while (absl::Now() < end) {
+    if (condition()) return true;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return condition();
+}
+
+// ---- happy paths ---------------------------------------------------------------------------
+
+class ClusterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_NO_FATAL_FAILURE(cluster_.Start({"node-a", "node-b", "node-c"}));
+    for (size_t i = 0; i < 3; ++i) {
+      ASSERT_TRUE(CreateCache(cluster_.stub(i), HybridSpec()).ok());
+    }
+  }
+  Cluster cluster_;
+};
+
+TEST_F(ClusterTest, ListMembersReportsEveryNode) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::ListMembersResponse members;
+  const grpc::Status status =
+      cluster_.stub(1).ListMembers(&context, v1::ListMembersRequest(), &members);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  ASSERT_EQ(members.members_size(), 3);
+  EXPECT_EQ(members.members(0).name(), "node-b");
+  EXPECT_TRUE(members.members(0).self());
+  EXPECT_EQ(members.members(1).name(), "node-a");
+  EXPECT_EQ(members.members(2).name(), "node-c");
+  for (const v1::Member& m : members.members()) {
+    EXPECT_EQ(m.health(), v1::MEMBER_HEALTH_SERVING) << m.DebugString();
+    EXPECT_EQ(m.backend(), "host") << m.DebugString();
+    EXPECT_THAT(m.transports(), ::testing::Contains("grpc-stream"));
+  }
+  EXPECT_EQ(members.members(1).address(), cluster_[0].process->address());
+
+  // A stopped member is reported unreachable, quickly.
+  cluster_[2].process->Stop();
+  grpc::ClientContext again;
+  SetDeadline(&again);
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(cluster_.stub(1).ListMembers(&again, v1::ListMembersRequest(), &members).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  ASSERT_EQ(members.members_size(), 3);
+  EXPECT_EQ(members.members(2).health(), v1::MEMBER_HEALTH_UNREACHABLE);
+  EXPECT_FALSE(members.members(2).detail().empty());
+}
+
+TEST_F(ClusterTest, CopyPrefixFromAnotherNodeCopiesEveryGroupByteForByte) {
+  const v1::CacheSpec spec = HybridSpec();
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 1, 11, 7));
+  const ReadOutput source = ReadAll(cluster_.stub(0), "hybrid", 1);
+
+  v1::CopyPrefixResponse response;
+  grpc::Status status = CopyFrom(cluster_.stub(1), "hybrid", "node-a", 1, 1, 11, &response);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  EXPECT_EQ(response.transfer().transport(), "grpc-stream");
+  EXPECT_GT(response.transfer().bytes(), 0);
+  ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", 1), source);
+  // The source is unchanged and holds no export copy once the receiver released it.
+  ExpectSameRead(ReadAll(cluster_.stub(0), "hybrid", 1), source);
+  EXPECT_TRUE(Eventually([&] { return Usage(cluster_.stub(0), "hybrid").export_bytes() == 0; },
+                         absl::Seconds(5)));
+  EXPECT_EQ(Usage(cluster_.stub(1), "hybrid").snapshot_bytes(), 0);
+
+  // The copy (same sequence id, so that the patterns agree) continues like the original: one
+  // more token on both, same bytes in every group.
+  ASSERT_TRUE(Append(cluster_.stub(0), MakeAppend(spec, 1, {11}, 8)).ok());
+  ASSERT_TRUE(Append(cluster_.stub(1), MakeAppend(spec, 1, {11}, 8)).ok());
+  ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", 1), ReadAll(cluster_.stub(0), "hybrid", 1));
+
+  // A recurrent group cannot take a prefix below the state's offset, as locally.
+  status = CopyFrom(cluster_.stub(1), "hybrid", "node-a", 1, 2, 5, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << StatusText(status);
+  EXPECT_THAT(LiveSeqs(cluster_.stub(1), "hybrid"), ::testing::ElementsAre(1));
+
+  // From a sequence that stores nothing, dst is emptied.
+  status = CopyFrom(cluster_.stub(1), "hybrid", "node-a", 2, 1, 8, &response);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  EXPECT_THAT(LiveSeqs(cluster_.stub(1), "hybrid"), ::testing::IsEmpty());
+}
+
+TEST_F(ClusterTest, CopyPrefixOfAnAttentionCacheSendsOnlyThePrefix) {
+  const v1::CacheSpec spec = BigSpec();
+  for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), spec).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 0, 600, 3));
+  v1::CopyPrefixResponse response;
+  const grpc::Status status = CopyFrom(cluster_.stub(1), "big", "node-a", 0, 5, 100, &response);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  const int64_t token_bytes = 4 * 2 * 8 * 128 * 2;
+  EXPECT_GE(response.transfer().bytes(), 100 * token_bytes);
+  EXPECT_LT(response.transfer().bytes(), 101 * token_bytes);
+  ReadOutput expected;
+  ASSERT_TRUE(Read(cluster_.stub(0), ReadRequest("big", 0, 0, 100), &expected).ok());
+  ExpectSameRead(ReadAll(cluster_.stub(1), "big", 5), expected);
+}
+
+TEST_F(ClusterTest, MigrateMovesTheSequenceAndRemovesItAtTheSource) {
+  const v1::CacheSpec spec = HybridSpec();
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 2, 9, 11));
+  const ReadOutput source = ReadAll(cluster_.stub(0), "hybrid", 2);
+
+  v1::MigrateResponse response;
+  grpc::Status status = MigrateSeq(cluster_.stub(0), "hybrid", 2, "node-c", 1, false, &response);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  EXPECT_GT(response.transfer().bytes(), 0);
+  ExpectSameRead(ReadAll(cluster_.stub(2), "hybrid", 1), source);
+  EXPECT_THAT(LiveSeqs(cluster_.stub(0), "hybrid"), ::testing::IsEmpty());
+
+  // keep_source leaves it on both nodes.
+  status = MigrateSeq(cluster_.stub(2), "hybrid", 1, "node-b", 0, true);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", 0), source);
+  ExpectSameRead(ReadAll(cluster_.stub(2), "hybrid", 1), source);
+
+  // Errors name what is wrong, and nothing changes.
+  status = MigrateSeq(cluster_.stub(0), "hybrid", 2, "node-c", 1, false);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << StatusText(status);
+  status = MigrateSeq(cluster_.stub(2), "hybrid", 1, "node-z", 1, false);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("node-z"));
+  status = MigrateSeq(cluster_.stub(2), "hybrid", 1, "node-c", 1, false);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  ExpectSameRead(ReadAll(cluster_.stub(2), "hybrid", 1), source);
+}
+
+TEST_F(ClusterTest, MigrateSnapshotMovesASnapshotThatRestoresTheSameBytes) {
+  const v1::CacheSpec spec = HybridSpec();
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 0, 6, 5));
+  const ReadOutput at6 = ReadAll(cluster_.stub(0), "hybrid", 0);
+  v1::SnapshotInfo snapshot;
+  ASSERT_TRUE(Snapshot(cluster_.stub(0), "hybrid", 0, 0, &snapshot).ok());
+
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::MigrateSnapshotRequest request;
+  request.set_cache("hybrid");
+  request.set_snapshot_id(snapshot.id());
+  request.set_target_node("node-b");
+  v1::MigrateSnapshotResponse response;
+  const grpc::Status status = cluster_.stub(0).MigrateSnapshot(&context, request, &response);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  EXPECT_EQ(response.snapshot().from_offset(), 0);
+  EXPECT_EQ(response.snapshot().to_offset(), 6);
+  v1::ListSnapshotsResponse left;
+  ASSERT_TRUE(ListSnapshots(cluster_.stub(0), "hybrid", &left).ok());
+  EXPECT_EQ(left.snapshots_size(), 0);
+
+  ASSERT_TRUE(Restore(cluster_.stub(1), "hybrid", 2, response.snapshot().id(), 6).ok());
+  ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", 2), at6);
+}
+
+TEST_F(ClusterTest, RemoveWithClusterScopeReportsEveryNode) {
+  const v1::CacheSpec spec = HybridSpec();
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 1, 4, 1));
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(2), spec, 1, 4, 1));
+  ASSERT_TRUE(DeleteCache(cluster_.stub(1), "hybrid").ok());
+
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::RemoveRequest request;
+  request.set_cache("hybrid");
+  request.set_seq(1);
+  request.set_begin(0);
+  request.set_scope(v1::REMOVE_SCOPE_CLUSTER);
+  v1::RemoveResponse response;
+  const grpc::Status status = cluster_.stub(2).Remove(&context, request, &response);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  ASSERT_EQ(response.nodes_size(), 3);
+  EXPECT_EQ(response.nodes(0).node(), "node-c");
+  EXPECT_EQ(response.nodes(0).code(), 0);
+  EXPECT_EQ(response.nodes(1).node(), "node-a");
+  EXPECT_EQ(response.nodes(1).code(), 0);
+  EXPECT_EQ(response.nodes(2).node(), "node-b");
+  EXPECT_EQ(response.nodes(2).code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+  EXPECT_THAT(response.nodes(2).message(), HasSubstr("hybrid"));
+  EXPECT_THAT(LiveSeqs(cluster_.stub(0), "hybrid"), ::testing::IsEmpty());
+  EXPECT_THAT(LiveSeqs(cluster_.stub(2), "hybrid"), ::testing::IsEmpty());
+}
+
+TEST_F(ClusterTest, ConcurrentMigrationsOfOneSequenceOneWinsTheOtherIsAborted) {
+  const v1::CacheSpec spec = BigSpec();
+  for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), spec).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 0, kBigTokens, 9));
+  const ReadOutput source = ReadAll(cluster_.stub(0), "big", 0);
+
+  for (int round = 0; round < 3; ++round) {
+    std::unique_ptr<Stub> other = cluster_[0].process->NewStub();
+    auto to_b = std::async(std::launch::async, [&] {
+      return MigrateSeq(cluster_.stub(0), "big", 0, "node-b", 0, false);
+    });
+    auto to_c = std::async(std::launch::async,
+                           [&] { return MigrateSeq(*other, "big", 0, "node-c", 0, false); });
+    const grpc::Status b = to_b.get();
+    const grpc::Status c = to_c.get();
+    // One wins; the other is ABORTED, or, when it started after the winner had removed the
+    // sequence, NOT_FOUND. Never both.
+    ASSERT_NE(b.ok(), c.ok()) << StatusText(b) << " / " << StatusText(c);
+    const grpc::Status& loser = b.ok() ? c : b;
+    EXPECT_TRUE(loser.error_code() == grpc::StatusCode::ABORTED ||
+                loser.error_code() == grpc::StatusCode::NOT_FOUND)
+        << StatusText(loser);
+    const size_t winner = b.ok() ? 1 : 2;
+    ExpectSameRead(ReadAll(cluster_.stub(winner), "big", 0), source);
+    EXPECT_THAT(LiveSeqs(cluster_.stub(0), "big"), ::testing::IsEmpty());
+    // Back to node-a for the next round.
+    ASSERT_TRUE(MigrateSeq(cluster_.stub(winner), "big", 0, "node-a", 0, false).ok());
+    ExpectSameRead(ReadAll(cluster_.stub(0), "big", 0), source);
+  }
+}
+
+// ---- faults -------------------------------------------------------------------------------
+
+// Node a sends slowly (one 4 MiB chunk every 250 ms: 32 MiB take 2 s), with short leases.
+class ClusterFaultTest : public ::testing::Test {
+ protected:
+  void StartWith(const std::vector<std::string>& sender_flags) {
+    std::vector<std::string> a = {"--testing-chunk-delay-ms=250", "--lease-ms=1500"};
+    a.insert(a.end(), sender_flags.begin(), sender_flags.end());
+    ASSERT_NO_FATAL_FAILURE(cluster_.Start({"node-a", "node-b"}, {a, {"--lease-ms=1500"}}));
+    spec_ = BigSpec();
+    for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), spec_).ok());
+    ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec_, 0, kBigTokens, 21));
+    source_ = ReadAll(cluster_.stub(0), "big", 0);
+  }
+  // Node a still holds the sequence byte for byte, and its export copy (export_bytes) is gone
+  // within the lease time.
+  void ExpectSenderIntactAndLeaseExpired() {
+    ExpectSameRead(ReadAll(cluster_.stub(0), "big", 0), source_);
+    EXPECT_TRUE(Eventually([&] { return Usage(cluster_.stub(0), "big").export_bytes() == 0; },
+                           absl::Seconds(10)))
+        << "the export lease did not expire";
+  }
+
+  Cluster cluster_;
+  v1::CacheSpec spec_;
+  ReadOutput source_;
+};
+
+TEST_F(ClusterFaultTest, ReceiverKilledMidTransferLeavesTheSenderIntact) {
+  ASSERT_NO_FATAL_FAILURE(StartWith({}));
+  auto copy = std::async(std::launch::async, [&] {
+    v1::CopyPrefixResponse response;
+    return CopyFrom(cluster_.stub(1), "big", "node-a", 0, 1, kBigTokens, &response);
+  });
+  // Mid-transfer: the export copy exists on node a.
+  ASSERT_TRUE(Eventually([&] { return Usage(cluster_.stub(0), "big").export_bytes() > 0; },
+                         absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(500));
+  ASSERT_EQ(kill(cluster_[1].process->pid(), SIGKILL), 0);
+  EXPECT_FALSE(copy.get().ok());
+  ExpectSenderIntactAndLeaseExpired();
+}
+
+TEST_F(ClusterFaultTest, SenderKilledMidTransferFailsUnavailableWithNoPartialSequence) {
+  ASSERT_NO_FATAL_FAILURE(StartWith({}));
+  auto copy = std::async(std::launch::async, [&] {
+    v1::CopyPrefixResponse response;
+    return CopyFrom(cluster_.stub(1), "big", "node-a", 0, 1, kBigTokens, &response);
+  });
+  ASSERT_TRUE(Eventually([&] { return Usage(cluster_.stub(0), "big").export_bytes() > 0; },
+                         absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(500));
+  ASSERT_EQ(kill(cluster_[0].process->pid(), SIGKILL), 0);
+  const grpc::Status status = copy.get();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("node-a"));
+  EXPECT_THAT(LiveSeqs(cluster_.stub(1), "big"), ::testing::IsEmpty());
+  const v1::CacheUsage usage = Usage(cluster_.stub(1), "big");
+  EXPECT_EQ(usage.snapshot_bytes(), 0);
+  EXPECT_EQ(usage.sequences_live(), 0);
+}
+
+TEST_F(ClusterFaultTest, FrozenSenderEndsWithDeadlineExceededAndTheLeaseExpires) {
+  ASSERT_NO_FATAL_FAILURE(StartWith({}));
+  const absl::Time start = absl::Now();
+  auto copy = std::async(std::launch::async, [&] {
+    v1::CopyPrefixResponse response;
+    return CopyFrom(cluster_.stub(1), "big", "node-a", 0, 1, kBigTokens, &response,
+                    absl::Seconds(4));
+  });
+  ASSERT_TRUE(Eventually([&] { return Usage(cluster_.stub(0), "big").export_bytes() > 0; },
+                         absl::Seconds(3)));
+  ASSERT_EQ(kill(cluster_[0].process->pid(), SIGSTOP), 0);
+  const grpc::Status status = copy.get();
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_EQ(kill(cluster_[0].process->pid(), SIGCONT), 0);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << StatusText(status);
+  EXPECT_LT(took, absl::Seconds(8)) << "the call outlived its deadline";
+  EXPECT_THAT(LiveSeqs(cluster_.stub(1), "big"), ::testing::IsEmpty());
+  EXPECT_EQ(Usage(cluster_.stub(1), "big").snapshot_bytes(), 0);
+  ExpectSenderIntactAndLeaseExpired();
+}
+
+TEST_F(ClusterFaultTest, CorruptedChunkIsDataLossAndNothingIsStored) {
+  ASSERT_NO_FATAL_FAILURE(StartWith({"--testing-corrupt-chunk=2"}));
+  v1::CopyPrefixResponse response;
+  grpc::Status status = CopyFrom(cluster_.stub(1), "big", "node-a", 0, 1, kBigTokens, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DATA_LOSS) << StatusText(status);
+  EXPECT_THAT(LiveSeqs(cluster_.stub(1), "big"), ::testing::IsEmpty());
+  EXPECT_EQ(Usage(cluster_.stub(1), "big").snapshot_bytes(), 0);
+  // A migration through the same corrupting sender fails the same way and keeps the source.
+  status = MigrateSeq(cluster_.stub(0), "big", 0, "node-b", 0, false);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DATA_LOSS) << StatusText(status);
+  EXPECT_THAT(LiveSeqs(cluster_.stub(1), "big"), ::testing::IsEmpty());
+  ExpectSameRead(ReadAll(cluster_.stub(0), "big", 0), source_);
+  EXPECT_TRUE(Eventually([&] { return Usage(cluster_.stub(0), "big").export_bytes() == 0; },
+                         absl::Seconds(10)));
+}
+
+TEST_F(ClusterFaultTest, TargetKilledDuringAMigrationKeepsTheSequenceAtTheSource) {
+  // Here node b is the sender's target: node a migrates to b, and b (the receiver) dies.
+  ASSERT_NO_FATAL_FAILURE(StartWith({}));
+  auto migration = std::async(std::launch::async, [&] {
+    return MigrateSeq(cluster_.stub(0), "big", 0, "node-b", 0, false);
+  });
+  ASSERT_TRUE(Eventually([&] { return Usage(cluster_.stub(0), "big").export_bytes() > 0; },
+                         absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_EQ(kill(cluster_[1].process->pid(), SIGKILL), 0);
+  const grpc::Status status = migration.get();
+  EXPECT_FALSE(status.ok());
+  EXPECT_TRUE(status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+              status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+      << StatusText(status);
+  ExpectSenderIntactAndLeaseExpired();
+  // The sequence is not reserved any more: it can be appended to.
+  EXPECT_TRUE(Append(cluster_.stub(0), MakeAppend(spec_, 0, {kBigTokens}, 21)).ok());
+}
+
+TEST_F(ClusterFaultTest, AppendsDuringAMigrationAreAbortedNeverLost) {
+  ASSERT_NO_FATAL_FAILURE(StartWith({}));
+  SequenceModel model(spec_.groups_size());
+  ModelAppend(spec_, 0, Range(0, kBigTokens), 21, &model);
+  auto migration = std::async(std::launch::async, [&] {
+    return MigrateSeq(cluster_.stub(0), "big", 0, "node-b", 0, false);
+  });
+  // Appends to the sequence while the (2 s) migration runs: applied before the reservation,
+  // ABORTED during it.
+  std::unique_ptr<Stub> other = cluster_[0].process->NewStub();
+  int32_t next = kBigTokens;
+  grpc::Status refused;
+  while (migration.wait_for(std::chrono::milliseconds(0)) != std::future_status::ready) {
+    const grpc::Status s = Append(*other, MakeAppend(spec_, 0, {next}, 21));
+    if (!s.ok()) {
+      refused = s;
+      break;
+    }
+    ModelAppend(spec_, 0, {next}, 21, &model);
+    ++next;
+  }
+  const grpc::Status migrated = migration.get();
+  ASSERT_TRUE(migrated.ok()) << StatusText(migrated);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::ABORTED) << StatusText(refused);
+  EXPECT_THAT(refused.error_message(), HasSubstr("under migration"));
+  // Every token applied before the reservation moved with the sequence, byte for byte.
+  const ReadOutput moved = ReadAll(cluster_.stub(1), "big", 0);
+  const std::vector<std::vector<int32_t>> positions = HeaderPositions(moved.header);
+  ASSERT_EQ(positions.size(), 1u);
+  EXPECT_EQ(positions[0], Range(0, next));
+  EXPECT_TRUE(moved.payload == ExpectedReadPayload(spec_, model, positions));
+  EXPECT_THAT(LiveSeqs(cluster_.stub(0), "big"), ::testing::IsEmpty());
+}
+
+}  // namespace
+}  // namespace testutil
+}  // namespace kvmesh

@@ -1,0 +1,176 @@
+// LeaseTable (expiry, renewal, release, callbacks) and Reservations (operations against
+// migrations of sequences and snapshots): the bookkeeping behind the pull protocol
+// (docs/cluster.md), without gRPC.
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "service/leases.h"
+#include "service/reservations.h"
+
+namespace kvmesh {
+namespace {
+
+using ::testing::HasSubstr;
+
+class BytesPayload final : public transport::LeasedPayload {
+ public:
+  explicit BytesPayload(size_t n) : n_(n) {}
+  size_t size() const override { return n_; }
+  absl::Status ReadAt(size_t, absl::Span<uint8_t> dst) override {
+    for (uint8_t& b : dst) b = 7;
+    return absl::OkStatus();
+  }
+
+ private:
+  const size_t n_;
+};
+
+TEST(LeaseTableTest, TouchRenewsReleaseEndsAndCallbacksRunOnce) {
+  LeaseTable table(absl::Milliseconds(10));
+  std::atomic<int> ended{0};
+  const uint64_t id = table.Grant(std::make_shared<BytesPayload>(5), "node-b",
+                                  absl::Milliseconds(300), [&] { ++ended; });
+  EXPECT_GT(id, 0u);
+  EXPECT_EQ(table.size(), 1u);
+  // Touching more often than the lease time keeps it alive well past it.
+  for (int i = 0; i < 8; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    absl::StatusOr<std::shared_ptr<transport::LeasedPayload>> payload = table.Touch(id);
+    ASSERT_TRUE(payload.ok()) << payload.status();
+    EXPECT_EQ((*payload)->size(), 5u);
+  }
+  EXPECT_TRUE(table.Release(id).ok());
+  EXPECT_EQ(ended.load(), 1);
+  EXPECT_EQ(table.size(), 0u);
+  const absl::Status again = table.Release(id);
+  EXPECT_EQ(again.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(again.message(), HasSubstr(std::to_string(id)));
+  EXPECT_EQ(table.Touch(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ended.load(), 1);
+  EXPECT_EQ(table.expired(), 0u);
+}
+
+TEST(LeaseTableTest, UntouchedLeaseExpiresOnItsOwn) {
+  LeaseTable table(absl::Milliseconds(10));
+  std::atomic<int> ended{0};
+  const uint64_t id = table.Grant(std::make_shared<BytesPayload>(1), "node-b",
+                                  absl::Milliseconds(100), [&] { ++ended; });
+  const uint64_t other =
+      table.Grant(std::make_shared<BytesPayload>(1), "node-c", absl::Seconds(60), [&] { ++ended; });
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (ended.load() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(ended.load(), 1);
+  EXPECT_EQ(table.expired(), 1u);
+  EXPECT_EQ(table.Touch(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(table.Touch(other).ok());
+  EXPECT_NE(id, other);
+}
+
+TEST(LeaseTableTest, DestructorEndsRemainingLeases) {
+  std::atomic<int> ended{0};
+  {
+    LeaseTable table;
+    for (int i = 0; i < 3; ++i) {
+      table.Grant(std::make_shared<BytesPayload>(1), "x", absl::Seconds(60), [&] { ++ended; });
+    }
+  }
+  EXPECT_EQ(ended.load(), 3);
+}
+
+TEST(LeaseTableTest, ConcurrentGrantsTouchesAndReleases) {
+  LeaseTable table(absl::Milliseconds(1));
+  std::atomic<int> ended{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 200; ++i) {
+        const uint64_t id = table.Grant(std::make_shared<BytesPayload>(1), "x",
+                                        absl::Milliseconds(i % 3), [&] { ++ended; });
+        (void)table.Touch(id);
+        (void)table.Release(id);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (ended.load() < 800 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(ended.load(), 800);  // each lease ended exactly once, by release or expiry
+  EXPECT_EQ(table.size(), 0u);
+}
+
+using Kind = Reservations::Kind;
+
+TEST(ReservationsTest, OperationsAreAbortedWhileASequenceIsReserved) {
+  Reservations r;
+  {
+    absl::StatusOr<Reservations::Guard> reserved =
+        r.Reserve(Kind::kSequence, "llama", 3, "node-c", absl::InfiniteFuture());
+    ASSERT_TRUE(reserved.ok()) << reserved.status();
+    EXPECT_TRUE(r.IsReserved(Kind::kSequence, "llama", 3));
+    const int64_t seqs[] = {1, 3};
+    absl::StatusOr<Reservations::Guard> op =
+        r.BeginOperation(Kind::kSequence, "llama", seqs, "Append");
+    EXPECT_EQ(op.status().code(), absl::StatusCode::kAborted);
+    EXPECT_THAT(op.status().message(), HasSubstr("Append"));
+    EXPECT_THAT(op.status().message(), HasSubstr("sequence 3"));
+    EXPECT_THAT(op.status().message(), HasSubstr("node-c"));
+    // Other sequences, other caches and snapshots with the same id are free.
+    const int64_t other[] = {1};
+    EXPECT_TRUE(r.BeginOperation(Kind::kSequence, "llama", other, "Append").ok());
+    const int64_t same[] = {3};
+    EXPECT_TRUE(r.BeginOperation(Kind::kSequence, "qwen", same, "Append").ok());
+    EXPECT_TRUE(r.BeginOperation(Kind::kSnapshot, "llama", same, "DropSnapshot").ok());
+    // A second migration of it is aborted.
+    absl::StatusOr<Reservations::Guard> twice =
+        r.Reserve(Kind::kSequence, "llama", 3, "node-b", absl::InfiniteFuture());
+    EXPECT_EQ(twice.status().code(), absl::StatusCode::kAborted);
+    EXPECT_THAT(twice.status().message(), HasSubstr("already under migration to node 'node-c'"));
+  }
+  EXPECT_FALSE(r.IsReserved(Kind::kSequence, "llama", 3));
+  const int64_t seqs[] = {3};
+  EXPECT_TRUE(r.BeginOperation(Kind::kSequence, "llama", seqs, "Append").ok());
+}
+
+TEST(ReservationsTest, AReservationWaitsForRunningOperationsAndRefusesNewOnes) {
+  Reservations r;
+  const int64_t seqs[] = {4, 4};  // duplicates count once each, and are released alike
+  absl::StatusOr<Reservations::Guard> op = r.BeginOperation(Kind::kSequence, "c", seqs, "Append");
+  ASSERT_TRUE(op.ok());
+  // With the operation running, a reservation with a short deadline gives up.
+  absl::StatusOr<Reservations::Guard> early =
+      r.Reserve(Kind::kSequence, "c", 4, "n", absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(r.IsReserved(Kind::kSequence, "c", 4));
+  // A patient one waits until the operation ends.
+  std::atomic<bool> reserved{false};
+  std::thread migrator([&] {
+    absl::StatusOr<Reservations::Guard> g =
+        r.Reserve(Kind::kSequence, "c", 4, "n", absl::Now() + absl::Seconds(10));
+    EXPECT_TRUE(g.ok()) << g.status();
+    reserved = true;
+  });
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (!r.IsReserved(Kind::kSequence, "c", 4) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  // Reserved (new operations refused) but still waiting for the running one.
+  const int64_t one[] = {4};
+  EXPECT_EQ(r.BeginOperation(Kind::kSequence, "c", one, "Remove").status().code(),
+            absl::StatusCode::kAborted);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(reserved.load());
+  *op = Reservations::Guard();  // the operation ends
+  migrator.join();
+  EXPECT_TRUE(reserved.load());
+  EXPECT_FALSE(r.IsReserved(Kind::kSequence, "c", 4));  // the migrator's guard went with it
+}
+
+}  // namespace
+}  // namespace kvmesh
