@@ -33,8 +33,8 @@ class BytesPayload final : public transport::LeasedPayload {
 };
 
 TEST(LeaseTableTest, TouchRenewsReleaseEndsAndCallbacksRunOnce) {
+  std::atomic<int> ended{0};  // declared first: the table's destructor may still call back
   LeaseTable table(absl::Milliseconds(10));
-  std::atomic<int> ended{0};
   const uint64_t id = table.Grant(std::make_shared<BytesPayload>(5), "node-b",
                                   absl::Milliseconds(300), [&] { ++ended; });
   EXPECT_GT(id, 0u);
@@ -58,8 +58,8 @@ TEST(LeaseTableTest, TouchRenewsReleaseEndsAndCallbacksRunOnce) {
 }
 
 TEST(LeaseTableTest, UntouchedLeaseExpiresOnItsOwn) {
+  std::atomic<int> ended{0};  // declared first: the table's destructor may still call back
   LeaseTable table(absl::Milliseconds(10));
-  std::atomic<int> ended{0};
   const uint64_t id = table.Grant(std::make_shared<BytesPayload>(1), "node-b",
                                   absl::Milliseconds(100), [&] { ++ended; });
   const uint64_t other =
@@ -85,8 +85,8 @@ TEST(LeaseTableTest, DestructorEndsRemainingLeases) {
 }
 
 TEST(LeaseTableTest, ConcurrentGrantsTouchesAndReleases) {
+  std::atomic<int> ended{0};  // declared first: the table's destructor may still call back
   LeaseTable table(absl::Milliseconds(1));
-  std::atomic<int> ended{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&] {
