@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "cache/status_macros.h"
+#include "cache/tsan_handoff.h"
 #include "service/cluster.h"
 #include "service/convert.h"
 #include "service/peer_service.h"
@@ -72,27 +73,6 @@ absl::Status CheckNotNegative(absl::string_view field, int64_t value) {
 grpc::Status InvalidArgument(std::string message) {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::move(message));
 }
-
-// gRPC hands a reactor from the thread that starts an operation to the thread that runs its
-// reaction through its own (uninstrumented) internals, which ThreadSanitizer cannot see. These
-// two calls state that edge on the reactor's address in TSan builds and are no-ops otherwise.
-#if defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define KVMESH_TSAN_BUILD 1
-#endif
-#endif
-#if defined(__SANITIZE_THREAD__)
-#define KVMESH_TSAN_BUILD 1
-#endif
-#ifdef KVMESH_TSAN_BUILD
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-void HandOff(void* reactor) { __tsan_release(reactor); }
-void TakeOver(void* reactor) { __tsan_acquire(reactor); }
-#else
-void HandOff(void*) {}
-void TakeOver(void*) {}
-#endif
 
 const grpc::Status& CancelledStatus() {
   static const grpc::Status* const status =

@@ -91,16 +91,20 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Pull(grpc::CallbackServerContext* con
   });
 }
 
+grpc::ServerUnaryReactor* PeerServiceImpl::NoNccl(grpc::CallbackServerContext* context) const {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(
+      grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                   absl::StrCat("node '", options_.name, "' has no nccl transport (backend ",
+                                options_.backend, ")")));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* PeerServiceImpl::NcclConnect(grpc::CallbackServerContext* context,
                                                        const v1::NcclConnectRequest* request,
                                                        v1::NcclConnectResponse* response) {
   if (!options_.nccl.connect) {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(
-        grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                     absl::StrCat("node '", options_.name, "' has no nccl transport (backend ",
-                                  options_.backend, ")")));
-    return reactor;
+    return NoNccl(context);
   }
   return RunOn(cluster_executor_, context, [this, context, request]() {
     return options_.nccl.connect(*request, cluster_->Deadline(ContextDeadline(*context)));
@@ -111,12 +115,7 @@ grpc::ServerUnaryReactor* PeerServiceImpl::NcclSend(grpc::CallbackServerContext*
                                                     const v1::NcclSendRequest* request,
                                                     v1::NcclSendResponse* response) {
   if (!options_.nccl.send) {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(
-        grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                     absl::StrCat("node '", options_.name, "' has no nccl transport (backend ",
-                                  options_.backend, ")")));
-    return reactor;
+    return NoNccl(context);
   }
   return RunOn(cluster_executor_, context, [this, context, request]() {
     return options_.nccl.send(*request, cluster_->Deadline(ContextDeadline(*context)));

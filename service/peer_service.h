@@ -66,6 +66,9 @@ class PeerServiceImpl final : public v1::PeerService::CallbackService {
                                      v1::NcclSendResponse* response) override;
 
  private:
+  // Finishes the call with FAILED_PRECONDITION: this node has no nccl transport.
+  grpc::ServerUnaryReactor* NoNccl(grpc::CallbackServerContext* context) const;
+
   // Runs `fn` on `executor` and finishes the call with its status (UNAVAILABLE when the
   // executor refuses it).
   grpc::ServerUnaryReactor* RunOn(Executor* executor, grpc::CallbackServerContext* context,

@@ -12,34 +12,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "cache/mutex.h"
+#include "cache/tsan_handoff.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
 #include "transport/checksum.h"
 
 namespace kvmesh {
 namespace transport {
 namespace {
-
-// gRPC hands a reactor from the thread that starts an operation to the thread that runs its
-// reaction (or an alarm's callback) through its own uninstrumented internals, which
-// ThreadSanitizer cannot see. These state that edge on the reactor's address in TSan builds
-// and are no-ops otherwise (as in service/cache_service.cc).
-#if defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define KVMESH_TRANSPORT_TSAN 1
-#endif
-#endif
-#if defined(__SANITIZE_THREAD__)
-#define KVMESH_TRANSPORT_TSAN 1
-#endif
-#ifdef KVMESH_TRANSPORT_TSAN
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-void HandOff(void* reactor) { __tsan_release(reactor); }
-void TakeOver(void* reactor) { __tsan_acquire(reactor); }
-#else
-void HandOff(void*) {}
-void TakeOver(void*) {}
-#endif
 
 grpc::Status ToGrpc(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
