@@ -291,6 +291,35 @@ TEST_F(ClusterTest, CopyPrefixFromAnotherNodeCopiesEveryGroupByteForByte) {
   EXPECT_THAT(LiveSeqs(cluster_.stub(1), "hybrid"), ::testing::IsEmpty());
 }
 
+TEST_F(ClusterTest, CrossNodeCopyRefusalsNameTheBadValueAndChangeNothing) {
+  const v1::CacheSpec spec = HybridSpec();
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 1, 6, 7));
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(1), spec, 1, 3, 9));
+  const ReadOutput before = ReadAll(cluster_.stub(1), "hybrid", 1);
+  v1::CopyPrefixResponse response;
+  // A node that is not a member.
+  grpc::Status status = CopyFrom(cluster_.stub(1), "hybrid", "node-z", 1, 1, 6, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("node-z"));
+  // The same cache name with another spec on the source.
+  ASSERT_TRUE(DeleteCache(cluster_.stub(2), "hybrid").ok());
+  v1::CacheSpec other = spec;
+  other.set_max_sequences(spec.max_sequences() + 1);
+  ASSERT_TRUE(CreateCache(cluster_.stub(2), other).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(2), other, 1, 6, 7));
+  status = CopyFrom(cluster_.stub(1), "hybrid", "node-c", 1, 1, 6, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("max_sequences"));
+  // A cache the source does not have.
+  ASSERT_TRUE(DeleteCache(cluster_.stub(2), "hybrid").ok());
+  status = CopyFrom(cluster_.stub(1), "hybrid", "node-c", 1, 1, 6, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("hybrid"));
+  // Nothing changed on the receiver.
+  ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", 1), before);
+  EXPECT_EQ(Usage(cluster_.stub(1), "hybrid").snapshot_bytes(), 0);
+}
+
 TEST_F(ClusterTest, CopyPrefixOfAnAttentionCacheSendsOnlyThePrefix) {
   const v1::CacheSpec spec = BigSpec();
   for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), spec).ok());
