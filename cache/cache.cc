@@ -695,6 +695,9 @@ class CountedExportReader final : public SnapshotExportReader {
   absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) override {
     return inner_->ReadAt(offset, dst);
   }
+  absl::Span<const uint8_t> View(size_t offset, size_t max_bytes) const override {
+    return inner_->View(offset, max_bytes);
+  }
 
  private:
   const std::unique_ptr<SnapshotExportReader> inner_;

@@ -126,6 +126,16 @@ class SnapshotExportReader {
   // Copies bytes [offset, offset + dst.size()) of the image into dst (host memory).
   // OUT_OF_RANGE past size(); device errors as Device::Gather.
   virtual absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) = 0;
+  // The image's bytes from `offset` on where they lie in host memory, without a copy: the
+  // longest contiguous run there, at most `max_bytes` (a run ends at the end of the header or
+  // of one plane of one segment). Empty when offset >= size(), max_bytes == 0, or the bytes are
+  // not in host memory (a device other than HostDevice): use ReadAt then. The bytes stay valid
+  // and unchanged while the reader exists. Thread-safe, also against ReadAt.
+  virtual absl::Span<const uint8_t> View(size_t offset, size_t max_bytes) const {
+    (void)offset;
+    (void)max_bytes;
+    return {};
+  }
 };
 
 // Receives a wire image (Cache::BeginSnapshotImport). Write appends the next bytes; the header

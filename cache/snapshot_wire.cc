@@ -366,6 +366,23 @@ class ExportReader final : public SnapshotExportReader {
   size_t size() const override { return size_; }
   const SnapshotInfo& info() const override { return info_; }
 
+  absl::Span<const uint8_t> View(size_t offset, size_t max_bytes) const override {
+    if (offset >= size_ || max_bytes == 0) return {};
+    if (offset < header_.size()) {
+      return {header_.data() + offset, std::min(max_bytes, header_.size() - offset)};
+    }
+    const RowRef row = map_.Locate(offset);
+    const DataSegment& s = map_.segment(row.segment);
+    const uint8_t* base = device_->HostAddress(s.chunk->arena);
+    if (base == nullptr) return {};
+    // The plane's rows of the segment lie one after another, in the image as in the arena.
+    const size_t index = size_t(row.row - s.first_row);
+    const size_t plane_end = row.begin + (size_t(s.rows) - index) * row.bytes;
+    const uint8_t* at = base + s.chunk->planes[row.plane].offset + size_t(row.row) * row.bytes +
+                        (offset - row.begin);
+    return {at, std::min(max_bytes, plane_end - offset)};
+  }
+
   absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) override {
     if (offset > size_ || dst.size() > size_ - offset) {
       return absl::OutOfRangeError(absl::StrCat("ReadAt of ", dst.size(), " bytes at offset ",

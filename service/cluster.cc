@@ -28,16 +28,21 @@ constexpr size_t kChecksumPiece = size_t{4} << 20;
 class ReaderPayload final : public transport::LeasedPayload {
  public:
   explicit ReaderPayload(std::unique_ptr<SnapshotExportReader> reader)
-      : reader_(std::move(reader)), size_(reader_->size()) {}
+      : reader_(std::move(reader)), view_reader_(reader_.get()), size_(reader_->size()) {}
   size_t size() const override { return size_; }
   absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) override {
     MutexLock lock(&mu_);
     return reader_->ReadAt(offset, dst);
   }
+  // Reads no mutable state of the reader: no lock.
+  absl::Span<const uint8_t> View(size_t offset, size_t max_bytes) const override {
+    return view_reader_->View(offset, max_bytes);
+  }
 
  private:
   Mutex mu_;
   const std::unique_ptr<SnapshotExportReader> reader_ ABSL_PT_GUARDED_BY(mu_);
+  const SnapshotExportReader* const view_reader_;  // reader_, for View
   const size_t size_;
 };
 
@@ -206,12 +211,22 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
   *response.mutable_snapshot() = SnapshotInfoToProto((*reader)->info());
   auto payload = std::make_shared<ReaderPayload>(*std::move(reader));
 
-  uint32_t crc = 0;
-  std::vector<uint8_t> piece(std::min(kChecksumPiece, payload->size()));
-  for (size_t offset = 0; offset < payload->size(); offset += piece.size()) {
-    const size_t n = std::min(piece.size(), payload->size() - offset);
-    RETURN_IF_ERROR(payload->ReadAt(offset, absl::MakeSpan(piece.data(), n)));
-    crc = transport::Crc32cExtend(crc, absl::MakeConstSpan(piece.data(), n));
+  // grpc-stream checksums each chunk as it sends it; nccl checks the whole payload against
+  // this one.
+  if (request.transport() != transport::kGrpcStream) {
+    uint32_t crc = 0;
+    std::vector<uint8_t> piece;  // for bytes that are not in host memory
+    for (size_t offset = 0; offset < payload->size();) {
+      absl::Span<const uint8_t> bytes = payload->View(offset, kChecksumPiece);
+      if (bytes.empty()) {
+        piece.resize(std::min(kChecksumPiece, payload->size() - offset));
+        RETURN_IF_ERROR(payload->ReadAt(offset, absl::MakeSpan(piece)));
+        bytes = absl::MakeConstSpan(piece);
+      }
+      crc = transport::Crc32cExtend(crc, bytes);
+      offset += bytes.size();
+    }
+    response.set_crc32c(crc);
   }
   absl::Duration ttl =
       request.lease_ms() == 0 ? options_.lease_time : absl::Milliseconds(request.lease_ms());
@@ -220,7 +235,6 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
   const uint64_t id = leases_->Grant(std::move(payload), request.receiver(), ttl, nullptr);
   response.set_lease_id(id);
   response.set_payload_bytes(static_cast<int64_t>(bytes));
-  response.set_crc32c(crc);
   response.set_lease_ms(absl::ToInt64Milliseconds(ttl));
   return response;
 }
@@ -287,6 +301,7 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::shared_ptr<Cache>& 
   lease.sender_address = member.address;
   lease.id = exported.lease_id();
   lease.payload_bytes = static_cast<uint64_t>(exported.payload_bytes());
+  lease.has_crc32c = exported.has_crc32c();
   lease.crc32c = exported.crc32c();
   const absl::Status moved = transport->Receive(
       lease, [&](absl::Span<const uint8_t> bytes) { return (*writer)->Write(bytes); }, deadline);

@@ -64,8 +64,8 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Export(grpc::CallbackServerContext* c
   });
 }
 
-grpc::ServerWriteReactor<v1::Chunk>* PeerServiceImpl::Fetch(grpc::CallbackServerContext* context,
-                                                            const v1::FetchRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* PeerServiceImpl::Fetch(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
   return transport::ServeFetch(context, request, leases_, options_.sender);
 }
 

@@ -26,7 +26,10 @@
 
 namespace kvmesh {
 
-class PeerServiceImpl final : public v1::PeerService::CallbackService {
+// Fetch is served raw (grpc::ByteBuffer): the grpc-stream sender writes chunks straight from
+// the exported image (transport/grpc_stream_transport.h).
+class PeerServiceImpl final
+    : public v1::PeerService::WithRawCallbackMethod_Fetch<v1::PeerService::CallbackService> {
  public:
   // The sender side of the nccl transport, when this node has one.
   struct NcclHooks {
@@ -50,8 +53,8 @@ class PeerServiceImpl final : public v1::PeerService::CallbackService {
   grpc::ServerUnaryReactor* Export(grpc::CallbackServerContext* context,
                                    const v1::ExportRequest* request,
                                    v1::ExportResponse* response) override;
-  grpc::ServerWriteReactor<v1::Chunk>* Fetch(grpc::CallbackServerContext* context,
-                                             const v1::FetchRequest* request) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
                                     const v1::ReleaseRequest* request,
                                     v1::ReleaseResponse* response) override;

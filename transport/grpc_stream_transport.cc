@@ -3,9 +3,15 @@
 #include <algorithm>
 #include <cstddef>
 #include <limits>
+#include <string>
 #include <utility>
+#include <vector>
 
+#include <grpc/slice.h>
 #include <grpcpp/alarm.h>
+#include <grpcpp/impl/codegen/rpc_method.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/support/sync_stream.h>
 
@@ -53,6 +59,143 @@ absl::Status FromFetchStatus(const grpc::Status& status, const Lease& lease, uin
   }
 }
 
+// PeerService/Fetch, called with raw messages on both ends.
+const grpc::internal::RpcMethod& FetchMethod() {
+  static const std::string* const name =
+      new std::string(absl::StrCat("/", v1::PeerService::service_full_name(), "/Fetch"));
+  static const grpc::internal::RpcMethod* const method = new grpc::internal::RpcMethod(
+      name->c_str(), grpc::internal::RpcMethod::SERVER_STREAMING);
+  return *method;
+}
+
+// A Chunk message (proto/kvmesh/v1/peer.proto), its data left where it lies in the slices.
+struct ParsedChunk {
+  int64_t offset = 0;
+  bool has_crc32c = false;
+  uint32_t crc32c = 0;
+  bool has_data = false;
+  std::vector<absl::Span<const uint8_t>> data;
+  uint64_t data_bytes = 0;
+};
+
+// Reads protobuf wire-format values across a message's slices.
+class SliceReader {
+ public:
+  explicit SliceReader(const std::vector<grpc::Slice>& slices) : slices_(slices) { SkipEmpty(); }
+
+  bool done() const { return slice_ == slices_.size(); }
+
+  bool Byte(uint8_t* b) {
+    if (done()) return false;
+    *b = slices_[slice_].begin()[pos_];
+    Advance(1);
+    return true;
+  }
+
+  bool Varint(uint64_t* value) {
+    *value = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      uint8_t b;
+      if (!Byte(&b)) return false;
+      *value |= uint64_t{b & 0x7fu} << shift;
+      if ((b & 0x80) == 0) return true;
+    }
+    return false;  // more than 10 bytes
+  }
+
+  bool Fixed32(uint32_t* value) {
+    uint8_t b[4];
+    for (uint8_t& x : b) {
+      if (!Byte(&x)) return false;
+    }
+    *value = uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24;
+    return true;
+  }
+
+  // The next n bytes as pieces of the slices (appended to *pieces when not null).
+  bool Take(uint64_t n, std::vector<absl::Span<const uint8_t>>* pieces) {
+    while (n > 0) {
+      if (done()) return false;
+      const grpc::Slice& s = slices_[slice_];
+      const size_t k = static_cast<size_t>(std::min<uint64_t>(n, s.size() - pos_));
+      if (pieces != nullptr) pieces->emplace_back(s.begin() + pos_, k);
+      Advance(k);
+      n -= k;
+    }
+    return true;
+  }
+
+ private:
+  void Advance(size_t n) {
+    pos_ += n;
+    if (pos_ == slices_[slice_].size()) {
+      ++slice_;
+      pos_ = 0;
+      SkipEmpty();
+    }
+  }
+  void SkipEmpty() {
+    while (slice_ < slices_.size() && slices_[slice_].size() == 0) ++slice_;
+  }
+
+  const std::vector<grpc::Slice>& slices_;
+  size_t slice_ = 0;
+  size_t pos_ = 0;
+};
+
+// Parses a Chunk without copying its data. Unknown fields are skipped, as a protobuf parser
+// would; INVALID_ARGUMENT (naming the field) for a message that does not parse.
+absl::Status ParseChunk(const std::vector<grpc::Slice>& slices, ParsedChunk* chunk) {
+  SliceReader in(slices);
+  while (!in.done()) {
+    uint64_t tag;
+    if (!in.Varint(&tag)) return absl::InvalidArgumentError("truncated tag");
+    const uint64_t field = tag >> 3;
+    const int wire_type = static_cast<int>(tag & 7);
+    uint64_t value = 0;
+    uint32_t value32 = 0;
+    switch (wire_type) {
+      case 0:  // varint
+        if (!in.Varint(&value)) return absl::InvalidArgumentError(absl::StrCat("field ", field));
+        if (field == 1) chunk->offset = static_cast<int64_t>(value);
+        break;
+      case 1:  // 64-bit
+        if (!in.Take(8, nullptr)) return absl::InvalidArgumentError(absl::StrCat("field ", field));
+        break;
+      case 2: {  // length-delimited
+        if (!in.Varint(&value)) return absl::InvalidArgumentError(absl::StrCat("field ", field));
+        if (field == 2) {
+          // A repeated bytes field replaces the earlier value.
+          chunk->data.clear();
+          chunk->has_data = true;
+          chunk->data_bytes = value;
+        }
+        if (!in.Take(value, field == 2 ? &chunk->data : nullptr)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("field ", field, " of ", value, " bytes runs past the message"));
+        }
+        break;
+      }
+      case 5:  // 32-bit
+        if (!in.Fixed32(&value32)) return absl::InvalidArgumentError(absl::StrCat("field ", field));
+        if (field == 3) {
+          chunk->has_crc32c = true;
+          chunk->crc32c = value32;
+        }
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat("field ", field, " has wire type ", wire_type));
+    }
+    if ((field == 1 && wire_type != 0) || (field == 2 && wire_type != 2) ||
+        (field == 3 && wire_type != 5)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("field ", field, " has wire type ", wire_type));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 grpc::ChannelArguments GrpcStreamTransport::MakeChannelArguments(const Options& options) {
@@ -73,7 +216,6 @@ absl::Status GrpcStreamTransport::Receive(const Lease& lease, Sink sink, absl::T
     return absl::UnavailableError(
         absl::StrCat("Fetch of lease ", lease.id, ": no channel to ", DescribeSender(lease)));
   }
-  const std::unique_ptr<v1::PeerService::Stub> stub = v1::PeerService::NewStub(channel);
 
   int32_t chunk_bytes = options_.chunk_bytes > 0 ? options_.chunk_bytes : kDefaultChunkBytes;
   if (options_.max_receive_message > 2 * kChunkOverheadBytes) {
@@ -86,33 +228,68 @@ absl::Status GrpcStreamTransport::Receive(const Lease& lease, Sink sink, absl::T
 
   grpc::ClientContext context;
   if (deadline != absl::InfiniteFuture()) context.set_deadline(absl::ToChronoTime(deadline));
-  const std::unique_ptr<grpc::ClientReader<v1::Chunk>> reader = stub->Fetch(&context, request);
-
-  v1::Chunk chunk;
+  // Chunks arrive as raw messages: their data is read where gRPC received it, not copied into a
+  // parsed message first.
+  const std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel.get(), FetchMethod(),
+                                                                    &context, request));
+  const std::string from = absl::StrCat("Fetch of lease ", lease.id, " from ",
+                                        DescribeSender(lease));
+  grpc::ByteBuffer message;
+  std::vector<grpc::Slice> slices;
   uint64_t received = 0;
-  uint32_t crc = 0;
+  uint32_t crc = 0;      // of the whole payload, when the lease announced one
   absl::Status stopped;  // an error of this side that ends the stream early
-  while (reader->Read(&chunk)) {
-    const std::string& data = chunk.data();
-    if (chunk.offset() < 0 || static_cast<uint64_t>(chunk.offset()) != received) {
-      stopped = absl::DataLossError(absl::StrCat(
-          "Fetch of lease ", lease.id, " from ", DescribeSender(lease), ": chunk at offset ",
-          chunk.offset(), " but ", received, " bytes were received before it"));
+  while (reader->Read(&message)) {
+    slices.clear();
+    ParsedChunk chunk;
+    if (!message.Dump(&slices).ok()) {
+      stopped = absl::DataLossError(absl::StrCat(from, ": a chunk after ", received,
+                                                 " bytes could not be read"));
       break;
     }
-    if (data.size() > lease.payload_bytes - received) {
-      stopped = absl::DataLossError(absl::StrCat(
-          "Fetch of lease ", lease.id, " from ", DescribeSender(lease), ": chunk at offset ",
-          chunk.offset(), " of ", data.size(), " bytes runs to offset ", received + data.size(),
-          ", past the payload's ", lease.payload_bytes, " bytes"));
+    stopped = ParseChunk(slices, &chunk);
+    if (!stopped.ok()) {
+      stopped = absl::DataLossError(absl::StrCat(from, ": the chunk after ", received,
+                                                 " bytes does not parse: ", stopped.message()));
       break;
     }
-    const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(data.data()),
-                                          data.size());
-    crc = Crc32cExtend(crc, bytes);
-    stopped = sink(bytes);
+    if (chunk.offset < 0 || static_cast<uint64_t>(chunk.offset) != received) {
+      stopped = absl::DataLossError(absl::StrCat(from, ": chunk at offset ", chunk.offset, " but ",
+                                                 received, " bytes were received before it"));
+      break;
+    }
+    if (chunk.data_bytes > lease.payload_bytes - received) {
+      stopped = absl::DataLossError(absl::StrCat(
+          from, ": chunk at offset ", chunk.offset, " of ", chunk.data_bytes,
+          " bytes runs to offset ", received + chunk.data_bytes, ", past the payload's ",
+          lease.payload_bytes, " bytes"));
+      break;
+    }
+    if (!chunk.has_crc32c) {
+      stopped = absl::DataLossError(absl::StrCat(from, ": chunk at offset ", chunk.offset,
+                                                 " carries no crc32c"));
+      break;
+    }
+    // Each piece is checksummed and handed on while it is in the cache. A sink error stops
+    // the hand-over but not the checksum: corrupted bytes explain a sink's complaint.
+    uint32_t chunk_crc = 0;
+    absl::Status sunk;
+    for (absl::Span<const uint8_t> piece : chunk.data) {
+      chunk_crc = Crc32cExtend(chunk_crc, piece);
+      if (lease.has_crc32c) crc = Crc32cExtend(crc, piece);
+      if (sunk.ok()) sunk = sink(piece);
+    }
+    if (chunk_crc != chunk.crc32c) {
+      stopped = absl::DataLossError(absl::StrCat(
+          from, ": CRC-32C of the ", chunk.data_bytes, " bytes of the chunk at offset ",
+          chunk.offset, " is ", Hex32(chunk_crc), " but the sender computed ",
+          Hex32(chunk.crc32c)));
+      break;
+    }
+    stopped = sunk;
     if (!stopped.ok()) break;
-    received += data.size();
+    received += chunk.data_bytes;
   }
   if (!stopped.ok()) {
     // Tell the sender to stop; Finish then reports CANCELLED, which says nothing new.
@@ -123,20 +300,44 @@ absl::Status GrpcStreamTransport::Receive(const Lease& lease, Sink sink, absl::T
   const grpc::Status status = reader->Finish();
   if (!status.ok()) return FromFetchStatus(status, lease, received);
   if (received != lease.payload_bytes) {
-    return absl::DataLossError(absl::StrCat("Fetch of lease ", lease.id, " from ",
-                                            DescribeSender(lease), ": the stream ended after ",
-                                            received, " of ", lease.payload_bytes, " bytes"));
+    return absl::DataLossError(absl::StrCat(from, ": the stream ended after ", received, " of ",
+                                            lease.payload_bytes, " bytes"));
   }
-  if (crc != lease.crc32c) {
-    return absl::DataLossError(absl::StrCat(
-        "Fetch of lease ", lease.id, " from ", DescribeSender(lease), ": CRC-32C of the ", received,
-        " bytes received is ", Hex32(crc), " but Export announced ", Hex32(lease.crc32c)));
+  if (lease.has_crc32c && crc != lease.crc32c) {
+    return absl::DataLossError(absl::StrCat(from, ": CRC-32C of the ", received,
+                                            " bytes received is ", Hex32(crc),
+                                            " but Export announced ", Hex32(lease.crc32c)));
   }
   return absl::OkStatus();
 }
 
 // ---- sender --------------------------------------------------------------------------------
 namespace {
+
+void ReleasePayloadRef(void* ref) { delete static_cast<std::shared_ptr<LeasedPayload>*>(ref); }
+
+size_t PutVarint(uint64_t v, uint8_t* out) {
+  size_t k = 0;
+  while (v >= 0x80) {
+    out[k++] = static_cast<uint8_t>(v | 0x80);
+    v >>= 7;
+  }
+  out[k++] = static_cast<uint8_t>(v);
+  return k;
+}
+
+// A Chunk's fields up to its data's bytes: offset (1, varint), crc32c (3, fixed32), then the
+// tag and length of data (2). Returns the bytes written (at most 28).
+size_t EncodeChunkFields(uint64_t offset, uint32_t crc32c, uint64_t data_bytes, uint8_t* out) {
+  size_t k = 0;
+  out[k++] = 1 << 3 | 0;
+  k += PutVarint(offset, out + k);
+  out[k++] = 3 << 3 | 5;
+  for (int i = 0; i < 4; ++i) out[k++] = static_cast<uint8_t>(crc32c >> (8 * i));
+  out[k++] = 2 << 3 | 2;
+  k += PutVarint(data_bytes, out + k);
+  return k;
+}
 
 // One Fetch stream. Exactly one party owns the stream's progress at a time and is the only one
 // to touch the chunk or start an operation: the constructor, then either the write in flight
@@ -145,10 +346,10 @@ namespace {
 // concurrently with the owner: it only records the cancellation and cancels a pending alarm
 // (under mu_), so that the owner finishes promptly; gRPC runs OnDone after every other reaction
 // has returned, and alarm callbacks cannot be pending then (only an owner finishes).
-class FetchReactor final : public grpc::ServerWriteReactor<v1::Chunk> {
+class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  FetchReactor(const v1::FetchRequest& request, LeaseLookup* leases, const SenderOptions& options)
-      : leases_(leases), options_(options), lease_id_(request.lease_id()) {
+  FetchReactor(const grpc::ByteBuffer& request, LeaseLookup* leases, const SenderOptions& options)
+      : leases_(leases), options_(options) {
     const grpc::Status status = Start(request);
     if (!status.ok()) {
       Done(status);
@@ -189,7 +390,20 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::Chunk> {
     return grpc::Status(grpc::StatusCode::CANCELLED, "Fetch cancelled: the receiver went away");
   }
 
-  grpc::Status Start(const v1::FetchRequest& request) {
+  grpc::Status Start(const grpc::ByteBuffer& raw) {
+    v1::FetchRequest request;
+    std::vector<grpc::Slice> slices;
+    std::string bytes;
+    if (raw.Dump(&slices).ok()) {
+      for (const grpc::Slice& slice : slices) {
+        bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+      }
+    }
+    if (!request.ParseFromString(bytes)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("the FetchRequest of ", bytes.size(), " bytes does not parse"));
+    }
+    lease_id_ = request.lease_id();
     absl::StatusOr<std::shared_ptr<LeasedPayload>> payload = leases_->Touch(lease_id_);
     if (!payload.ok()) return ToGrpc(payload.status());
     payload_ = *std::move(payload);
@@ -270,20 +484,42 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::Chunk> {
       }
     }
     const size_t n = std::min(chunk_bytes_, size_ - offset_);
-    // The bytes field keeps its capacity from chunk to chunk, so after the first chunk the
-    // resize neither allocates nor clears: ReadAt writes straight into the message.
-    std::string* data = chunk_.mutable_data();
-    data->resize(n);
-    const absl::Status read =
-        payload_->ReadAt(offset_, absl::Span<uint8_t>(reinterpret_cast<uint8_t*>(data->data()), n));
-    if (!read.ok()) {
-      Done(grpc::Status(
-          static_cast<grpc::StatusCode>(read.code()),
-          absl::StrCat("reading lease ", lease_id_, " at offset ", offset_, ": ", read.message())));
-      return;
+    std::vector<grpc::Slice> slices(1);  // [0]: the fields before the data, below
+    uint32_t crc = 0;
+    // The data as it lies in the payload's memory: each slice holds a reference to the payload,
+    // so the bytes outlive the write whatever gRPC does with them.
+    bool viewed = chunks_ != options_.corrupt_chunk;
+    for (size_t at = offset_; viewed && at < offset_ + n;) {
+      const absl::Span<const uint8_t> view = payload_->View(at, offset_ + n - at);
+      if (view.empty()) {
+        viewed = false;
+        break;
+      }
+      crc = Crc32cExtend(crc, view);
+      slices.emplace_back(const_cast<uint8_t*>(view.data()), view.size(), &ReleasePayloadRef,
+                          new std::shared_ptr<LeasedPayload>(payload_));
+      at += view.size();
     }
-    if (chunks_ == options_.corrupt_chunk) (*data)[n / 2] ^= 0x01;  // n > 0 here
-    chunk_.set_offset(static_cast<int64_t>(offset_));
+    if (!viewed) {
+      // Not in host memory (or a chunk to corrupt): one copy, into a slice of its own.
+      slices.resize(1);
+      grpc_slice copy = grpc_slice_malloc(n);
+      uint8_t* data = GRPC_SLICE_START_PTR(copy);
+      slices.emplace_back(copy, grpc::Slice::STEAL_REF);
+      const absl::Status read = payload_->ReadAt(offset_, absl::Span<uint8_t>(data, n));
+      if (!read.ok()) {
+        Done(grpc::Status(static_cast<grpc::StatusCode>(read.code()),
+                          absl::StrCat("reading lease ", lease_id_, " at offset ", offset_, ": ",
+                                       read.message())));
+        return;
+      }
+      crc = Crc32cExtend(0, absl::Span<const uint8_t>(data, n));
+      if (chunks_ == options_.corrupt_chunk) data[n / 2] ^= 0x01;  // n > 0 here
+    }
+    uint8_t fields[32];
+    const size_t k = EncodeChunkFields(static_cast<uint64_t>(offset_), crc, n, fields);
+    slices[0] = grpc::Slice(fields, k);
+    chunk_ = grpc::ByteBuffer(slices.data(), slices.size());
     offset_ += n;
     ++chunks_;
     HandOff(this);  // nothing of this reactor is touched from here until OnWriteDone
@@ -298,7 +534,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::Chunk> {
 
   LeaseLookup* const leases_;
   const SenderOptions options_;
-  const uint64_t lease_id_;
+  uint64_t lease_id_ = 0;  // set by the constructor
 
   // Owned by the current owner (see the class comment).
   std::shared_ptr<LeasedPayload> payload_;
@@ -306,7 +542,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::Chunk> {
   size_t offset_ = 0;       // of the next chunk
   size_t chunk_bytes_ = 0;  // of every chunk but the last
   int64_t chunks_ = 0;      // chunks sent so far
-  v1::Chunk chunk_;
+  grpc::ByteBuffer chunk_;  // the message being written
 
   Mutex mu_;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
@@ -315,9 +551,10 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::Chunk> {
 
 }  // namespace
 
-grpc::ServerWriteReactor<v1::Chunk>* ServeFetch(grpc::CallbackServerContext* context,
-                                                const v1::FetchRequest* request,
-                                                LeaseLookup* leases, const SenderOptions& options) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* ServeFetch(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request,
+                                                       LeaseLookup* leases,
+                                                       const SenderOptions& options) {
   (void)context;  // cancellation arrives through the reactor's OnCancel
   return new FetchReactor(*request, leases, options);
 }

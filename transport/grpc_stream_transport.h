@@ -4,12 +4,21 @@
 //
 // Receiver: GrpcStreamTransport::Receive calls Fetch on the sender with the transfer deadline on
 // the call, checks that chunks arrive at consecutive offsets and never run past the lease's
-// size, hands each chunk to the sink and checks size and CRC-32C at the end.
+// size, checks each chunk's CRC-32C while it hands the chunk's bytes to the sink, and checks the
+// size (and the whole payload's CRC-32C when the lease has one) at the end.
 //
-// Sender: ServeFetch is the reactor behind the node's PeerService::Fetch. It reads the next
-// chunk from the lease's payload only when gRPC has taken the previous one (OnWriteDone), so a
-// stream holds at most one chunk beyond what HTTP/2's flow-control window admits, and renews
-// the lease before every chunk.
+// Sender: ServeFetch is the reactor behind the node's PeerService::Fetch. It prepares the next
+// chunk only when gRPC has taken the previous one (OnWriteDone), so a stream holds at most one
+// chunk beyond what HTTP/2's flow-control window admits, and renews the lease before every
+// chunk.
+//
+// Copies. Both ends use raw messages (grpc::ByteBuffer) and write and read the Chunk's fields
+// themselves, so the payload's bytes are copied only by the kernel's socket writes and reads
+// and once into the sink: the sender hands gRPC slices that point into the exported image
+// (LeasedPayload::View; each slice keeps the payload alive), computing the chunk's CRC-32C from
+// them as it goes, and the receiver checksums and sinks the slices that gRPC read from the
+// socket, piece by piece while each is in the CPU's cache. A payload that is not in host memory
+// is read into one buffer per chunk (ReadAt) instead.
 //
 // Thread safety: GrpcStreamTransport is thread-safe (concurrent Receive calls are independent
 // streams). ServeFetch may be called from any thread; its reactor synchronizes internally.
@@ -22,6 +31,7 @@
 #include <string>
 
 #include <grpcpp/channel.h>
+#include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/server_context.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/server_callback.h>
@@ -111,7 +121,8 @@ struct SenderOptions {
   // so that a transfer can be caught mid-way.
   absl::Duration chunk_delay = absl::ZeroDuration();
   // corrupt_chunk: the index (0 = the first chunk this Fetch sends) of a chunk whose data gets
-  // one byte flipped after it is read, so that the receiver sees a CRC-32C mismatch. -1: none.
+  // one byte flipped after its CRC-32C is computed (in a copy: the payload stays intact), so that
+  // the receiver sees a mismatch. -1: none.
   int64_t corrupt_chunk = -1;
 };
 
@@ -126,16 +137,20 @@ struct SenderOptions {
 // away (or the server shuts down) the stream stops at once: no further reads or writes, the
 // call is finished once, and the payload's reference is dropped when gRPC is done with it.
 //
-// Chunks are read inline on gRPC's callback thread (LeasedPayload::ReadAt straight into the
-// message's bytes field, so the payload is copied once into the message): a lease's payload is
-// an immutable image in host memory, and a 4 MiB memcpy takes well under a millisecond. A
-// LeasedPayload whose ReadAt can block (disk, a device copy that waits on a busy stream) would
-// need the read moved to an executor before it is used here.
+// The method is served raw: the node's service derives from
+// v1::PeerService::WithRawCallbackMethod_Fetch and passes the request's ByteBuffer (a
+// serialized FetchRequest; INVALID_ARGUMENT when it does not parse).
+//
+// Chunks are prepared inline on gRPC's callback thread: the checksum of a 4 MiB view of an
+// immutable image in host memory takes well under a millisecond. A LeasedPayload without a
+// View whose ReadAt can block (disk, a device copy that waits on a busy stream) would need the
+// read moved to an executor before it is used here.
 //
 // REQUIRES: `leases` outlives the call (the server). `options` is copied.
-grpc::ServerWriteReactor<v1::Chunk>* ServeFetch(grpc::CallbackServerContext* context,
-                                                const v1::FetchRequest* request,
-                                                LeaseLookup* leases, const SenderOptions& options);
+grpc::ServerWriteReactor<grpc::ByteBuffer>* ServeFetch(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request,
+                                                       LeaseLookup* leases,
+                                                       const SenderOptions& options);
 
 }  // namespace transport
 }  // namespace kvmesh

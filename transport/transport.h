@@ -6,9 +6,10 @@
 // the payload and hands it, in order, to a sink. The sender side of each transport is served by
 // the node's PeerService (Fetch for grpc-stream, NcclSend for nccl) over a LeaseLookup.
 //
-// Every transfer is checked end to end: the receiver computes the CRC-32C of what it passed to
-// the sink and compares it with the one Export announced (DATA_LOSS on mismatch). A sink that
-// has seen bytes of a failed transfer must discard them.
+// Every transfer is checked end to end with CRC-32C, computed by the sender from the exported
+// bytes and by the receiver over what it passed to the sink (DATA_LOSS on mismatch): per chunk
+// for grpc-stream (each Chunk carries its own), over the whole payload as Export announced it
+// for nccl. A sink that has seen bytes of a failed transfer must discard them.
 //
 // Thread safety: Transport and LeaseLookup implementations are thread-safe.
 #ifndef KVMESH_TRANSPORT_TRANSPORT_H_
@@ -37,7 +38,10 @@ struct Lease {
   std::string sender_address;  // host:port of the sender's gRPC server (PeerService)
   uint64_t id = 0;
   uint64_t payload_bytes = 0;
-  uint32_t crc32c = 0;  // of the whole payload
+  // CRC-32C of the whole payload, when Export announced one (it does for nccl; grpc-stream
+  // checks every chunk's own and, when has_crc32c, this one too).
+  bool has_crc32c = false;
+  uint32_t crc32c = 0;
 };
 
 // Receives consecutive pieces of the payload, in order. An error stops the transfer and is
@@ -69,6 +73,14 @@ class LeasedPayload {
   // Copies bytes [offset, offset + dst.size()) into dst. May be called from several threads at
   // once (distinct transfers of one lease); implementations serialize internally if needed.
   virtual absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) = 0;
+  // Bytes from `offset` on where they lie in host memory, without a copy: a contiguous run of
+  // at most `max_bytes`, valid and unchanged while this payload exists. Empty when the bytes are
+  // not in host memory (or offset >= size()): use ReadAt. Thread-safe.
+  virtual absl::Span<const uint8_t> View(size_t offset, size_t max_bytes) const {
+    (void)offset;
+    (void)max_bytes;
+    return {};
+  }
 };
 
 // How the sender side of a transport finds the payload of a lease.

@@ -141,6 +141,13 @@ class Device {
                                        absl::Span<const Plane> dst_planes,
                                        absl::Span<const int32_t> dst_rows) = 0;
 
+  // The arena's first byte as a host address the caller may read, or null when the arena is not
+  // in host memory (the default). For zero-copy reads of immutable arenas (snapshot exports).
+  virtual const uint8_t* HostAddress(const DeviceArena& arena) const {
+    (void)arena;
+    return nullptr;
+  }
+
   // Rotates the keys in rows `rows` of every plane by params.delta positions (ARCHITECTURE.md
   // §3), computing in float32 and rounding back to params.dtype.
   virtual absl::Status RopeShift(const DeviceArena& arena, absl::Span<const Plane> planes,

@@ -2,7 +2,9 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <iterator>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -44,28 +46,76 @@ bool MappedDirectly(size_t bytes) { return bytes >= kHugePage; }
 
 size_t RoundUpToHugePage(size_t bytes) { return (bytes + kHugePage - 1) / kHugePage * kHugePage; }
 
+// Maps `length` bytes (a multiple of kHugePage) starting on a 2 MiB boundary; null on failure.
+uint8_t* MapAligned(size_t length) {
+  // Map one huge page more than needed and cut the ends, so the arena starts on a 2 MiB
+  // boundary (a huge page must be aligned).
+  void* raw = mmap(nullptr, length + kHugePage, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
+  if (aligned > start) munmap(raw, aligned - start);
+  const uintptr_t end = start + length + kHugePage;
+  if (end > aligned + length) munmap(reinterpret_cast<void*>(aligned + length), end - aligned - length);
+  // Advice only: without THP the arena works the same, with small pages.
+  (void)madvise(reinterpret_cast<void*>(aligned), length, MADV_HUGEPAGE);
+  return reinterpret_cast<uint8_t*>(aligned);
+}
+
 }  // namespace
+
+HostDevice::HostDevice(size_t budget_bytes, size_t snapshot_budget_bytes, size_t kept_limit)
+    : Device(budget_bytes, snapshot_budget_bytes),
+      kept_limit_(std::min(kept_limit, budget_bytes > SIZE_MAX - snapshot_budget_bytes
+                                           ? SIZE_MAX
+                                           : budget_bytes + snapshot_budget_bytes)) {}
+
+HostDevice::~HostDevice() {
+  MutexLock lock(&mu_);
+  TrimKept(0);
+}
+
+bool HostDevice::KeepsArenas() { return MappedDirectly(kHugePage); }
+
+size_t HostDevice::kept_bytes() const {
+  ReaderMutexLock lock(&mu_);
+  return kept_bytes_;
+}
+
+void HostDevice::TrimKept(size_t limit) {
+  while (kept_bytes_ > limit) {
+    const auto [length, data] = kept_.front();
+    kept_.pop_front();
+    kept_bytes_ -= length;
+    munmap(data, length);
+  }
+}
 
 absl::StatusOr<uint8_t*> HostDevice::RawAllocate(size_t bytes) {
   if (MappedDirectly(bytes)) {
     const size_t length = RoundUpToHugePage(bytes);
-    // Map one huge page more than needed and cut the ends, so the arena starts on a 2 MiB
-    // boundary (a huge page must be aligned).
-    void* raw = mmap(nullptr, length + kHugePage, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (raw == MAP_FAILED) {
-      return absl::ResourceExhaustedError(absl::StrCat("host: mmap of ", length + kHugePage,
-                                                       " bytes failed: ", std::strerror(errno)));
+    MutexLock lock(&mu_);
+    // The most recently freed arena of this length: its pages are the likeliest to be warm.
+    for (auto it = kept_.rbegin(); it != kept_.rend(); ++it) {
+      if (it->first != length) continue;
+      uint8_t* data = it->second;
+      kept_.erase(std::next(it).base());
+      kept_bytes_ -= length;
+      return data;
     }
-    const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-    const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
-    if (aligned > start) munmap(raw, aligned - start);
-    const uintptr_t end = start + length + kHugePage;
-    if (end > aligned + length)
-      munmap(reinterpret_cast<void*>(aligned + length), end - aligned - length);
-    // Advice only: without THP the arena works the same, with small pages.
-    (void)madvise(reinterpret_cast<void*>(aligned), length, MADV_HUGEPAGE);
-    return reinterpret_cast<uint8_t*>(aligned);
+    uint8_t* data = MapAligned(length);
+    int error = errno;
+    if (data == nullptr && !kept_.empty()) {
+      TrimKept(0);
+      data = MapAligned(length);
+      error = errno;
+    }
+    if (data == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("host: mmap of ", length + kHugePage,
+                                                       " bytes failed: ", std::strerror(error)));
+    }
+    return data;
   }
   // Small arenas: malloc maps fresh pages; they cost nothing until first written.
   void* p = std::malloc(bytes == 0 ? 1 : bytes);
@@ -77,7 +127,15 @@ absl::StatusOr<uint8_t*> HostDevice::RawAllocate(size_t bytes) {
 
 void HostDevice::RawFree(uint8_t* data, size_t bytes) {
   if (MappedDirectly(bytes)) {
-    munmap(data, RoundUpToHugePage(bytes));
+    const size_t length = RoundUpToHugePage(bytes);
+    MutexLock lock(&mu_);
+    if (length > kept_limit_) {
+      munmap(data, length);
+      return;
+    }
+    TrimKept(kept_limit_ - length);
+    kept_.emplace_back(length, data);
+    kept_bytes_ += length;
     return;
   }
   std::free(data);

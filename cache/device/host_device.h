@@ -1,19 +1,46 @@
 // HostDevice: the Device on host memory. The embedded default and what every test uses.
-// Allocations come from the heap (pages are only touched when written); row operations are
-// plain loops over memcpy. Thread safety as Device.
+// Small allocations come from the heap; arenas of 2 MiB and more are mapped directly with
+// transparent huge pages, and freed ones are kept for reuse (below). Row operations are plain
+// loops over memcpy. Thread safety as Device.
+//
+// Reuse of freed arenas. The first write to freshly mapped memory costs a page fault per page
+// and the kernel zeroes every page; on a VM that measured slower than the copy itself (a
+// snapshot, an import, a restore: docs/benchmarks.md, Cluster). So a freed mapped arena is not
+// unmapped but kept, up to `kept_limit` bytes in all, and an allocation of the same mapped length
+// takes the most recently freed one (its pages are resident and warm). When keeping an arena
+// would pass the limit, the oldest kept ones are unmapped first. Kept arenas are counted in no
+// budget (they hold no data anyone can read); kept_bytes() reports them. A failed mmap unmaps
+// every kept arena and tries once more. Sanitizer builds use malloc throughout and keep nothing.
 #ifndef KVMESH_CACHE_DEVICE_HOST_DEVICE_H_
 #define KVMESH_CACHE_DEVICE_HOST_DEVICE_H_
 
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
 #include "cache/device/device.h"
+#include "cache/mutex.h"
 
 namespace kvmesh {
 
 class HostDevice : public Device {
  public:
+  // Freed arenas kept for reuse, at most: the smaller of this and the two budgets together.
+  static constexpr size_t kDefaultKeptLimit = size_t{1} << 30;
+
   // The snapshot pool defaults to the size of the cache pool.
-  explicit HostDevice(size_t budget_bytes) : Device(budget_bytes, budget_bytes) {}
-  HostDevice(size_t budget_bytes, size_t snapshot_budget_bytes)
-      : Device(budget_bytes, snapshot_budget_bytes) {}
+  explicit HostDevice(size_t budget_bytes) : HostDevice(budget_bytes, budget_bytes) {}
+  HostDevice(size_t budget_bytes, size_t snapshot_budget_bytes,
+             size_t kept_limit = kDefaultKeptLimit);
+  // Unmaps the kept arenas. REQUIRES: every arena was freed.
+  ~HostDevice() override;
+
+  // Bytes of freed arenas kept for reuse now.
+  size_t kept_bytes() const;
+  // Whether this build maps large arenas and keeps freed ones (false under sanitizers).
+  static bool KeepsArenas();
 
   std::string name() const override { return "host"; }
   absl::Status Scatter(const DeviceArena& arena, absl::Span<const Plane> planes,
@@ -29,10 +56,21 @@ class HostDevice : public Device {
                                absl::Span<const int32_t> dst_rows) override;
   absl::Status RopeShift(const DeviceArena& arena, absl::Span<const Plane> planes,
                          absl::Span<const int32_t> rows, const RopeShiftParams& params) override;
+  const uint8_t* HostAddress(const DeviceArena& arena) const override { return arena.data(); }
 
  protected:
   absl::StatusOr<uint8_t*> RawAllocate(size_t bytes) override;
   void RawFree(uint8_t* data, size_t bytes) override;
+
+ private:
+  // Unmaps kept arenas, oldest first, until at most `limit` bytes are kept.
+  void TrimKept(size_t limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const size_t kept_limit_;
+  mutable Mutex mu_;
+  // Freed mapped arenas (mapped length, address), oldest first.
+  std::deque<std::pair<size_t, uint8_t*>> kept_ ABSL_GUARDED_BY(mu_);
+  size_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvmesh

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -70,10 +71,24 @@ std::vector<uint8_t> PatternBytes(size_t n, uint64_t seed) {
   return v;
 }
 
+// How a MemoryPayload offers its bytes to the sender.
+enum class Views {
+  kWhole,    // View: as long a run as asked for (zero-copy chunks of one slice)
+  kPieces,   // View: at most 1000 bytes at a time (chunks of many slices)
+  kNone,     // no View: every chunk is read with ReadAt (the copy path)
+};
+
 class MemoryPayload final : public LeasedPayload {
  public:
-  explicit MemoryPayload(std::vector<uint8_t> bytes) : bytes_(std::move(bytes)) {}
+  explicit MemoryPayload(std::vector<uint8_t> bytes, Views views = Views::kWhole)
+      : bytes_(std::move(bytes)), views_(views) {}
   size_t size() const override { return bytes_.size(); }
+  absl::Span<const uint8_t> View(size_t offset, size_t max_bytes) const override {
+    if (views_ == Views::kNone || offset >= bytes_.size()) return {};
+    size_t n = std::min(max_bytes, bytes_.size() - offset);
+    if (views_ == Views::kPieces) n = std::min<size_t>(n, 1000);
+    return {bytes_.data() + offset, n};
+  }
   absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) override {
     if (offset > bytes_.size() || dst.size() > bytes_.size() - offset) {
       return absl::OutOfRangeError(
@@ -86,15 +101,16 @@ class MemoryPayload final : public LeasedPayload {
 
  private:
   const std::vector<uint8_t> bytes_;
+  const Views views_;
 };
 
 // Leases held in memory; counts Touch calls per lease.
 class FakeLeases final : public LeaseLookup {
  public:
-  uint64_t Add(std::vector<uint8_t> bytes) {
+  uint64_t Add(std::vector<uint8_t> bytes, Views views = Views::kWhole) {
     MutexLock lock(&mu_);
     const uint64_t id = next_id_++;
-    leases_[id].payload = std::make_shared<MemoryPayload>(std::move(bytes));
+    leases_[id].payload = std::make_shared<MemoryPayload>(std::move(bytes), views);
     return id;
   }
 
@@ -133,12 +149,13 @@ class FakeLeases final : public LeaseLookup {
 };
 
 // The node's PeerService reduced to Fetch, delegating to ServeFetch as the node does.
-class TestPeerService final : public v1::PeerService::CallbackService {
+class TestPeerService final
+    : public v1::PeerService::WithRawCallbackMethod_Fetch<v1::PeerService::CallbackService> {
  public:
   TestPeerService(LeaseLookup* leases, SenderOptions options)
       : leases_(leases), options_(options) {}
-  grpc::ServerWriteReactor<v1::Chunk>* Fetch(grpc::CallbackServerContext* context,
-                                             const v1::FetchRequest* request) override {
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* request) override {
     return ServeFetch(context, request, leases_, options_);
   }
 
@@ -146,6 +163,60 @@ class TestPeerService final : public v1::PeerService::CallbackService {
   LeaseLookup* const leases_;
   const SenderOptions options_;
 };
+
+// A sender that streams given raw messages, whatever is asked: for what ServeFetch never sends.
+class ScriptedPeerService final
+    : public v1::PeerService::WithRawCallbackMethod_Fetch<v1::PeerService::CallbackService> {
+ public:
+  explicit ScriptedPeerService(std::vector<std::string> messages)
+      : messages_(std::move(messages)) {}
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext*,
+                                                    const grpc::ByteBuffer*) override {
+    class Reactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+     public:
+      explicit Reactor(const std::vector<std::string>& messages) : messages_(messages) { Next(); }
+      void OnWriteDone(bool ok) override {
+        if (!ok) {
+          Finish(grpc::Status::CANCELLED);
+          return;
+        }
+        Next();
+      }
+      void OnDone() override { delete this; }
+
+     private:
+      void Next() {
+        if (next_ == messages_.size()) {
+          Finish(grpc::Status::OK);
+          return;
+        }
+        grpc::Slice slice(messages_[next_++]);
+        buffer_ = grpc::ByteBuffer(&slice, 1);
+        StartWrite(&buffer_);
+      }
+      const std::vector<std::string>& messages_;
+      size_t next_ = 0;
+      grpc::ByteBuffer buffer_;
+    };
+    return new Reactor(messages_);
+  }
+
+ private:
+  const std::vector<std::string> messages_;
+};
+
+// A serialized Chunk; crc32c left out when `crc` is empty.
+std::string ChunkMessage(int64_t offset, const std::string& data, std::optional<uint32_t> crc) {
+  v1::Chunk chunk;
+  chunk.set_offset(offset);
+  chunk.set_data(data);
+  if (crc.has_value()) chunk.set_crc32c(*crc);
+  return chunk.SerializeAsString();
+}
+
+uint32_t Crc32cOf(const std::string& s) {
+  return Crc32c(absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size()));
+}
 
 // User + system CPU time of this process, sender and receiver together: on a shared machine
 // it varies less than the wall time.
@@ -198,6 +269,7 @@ class GrpcStreamTransportTest : public ::testing::Test {
     lease.id = id;
     const std::shared_ptr<MemoryPayload> payload = leases_.payload(id);
     lease.payload_bytes = payload->size();
+    lease.has_crc32c = true;
     lease.crc32c = Crc32c(payload->bytes());
     return lease;
   }
@@ -244,7 +316,12 @@ class GrpcStreamTransportTest : public ::testing::Test {
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     auto reader = stub->Fetch(&context, request);
     v1::Chunk chunk;
-    while (reader->Read(&chunk)) chunks->emplace_back(chunk.offset(), chunk.data().size());
+    while (reader->Read(&chunk)) {
+      // A protobuf parser reads the sender's hand-written fields; each chunk's CRC is its own.
+      EXPECT_TRUE(chunk.has_crc32c());
+      EXPECT_EQ(chunk.crc32c(), Crc32cOf(chunk.data())) << "chunk at offset " << chunk.offset();
+      chunks->emplace_back(chunk.offset(), chunk.data().size());
+    }
     return reader->Finish();
   }
 
@@ -324,7 +401,8 @@ TEST_F(GrpcStreamTransportTest, TransfersEverySize) {
     int sink_calls = 0;
     ASSERT_TRUE(ReceiveAll(*transport, MakeLease(id), &got, &sink_calls).ok());
     EXPECT_EQ(got, leases_.payload(id)->bytes());
-    EXPECT_EQ(sink_calls, c.chunks);
+    // The sink gets each chunk in the pieces gRPC read it in: at least one per chunk.
+    EXPECT_GE(sink_calls, c.chunks);
     EXPECT_EQ(leases_.touches(id), std::max(1, c.chunks));
   }
 }
@@ -334,6 +412,8 @@ TEST_F(GrpcStreamTransportTest, TransfersEverySize) {
 // throughput.
 TEST_F(GrpcStreamTransportTest, Transfers64MiB) { Transfer64MiB("default malloc"); }
 
+// A byte flipped on the way (after the sender computed the chunk's CRC-32C): DATA_LOSS naming
+// the chunk and both checksums, at that chunk; the sink saw nothing past it.
 TEST_F(GrpcStreamTransportTest, CorruptChunkIsDataLoss) {
   SenderOptions sender;
   sender.corrupt_chunk = 2;
@@ -342,27 +422,107 @@ TEST_F(GrpcStreamTransportTest, CorruptChunkIsDataLoss) {
   GrpcStreamTransport::Options options;
   options.chunk_bytes = 4096;
   auto transport = MakeTransport(options);
-  const Lease lease = MakeLease(id);
-  std::vector<uint8_t> got;
-  const absl::Status status = ReceiveAll(*transport, lease, &got);
-  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
-  EXPECT_THAT(
-      std::string(status.message()),
-      HasSubstr(absl::StrCat("Export announced 0x", absl::Hex(lease.crc32c, absl::kZeroPad8))));
-  EXPECT_THAT(std::string(status.message()),
-              HasSubstr(absl::StrCat("0x", absl::Hex(Crc32c(got), absl::kZeroPad8))));
-  EXPECT_THAT(std::string(status.message()), HasSubstr(kSenderName));
-  // Exactly one byte, in chunk 2, differs.
-  ASSERT_EQ(got.size(), lease.payload_bytes);
-  const std::vector<uint8_t>& want = leases_.payload(id)->bytes();
-  int differing = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (got[i] != want[i]) {
-      ++differing;
-      EXPECT_EQ(i / 4096, 2u);
+  for (const bool whole : {true, false}) {
+    SCOPED_TRACE(whole ? "lease with a whole-payload CRC" : "chunk CRCs only");
+    Lease lease = MakeLease(id);
+    lease.has_crc32c = whole;
+    std::vector<uint8_t> got;
+    const absl::Status status = ReceiveAll(*transport, lease, &got);
+    EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+    const std::vector<uint8_t>& want = leases_.payload(id)->bytes();
+    ASSERT_EQ(got.size(), 3u * 4096);  // chunks 0, 1 and the corrupted 2
+    const auto chunk2 = [](const std::vector<uint8_t>& v) {
+      return absl::MakeConstSpan(v).subspan(2 * 4096, 4096);
+    };
+    EXPECT_THAT(std::string(status.message()),
+                HasSubstr(absl::StrCat("CRC-32C of the 4096 bytes of the chunk at offset 8192 is 0x",
+                                       absl::Hex(Crc32c(chunk2(got)), absl::kZeroPad8),
+                                       " but the sender computed 0x",
+                                       absl::Hex(Crc32c(chunk2(want)), absl::kZeroPad8))));
+    EXPECT_THAT(std::string(status.message()), HasSubstr(kSenderName));
+    // Exactly one byte, in chunk 2, differs; the payload itself is intact.
+    int differing = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (got[i] != want[i]) {
+        ++differing;
+        EXPECT_EQ(i / 4096, 2u);
+      }
     }
+    EXPECT_EQ(differing, 1);
   }
-  EXPECT_EQ(differing, 1);
+  std::vector<uint8_t> again;
+  SenderOptions clean;
+  StopServer(absl::Seconds(5));
+  StartServer(clean);
+  ASSERT_TRUE(ReceiveAll(*MakeTransport(options), MakeLease(id), &again).ok());
+  EXPECT_TRUE(again == leases_.payload(id)->bytes());
+}
+
+// Chunks that ServeFetch never sends but a receiver must not trust: no crc32c, a wrong one, a
+// truncated message (its crc32c cut short), a field of the wrong wire type, a gap. Each is DATA_LOSS naming what is wrong.
+TEST_F(GrpcStreamTransportTest, MalformedChunksAreDataLoss) {
+  const std::string data = "0123456789";
+  struct Case {
+    const char* name;
+    std::vector<std::string> messages;
+    const char* message;
+  };
+  const std::string good = ChunkMessage(0, data, Crc32cOf(data));
+  const std::vector<Case> cases = {
+      {"no crc32c", {ChunkMessage(0, data, std::nullopt)}, "chunk at offset 0 carries no crc32c"},
+      {"wrong crc32c",
+       {good, ChunkMessage(10, data, Crc32cOf(data) ^ 1)},
+       "of the chunk at offset 10 is 0x"},
+      {"truncated", {good.substr(0, good.size() - 3)}, "does not parse: field 3"},
+      {"wire type", {std::string("\x0d\x01\x02\x03\x04", 5)}, "field 1 has wire type 5"},
+      {"gap", {good, ChunkMessage(20, data, Crc32cOf(data))},
+       "chunk at offset 20 but 10 bytes were received before it"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    ScriptedPeerService service(c.messages);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    ASSERT_NE(server, nullptr);
+    address_ = absl::StrCat("127.0.0.1:", port);
+    Lease lease;
+    lease.sender_name = kSenderName;
+    lease.sender_address = address_;
+    lease.id = 1;
+    lease.payload_bytes = 30;
+    std::vector<uint8_t> got;
+    const absl::Status status = ReceiveAll(*MakeTransport(), lease, &got);
+    EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.message)) << status;
+    server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    server->Wait();
+  }
+}
+
+// Payloads in host memory go out as views of it (one slice, or many small ones per chunk);
+// others through ReadAt. All three arrive intact, with and without a whole-payload CRC.
+TEST_F(GrpcStreamTransportTest, ViewsAndReadsArriveAlike) {
+  StartServer();
+  GrpcStreamTransport::Options options;
+  options.chunk_bytes = 64 * 1024;
+  auto transport = MakeTransport(options);
+  for (const Views views : {Views::kWhole, Views::kPieces, Views::kNone}) {
+    const uint64_t id = leases_.Add(PatternBytes(1000 * 1000 + 7, 21), views);
+    for (const bool whole : {true, false}) {
+      SCOPED_TRACE(absl::StrCat("views ", static_cast<int>(views), ", whole crc ", whole));
+      Lease lease = MakeLease(id);
+      lease.has_crc32c = whole;
+      std::vector<uint8_t> got;
+      const absl::Status status = ReceiveAll(*transport, lease, &got);
+      ASSERT_TRUE(status.ok()) << status;
+      EXPECT_TRUE(got == leases_.payload(id)->bytes());
+    }
+    // The slices that pointed into the payload are gone once gRPC is done with them.
+    EXPECT_TRUE(WaitFor([&] { return leases_.extra_refs(id) == 0; }, absl::Seconds(5)));
+  }
 }
 
 TEST_F(GrpcStreamTransportTest, WrongChecksumIsDataLoss) {
@@ -611,11 +771,13 @@ TEST_F(GrpcStreamTransportTest, RenewsLeaseEveryChunk) {
   GrpcStreamTransport::Options options;
   options.chunk_bytes = 1000;
   auto transport = MakeTransport(options);
-  std::vector<int> touches_seen;
+  std::vector<int> touches_seen(10, 0);  // per chunk, when its first piece arrived
+  size_t received = 0;
   const absl::Status status = transport->Receive(
       MakeLease(id),
-      [&](absl::Span<const uint8_t>) {
-        touches_seen.push_back(leases_.touches(id));
+      [&](absl::Span<const uint8_t> piece) {
+        if (received % 1000 == 0) touches_seen[received / 1000] = leases_.touches(id);
+        received += piece.size();
         return absl::OkStatus();
       },
       absl::Now() + absl::Seconds(30));
@@ -623,9 +785,8 @@ TEST_F(GrpcStreamTransportTest, RenewsLeaseEveryChunk) {
   EXPECT_EQ(leases_.touches(id), 10);
   // Renewals keep pace with the chunks: chunk i was sent after touch i + 1 (at most one chunk
   // ahead of the receiver, plus what the HTTP/2 window holds).
-  ASSERT_EQ(touches_seen.size(), 10u);
   for (size_t i = 0; i < touches_seen.size(); ++i) {
-    EXPECT_GE(touches_seen[i], static_cast<int>(i) + 1);
+    EXPECT_GE(touches_seen[i], static_cast<int>(i) + 1) << "chunk " << i;
   }
 }
 

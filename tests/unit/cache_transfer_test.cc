@@ -472,6 +472,65 @@ TEST(TransferTest, ReadsInOddPiecesAtAnyOffset) {
   }
 }
 
+// View hands out the image where it lies: on the host device every byte, in runs that end at
+// the header's end or a plane's; the bytes stay put after the snapshot is dropped (the reader
+// pins them). On a GPU only the header is in host memory: the rest is empty (ReadAt's).
+TEST(TransferTest, ViewsCoverTheImageWithoutCopies) {
+  for (const CacheSpec& spec : {HybridSpec(), LargeSpec()}) {
+    TestCache src(spec);
+    ASSERT_NE(src.cache, nullptr);
+    Cache& cache = *src.cache;
+    const int32_t n = spec.capacity == 512 ? 256 : 7;
+    for (int32_t p = 0; p < n; p += spec.max_batch) {
+      ASSERT_TRUE(AppendRange(cache, 0, p, std::min(p + spec.max_batch, n)).ok());
+    }
+    absl::StatusOr<SnapshotInfo> snap = cache.Snapshot(0, 0);
+    ASSERT_TRUE(snap.ok()) << snap.status();
+    absl::StatusOr<Image> whole = ExportImage(cache, snap->id);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
+        cache.OpenSnapshotExport(snap->id);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    const SnapshotExportReader& r = **reader;
+    uint32_t header_bytes = 0;
+    std::memcpy(&header_bytes, whole->data() + 12, 4);
+    EXPECT_TRUE(r.View(whole->size(), 10).empty());
+    EXPECT_TRUE(r.View(0, 0).empty());
+    const absl::Span<const uint8_t> header = r.View(0, whole->size());
+    ASSERT_EQ(header.size(), header_bytes);
+    EXPECT_TRUE(std::equal(header.begin(), header.end(), whole->begin()));
+    if (testutil::TestOnCuda()) {
+      EXPECT_TRUE(r.View(header_bytes, whole->size()).empty());
+      continue;
+    }
+    ASSERT_TRUE(cache.DropSnapshot(snap->id).ok());
+    for (size_t max : {whole->size(), size_t{4099}, size_t{1000}}) {
+      Image got;
+      size_t runs = 0;
+      for (size_t at = 0; at < whole->size();) {
+        const absl::Span<const uint8_t> v = r.View(at, max);
+        ASSERT_FALSE(v.empty()) << "at " << at;
+        ASSERT_LE(v.size(), max);
+        // The same bytes, not a copy: asking again gives the same address.
+        EXPECT_EQ(r.View(at, max).data(), v.data());
+        got.insert(got.end(), v.begin(), v.end());
+        at += v.size();
+        ++runs;
+      }
+      EXPECT_TRUE(got == *whole) << "views of at most " << max;
+      if (max == whole->size() && n == 256) {
+        // The header, then one run per plane of each segment: far fewer than one per row.
+        EXPECT_GT(runs, 1u);
+        EXPECT_LT(runs, static_cast<size_t>(n));
+      }
+    }
+    // A view from the middle of a row runs to the end of its plane.
+    const absl::Span<const uint8_t> mid = r.View(header_bytes + 3, whole->size());
+    ASSERT_FALSE(mid.empty());
+    EXPECT_TRUE(std::equal(mid.begin(), mid.end(), whole->begin() + header_bytes + 3));
+  }
+}
+
 TEST(TransferTest, WritesInOddPieces) {
   const CacheSpec spec = LargeSpec();
   TestCache src(spec);

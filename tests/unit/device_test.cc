@@ -248,6 +248,71 @@ TEST(HostDeviceTest, SnapshotBudgetDefaultsToTheCacheBudget) {
   EXPECT_EQ(device.name(), "host");
 }
 
+TEST(HostDeviceTest, FreedLargeArenasAreKeptAndReusedBySize) {
+  if (testutil::TestOnCuda()) GTEST_SKIP() << "HostDevice only";
+  if (!HostDevice::KeepsArenas()) GTEST_SKIP() << "sanitizer build: arenas come from malloc";
+  constexpr size_t kMiB = size_t{1} << 20;
+  HostDevice device(64 * kMiB, 64 * kMiB);
+  uint8_t* first = nullptr;
+  {
+    absl::StatusOr<DeviceArena> arena = device.Allocate(3 * kMiB);  // mapped as 4 MiB
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    first = arena->data();
+    std::memset(first, 0x5a, arena->size());
+    EXPECT_EQ(device.kept_bytes(), 0u);
+  }
+  EXPECT_EQ(device.kept_bytes(), 4 * kMiB);
+  EXPECT_EQ(device.used_bytes(), 0u);  // kept arenas are in no budget
+  {
+    // Another mapped length does not take it.
+    absl::StatusOr<DeviceArena> other = device.Allocate(6 * kMiB, MemoryPool::kSnapshot);
+    ASSERT_TRUE(other.ok()) << other.status();
+    EXPECT_NE(other->data(), first);
+    EXPECT_EQ(device.kept_bytes(), 4 * kMiB);
+  }
+  EXPECT_EQ(device.kept_bytes(), 10 * kMiB);
+  // The same mapped length, from either pool, does; its pages are the ones written before.
+  absl::StatusOr<DeviceArena> again = device.Allocate(4 * kMiB, MemoryPool::kSnapshot);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->data(), first);
+  EXPECT_EQ(again->data()[3 * kMiB - 1], 0x5a);
+  EXPECT_EQ(device.kept_bytes(), 6 * kMiB);
+  EXPECT_EQ(device.used_bytes(MemoryPool::kSnapshot), 4 * kMiB);
+}
+
+TEST(HostDeviceTest, KeptArenasStayUnderTheLimitOldestUnmappedFirst) {
+  if (testutil::TestOnCuda()) GTEST_SKIP() << "HostDevice only";
+  if (!HostDevice::KeepsArenas()) GTEST_SKIP() << "sanitizer build: arenas come from malloc";
+  constexpr size_t kMiB = size_t{1} << 20;
+  HostDevice device(64 * kMiB, 64 * kMiB, /*kept_limit=*/8 * kMiB);
+  std::vector<DeviceArena> arenas;
+  std::vector<uint8_t*> addresses;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<DeviceArena> arena = device.Allocate(4 * kMiB);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    addresses.push_back(arena->data());
+    arenas.push_back(*std::move(arena));
+  }
+  arenas.clear();  // freed in order 0, 1, 2: 0 is unmapped when 2 comes
+  EXPECT_EQ(device.kept_bytes(), 8 * kMiB);
+  absl::StatusOr<DeviceArena> a = device.Allocate(4 * kMiB);
+  absl::StatusOr<DeviceArena> b = device.Allocate(4 * kMiB);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->data(), addresses[2]);  // the most recently freed first
+  EXPECT_EQ(b->data(), addresses[1]);
+  EXPECT_EQ(device.kept_bytes(), 0u);
+
+  // An arena larger than the limit is never kept; the limit is also capped by the budgets.
+  HostDevice small(4 * kMiB, 4 * kMiB, /*kept_limit=*/size_t{1} << 40);
+  { ASSERT_TRUE(small.Allocate(4 * kMiB).ok()); }
+  EXPECT_EQ(small.kept_bytes(), 4 * kMiB);
+  { ASSERT_TRUE(small.Allocate(4 * kMiB, MemoryPool::kSnapshot).ok()); }
+  EXPECT_EQ(small.kept_bytes(), 4 * kMiB);
+  HostDevice none(64 * kMiB, 64 * kMiB, /*kept_limit=*/0);
+  { ASSERT_TRUE(none.Allocate(4 * kMiB).ok()); }
+  EXPECT_EQ(none.kept_bytes(), 0u);
+}
+
 TEST(DeviceTest, CopyRowsBetweenArenasOfBothPools) {
   std::unique_ptr<Device> device = MakeTestDevice(1 << 20, 1 << 20);
   absl::StatusOr<DeviceArena> src = device->Allocate(200);
