@@ -29,7 +29,7 @@ namespace kvmesh {
 // Fetch is served raw (grpc::ByteBuffer): the grpc-stream sender writes chunks straight from
 // the exported image (transport/grpc_stream_transport.h).
 class PeerServiceImpl final
-    : public v1::PeerService::WithRawCallbackMethod_Fetch<v1::PeerService::CallbackService> {
+    : public transport::PeerServiceWithRawFetch {
  public:
   // The sender side of the nccl transport, when this node has one.
   struct NcclHooks {

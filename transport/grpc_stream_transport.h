@@ -38,6 +38,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "kvmesh/v1/peer.grpc.pb.h"
 #include "kvmesh/v1/peer.pb.h"
 #include "transport/transport.h"
 
@@ -137,9 +138,9 @@ struct SenderOptions {
 // away (or the server shuts down) the stream stops at once: no further reads or writes, the
 // call is finished once, and the payload's reference is dropped when gRPC is done with it.
 //
-// The method is served raw: the node's service derives from
-// v1::PeerService::WithRawCallbackMethod_Fetch and passes the request's ByteBuffer (a
-// serialized FetchRequest; INVALID_ARGUMENT when it does not parse).
+// The method is served raw: the node's service derives from PeerServiceWithRawFetch (below) and
+// passes the request's ByteBuffer (a serialized FetchRequest; INVALID_ARGUMENT when it does not
+// parse).
 //
 // Chunks are prepared inline on gRPC's callback thread: the checksum of a 4 MiB view of an
 // immutable image in host memory takes well under a millisecond. A LeasedPayload without a
@@ -151,6 +152,16 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ServeFetch(grpc::CallbackServerConte
                                                        const grpc::ByteBuffer* request,
                                                        LeaseLookup* leases,
                                                        const SenderOptions& options);
+
+// PeerService on the callback API with Fetch raw: the generated CallbackService with its Fetch
+// layer swapped for the raw one (stacking the raw layer on CallbackService instead would hide
+// the callback Fetch, which clang's -Woverloaded-virtual rejects). Lists every RPC of
+// PeerService: a new RPC must be added here, or it stays on the synchronous API, unimplemented.
+using PeerServiceWithRawFetch = v1::PeerService::WithCallbackMethod_NodeInfo<
+    v1::PeerService::WithCallbackMethod_Export<v1::PeerService::WithRawCallbackMethod_Fetch<
+        v1::PeerService::WithCallbackMethod_Release<v1::PeerService::WithCallbackMethod_Pull<
+            v1::PeerService::WithCallbackMethod_NcclConnect<
+                v1::PeerService::WithCallbackMethod_NcclSend<v1::PeerService::Service>>>>>>>;
 
 }  // namespace transport
 }  // namespace kvmesh

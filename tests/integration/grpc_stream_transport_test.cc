@@ -150,7 +150,7 @@ class FakeLeases final : public LeaseLookup {
 
 // The node's PeerService reduced to Fetch, delegating to ServeFetch as the node does.
 class TestPeerService final
-    : public v1::PeerService::WithRawCallbackMethod_Fetch<v1::PeerService::CallbackService> {
+    : public transport::PeerServiceWithRawFetch {
  public:
   TestPeerService(LeaseLookup* leases, SenderOptions options)
       : leases_(leases), options_(options) {}
@@ -166,7 +166,7 @@ class TestPeerService final
 
 // A sender that streams given raw messages, whatever is asked: for what ServeFetch never sends.
 class ScriptedPeerService final
-    : public v1::PeerService::WithRawCallbackMethod_Fetch<v1::PeerService::CallbackService> {
+    : public transport::PeerServiceWithRawFetch {
  public:
   explicit ScriptedPeerService(std::vector<std::string> messages)
       : messages_(std::move(messages)) {}
