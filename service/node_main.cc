@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -43,6 +44,10 @@
 #include "service/peer_service.h"
 #include "service/reservations.h"
 #include "transport/grpc_stream_transport.h"
+#ifdef KVMESH_HAVE_NCCL
+#include "transport/nccl_api.h"
+#include "transport/nccl_transport.h"
+#endif
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7700",
           "address to serve on, host:port; port 0 picks a free port (see --port_file)");
@@ -70,7 +75,8 @@ ABSL_FLAG(std::string, peer_dns, "",
           "(StatefulSet pods; each pod's name is the first label of its reverse DNS name)");
 ABSL_FLAG(std::string, transport, "auto",
           "how payloads move between nodes: auto (nccl when both nodes run on CUDA and have it, "
-          "else grpc-stream), grpc-stream or nccl");
+          "else grpc-stream), grpc-stream or nccl (needs --backend=cuda); a cuda node loads "
+          "NCCL at start-up from $KVMESH_NCCL_LIBRARY, else libnccl.so.2");
 ABSL_FLAG(int64_t, lease_ms, 30000,
           "an export lease that sees no transfer for this long expires and frees its copy");
 ABSL_FLAG(int64_t, transfer_timeout_ms, 120000,
@@ -146,6 +152,16 @@ int Run() {
   if (queue < 1) return Fail(absl::StrCat("--executor_queue=", queue, " must be at least 1"));
   std::string name = absl::GetFlag(FLAGS_node_name);
   if (name.empty()) name = Hostname();
+  const std::string transport_flag = absl::GetFlag(FLAGS_transport);
+  if (transport_flag != "auto" && transport_flag != transport::kGrpcStream &&
+      transport_flag != transport::kNccl) {
+    return Fail(absl::StrCat("--transport=", transport_flag,
+                             " is not a transport: use auto, grpc-stream or nccl"));
+  }
+  if (transport_flag == transport::kNccl && backend != "cuda") {
+    return Fail(absl::StrCat("--transport=nccl needs --backend=cuda, but this node has --backend=",
+                             backend, " (the nccl transport moves GPU memory)"));
+  }
 
   // Every thread started from here on (gRPC's, the executor's) inherits this mask, so the
   // termination signals reach only the sigwait below.
@@ -155,6 +171,29 @@ int Run() {
   sigaddset(&signals, SIGINT);
   if (const int err = pthread_sigmask(SIG_BLOCK, &signals, nullptr); err != 0) {
     return Fail(absl::StrCat("pthread_sigmask: ", std::strerror(err)));
+  }
+
+  // NCCL is loaded only by a cuda node that may use it, never by a host node (docs/cuda.md);
+  // after the signal mask, so that threads NCCL starts inherit it.
+  bool have_nccl = false;
+  if (backend == "cuda" && transport_flag != transport::kGrpcStream) {
+#ifdef KVMESH_HAVE_NCCL
+    absl::StatusOr<const transport::NcclApi*> nccl = transport::LoadNccl();
+    if (nccl.ok()) {
+      have_nccl = true;
+      std::fprintf(stderr, "kvmesh-node %s: nccl transport: NCCL %s from %s\n", name.c_str(),
+                   transport::FormatNcclVersion((*nccl)->version).c_str(), (*nccl)->path.c_str());
+    } else if (transport_flag == transport::kNccl) {
+      return Fail(absl::StrCat("--transport=nccl: ", nccl.status().message()));
+    } else {
+      std::fprintf(stderr, "kvmesh-node %s: no nccl transport, grpc-stream only: %s\n",
+                   name.c_str(), std::string(nccl.status().message()).c_str());
+    }
+#else
+    if (transport_flag == transport::kNccl) {
+      return Fail("--transport=nccl: this kvmesh-node was built without NCCL");
+    }
+#endif
   }
 
   const size_t memory_budget = absl::GetFlag(FLAGS_memory_budget).bytes;
@@ -179,13 +218,6 @@ int Run() {
   Executor executor(threads, static_cast<size_t>(queue));
 
   // ---- cluster ------------------------------------------------------------------------------
-  const std::string transport_flag = absl::GetFlag(FLAGS_transport);
-  if (transport_flag != "auto" && transport_flag != transport::kGrpcStream &&
-      transport_flag != transport::kNccl) {
-    executor.Shutdown();
-    return Fail(absl::StrCat("--transport=", transport_flag,
-                             " is not a transport: use auto, grpc-stream or nccl"));
-  }
   const int64_t lease_ms = absl::GetFlag(FLAGS_lease_ms);
   const int64_t transfer_timeout_ms = absl::GetFlag(FLAGS_transfer_timeout_ms);
   const int32_t cluster_threads = absl::GetFlag(FLAGS_cluster_threads);
@@ -197,12 +229,7 @@ int Run() {
   }
   const std::string backend_name = device->name();
   std::vector<std::string> transports = {transport::kGrpcStream};
-  if (transport_flag == transport::kNccl) {
-    executor.Shutdown();
-    return Fail(
-        "--transport=nccl: this node has no nccl transport (it needs --backend=cuda and "
-        "a build with NCCL)");
-  }
+  if (have_nccl) transports.push_back(transport::kNccl);
   Membership::Options membership_options;
   membership_options.self_name = name;
   membership_options.self_address = listen;
@@ -233,6 +260,34 @@ int Run() {
         return members->Channel(MemberAddress{address, address});
       },
       stream_options);
+  std::map<std::string, transport::Transport*> cluster_transports = {
+      {transport::kGrpcStream, &grpc_stream}};
+  PeerServiceImpl::NcclHooks nccl_hooks;
+#ifdef KVMESH_HAVE_NCCL
+  // Declared after the device: its communicators are closed before the device goes.
+  std::unique_ptr<transport::NcclTransport> nccl_transport;
+  std::unique_ptr<transport::NcclPeerSide> nccl_peer_side;
+  if (have_nccl) {
+    transport::NcclTransport::Options nccl_options;
+    nccl_options.self_name = name;
+    nccl_options.device = absl::GetFlag(FLAGS_device);
+    nccl_options.channels = [members](const std::string& address) {
+      return members->Channel(MemberAddress{address, address});
+    };
+    nccl_transport = std::make_unique<transport::NcclTransport>(std::move(nccl_options));
+    nccl_peer_side = std::make_unique<transport::NcclPeerSide>(nccl_transport.get());
+    cluster_transports[transport::kNccl] = nccl_transport.get();
+    transport::NcclPeerSide* const side = nccl_peer_side.get();
+    nccl_hooks.connect = [side](const v1::NcclConnectRequest& request, absl::Time deadline,
+                                const PeerServiceImpl::Interrupt& interrupt) {
+      return side->Connect(request, deadline, interrupt);
+    };
+    nccl_hooks.send = [side, &leases](const v1::NcclSendRequest& request, absl::Time deadline,
+                                      const PeerServiceImpl::Interrupt& interrupt) {
+      return side->Send(request, &leases, deadline, interrupt);
+    };
+  }
+#endif
   Cluster::Options cluster_options;
   cluster_options.self_name = name;
   cluster_options.backend = backend_name;
@@ -240,8 +295,7 @@ int Run() {
   cluster_options.requested_lease_time = absl::Milliseconds(lease_ms);
   cluster_options.transfer_timeout = absl::Milliseconds(transfer_timeout_ms);
   cluster_options.transport = transport_flag;
-  Cluster cluster(cluster_options, &registry, members, &leases, &reservations,
-                  {{transport::kGrpcStream, &grpc_stream}});
+  Cluster cluster(cluster_options, &registry, members, &leases, &reservations, cluster_transports);
   Executor cluster_executor(cluster_threads, static_cast<size_t>(queue));
 
   CacheServiceImpl::Options options;
@@ -256,6 +310,7 @@ int Run() {
   peer_options.sender.max_chunk_bytes = static_cast<int>(max_message / 2);
   peer_options.sender.chunk_delay = absl::Milliseconds(absl::GetFlag(FLAGS_testing_chunk_delay_ms));
   peer_options.sender.corrupt_chunk = absl::GetFlag(FLAGS_testing_corrupt_chunk);
+  peer_options.nccl = std::move(nccl_hooks);
   PeerServiceImpl peer_service(&cluster, &leases, &executor, &cluster_executor, peer_options);
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -91,6 +91,20 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Pull(grpc::CallbackServerContext* con
   });
 }
 
+namespace {
+
+// The interrupt of an nccl hook that serves `context`: the receiver's cancellation (or the
+// call's deadline) stops the wait on the communicator instead of leaving it to the deadline.
+PeerServiceImpl::Interrupt CancelledBy(grpc::CallbackServerContext* context, const char* rpc) {
+  return [context, rpc]() -> absl::Status {
+    if (!context->IsCancelled()) return absl::OkStatus();
+    return absl::CancelledError(
+        absl::StrCat(rpc, ": the receiver cancelled the call or its deadline passed"));
+  };
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* PeerServiceImpl::NoNccl(grpc::CallbackServerContext* context) const {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(
@@ -107,7 +121,8 @@ grpc::ServerUnaryReactor* PeerServiceImpl::NcclConnect(grpc::CallbackServerConte
     return NoNccl(context);
   }
   return RunOn(cluster_executor_, context, [this, context, request]() {
-    return options_.nccl.connect(*request, cluster_->Deadline(ContextDeadline(*context)));
+    return options_.nccl.connect(*request, cluster_->Deadline(ContextDeadline(*context)),
+                                 CancelledBy(context, "NcclConnect"));
   });
 }
 
@@ -118,7 +133,8 @@ grpc::ServerUnaryReactor* PeerServiceImpl::NcclSend(grpc::CallbackServerContext*
     return NoNccl(context);
   }
   return RunOn(cluster_executor_, context, [this, context, request]() {
-    return options_.nccl.send(*request, cluster_->Deadline(ContextDeadline(*context)));
+    return options_.nccl.send(*request, cluster_->Deadline(ContextDeadline(*context)),
+                              CancelledBy(context, "NcclSend"));
   });
 }
 

@@ -31,10 +31,18 @@ namespace kvmesh {
 class PeerServiceImpl final
     : public transport::PeerServiceWithRawFetch {
  public:
-  // The sender side of the nccl transport, when this node has one.
+  // Polled by a hook while it waits: CANCELLED once the caller has cancelled the RPC (or its
+  // deadline passed), else OK. The hook stops and returns that status (transport::NcclInterrupt).
+  using Interrupt = std::function<absl::Status()>;
+  // The sender side of the nccl transport, when this node has one (transport::NcclPeerSide's
+  // Connect and Send). Run on the cluster executor; the call ends with the returned status.
   struct NcclHooks {
-    std::function<absl::Status(const v1::NcclConnectRequest&, absl::Time deadline)> connect;
-    std::function<absl::Status(const v1::NcclSendRequest&, absl::Time deadline)> send;
+    std::function<absl::Status(const v1::NcclConnectRequest&, absl::Time deadline,
+                               const Interrupt& interrupt)>
+        connect;
+    std::function<absl::Status(const v1::NcclSendRequest&, absl::Time deadline,
+                               const Interrupt& interrupt)>
+        send;
   };
   struct Options {
     std::string name;

@@ -21,11 +21,12 @@ namespace {
 // The status for NCCL result `result` of `expr` at file:line. NCCL's remote and system errors
 // (a peer or the network went away) are UNAVAILABLE: a new communicator may work. Everything else
 // (CUDA errors inside NCCL, invalid usage, internal errors) is INTERNAL.
-absl::Status NcclError(ncclResult_t result, absl::string_view expr, const char* file, int line) {
+absl::Status NcclError(const NcclApi& nccl, ncclResult_t result, absl::string_view expr,
+                       const char* file, int line) {
   std::string message =
-      absl::StrCat(expr, " failed at ", file, ":", line, ": ", ncclGetErrorString(result));
+      absl::StrCat(expr, " failed at ", file, ":", line, ": ", nccl.ncclGetErrorString(result));
   // The last error's text (thread-local in NCCL) usually says what actually went wrong.
-  const char* detail = ncclGetLastError(nullptr);
+  const char* detail = nccl.ncclGetLastError(nullptr);
   if (detail != nullptr && detail[0] != '\0') absl::StrAppend(&message, " (", detail, ")");
   if (result == ncclRemoteError || result == ncclSystemError) {
     return absl::UnavailableError(message);
@@ -34,12 +35,16 @@ absl::Status NcclError(ncclResult_t result, absl::string_view expr, const char* 
 }
 
 // OK for ncclSuccess and ncclInProgress (a non-blocking communicator's "started").
-absl::Status NcclCheck(ncclResult_t result, const char* expr, const char* file, int line) {
+absl::Status NcclCheck(const NcclApi& nccl, ncclResult_t result, const char* expr, const char* file,
+                       int line) {
   if (result == ncclSuccess || result == ncclInProgress) return absl::OkStatus();
-  return NcclError(result, expr, file, line);
+  return NcclError(nccl, result, expr, file, line);
 }
 
-#define KVMESH_NCCL_CHECK(expr) NcclCheck((expr), #expr, __FILE__, __LINE__)
+// Calls NCCL function `fn` of the table `api` (an NcclApi) with the remaining arguments and
+// checks the result; the message names the call as written, e.g. "ncclSend(send, bytes, ...)".
+#define KVMESH_NCCL_CHECK(api, fn, ...) \
+  NcclCheck((api), (api).fn(__VA_ARGS__), #fn "(" #__VA_ARGS__ ")", __FILE__, __LINE__)
 
 absl::StatusOr<bool> InitDone(ncclResult_t async) { return async == ncclSuccess; }
 
@@ -57,20 +62,22 @@ class NcclComm::Use {
 };
 
 absl::StatusOr<std::string> NewNcclUniqueId() {
+  ASSIGN_OR_RETURN(const NcclApi* nccl, LoadNccl());
   ncclUniqueId id;
   std::memset(&id, 0, sizeof(id));
-  const ncclResult_t result = ncclGetUniqueId(&id);
+  const ncclResult_t result = nccl->ncclGetUniqueId(&id);
   if (result != ncclSuccess) {
-    return NcclError(result, "ncclGetUniqueId(&id)", __FILE__, __LINE__);
+    return NcclError(*nccl, result, "ncclGetUniqueId(&id)", __FILE__, __LINE__);
   }
   return std::string(id.internal, sizeof(id.internal));
 }
 
 // ---- NcclComm --------------------------------------------------------------------------------
 
-NcclComm::NcclComm(const NcclCommOptions& options, int nranks, int rank, uint64_t generation,
-                   cuda::Stream stream, cuda::Event done0, cuda::Event done1)
-    : options_(options),
+NcclComm::NcclComm(const NcclApi* nccl, const NcclCommOptions& options, int nranks, int rank,
+                   uint64_t generation, cuda::Stream stream, cuda::Event done0, cuda::Event done1)
+    : nccl_(nccl),
+      options_(options),
       nranks_(nranks),
       rank_(rank),
       generation_(generation),
@@ -95,12 +102,14 @@ absl::StatusOr<std::unique_ptr<NcclComm>> NcclComm::Start(absl::string_view uniq
     return absl::InvalidArgumentError(absl::StrCat("bad NCCL options: device ", options.device,
                                                    ", chunk_bytes ", options.chunk_bytes));
   }
+  ASSIGN_OR_RETURN(const NcclApi* nccl, LoadNccl());
   KVMESH_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
   ASSIGN_OR_RETURN(cuda::Stream stream, cuda::Stream::Create());
   ASSIGN_OR_RETURN(cuda::Event done0, cuda::Event::Create());
   ASSIGN_OR_RETURN(cuda::Event done1, cuda::Event::Create());
-  std::unique_ptr<NcclComm> comm = absl::WrapUnique(new NcclComm(
-      options, nranks, rank, generation, std::move(stream), std::move(done0), std::move(done1)));
+  std::unique_ptr<NcclComm> comm =
+      absl::WrapUnique(new NcclComm(nccl, options, nranks, rank, generation, std::move(stream),
+                                    std::move(done0), std::move(done1)));
 
   ncclUniqueId id;
   std::memcpy(id.internal, unique_id.data(), NCCL_UNIQUE_ID_BYTES);
@@ -109,7 +118,7 @@ absl::StatusOr<std::unique_ptr<NcclComm>> NcclComm::Start(absl::string_view uniq
   MutexLock lock(&comm->mu_);
   ncclComm_t handle = nullptr;
   const absl::Status status =
-      KVMESH_NCCL_CHECK(ncclCommInitRankConfig(&handle, nranks, id, rank, &config));
+      KVMESH_NCCL_CHECK(*nccl, ncclCommInitRankConfig, &handle, nranks, id, rank, &config);
   comm->comm_ = handle;
   if (!status.ok()) return comm->AbortLocked(status);
   return comm;
@@ -163,7 +172,7 @@ absl::Status NcclComm::CheckAliveLocked() {
 absl::Status NcclComm::AbortLocked(absl::Status reason) {
   if (comm_ != nullptr) {
     // Its result is of no use: the communicator is gone either way.
-    (void)ncclCommAbort(comm_);
+    (void)nccl_->ncclCommAbort(comm_);
     comm_ = nullptr;
   }
   if (state_.load() != State::kDead) {
@@ -208,9 +217,9 @@ absl::Status NcclComm::PollLocked(absl::string_view what,
       if (!status.ok()) return AbortLocked(std::move(status));
     }
     ncclResult_t async = ncclSuccess;
-    absl::Status status = KVMESH_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
+    absl::Status status = KVMESH_NCCL_CHECK(*nccl_, ncclCommGetAsyncError, comm_, &async);
     if (status.ok() && async != ncclSuccess && async != ncclInProgress) {
-      status = NcclError(async, absl::StrCat(what, " on ", Describe()), __FILE__, __LINE__);
+      status = NcclError(*nccl_, async, absl::StrCat(what, " on ", Describe()), __FILE__, __LINE__);
     }
     if (!status.ok()) return AbortLocked(std::move(status));
     absl::StatusOr<bool> finished = done(async);
@@ -309,16 +318,18 @@ absl::Status NcclComm::EnsureStagingLocked(Staging* staging, size_t bytes) {
 
 absl::Status NcclComm::PostLocked(int peer, const void* send, void* recv, size_t bytes,
                                   absl::Time deadline, const NcclInterrupt& interrupt) {
-  RETURN_IF_ERROR(KVMESH_NCCL_CHECK(ncclGroupStart()));
+  RETURN_IF_ERROR(KVMESH_NCCL_CHECK(*nccl_, ncclGroupStart));
   absl::Status status;
   if (send != nullptr) {
-    status = KVMESH_NCCL_CHECK(ncclSend(send, bytes, ncclUint8, peer, comm_, stream_.get()));
+    status =
+        KVMESH_NCCL_CHECK(*nccl_, ncclSend, send, bytes, ncclUint8, peer, comm_, stream_.get());
   }
   if (status.ok() && recv != nullptr) {
-    status = KVMESH_NCCL_CHECK(ncclRecv(recv, bytes, ncclUint8, peer, comm_, stream_.get()));
+    status =
+        KVMESH_NCCL_CHECK(*nccl_, ncclRecv, recv, bytes, ncclUint8, peer, comm_, stream_.get());
   }
   // Always close the group (NCCL's group depth is per thread), even after an error.
-  const absl::Status end = KVMESH_NCCL_CHECK(ncclGroupEnd());
+  const absl::Status end = KVMESH_NCCL_CHECK(*nccl_, ncclGroupEnd);
   RETURN_IF_ERROR(status);
   RETURN_IF_ERROR(end);
   // A non-blocking communicator may still be launching the group (ncclInProgress): only once
@@ -414,12 +425,12 @@ absl::Status NcclComm::CloseLocked(absl::Time deadline) {
     (void)AbortLocked(absl::UnavailableError("closed during initialization"));
     return absl::OkStatus();
   }
-  absl::Status status = KVMESH_NCCL_CHECK(ncclCommFinalize(comm_));
+  absl::Status status = KVMESH_NCCL_CHECK(*nccl_, ncclCommFinalize, comm_);
   if (!status.ok()) return AbortLocked(std::move(status));
   // Finalize needs the other ranks to finalize too; a peer that does not within the deadline
   // gets the communicator aborted instead (PollLocked does that).
   RETURN_IF_ERROR(PollLocked("ncclCommFinalize", InitDone, deadline, nullptr));
-  status = KVMESH_NCCL_CHECK(ncclCommDestroy(comm_));
+  status = KVMESH_NCCL_CHECK(*nccl_, ncclCommDestroy, comm_);
   if (!status.ok()) return AbortLocked(std::move(status));
   comm_ = nullptr;
   dead_reason_ = absl::UnavailableError("closed");

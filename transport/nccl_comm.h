@@ -19,6 +19,10 @@
 // next piece while the GPU moves the previous one), so staging memory stays bounded whatever the
 // payload size. Device payloads are sent from / received into the caller's memory directly.
 //
+// NCCL itself is loaded at run time (transport/nccl_api.h): the first NewNcclUniqueId or
+// NcclComm::Start loads it, and both answer FAILED_PRECONDITION (naming the library and why)
+// where it cannot be loaded.
+//
 // Thread safety: NcclCommPool is thread-safe. NcclComm is thread-safe: one transfer at a time
 // (a mutex per communicator serializes them); healthy(), last_used() and the accessors never
 // block. Lock order: NcclCommPool::mu_ is never held while a communicator's mutex is taken.
@@ -44,6 +48,7 @@
 #include "absl/time/time.h"
 #include "cache/device/cuda_resources.h"
 #include "cache/mutex.h"
+#include "transport/nccl_api.h"
 #include "transport/transport.h"
 
 namespace kvmesh {
@@ -68,7 +73,7 @@ struct NcclCommOptions {
 
 // A fresh ncclUniqueId (NCCL_UNIQUE_ID_BYTES bytes). This process hosts the bootstrap root the
 // id names until every rank has joined. INTERNAL or UNAVAILABLE (no usable network interface)
-// with NCCL's error.
+// with NCCL's error; FAILED_PRECONDITION when NCCL cannot be loaded (LoadNccl).
 absl::StatusOr<std::string> NewNcclUniqueId();
 
 // Polled while a transfer or an init waits; a non-OK status stops it: the communicator is
@@ -135,7 +140,7 @@ class NcclComm {
   // NewNcclUniqueId, possibly on another node) on options.device; returns at once, before the
   // other ranks have joined. `generation` is the caller's tag for this communicator (the nccl
   // transport's generation), kept as given. INVALID_ARGUMENT for a unique id of the wrong size
-  // or a rank out of range.
+  // or a rank out of range; FAILED_PRECONDITION when NCCL cannot be loaded (LoadNccl).
   static absl::StatusOr<std::unique_ptr<NcclComm>> Start(absl::string_view unique_id, int nranks,
                                                          int rank, uint64_t generation,
                                                          const NcclCommOptions& options);
@@ -208,8 +213,8 @@ class NcclComm {
     cuda::DeviceBuffer device[2];
   };
 
-  NcclComm(const NcclCommOptions& options, int nranks, int rank, uint64_t generation,
-           cuda::Stream stream, cuda::Event done0, cuda::Event done1);
+  NcclComm(const NcclApi* nccl, const NcclCommOptions& options, int nranks, int rank,
+           uint64_t generation, cuda::Stream stream, cuda::Event done0, cuda::Event done1);
 
   absl::Status Transfer(const char* what, int peer, const NcclSource* source,
                         const NcclDestination* destination, absl::Time deadline,
@@ -246,6 +251,7 @@ class NcclComm {
   std::string Describe() const;
   void Touch() { last_used_ns_.store(absl::ToUnixNanos(absl::Now()), std::memory_order_relaxed); }
 
+  const NcclApi* const nccl_;  // LoadNccl's; lives as long as the process
   const NcclCommOptions options_;
   const int nranks_;
   const int rank_;

@@ -274,7 +274,8 @@ absl::Status NcclTransport::Receive(const Lease& lease, Sink sink, absl::Time de
 
 // ---- sender ----------------------------------------------------------------------------------
 
-absl::Status NcclPeerSide::Connect(const v1::NcclConnectRequest& request, absl::Time deadline) {
+absl::Status NcclPeerSide::Connect(const v1::NcclConnectRequest& request, absl::Time deadline,
+                                   const NcclInterrupt& interrupt) {
   const std::string& self = transport_->options().self_name;
   const std::string& from = request.from_node();
   if (from.empty() || from == self) {
@@ -290,7 +291,9 @@ absl::Status NcclPeerSide::Connect(const v1::NcclConnectRequest& request, absl::
   const std::string key = transport_->PairKey(from);
   const std::shared_ptr<NcclComm> existing = pool->Find(key);
   if (existing != nullptr && existing->healthy()) {
-    if (existing->generation() == request.generation()) return existing->WaitReady(deadline);
+    if (existing->generation() == request.generation()) {
+      return existing->WaitReady(deadline, interrupt);
+    }
     if (!existing->ready() && existing->generation() > request.generation()) {
       return absl::AbortedError(absl::StrCat(
           "NcclConnect from node '", from, "' with generation ", request.generation(), ": node '",
@@ -302,7 +305,7 @@ absl::Status NcclPeerSide::Connect(const v1::NcclConnectRequest& request, absl::
                                    request.generation(), pool->options()));
   std::shared_ptr<NcclComm> comm(std::move(started));
   pool->Put(key, comm);  // asks the generation it replaces to abort
-  absl::Status status = comm->WaitReady(deadline);
+  absl::Status status = comm->WaitReady(deadline, interrupt);
   if (!status.ok()) pool->Remove(key, comm.get());
   return status;
 }

@@ -130,8 +130,10 @@ class NcclPeerSide {
   // whatever communicator of another generation the pool holds for the pair) and returns when
   // the communicator is ready. OK at once for a generation already ready. INVALID_ARGUMENT for
   // a malformed request; ABORTED when this node is itself initializing a newer generation with
-  // that node (crossing connects); DEADLINE_EXCEEDED / UNAVAILABLE / INTERNAL as in NcclComm.
-  absl::Status Connect(const v1::NcclConnectRequest& request, absl::Time deadline);
+  // that node (crossing connects); DEADLINE_EXCEEDED / UNAVAILABLE / INTERNAL /
+  // FAILED_PRECONDITION as in NcclComm. `interrupt` (optional) stops the wait early, as in Send.
+  absl::Status Connect(const v1::NcclConnectRequest& request, absl::Time deadline,
+                       const NcclInterrupt& interrupt = nullptr);
 
   // Sends the payload of lease request.lease_id to request.to_node over the pair communicator
   // of request.generation; returns once this side's send has completed. ABORTED when this node

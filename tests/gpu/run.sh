@@ -15,11 +15,15 @@
 # build.log (configure + build), env.txt (nvidia-smi, compilers, OS), ctest.log (console),
 # ctest-full.log (every test's whole output), gpu_bench.log, summary.txt.
 #
-# NCCL (the nccl transport's tests/gpu/nccl_self_transfer_test): the build uses the GPU machine's
-# own libnccl.so.2, too large to carry (~200 MiB): /usr/local/cuda's when it has one, else the
-# one in Python's nvidia-nccl wheel (PyTorch's), with that wheel's nccl.h or, lacking one, the
-# nccl.h that prepare.sh copied into .gpu-deps/nccl. KVMESH_GPU_NCCL_DIR=<dir with lib/ and
-# include/> overrides the search. Without NCCL that test is not built (the summary says so).
+# NCCL (the nccl transport's tests/gpu/nccl_self_transfer_test): kvmesh links no NCCL; it loads
+# libnccl.so.2 at run time (transport/nccl_api.h), so the build needs nccl.h only and the test
+# needs the GPU machine's own library, too large to carry (~200 MiB): /usr/local/cuda's when it
+# has one, else the one in Python's nvidia-nccl wheel (PyTorch's), with that wheel's nccl.h or,
+# lacking one, the nccl.h that prepare.sh copied into .gpu-deps/nccl. KVMESH_GPU_NCCL_DIR=<dir
+# with lib/ and include/> overrides the search. The library found is passed to CMake as
+# KVMESH_NCCL_LIBRARY, which ctest hands to the tests in the environment variable of that name
+# (and it is exported here too). Without nccl.h that test is not built; without a library it
+# fails to load NCCL (the summary says which).
 #
 # Options:
 #   --build-only      configure and build only (checks the build path on a machine without GPU)
@@ -118,6 +122,7 @@ if [ -n "$nccl_dir" ]; then
   if [ -n "$nccl_lib" ] && [ -f "$nccl_inc/nccl.h" ]; then
     nccl_args=(-DKVMESH_NCCL_LIBRARY="$nccl_lib" -DKVMESH_NCCL_INCLUDE_DIR="$nccl_inc")
     LD_LIBRARY_PATH=$(dirname "$nccl_lib"):$LD_LIBRARY_PATH
+    export KVMESH_NCCL_LIBRARY=$nccl_lib
     note "nccl: $nccl_lib, headers $nccl_inc ($(grep -m1 -E '^#define NCCL_VERSION_CODE' \
       "$nccl_inc/nccl.h" | awk '{print $3}'))"
   else
@@ -150,9 +155,14 @@ fi
 grep -E '^-- kvmesh:' "$log_dir/build.log"
 cached() { sed -n "s/^$1:[A-Z]*=//p" "$build_dir/CMakeCache.txt"; }
 if grep -q 'NCCL=OFF' "$log_dir/build.log"; then
-  note "nccl: WARNING: not found; nccl_self_transfer_test is not built (see KVMESH_GPU_NCCL_DIR)"
+  note "nccl: WARNING: nccl.h not found; nccl_self_transfer_test is not built (see KVMESH_GPU_NCCL_DIR)"
 elif [ ${#nccl_args[@]} = 0 ]; then
-  note "nccl: $(cached KVMESH_NCCL_LIBRARY)"
+  nccl_lib=$(cached KVMESH_NCCL_LIBRARY)
+  case "$nccl_lib" in
+    ''|*NOTFOUND) note "nccl: WARNING: nccl.h found but no libnccl; nccl_self_transfer_test will fail to load NCCL (see KVMESH_GPU_NCCL_DIR)" ;;
+    *) export KVMESH_NCCL_LIBRARY=$nccl_lib
+       note "nccl: $nccl_lib (loaded at run time)" ;;
+  esac
 fi
 echo "absl_DIR=$(cached absl_DIR)"
 echo "KVMESH_GTEST_SOURCE_DIR=$(cached KVMESH_GTEST_SOURCE_DIR) (GTest_DIR=$(cached GTest_DIR))"

@@ -1,10 +1,12 @@
 // kvmesh-node as a program: its flags, its startup failures, its listening line and port file,
-// its message size limit, and a clean shutdown on SIGTERM and SIGINT, also with calls in flight.
+// its message size limit, a clean shutdown on SIGTERM and SIGINT, also with calls in flight, and
+// which transports it offers: when it loads NCCL and when it refuses to start without it.
 #include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "cache/device/cuda_device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvmesh/v1/peer.grpc.pb.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/node_fixture.h"
 #include "tests/testing/node_process.h"
@@ -20,19 +23,59 @@ namespace kvmesh {
 namespace testutil {
 namespace {
 
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::MatchesRegex;
+using ::testing::Not;
 
-// Runs kvmesh-node with `args` and expects it to fail at startup with exit code 1 and `message`
-// in its stderr, having printed nothing to stdout.
-void ExpectStartupFailure(const std::vector<std::string>& args, const std::string& message) {
-  absl::StatusOr<NodeRun> run = RunNodeToExit(args);
-  ASSERT_TRUE(run.ok()) << run.status();
+// Whether this kvmesh-node was built with the nccl transport, and the libnccl the build found
+// for tests (empty: none).
+constexpr bool kNodeHasNccl = KVMESH_TEST_NODE_HAS_NCCL;
+constexpr char kNcclLibrary[] = KVMESH_TEST_NCCL_LIBRARY;
+constexpr char kMissingNccl[] = "/nonexistent-kvmesh-dir/libnccl.so.2";
+
+// Runs kvmesh-node with `args` (and `env`, as NodeProcess::Options::env) and expects it to fail
+// at startup with exit code 1 and `message` in its stderr, having printed nothing to stdout.
+// Returns the stderr.
+std::string ExpectStartupFailure(const std::vector<std::string>& args, const std::string& message,
+                                 const std::vector<std::string>& env = {}) {
+  absl::StatusOr<NodeRun> run = RunNodeToExit(args, absl::Seconds(30), env);
+  EXPECT_TRUE(run.ok()) << run.status();
+  if (!run.ok()) return "";
   EXPECT_TRUE(run->status.exited) << run->status.ToString();
   EXPECT_EQ(run->status.code, 1) << run->stderr_text;
   EXPECT_THAT(run->stderr_text, HasSubstr(message));
   EXPECT_THAT(run->stdout_text, IsEmpty());
+  return run->stderr_text;
+}
+
+// How often `needle` occurs in `text`.
+int Count(const std::string& text, const std::string& needle) {
+  int count = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) {
+    ++count;
+  }
+  return count;
+}
+
+// PeerService/NodeInfo of a running node.
+v1::NodeInfoResponse NodeInfo(const NodeProcess& node) {
+  std::unique_ptr<v1::PeerService::Stub> stub = v1::PeerService::NewStub(node.channel());
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::NodeInfoResponse info;
+  const grpc::Status status = stub->NodeInfo(&context, v1::NodeInfoRequest(), &info);
+  EXPECT_TRUE(status.ok()) << StatusText(status);
+  return info;
+}
+
+// /proc/<pid>/maps: the files mapped into process `pid`.
+std::string MappedFiles(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/maps"));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 std::unique_ptr<NodeProcess> StartNode(std::vector<std::string> extra_args,
@@ -86,8 +129,9 @@ TEST(NodeTest, PrintsOneListeningLineAndWritesThePortFile) {
   const std::string port_file = dir + "/port";
   std::unique_ptr<NodeProcess> node = StartNode({"--port-file=" + port_file}, "alpha-1");
   ASSERT_NE(node, nullptr);
-  EXPECT_THAT(node->listening_line(),
-              MatchesRegex("kvmesh-node alpha-1 listening on 127\\.0\\.0\\.1:[0-9]+ backend=host peers=0"));
+  EXPECT_THAT(
+      node->listening_line(),
+      MatchesRegex("kvmesh-node alpha-1 listening on 127\\.0\\.0\\.1:[0-9]+ backend=host peers=0"));
   std::ifstream in(port_file);
   int port = 0;
   in >> port;
@@ -215,6 +259,108 @@ TEST(NodeTest, SigtermWithAStalledReadInFlightShutsDownCleanly) {
   while (reader->Read(&message)) received += message.data().size();
   EXPECT_LT(received, size_t{32} << 20);
   EXPECT_NE(reader->Finish().error_code(), grpc::StatusCode::OK);
+}
+
+TEST(NodeTest, NcclTransportNeedsTheCudaBackend) {
+  const std::string message =
+      "--transport=nccl needs --backend=cuda, but this node has --backend=host";
+  ExpectStartupFailure({"--listen=127.0.0.1:0", "--transport=nccl"}, message);
+  ExpectStartupFailure({"--listen=127.0.0.1:0", "--backend=host", "--transport=nccl"}, message);
+  ExpectStartupFailure({"--listen=127.0.0.1:0", "--transport=rdma"},
+                       "--transport=rdma is not a transport");
+}
+
+TEST(NodeTest, HostNodeNeverLoadsNccl) {
+  // Even with a loadable NCCL named in its environment, a host node neither links nor loads it
+  // (it runs where there is none), and offers grpc-stream only.
+  NodeProcess::Options options;
+  options.node_name = "host-node";
+  options.extra_args = {"--transport=auto"};
+  if (kNcclLibrary[0] != '\0') options.env = {absl::StrCat("KVMESH_NCCL_LIBRARY=", kNcclLibrary)};
+  absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
+  ASSERT_TRUE(node.ok()) << node.status();
+  const std::string maps = MappedFiles((*node)->pid());
+  ASSERT_THAT(maps, HasSubstr("kvmesh-node"));  // the file was readable
+  EXPECT_THAT(maps, Not(HasSubstr("libnccl")));
+  const v1::NodeInfoResponse info = NodeInfo(**node);
+  EXPECT_EQ(info.backend(), "host");
+  EXPECT_THAT(info.transports(), ElementsAre("grpc-stream"));
+  (*node)->ReleaseChannel();
+  EXPECT_TRUE((*node)->Stop().clean()) << (*node)->ReadStderr();
+  EXPECT_THAT((*node)->ReadStderr(), Not(HasSubstr("nccl")));
+}
+
+TEST(NodeTest, TransportNcclWithoutLoadableNcclIsRefused) {
+  const std::vector<std::string> args = {"--listen=127.0.0.1:0", "--backend=cuda",
+                                         "--transport=nccl"};
+  if (!kNodeHasNccl) {
+    ExpectStartupFailure(args, "--transport=nccl: this kvmesh-node was built without NCCL");
+    return;
+  }
+  // Refused before the device is opened: the library and dlerror's reason.
+  const std::string missing = ExpectStartupFailure(
+      args, absl::StrCat("--transport=nccl: cannot load NCCL from ", kMissingNccl, ": "),
+      {absl::StrCat("KVMESH_NCCL_LIBRARY=", kMissingNccl)});
+  EXPECT_THAT(missing, HasSubstr("No such file or directory"));
+  EXPECT_THAT(missing, Not(HasSubstr("CUDA device")));
+  // A library that is not NCCL: the first symbol it lacks.
+  ExpectStartupFailure(args, "has no symbol ncclGetVersion", {"KVMESH_NCCL_LIBRARY=libz.so.1"});
+}
+
+TEST(NodeTest, TransportAutoWithoutLoadableNcclGoesOnWithGrpcStream) {
+  if (!kNodeHasNccl) GTEST_SKIP() << "kvmesh-node was built without NCCL";
+  const std::vector<std::string> env = {absl::StrCat("KVMESH_NCCL_LIBRARY=", kMissingNccl)};
+  const std::string line = absl::StrCat(
+      "kvmesh-node cuda-node: no nccl transport, grpc-stream only: cannot load NCCL from ",
+      kMissingNccl);
+  if (CudaDeviceCount() == 0) {
+    // One line about NCCL, then the node goes on, and stops at the missing GPU.
+    const std::string err = ExpectStartupFailure(
+        {"--listen=127.0.0.1:0", "--node-name=cuda-node", "--backend=cuda", "--transport=auto"},
+        "CUDA device 0 does not exist", env);
+    EXPECT_EQ(Count(err, line), 1) << err;
+    return;
+  }
+  NodeProcess::Options options;
+  options.node_name = "cuda-node";
+  options.extra_args = {"--backend=cuda", "--transport=auto", "--memory-budget=64MiB",
+                        "--snapshot-budget=64MiB"};
+  options.env = env;
+  absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
+  ASSERT_TRUE(node.ok()) << node.status();
+  EXPECT_EQ(Count((*node)->ReadStderr(), line), 1) << (*node)->ReadStderr();
+  EXPECT_THAT(NodeInfo(**node).transports(), ElementsAre("grpc-stream"));
+  (*node)->ReleaseChannel();
+  EXPECT_TRUE((*node)->Stop().clean()) << (*node)->ReadStderr();
+}
+
+TEST(NodeTest, CudaNodeLoadsNccl) {
+  if (!kNodeHasNccl) GTEST_SKIP() << "kvmesh-node was built without NCCL";
+  if (kNcclLibrary[0] == '\0') GTEST_SKIP() << "the build found no libnccl";
+  const std::vector<std::string> env = {absl::StrCat("KVMESH_NCCL_LIBRARY=", kNcclLibrary)};
+  const std::string line = "kvmesh-node cuda-node: nccl transport: NCCL ";
+  const std::string from = absl::StrCat(" from ", kNcclLibrary, "\n");
+  if (CudaDeviceCount() == 0) {
+    // NCCL loads (its version checked against nccl.h) before the device is opened.
+    const std::string err = ExpectStartupFailure(
+        {"--listen=127.0.0.1:0", "--node-name=cuda-node", "--backend=cuda", "--transport=nccl"},
+        "CUDA device 0 does not exist", env);
+    EXPECT_EQ(Count(err, line), 1) << err;
+    EXPECT_THAT(err, HasSubstr(from));
+    return;
+  }
+  NodeProcess::Options options;
+  options.node_name = "cuda-node";
+  options.extra_args = {"--backend=cuda", "--transport=nccl", "--memory-budget=64MiB",
+                        "--snapshot-budget=64MiB"};
+  options.env = env;
+  absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
+  ASSERT_TRUE(node.ok()) << node.status();
+  EXPECT_EQ(Count((*node)->ReadStderr(), line), 1) << (*node)->ReadStderr();
+  EXPECT_THAT((*node)->ReadStderr(), HasSubstr(from));
+  EXPECT_THAT(NodeInfo(**node).transports(), ElementsAre("grpc-stream", "nccl"));
+  (*node)->ReleaseChannel();
+  EXPECT_TRUE((*node)->Stop().clean()) << (*node)->ReadStderr();
 }
 
 }  // namespace

@@ -89,8 +89,25 @@ struct Child {
   std::string stderr_path;
 };
 
-// Starts kvmesh-node with `args`: stdout into a pipe, stderr into a new temporary file.
-absl::StatusOr<Child> Spawn(const std::vector<std::string>& args) {
+// This process's environment with the "NAME=value" entries of `overrides` set or replaced.
+std::vector<std::string> ChildEnvironment(const std::vector<std::string>& overrides) {
+  std::vector<std::string> env;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const std::string variable = *entry;
+    const std::string name = variable.substr(0, variable.find('='));
+    const bool replaced =
+        std::any_of(overrides.begin(), overrides.end(),
+                    [&](const std::string& o) { return o.substr(0, o.find('=')) == name; });
+    if (!replaced) env.push_back(variable);
+  }
+  env.insert(env.end(), overrides.begin(), overrides.end());
+  return env;
+}
+
+// Starts kvmesh-node with `args` and `env` (NodeProcess::Options::env): stdout into a pipe,
+// stderr into a new temporary file.
+absl::StatusOr<Child> Spawn(const std::vector<std::string>& args,
+                            const std::vector<std::string>& env) {
   const char* tmpdir = std::getenv("TEST_TMPDIR");
   std::string path =
       absl::StrCat(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp", "/kvmesh-node-XXXXXX");
@@ -109,6 +126,10 @@ absl::StatusOr<Child> Spawn(const std::vector<std::string>& args) {
   std::vector<char*> argv;
   for (std::string& arg : argv_storage) argv.push_back(arg.data());
   argv.push_back(nullptr);
+  std::vector<std::string> envp_storage = ChildEnvironment(env);
+  std::vector<char*> envp;
+  for (std::string& variable : envp_storage) envp.push_back(variable.data());
+  envp.push_back(nullptr);
   const pid_t parent = getpid();
   sigset_t none;
   sigemptyset(&none);
@@ -126,8 +147,8 @@ absl::StatusOr<Child> Spawn(const std::vector<std::string>& args) {
     if (getppid() != parent) _exit(126);
     sigprocmask(SIG_SETMASK, &none, nullptr);
     if (dup2(out[1], STDOUT_FILENO) < 0 || dup2(err_fd, STDERR_FILENO) < 0) _exit(125);
-    execv(argv[0], argv.data());
-    static const char kMessage[] = "node_process: execv of kvmesh-node failed\n";
+    execve(argv[0], argv.data(), envp.data());
+    static const char kMessage[] = "node_process: execve of kvmesh-node failed\n";
     (void)!write(STDERR_FILENO, kMessage, sizeof(kMessage) - 1);
     _exit(127);
   }
@@ -184,7 +205,7 @@ absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& o
   std::vector<std::string> args = {absl::StrCat("--listen=127.0.0.1:", options.port),
                                    absl::StrCat("--node-name=", options.node_name)};
   args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
-  absl::StatusOr<Child> child = Spawn(args);
+  absl::StatusOr<Child> child = Spawn(args, options.env);
   if (!child.ok()) return child.status();
   std::unique_ptr<NodeProcess> node(
       new NodeProcess(child->pid, child->stdout_fd, std::move(child->stderr_path)));
@@ -286,9 +307,9 @@ int ReservePort() {
   return port;
 }
 
-absl::StatusOr<NodeRun> RunNodeToExit(const std::vector<std::string>& args,
-                                      absl::Duration timeout) {
-  absl::StatusOr<Child> child = Spawn(args);
+absl::StatusOr<NodeRun> RunNodeToExit(const std::vector<std::string>& args, absl::Duration timeout,
+                                      const std::vector<std::string>& env) {
+  absl::StatusOr<Child> child = Spawn(args, env);
   if (!child.ok()) return child.status();
   const absl::Time deadline = absl::Now() + timeout;
   NodeRun run;

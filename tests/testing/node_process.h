@@ -50,6 +50,9 @@ class NodeProcess {
     int port = 0;
     // Further flags, e.g. "--memory-budget=64MiB". --listen and --node-name are set already.
     std::vector<std::string> extra_args;
+    // Environment variables to set (or replace) in the node's environment, "NAME=value"; the
+    // rest of the environment is this process's.
+    std::vector<std::string> env;
     // How long the node may take to print its listening line.
     absl::Duration start_timeout = absl::Seconds(60);
   };
@@ -118,8 +121,10 @@ struct NodeRun {
 
 // Runs kvmesh-node with `args` (no --listen added) until it exits by itself, for startup
 // failures. The child is killed after `timeout` (then status.killed_after_timeout is true).
+// `env` as in NodeProcess::Options.
 absl::StatusOr<NodeRun> RunNodeToExit(const std::vector<std::string>& args,
-                                      absl::Duration timeout = absl::Seconds(30));
+                                      absl::Duration timeout = absl::Seconds(30),
+                                      const std::vector<std::string>& env = {});
 
 }  // namespace testutil
 }  // namespace kvmesh
