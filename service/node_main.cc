@@ -359,6 +359,17 @@ int Run() {
   cluster_executor.Shutdown();
   executor.Shutdown();
   server->Wait();
+  // gRPC may still hold slices of grpc-stream chunks that point into exports; they must be gone
+  // before the caches and the device that their memory comes from.
+  server.reset();
+  if (!transport::AwaitPayloadSlicesReleased(absl::Now() + kShutdownGrace)) {
+    std::fprintf(stderr,
+                 "kvmesh-node %s: gRPC still holds %lld chunk slices of exports; exiting without "
+                 "tearing down the caches\n",
+                 name.c_str(), static_cast<long long>(transport::PayloadSlicesHeld()));
+    std::fflush(stderr);
+    std::_Exit(EXIT_SUCCESS);
+  }
   return EXIT_SUCCESS;
 }
 

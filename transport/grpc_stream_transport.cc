@@ -1,6 +1,7 @@
 #include "transport/grpc_stream_transport.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <limits>
 #include <string>
@@ -16,6 +17,7 @@
 #include <grpcpp/support/sync_stream.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/types/span.h"
 #include "cache/mutex.h"
 #include "cache/tsan_handoff.h"
@@ -151,6 +153,7 @@ absl::Status ParseChunk(const std::vector<grpc::Slice>& slices, ParsedChunk* chu
     uint64_t tag;
     if (!in.Varint(&tag)) return absl::InvalidArgumentError("truncated tag");
     const uint64_t field = tag >> 3;
+    if (field == 0) return absl::InvalidArgumentError("field 0");
     const int wire_type = static_cast<int>(tag & 7);
     uint64_t value = 0;
     uint32_t value32 = 0;
@@ -266,7 +269,14 @@ absl::Status GrpcStreamTransport::Receive(const Lease& lease, Sink sink, absl::T
           lease.payload_bytes, " bytes"));
       break;
     }
-    if (!chunk.has_crc32c) {
+    if (!chunk.has_data || chunk.data_bytes == 0) {
+      stopped = absl::DataLossError(absl::StrCat(from, ": chunk at offset ", chunk.offset,
+                                                 " carries no data"));
+      break;
+    }
+    // A sender that announced the whole payload's CRC-32C (an older node) may send chunks
+    // without their own; the whole one is checked at the end.
+    if (!chunk.has_crc32c && !lease.has_crc32c) {
       stopped = absl::DataLossError(absl::StrCat(from, ": chunk at offset ", chunk.offset,
                                                  " carries no crc32c"));
       break;
@@ -280,7 +290,7 @@ absl::Status GrpcStreamTransport::Receive(const Lease& lease, Sink sink, absl::T
       if (lease.has_crc32c) crc = Crc32cExtend(crc, piece);
       if (sunk.ok()) sunk = sink(piece);
     }
-    if (chunk_crc != chunk.crc32c) {
+    if (chunk.has_crc32c && chunk_crc != chunk.crc32c) {
       stopped = absl::DataLossError(absl::StrCat(
           from, ": CRC-32C of the ", chunk.data_bytes, " bytes of the chunk at offset ",
           chunk.offset, " is ", Hex32(chunk_crc), " but the sender computed ",
@@ -314,7 +324,23 @@ absl::Status GrpcStreamTransport::Receive(const Lease& lease, Sink sink, absl::T
 // ---- sender --------------------------------------------------------------------------------
 namespace {
 
-void ReleasePayloadRef(void* ref) { delete static_cast<std::shared_ptr<LeasedPayload>*>(ref); }
+// A chunk's data in more pieces than this is copied instead (4 MiB chunks: views of 64 KiB on
+// average at least).
+constexpr size_t kMaxViewsPerChunk = 64;
+
+// Payload references held by slices of sent chunks (PayloadSlicesHeld).
+std::atomic<int64_t> payload_slices{0};
+
+void* NewPayloadRef(const std::shared_ptr<LeasedPayload>& payload) {
+  payload_slices.fetch_add(1, std::memory_order_relaxed);
+  return new std::shared_ptr<LeasedPayload>(payload);
+}
+
+// A slice's destroy callback, on whichever thread gRPC drops the slice.
+void ReleasePayloadRef(void* ref) {
+  delete static_cast<std::shared_ptr<LeasedPayload>*>(ref);
+  payload_slices.fetch_sub(1, std::memory_order_release);
+}
 
 size_t PutVarint(uint64_t v, uint8_t* out) {
   size_t k = 0;
@@ -394,10 +420,11 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     v1::FetchRequest request;
     std::vector<grpc::Slice> slices;
     std::string bytes;
-    if (raw.Dump(&slices).ok()) {
-      for (const grpc::Slice& slice : slices) {
-        bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
-      }
+    if (!raw.Dump(&slices).ok()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the FetchRequest cannot be read");
+    }
+    for (const grpc::Slice& slice : slices) {
+      bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
     }
     if (!request.ParseFromString(bytes)) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -484,25 +511,32 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       }
     }
     const size_t n = std::min(chunk_bytes_, size_ - offset_);
-    std::vector<grpc::Slice> slices(1);  // [0]: the fields before the data, below
-    uint32_t crc = 0;
-    // The data as it lies in the payload's memory: each slice holds a reference to the payload,
-    // so the bytes outlive the write whatever gRPC does with them.
+    // The data as it lies in the payload's memory, unless it is not in host memory, or in so
+    // many small pieces that a slice each would cost more than a copy (or a chunk to corrupt).
+    views_.clear();
     bool viewed = chunks_ != options_.corrupt_chunk;
     for (size_t at = offset_; viewed && at < offset_ + n;) {
       const absl::Span<const uint8_t> view = payload_->View(at, offset_ + n - at);
-      if (view.empty()) {
+      if (view.empty() || views_.size() == kMaxViewsPerChunk) {
         viewed = false;
         break;
       }
-      crc = Crc32cExtend(crc, view);
-      slices.emplace_back(const_cast<uint8_t*>(view.data()), view.size(), &ReleasePayloadRef,
-                          new std::shared_ptr<LeasedPayload>(payload_));
+      views_.push_back(view);
       at += view.size();
     }
+    std::vector<grpc::Slice> slices(1);  // [0]: the fields before the data, below
+    uint32_t crc = 0;
+    if (viewed) {
+      // Each slice holds a reference to the payload, so the bytes outlive the write whatever
+      // gRPC does with them.
+      for (const absl::Span<const uint8_t> view : views_) {
+        crc = Crc32cExtend(crc, view);
+        slices.emplace_back(const_cast<uint8_t*>(view.data()), view.size(), &ReleasePayloadRef,
+                            NewPayloadRef(payload_));
+      }
+    }
     if (!viewed) {
-      // Not in host memory (or a chunk to corrupt): one copy, into a slice of its own.
-      slices.resize(1);
+      // One copy, into a slice of its own.
       grpc_slice copy = grpc_slice_malloc(n);
       uint8_t* data = GRPC_SLICE_START_PTR(copy);
       slices.emplace_back(copy, grpc::Slice::STEAL_REF);
@@ -543,6 +577,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   size_t chunk_bytes_ = 0;  // of every chunk but the last
   int64_t chunks_ = 0;      // chunks sent so far
   grpc::ByteBuffer chunk_;  // the message being written
+  std::vector<absl::Span<const uint8_t>> views_;  // SendChunk's, kept for its capacity
 
   Mutex mu_;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
@@ -550,6 +585,16 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 };
 
 }  // namespace
+
+int64_t PayloadSlicesHeld() { return payload_slices.load(std::memory_order_acquire); }
+
+bool AwaitPayloadSlicesReleased(absl::Time deadline) {
+  while (PayloadSlicesHeld() != 0) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return true;
+}
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ServeFetch(grpc::CallbackServerContext* context,
                                                        const grpc::ByteBuffer* request,

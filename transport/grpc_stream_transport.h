@@ -153,6 +153,15 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ServeFetch(grpc::CallbackServerConte
                                                        LeaseLookup* leases,
                                                        const SenderOptions& options);
 
+// References to payloads held by slices of chunks that gRPC has not let go of yet (a chunk's data
+// slices keep its payload, and so the export's memory, alive). gRPC may drop them on its own
+// threads after Server::Wait has returned, while it tears connections down; a node destroys its
+// server and then waits for this to reach 0 before it destroys what the payloads' memory comes
+// from (the caches and the device).
+int64_t PayloadSlicesHeld();
+// Waits until PayloadSlicesHeld() is 0 (true) or `deadline` passes (false).
+bool AwaitPayloadSlicesReleased(absl::Time deadline);
+
 // PeerService on the callback API with Fetch raw: the generated CallbackService with its Fetch
 // layer swapped for the raw one (stacking the raw layer on CallbackService instead would hide
 // the callback Fetch, which clang's -Woverloaded-virtual rejects). Lists every RPC of

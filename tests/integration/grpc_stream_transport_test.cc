@@ -74,7 +74,8 @@ std::vector<uint8_t> PatternBytes(size_t n, uint64_t seed) {
 // How a MemoryPayload offers its bytes to the sender.
 enum class Views {
   kWhole,    // View: as long a run as asked for (zero-copy chunks of one slice)
-  kPieces,   // View: at most 1000 bytes at a time (chunks of many slices)
+  kPieces,   // View: at most 4096 bytes at a time (chunks of many slices)
+  kCrumbs,   // View: at most 100 bytes at a time (too many pieces: chunks are copied)
   kNone,     // no View: every chunk is read with ReadAt (the copy path)
 };
 
@@ -86,7 +87,8 @@ class MemoryPayload final : public LeasedPayload {
   absl::Span<const uint8_t> View(size_t offset, size_t max_bytes) const override {
     if (views_ == Views::kNone || offset >= bytes_.size()) return {};
     size_t n = std::min(max_bytes, bytes_.size() - offset);
-    if (views_ == Views::kPieces) n = std::min<size_t>(n, 1000);
+    if (views_ == Views::kPieces) n = std::min<size_t>(n, 4096);
+    if (views_ == Views::kCrumbs) n = std::min<size_t>(n, 100);
     return {bytes_.data() + offset, n};
   }
   absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) override {
@@ -477,6 +479,8 @@ TEST_F(GrpcStreamTransportTest, MalformedChunksAreDataLoss) {
       {"wire type", {std::string("\x0d\x01\x02\x03\x04", 5)}, "field 1 has wire type 5"},
       {"gap", {good, ChunkMessage(20, data, Crc32cOf(data))},
        "chunk at offset 20 but 10 bytes were received before it"},
+      {"no data", {good, ChunkMessage(10, "", Crc32cOf(""))}, "chunk at offset 10 carries no data"},
+      {"field 0", {std::string("\x00\x01", 2)}, "does not parse: field 0"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -502,14 +506,50 @@ TEST_F(GrpcStreamTransportTest, MalformedChunksAreDataLoss) {
   }
 }
 
-// Payloads in host memory go out as views of it (one slice, or many small ones per chunk);
-// others through ReadAt. All three arrive intact, with and without a whole-payload CRC.
+// An older sender announced the whole payload's CRC-32C and sent chunks without their own: the
+// receiver accepts them when the lease has the whole one, and checks that one.
+TEST_F(GrpcStreamTransportTest, ChunksWithoutCrcNeedTheWholeOne) {
+  const std::string a = "0123456789", b = "abcdefghij";
+  for (const bool right : {true, false}) {
+    SCOPED_TRACE(right ? "right whole CRC" : "wrong whole CRC");
+    ScriptedPeerService service({ChunkMessage(0, a, std::nullopt), ChunkMessage(10, b, std::nullopt)});
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    ASSERT_NE(server, nullptr);
+    address_ = absl::StrCat("127.0.0.1:", port);
+    Lease lease;
+    lease.sender_name = kSenderName;
+    lease.sender_address = address_;
+    lease.id = 1;
+    lease.payload_bytes = 20;
+    lease.has_crc32c = true;
+    lease.crc32c = Crc32cOf(a + b) ^ (right ? 0 : 1);
+    std::vector<uint8_t> got;
+    const absl::Status status = ReceiveAll(*MakeTransport(), lease, &got);
+    if (right) {
+      EXPECT_TRUE(status.ok()) << status;
+      EXPECT_EQ(std::string(got.begin(), got.end()), a + b);
+    } else {
+      EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+      EXPECT_THAT(std::string(status.message()), HasSubstr("but Export announced"));
+    }
+    server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    server->Wait();
+  }
+}
+
+// Payloads in host memory go out as views of it (one slice, or many small ones per chunk, or
+// copied when the pieces are too many); others through ReadAt. All arrive intact, with and
+// without a whole-payload CRC.
 TEST_F(GrpcStreamTransportTest, ViewsAndReadsArriveAlike) {
   StartServer();
   GrpcStreamTransport::Options options;
   options.chunk_bytes = 64 * 1024;
   auto transport = MakeTransport(options);
-  for (const Views views : {Views::kWhole, Views::kPieces, Views::kNone}) {
+  for (const Views views : {Views::kWhole, Views::kPieces, Views::kCrumbs, Views::kNone}) {
     const uint64_t id = leases_.Add(PatternBytes(1000 * 1000 + 7, 21), views);
     for (const bool whole : {true, false}) {
       SCOPED_TRACE(absl::StrCat("views ", static_cast<int>(views), ", whole crc ", whole));
@@ -522,7 +562,10 @@ TEST_F(GrpcStreamTransportTest, ViewsAndReadsArriveAlike) {
     }
     // The slices that pointed into the payload are gone once gRPC is done with them.
     EXPECT_TRUE(WaitFor([&] { return leases_.extra_refs(id) == 0; }, absl::Seconds(5)));
+    EXPECT_TRUE(AwaitPayloadSlicesReleased(absl::Now() + absl::Seconds(5)));
   }
+  // kPieces: 16 slices per 64 KiB chunk; kCrumbs: more pieces than a chunk may have slices
+  // (64 KiB / 100 > 64), so those chunks are copied.
 }
 
 TEST_F(GrpcStreamTransportTest, WrongChecksumIsDataLoss) {
@@ -707,7 +750,9 @@ TEST_F(GrpcStreamTransportTest, SenderShutdownMidTransferIsUnavailable) {
   EXPECT_THAT(std::string(receive.status().message()), HasSubstr(kSenderName));
   EXPECT_LT(receive.received(), 200u * 1024);
   EXPECT_LT(receive.elapsed(), absl::Seconds(8));
-  EXPECT_EQ(leases_.extra_refs(id), 0);  // Shutdown returned: every reactor is done
+  // Shutdown returned: every reactor is done; the chunks' slices go with the connections.
+  EXPECT_TRUE(AwaitPayloadSlicesReleased(absl::Now() + absl::Seconds(5)));
+  EXPECT_EQ(leases_.extra_refs(id), 0);
 }
 
 // A deadline shorter than a slow transfer: DEADLINE_EXCEEDED soon after the deadline, and the
