@@ -134,6 +134,9 @@ void HostDevice::RawFree(uint8_t* data, size_t bytes) {
       return;
     }
     TrimKept(kept_limit_ - length);
+    // Lazily free: the pages stay mapped and warm unless the kernel needs the memory, when it
+    // takes them back instead of swapping or killing (a reused arena's contents are unspecified).
+    (void)madvise(data, length, MADV_FREE);
     kept_.emplace_back(length, data);
     kept_bytes_ += length;
     return;

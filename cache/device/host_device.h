@@ -8,8 +8,10 @@
 // snapshot, an import, a restore: docs/benchmarks.md, Cluster). So a freed mapped arena is not
 // unmapped but kept, up to `kept_limit` bytes in all, and an allocation of the same mapped length
 // takes the most recently freed one (its pages are resident and warm). When keeping an arena
-// would pass the limit, the oldest kept ones are unmapped first. Kept arenas are counted in no
-// budget (they hold no data anyone can read); kept_bytes() reports them. A failed mmap unmaps
+// would pass the limit, the oldest kept ones are unmapped first. A kept arena is marked
+// MADV_FREE: its pages stay resident while memory is plentiful, and the kernel may reclaim them
+// under pressure (a reused page it took back faults in again, zeroed). Kept arenas are counted
+// in no budget (they hold no data anyone can read); kept_bytes() reports them. A failed mmap unmaps
 // every kept arena and tries once more. Sanitizer builds use malloc throughout and keep nothing.
 #ifndef KVMESH_CACHE_DEVICE_HOST_DEVICE_H_
 #define KVMESH_CACHE_DEVICE_HOST_DEVICE_H_
