@@ -410,20 +410,25 @@ absl::StatusOr<v1::MigrateResponse> Cluster::Migrate(const v1::MigrateRequest& r
                                                          "/", request.seq(), "@",
                                                          absl::ToUnixNanos(absl::Now())));
   pull.set_target_seq(request.target_seq());
-  v1::PullResponse pulled;
-  {
-    std::unique_ptr<v1::PeerService::Stub> stub =
-        v1::PeerService::NewStub(membership_->Channel(target));
-    grpc::ClientContext context;
-    SetDeadline(&context, deadline);
-    const grpc::Status status = stub->Pull(&context, pull, &pulled);
-    if (!status.ok()) return PeerError(status, target.name, "Pull");
-  }
+  ASSIGN_OR_RETURN(const v1::PullResponse pulled, AskToPull(target, pull, deadline));
   // The target has committed: the sequence now lives there.
   if (!request.keep_source()) RETURN_IF_ERROR(cache->Remove(request.seq(), 0, std::nullopt));
   v1::MigrateResponse response;
   *response.mutable_transfer() = pulled.transfer();
   return response;
+}
+
+absl::StatusOr<v1::PullResponse> Cluster::AskToPull(const MemberAddress& target,
+                                                    const v1::PullRequest& pull,
+                                                    absl::Time deadline) {
+  std::unique_ptr<v1::PeerService::Stub> stub =
+      v1::PeerService::NewStub(membership_->Channel(target));
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::PullResponse pulled;
+  const grpc::Status status = stub->Pull(&context, pull, &pulled);
+  if (!status.ok()) return PeerError(status, target.name, "Pull");
+  return pulled;
 }
 
 absl::StatusOr<v1::MigrateSnapshotResponse> Cluster::MigrateSnapshot(
@@ -445,15 +450,7 @@ absl::StatusOr<v1::MigrateSnapshotResponse> Cluster::MigrateSnapshot(
   pull.set_cache(request.cache());
   pull.set_source_node(options_.self_name);
   pull.set_snapshot_id(request.snapshot_id());
-  v1::PullResponse pulled;
-  {
-    std::unique_ptr<v1::PeerService::Stub> stub =
-        v1::PeerService::NewStub(membership_->Channel(target));
-    grpc::ClientContext context;
-    SetDeadline(&context, deadline);
-    const grpc::Status status = stub->Pull(&context, pull, &pulled);
-    if (!status.ok()) return PeerError(status, target.name, "Pull");
-  }
+  ASSIGN_OR_RETURN(const v1::PullResponse pulled, AskToPull(target, pull, deadline));
   if (!request.keep_source()) RETURN_IF_ERROR(cache->DropSnapshot(request.snapshot_id()));
   v1::MigrateSnapshotResponse response;
   *response.mutable_snapshot() = pulled.snapshot();

@@ -103,6 +103,9 @@ class Cluster {
   absl::Status CommitSequence(const std::shared_ptr<Cache>& cache, const Pulled& pulled,
                               int64_t dst_seq, int32_t length, const char* what);
   // The transport to pull from `source` with.
+  // PeerService/Pull on `target` (Migrate, MigrateSnapshot): the target pulls from this node.
+  absl::StatusOr<v1::PullResponse> AskToPull(const MemberAddress& target,
+                                             const v1::PullRequest& pull, absl::Time deadline);
   absl::StatusOr<transport::Transport*> ChooseTransport(const MemberAddress& source,
                                                         absl::Time deadline);
   absl::StatusOr<std::shared_ptr<Cache>> FindCache(const std::string& name) const;

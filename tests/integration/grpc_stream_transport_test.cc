@@ -307,6 +307,26 @@ class GrpcStreamTransportTest : public ::testing::Test {
     return status;
   }
 
+  // Receives `lease` (its sender fields and id filled in here) from a ScriptedPeerService that
+  // streams `messages`, started for this call and shut down after it.
+  absl::Status ReceiveScripted(std::vector<std::string> messages, Lease lease,
+                               std::vector<uint8_t>* got) {
+    ScriptedPeerService service(std::move(messages));
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    if (server == nullptr) return absl::InternalError("the scripted sender did not start");
+    lease.sender_name = kSenderName;
+    lease.sender_address = absl::StrCat("127.0.0.1:", port);
+    lease.id = 1;
+    const absl::Status status = ReceiveAll(*MakeTransport(), lease, got);
+    server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    server->Wait();
+    return status;
+  }
+
   // Direct Fetch, for what Receive never asks: the chunks (offset, size) or the error.
   grpc::Status RawFetch(const v1::FetchRequest& request,
                         std::vector<std::pair<int64_t, size_t>>* chunks) {
@@ -484,25 +504,12 @@ TEST_F(GrpcStreamTransportTest, MalformedChunksAreDataLoss) {
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    ScriptedPeerService service(c.messages);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&service);
-    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-    ASSERT_NE(server, nullptr);
-    address_ = absl::StrCat("127.0.0.1:", port);
     Lease lease;
-    lease.sender_name = kSenderName;
-    lease.sender_address = address_;
-    lease.id = 1;
     lease.payload_bytes = 30;
     std::vector<uint8_t> got;
-    const absl::Status status = ReceiveAll(*MakeTransport(), lease, &got);
+    const absl::Status status = ReceiveScripted(c.messages, lease, &got);
     EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr(c.message)) << status;
-    server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    server->Wait();
   }
 }
 
@@ -512,23 +519,13 @@ TEST_F(GrpcStreamTransportTest, ChunksWithoutCrcNeedTheWholeOne) {
   const std::string a = "0123456789", b = "abcdefghij";
   for (const bool right : {true, false}) {
     SCOPED_TRACE(right ? "right whole CRC" : "wrong whole CRC");
-    ScriptedPeerService service({ChunkMessage(0, a, std::nullopt), ChunkMessage(10, b, std::nullopt)});
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&service);
-    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-    ASSERT_NE(server, nullptr);
-    address_ = absl::StrCat("127.0.0.1:", port);
     Lease lease;
-    lease.sender_name = kSenderName;
-    lease.sender_address = address_;
-    lease.id = 1;
     lease.payload_bytes = 20;
     lease.has_crc32c = true;
     lease.crc32c = Crc32cOf(a + b) ^ (right ? 0 : 1);
     std::vector<uint8_t> got;
-    const absl::Status status = ReceiveAll(*MakeTransport(), lease, &got);
+    const absl::Status status = ReceiveScripted(
+        {ChunkMessage(0, a, std::nullopt), ChunkMessage(10, b, std::nullopt)}, lease, &got);
     if (right) {
       EXPECT_TRUE(status.ok()) << status;
       EXPECT_EQ(std::string(got.begin(), got.end()), a + b);
@@ -536,8 +533,6 @@ TEST_F(GrpcStreamTransportTest, ChunksWithoutCrcNeedTheWholeOne) {
       EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
       EXPECT_THAT(std::string(status.message()), HasSubstr("but Export announced"));
     }
-    server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    server->Wait();
   }
 }
 

@@ -417,23 +417,37 @@ CacheSpec LargeSpec() {
   return Spec(DType::kF32, 2, 512, 64, {Group(Full(), 4, 8, 64, 64), RecurrentGroup(1, 3, 64)});
 }
 
+// Appends n tokens to sequence 0, snapshots it, and gives the snapshot, its whole image (through
+// ExportImage) and a reader of its own.
+void SnapshotAndOpen(Cache& cache, int32_t n, std::optional<SnapshotInfo>* snap,
+                     std::optional<Image>* whole, std::unique_ptr<SnapshotExportReader>* reader) {
+  const int32_t batch = cache.spec().max_batch;
+  for (int32_t p = 0; p < n; p += batch) {
+    ASSERT_TRUE(AppendRange(cache, 0, p, std::min(p + batch, n)).ok());
+  }
+  absl::StatusOr<SnapshotInfo> taken = cache.Snapshot(0, 0);
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  absl::StatusOr<Image> image = ExportImage(cache, taken->id);
+  ASSERT_TRUE(image.ok()) << image.status();
+  absl::StatusOr<std::unique_ptr<SnapshotExportReader>> opened =
+      cache.OpenSnapshotExport(taken->id);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  *snap = *taken;
+  *whole = *std::move(image);
+  *reader = *std::move(opened);
+}
+
 TEST(TransferTest, ReadsInOddPiecesAtAnyOffset) {
   for (const CacheSpec& spec : {HybridSpec(), LargeSpec()}) {
     TestCache src(spec);
     ASSERT_NE(src.cache, nullptr);
     Cache& cache = *src.cache;
     const int32_t n = spec.capacity == 512 ? 256 : 7;
-    for (int32_t p = 0; p < n; p += spec.max_batch) {
-      ASSERT_TRUE(AppendRange(cache, 0, p, std::min(p + spec.max_batch, n)).ok());
-    }
-    absl::StatusOr<SnapshotInfo> snap = cache.Snapshot(0, 0);
-    ASSERT_TRUE(snap.ok()) << snap.status();
-    absl::StatusOr<Image> whole = ExportImage(cache, snap->id);
-    ASSERT_TRUE(whole.ok()) << whole.status();
-    absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
-        cache.OpenSnapshotExport(snap->id);
-    ASSERT_TRUE(reader.ok()) << reader.status();
-    SnapshotExportReader& r = **reader;
+    std::optional<SnapshotInfo> snap;
+    std::optional<Image> whole;
+    std::unique_ptr<SnapshotExportReader> reader;
+    ASSERT_NO_FATAL_FAILURE(SnapshotAndOpen(cache, n, &snap, &whole, &reader));
+    SnapshotExportReader& r = *reader;
     EXPECT_EQ(r.size(), whole->size());
     EXPECT_EQ(r.info().id, snap->id);
     EXPECT_TRUE(SameInfo(r.info(), *snap));
@@ -481,17 +495,11 @@ TEST(TransferTest, ViewsCoverTheImageWithoutCopies) {
     ASSERT_NE(src.cache, nullptr);
     Cache& cache = *src.cache;
     const int32_t n = spec.capacity == 512 ? 256 : 7;
-    for (int32_t p = 0; p < n; p += spec.max_batch) {
-      ASSERT_TRUE(AppendRange(cache, 0, p, std::min(p + spec.max_batch, n)).ok());
-    }
-    absl::StatusOr<SnapshotInfo> snap = cache.Snapshot(0, 0);
-    ASSERT_TRUE(snap.ok()) << snap.status();
-    absl::StatusOr<Image> whole = ExportImage(cache, snap->id);
-    ASSERT_TRUE(whole.ok()) << whole.status();
-    absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
-        cache.OpenSnapshotExport(snap->id);
-    ASSERT_TRUE(reader.ok()) << reader.status();
-    const SnapshotExportReader& r = **reader;
+    std::optional<SnapshotInfo> snap;
+    std::optional<Image> whole;
+    std::unique_ptr<SnapshotExportReader> reader;
+    ASSERT_NO_FATAL_FAILURE(SnapshotAndOpen(cache, n, &snap, &whole, &reader));
+    const SnapshotExportReader& r = *reader;
     uint32_t header_bytes = 0;
     std::memcpy(&header_bytes, whole->data() + 12, 4);
     EXPECT_TRUE(r.View(whole->size(), 10).empty());
