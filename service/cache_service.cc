@@ -10,9 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "cache/status_macros.h"
-#include "cache/tsan_handoff.h"
-#include "service/cluster.h"
-#include "service/convert.h"
+#include "tests/sanitizers/tsan_handoff.h"
+#include "service/cluster/cluster.h"
+#include "service/common/convert.h"
 #include "service/peer_service.h"
 
 namespace kvmesh {

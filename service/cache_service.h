@@ -35,7 +35,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
 #include "service/executor.h"
-#include "service/reservations.h"
+#include "service/cluster/reservations.h"
 
 namespace kvmesh {
 

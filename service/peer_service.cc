@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "service/convert.h"
+#include "service/common/convert.h"
 
 namespace kvmesh {
 

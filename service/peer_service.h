@@ -19,9 +19,9 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
-#include "service/cluster.h"
+#include "service/cluster/cluster.h"
 #include "service/executor.h"
-#include "service/leases.h"
+#include "service/cluster/leases.h"
 #include "transport/grpc_stream_transport.h"
 
 namespace kvmesh {

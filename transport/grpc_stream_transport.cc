@@ -20,7 +20,7 @@
 #include "absl/time/clock.h"
 #include "absl/types/span.h"
 #include "cache/mutex.h"
-#include "cache/tsan_handoff.h"
+#include "tests/sanitizers/tsan_handoff.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
 #include "transport/checksum.h"
 

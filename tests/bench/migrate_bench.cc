@@ -4,7 +4,7 @@
 //
 //  - Starts nodes "bench-a" and "bench-b" on ports reserved up front, each naming the other in
 //    --peers; creates the cache on both (max_sequences 1, capacity max(--tokens, 4096)), appends
-//    --tokens tokens of pattern payload (service/ctl_payload.h) to sequence 0 on bench-a.
+//    --tokens tokens of pattern payload (service/ctl/payload.h) to sequence 0 on bench-a.
 //  - Migrates the sequence a -> b -> a ... --reps times with keep_source=false, timing each
 //    Migrate call on the client (wall clock) and printing the TransferStats the node reports
 //    (bytes of the wire image, micros from the export request to the commit on the receiver).
@@ -61,9 +61,9 @@
 #include "cache/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
-#include "service/convert.h"
-#include "service/ctl_args.h"
-#include "service/ctl_payload.h"
+#include "service/common/convert.h"
+#include "service/ctl/args.h"
+#include "service/ctl/payload.h"
 #include "tests/testing/llama_spec.h"
 #include "tests/testing/node_process.h"
 

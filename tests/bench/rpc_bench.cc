@@ -40,10 +40,10 @@
 #include "cache/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
-#include "service/convert.h"
-#include "service/ctl_args.h"
-#include "service/ctl_health.h"
-#include "service/ctl_payload.h"
+#include "service/common/convert.h"
+#include "service/ctl/args.h"
+#include "service/common/health_client.h"
+#include "service/ctl/payload.h"
 #include "tests/testing/llama_spec.h"
 #include "tests/testing/node_process.h"
 
@@ -99,7 +99,7 @@ void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
 struct Client {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::CacheService::Stub> stub;
-  std::unique_ptr<ctl::HealthClient> health;
+  std::unique_ptr<HealthClient> health;
 };
 
 // Latencies of one op over all threads, and the first error seen.
@@ -485,7 +485,7 @@ int Main(int argc, char** argv) {
     Client client;
     client.channel = NewChannel(addr, c);
     client.stub = v1::CacheService::NewStub(client.channel);
-    client.health = std::make_unique<ctl::HealthClient>(client.channel);
+    client.health = std::make_unique<HealthClient>(client.channel);
     clients.push_back(std::move(client));
   }
   if (absl::Status s = Setup(o, clients[0], spec); !s.ok()) {
@@ -510,7 +510,7 @@ int Main(int argc, char** argv) {
   ops.push_back(RunOp("Health/Check (baseline)", o, clients, [](int, Client& c, bool*) {
     grpc::ClientContext context;
     SetDeadline(&context, absl::Seconds(10));
-    ctl::ServingStatus status;
+    ServingStatus status;
     return c.health->Check(&context, "", &status);
   }));
   PrintOp(ops.back());

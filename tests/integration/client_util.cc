@@ -6,8 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/unknown_field_set.h"
 #include "grpcpp/generic/generic_stub.h"
-#include "service/convert.h"
-#include "service/ctl_health.h"
+#include "service/common/convert.h"
+#include "service/common/health_client.h"
 #include "tests/testing/pattern.h"
 
 namespace kvmesh {
@@ -478,8 +478,8 @@ grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const st
                          int* serving_status) {
   grpc::ClientContext context;
   SetDeadline(&context);
-  ctl::ServingStatus status = ctl::ServingStatus::kUnknown;
-  const grpc::Status rpc = ctl::HealthClient(channel).Check(&context, service, &status);
+  ServingStatus status = ServingStatus::kUnknown;
+  const grpc::Status rpc = HealthClient(channel).Check(&context, service, &status);
   *serving_status = static_cast<int>(status);
   return rpc;
 }

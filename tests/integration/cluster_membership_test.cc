@@ -22,7 +22,7 @@
 #include "gtest/gtest.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
-#include "service/membership.h"
+#include "service/cluster/membership.h"
 
 namespace kvmesh {
 namespace {

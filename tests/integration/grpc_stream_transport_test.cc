@@ -36,7 +36,7 @@
 // ThreadSanitizer builds: Server::Shutdown with a deadline that has passed (the sender vanishing
 // mid-transfer) makes gRPC cancel its calls with an error whose timestamp libabsl_time parses
 // on another thread; that hand-off lies wholly inside the uninstrumented gRPC and Abseil
-// libraries, like the races tests/tsan.supp suppresses. Kept here because only this test
+// libraries, like the races tests/sanitizers/tsan.supp suppresses. Kept here because only this test
 // cancels server calls by shutting its server down.
 #if defined(__SANITIZE_THREAD__)
 #define KVMESH_TEST_TSAN 1

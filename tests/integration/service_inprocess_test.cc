@@ -18,9 +18,9 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "service/cache_service.h"
-#include "service/convert.h"
+#include "service/common/convert.h"
 #include "service/executor.h"
-#include "service/flags.h"
+#include "service/common/flags.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/node_fixture.h"
 

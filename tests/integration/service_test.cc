@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "service/convert.h"
+#include "service/common/convert.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/node_fixture.h"
 

@@ -15,7 +15,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "service/convert.h"
+#include "service/common/convert.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/node_fixture.h"
 #include "tests/testing/pattern.h"

@@ -7,11 +7,11 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "service/convert.h"
-#include "service/ctl_args.h"
-#include "service/ctl_format.h"
-#include "service/ctl_parse.h"
-#include "service/ctl_payload.h"
+#include "service/common/convert.h"
+#include "service/ctl/args.h"
+#include "service/ctl/format.h"
+#include "service/ctl/parse.h"
+#include "service/ctl/payload.h"
 
 namespace kvmesh {
 namespace ctl {

@@ -11,8 +11,8 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "service/leases.h"
-#include "service/reservations.h"
+#include "service/cluster/leases.h"
+#include "service/cluster/reservations.h"
 
 namespace kvmesh {
 namespace {

@@ -1,7 +1,7 @@
 // Membership without a network: --peers parsing (every error), Create's checks, Find, Peers and
 // the channel cache. Health checks and DNS discovery against real servers are in
 // tests/integration/cluster_membership_test.cc.
-#include "service/membership.h"
+#include "service/cluster/membership.h"
 
 #include <memory>
 #include <string>

@@ -2,8 +2,10 @@
 // reaction through its own (uninstrumented) internals, which ThreadSanitizer cannot see. HandOff
 // and TakeOver state that edge on the reactor's address in TSan builds and are no-ops otherwise.
 // Header-only and free of gRPC, so that any reactor code (service/, transport/) can use it.
-#ifndef KVMESH_CACHE_TSAN_HANDOFF_H_
-#define KVMESH_CACHE_TSAN_HANDOFF_H_
+// It lives with the other sanitizer support (tests/sanitizers/CMakeLists.txt): the reactor code
+// includes it, and outside TSan builds both functions are empty inline functions.
+#ifndef KVMESH_TESTS_SANITIZERS_TSAN_HANDOFF_H_
+#define KVMESH_TESTS_SANITIZERS_TSAN_HANDOFF_H_
 
 #if defined(__has_feature)
 #if __has_feature(thread_sanitizer)
@@ -41,4 +43,4 @@ inline void TakeOver(void* reactor) {
 
 }  // namespace kvmesh
 
-#endif  // KVMESH_CACHE_TSAN_HANDOFF_H_
+#endif  // KVMESH_TESTS_SANITIZERS_TSAN_HANDOFF_H_

@@ -8,8 +8,8 @@
 //
 // Thread safety: thread-safe. A background thread expires leases; the destructor stops it and
 // ends every remaining lease.
-#ifndef KVMESH_SERVICE_LEASES_H_
-#define KVMESH_SERVICE_LEASES_H_
+#ifndef KVMESH_SERVICE_CLUSTER_LEASES_H_
+#define KVMESH_SERVICE_CLUSTER_LEASES_H_
 
 #include <condition_variable>
 #include <cstdint>
@@ -77,4 +77,4 @@ class LeaseTable final : public transport::LeaseLookup {
 
 }  // namespace kvmesh
 
-#endif  // KVMESH_SERVICE_LEASES_H_
+#endif  // KVMESH_SERVICE_CLUSTER_LEASES_H_

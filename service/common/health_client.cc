@@ -1,4 +1,4 @@
-#include "service/health_client.h"
+#include "service/common/health_client.h"
 
 #include <cstdint>
 #include <utility>

@@ -1,4 +1,4 @@
-#include "service/cluster.h"
+#include "service/cluster/cluster.h"
 
 #include <algorithm>
 #include <chrono>
@@ -15,7 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
-#include "service/convert.h"
+#include "service/common/convert.h"
 #include "transport/checksum.h"
 
 namespace kvmesh {

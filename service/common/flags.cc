@@ -1,4 +1,4 @@
-#include "service/flags.h"
+#include "service/common/flags.h"
 
 #include <algorithm>
 #include <limits>

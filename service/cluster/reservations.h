@@ -9,8 +9,8 @@
 //
 // Thread safety: thread-safe. Guards and reservations are RAII and may be destroyed on any
 // thread; the table must outlive them.
-#ifndef KVMESH_SERVICE_RESERVATIONS_H_
-#define KVMESH_SERVICE_RESERVATIONS_H_
+#ifndef KVMESH_SERVICE_CLUSTER_RESERVATIONS_H_
+#define KVMESH_SERVICE_CLUSTER_RESERVATIONS_H_
 
 #include <condition_variable>
 #include <cstdint>
@@ -85,4 +85,4 @@ class Reservations {
 
 }  // namespace kvmesh
 
-#endif  // KVMESH_SERVICE_RESERVATIONS_H_
+#endif  // KVMESH_SERVICE_CLUSTER_RESERVATIONS_H_

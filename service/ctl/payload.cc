@@ -1,4 +1,4 @@
-#include "service/ctl_payload.h"
+#include "service/ctl/payload.h"
 
 #include <algorithm>
 #include <cstring>

@@ -5,8 +5,8 @@
 // Conversions from protobuf validate what the engine cannot express (unset or unknown enum
 // values, a oneof without a case, negative ids) and return INVALID_ARGUMENT naming the field and
 // its value; the semantic checks stay in the engine.
-#ifndef KVMESH_SERVICE_CONVERT_H_
-#define KVMESH_SERVICE_CONVERT_H_
+#ifndef KVMESH_SERVICE_COMMON_CONVERT_H_
+#define KVMESH_SERVICE_COMMON_CONVERT_H_
 
 #include <string>
 #include <vector>
@@ -67,4 +67,4 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace kvmesh
 
-#endif  // KVMESH_SERVICE_CONVERT_H_
+#endif  // KVMESH_SERVICE_COMMON_CONVERT_H_

@@ -1,4 +1,4 @@
-#include "service/membership.h"
+#include "service/cluster/membership.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -29,7 +29,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
-#include "service/health_client.h"
+#include "service/common/health_client.h"
 
 namespace kvmesh {
 namespace {

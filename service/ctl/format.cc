@@ -1,4 +1,4 @@
-#include "service/ctl_format.h"
+#include "service/ctl/format.h"
 
 #include <algorithm>
 #include <array>

@@ -1,4 +1,4 @@
-#include "service/ctl_parse.h"
+#include "service/ctl/parse.h"
 
 #include <initializer_list>
 #include <string>

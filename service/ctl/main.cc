@@ -33,12 +33,12 @@
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
 #include "kvmesh/v1/kvmesh.pb.h"
-#include "service/convert.h"
-#include "service/ctl_args.h"
-#include "service/ctl_format.h"
-#include "service/ctl_health.h"
-#include "service/ctl_parse.h"
-#include "service/ctl_payload.h"
+#include "service/common/convert.h"
+#include "service/ctl/args.h"
+#include "service/ctl/format.h"
+#include "service/common/health_client.h"
+#include "service/ctl/parse.h"
+#include "service/ctl/payload.h"
 
 namespace kvmesh {
 namespace ctl {

@@ -7,8 +7,8 @@
 //
 // Thread safety: thread-safe; Check and CheckAsync may be called concurrently, like a generated
 // stub.
-#ifndef KVMESH_SERVICE_HEALTH_CLIENT_H_
-#define KVMESH_SERVICE_HEALTH_CLIENT_H_
+#ifndef KVMESH_SERVICE_COMMON_HEALTH_CLIENT_H_
+#define KVMESH_SERVICE_COMMON_HEALTH_CLIENT_H_
 
 #include <functional>
 #include <memory>
@@ -49,4 +49,4 @@ class HealthClient {
 
 }  // namespace kvmesh
 
-#endif  // KVMESH_SERVICE_HEALTH_CLIENT_H_
+#endif  // KVMESH_SERVICE_COMMON_HEALTH_CLIENT_H_

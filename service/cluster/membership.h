@@ -17,8 +17,8 @@
 // Thread safety: thread-safe. The destructor stops the discovery thread (waiting for a DNS
 // query already running, which cannot be interrupted); it must not run concurrently with other
 // calls.
-#ifndef KVMESH_SERVICE_MEMBERSHIP_H_
-#define KVMESH_SERVICE_MEMBERSHIP_H_
+#ifndef KVMESH_SERVICE_CLUSTER_MEMBERSHIP_H_
+#define KVMESH_SERVICE_CLUSTER_MEMBERSHIP_H_
 
 #include <condition_variable>
 #include <cstdint>
@@ -152,4 +152,4 @@ class Membership {
 
 }  // namespace kvmesh
 
-#endif  // KVMESH_SERVICE_MEMBERSHIP_H_
+#endif  // KVMESH_SERVICE_CLUSTER_MEMBERSHIP_H_

@@ -1,4 +1,4 @@
-#include "service/leases.h"
+#include "service/cluster/leases.h"
 
 #include <utility>
 

@@ -1,4 +1,4 @@
-#include "service/convert.h"
+#include "service/common/convert.h"
 
 #include <string>
 #include <utility>

@@ -1,4 +1,4 @@
-#include "service/reservations.h"
+#include "service/cluster/reservations.h"
 
 #include <algorithm>
 #include <utility>

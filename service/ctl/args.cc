@@ -1,4 +1,4 @@
-#include "service/ctl_args.h"
+#include "service/ctl/args.h"
 
 #include <algorithm>
 
@@ -6,7 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "service/flags.h"
+#include "service/common/flags.h"
 
 namespace kvmesh {
 namespace ctl {

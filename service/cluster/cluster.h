@@ -13,8 +13,8 @@
 // transfer waits on the network for seconds).
 //
 // Thread safety: thread-safe. Everything passed to the constructor must outlive it.
-#ifndef KVMESH_SERVICE_CLUSTER_H_
-#define KVMESH_SERVICE_CLUSTER_H_
+#ifndef KVMESH_SERVICE_CLUSTER_CLUSTER_H_
+#define KVMESH_SERVICE_CLUSTER_CLUSTER_H_
 
 #include <map>
 #include <memory>
@@ -26,9 +26,9 @@
 #include "cache/cache_registry.h"
 #include "kvmesh/v1/kvmesh.pb.h"
 #include "kvmesh/v1/peer.pb.h"
-#include "service/leases.h"
-#include "service/membership.h"
-#include "service/reservations.h"
+#include "service/cluster/leases.h"
+#include "service/cluster/membership.h"
+#include "service/cluster/reservations.h"
 #include "transport/transport.h"
 
 namespace kvmesh {
@@ -121,4 +121,4 @@ class Cluster {
 
 }  // namespace kvmesh
 
-#endif  // KVMESH_SERVICE_CLUSTER_H_
+#endif  // KVMESH_SERVICE_CLUSTER_CLUSTER_H_

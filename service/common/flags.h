@@ -1,8 +1,8 @@
 // Command-line helpers shared by the kvmesh binaries (kvmesh-node, kvmeshctl): a byte-size
 // flag type that takes binary suffixes, and the spelling of flag names with dashes.
 // Stateless; safe from any thread.
-#ifndef KVMESH_SERVICE_FLAGS_H_
-#define KVMESH_SERVICE_FLAGS_H_
+#ifndef KVMESH_SERVICE_COMMON_FLAGS_H_
+#define KVMESH_SERVICE_COMMON_FLAGS_H_
 
 #include <cstdint>
 #include <string>
@@ -37,4 +37,4 @@ std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::st
 
 }  // namespace kvmesh
 
-#endif  // KVMESH_SERVICE_FLAGS_H_
+#endif  // KVMESH_SERVICE_COMMON_FLAGS_H_
