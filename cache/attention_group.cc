@@ -3,16 +3,15 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "cache/status_macros.h"
 
 namespace kvmesh {
 
 AttentionGroup::AttentionGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device)
-    : LayerGroup(index),
+    : SequenceMapGroup(index, std::move(arena), device),
       spec_(spec.groups[index].attention),
       dtype_(spec.dtype),
       geo_(ComputeAttentionGeometry(spec, index)),
-      device_(device),
-      arena_(std::move(arena)),
       refs_(static_cast<size_t>(geo_.cells), 0) {
   // Arena layout: for each layer, K [cells][k_row] then V [cells][v_row].
   const size_t cells = static_cast<size_t>(geo_.cells);
@@ -28,18 +27,9 @@ AttentionGroup::AttentionGroup(int index, const CacheSpec& spec, DeviceArena are
   }
 }
 
-const AttentionGroup::Index* AttentionGroup::Find(int64_t seq) const {
-  auto it = seqs_.find(seq);
-  return it == seqs_.end() ? nullptr : &it->second;
-}
-
 int32_t AttentionGroup::Offset(int64_t seq) const {
   const Index* index = Find(seq);
   return index == nullptr ? 0 : index->rbegin()->first + 1;
-}
-
-void AttentionGroup::AddLive(absl::flat_hash_set<int64_t>* live) const {
-  for (const auto& [seq, index] : seqs_) live->insert(seq);
 }
 
 GroupSequenceInfo AttentionGroup::Info(int64_t seq) const {
@@ -392,33 +382,16 @@ std::vector<int32_t> AttentionGroup::Visible(const Query& query) const {
   return out;
 }
 
-}  // namespace kvmesh
-
-namespace kvmesh {
-
 // ---- Snapshots ----------------------------------------------------------------------------
 
 absl::StatusOr<GroupSnapshot> AttentionGroup::TakeSnapshot(int64_t seq, int32_t from,
                                                            int32_t to) const {
   GroupSnapshot snap;
   snap.row_bytes = PayloadBytes(1);
-  Segment segment;
-  std::vector<int32_t> cells;
-  Collect(seq, from, to, &segment.positions, &cells);
-  segment.rows = static_cast<int32_t>(cells.size());
-  if (segment.rows == 0) return snap;
-  std::vector<size_t> row_bytes;
-  for (const Plane& plane : planes_) row_bytes.push_back(plane.row_bytes);
-  absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
-      AllocateChunk(device_, MemoryPool::kSnapshot, arena_, row_bytes, segment.rows);
-  if (!chunk.ok()) return chunk.status();
-  std::vector<int32_t> rows(cells.size());
-  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
-  absl::Status copied =
-      device_->CopyRowsBetween(arena_, planes_, cells, (*chunk)->arena, (*chunk)->planes, rows);
-  if (!copied.ok()) return copied;
-  segment.chunk = *std::move(chunk);
-  snap.segments.push_back(std::move(segment));
+  std::vector<int32_t> positions, cells;
+  Collect(seq, from, to, &positions, &cells);
+  if (cells.empty()) return snap;
+  RETURN_IF_ERROR(AddSnapshotSegment(cells, std::move(positions), &snap));
   return snap;
 }
 
@@ -458,18 +431,11 @@ absl::Status AttentionGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap
       index.emplace_hint(index.end(), pos, cell);
     }
     if (cells.empty()) continue;
-    const absl::Status s = device_->CopyRowsBetween(segment.chunk->arena, segment.chunk->planes,
-                                                    src_rows, arena_, planes_, cells);
+    const absl::Status s = CopyFromChunk(*segment.chunk, src_rows, cells);
     if (status.ok()) status = s;
   }
   if (limited_memory() && seqs_.contains(seq)) prune_pending_.insert(seq);
   return status;
-}
-
-ChunkFormat AttentionGroup::SnapshotChunkFormat() const {
-  ChunkFormat format{device_, arena_.stream(), {}};
-  for (const Plane& plane : planes_) format.row_bytes.push_back(plane.row_bytes);
-  return format;
 }
 
 }  // namespace kvmesh

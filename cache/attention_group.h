@@ -30,7 +30,7 @@
 
 namespace kvmesh {
 
-class AttentionGroup final : public LayerGroup {
+class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, int32_t>> {
  public:
   using Index = absl::btree_map<int32_t, int32_t>;  // position -> cell
 
@@ -38,10 +38,7 @@ class AttentionGroup final : public LayerGroup {
 
   // LayerGroup:
   GroupKind kind() const override { return GroupKind::kAttention; }
-  bool Has(int64_t seq) const override { return seqs_.contains(seq); }
   int32_t Offset(int64_t seq) const override;
-  void AddLive(absl::flat_hash_set<int64_t>* live) const override;
-  size_t LiveCount() const override { return seqs_.size(); }
   GroupSequenceInfo Info(int64_t seq) const override;
   GroupUsage Usage() const override;
   absl::Status PrepareAppend(const AppendBatch& batch) override;
@@ -73,15 +70,12 @@ class AttentionGroup final : public LayerGroup {
                             int32_t target) const override;
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) override;
-  ChunkFormat SnapshotChunkFormat() const override;
 
   const AttentionGeometry& geometry() const { return geo_; }
   const AttentionSpec& spec() const { return spec_; }
   int64_t free_cells() const { return int64_t(free_.size()) + (geo_.cells - next_fresh_); }
   size_t arena_bytes() const { return arena_.size(); }
 
-  // The index of `seq`, or nullptr when the group stores nothing for it.
-  const Index* Find(int64_t seq) const;
   const absl::flat_hash_map<int64_t, Index>& sequences() const { return seqs_; }
   int32_t SharedCells(const Index& index) const;
 
@@ -121,15 +115,11 @@ class AttentionGroup final : public LayerGroup {
   const AttentionSpec spec_;
   const DType dtype_;
   const AttentionGeometry geo_;
-  Device* const device_;
-  DeviceArena arena_;
-  std::vector<Plane> planes_;    // K0, V0, K1, V1, ...: the payload order
-  std::vector<Plane> k_planes_;  // K0, K1, ...
+  std::vector<Plane> k_planes_;  // K0, K1, ... of planes_ (K0, V0, K1, V1, ...)
 
   std::vector<int32_t> refs_;  // per cell
   std::vector<int32_t> free_;  // released cells, reused first
   int64_t next_fresh_ = 0;     // cells >= this have never been used
-  absl::flat_hash_map<int64_t, Index> seqs_;
   // Sequences changed since their last prune as non-batch sequences (sliding groups only):
   // pruning a sequence outside the batch drops below last+1-memory, which cannot change
   // until the sequence does, so only these need looking at.

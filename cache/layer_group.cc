@@ -2,14 +2,20 @@
 
 #include <utility>
 
+#include "cache/status_macros.h"
+
 namespace kvmesh {
 
-absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPool pool,
-                                                        const DeviceArena& owner,
-                                                        absl::Span<const size_t> row_bytes,
-                                                        int32_t rows) {
-  return AllocateChunk(device, pool, owner.stream(), row_bytes, rows);
+namespace {
+
+std::vector<size_t> RowBytes(absl::Span<const Plane> planes) {
+  std::vector<size_t> row_bytes;
+  row_bytes.reserve(planes.size());
+  for (const Plane& plane : planes) row_bytes.push_back(plane.row_bytes);
+  return row_bytes;
 }
+
+}  // namespace
 
 absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPool pool,
                                                         std::shared_ptr<DeviceStream> stream,
@@ -39,6 +45,36 @@ size_t GroupSnapshot::bytes() const {
   size_t n = 0;
   for (const Segment& segment : segments) n += size_t(segment.rows) * row_bytes;
   return n;
+}
+
+ChunkFormat LayerGroup::SnapshotChunkFormat() const {
+  return ChunkFormat{device_, arena_.stream(), RowBytes(planes_)};
+}
+
+absl::StatusOr<std::shared_ptr<RowChunk>> LayerGroup::NewChunk(MemoryPool pool,
+                                                               int32_t rows) const {
+  return AllocateChunk(device_, pool, arena_.stream(), RowBytes(planes_), rows);
+}
+
+absl::Status LayerGroup::AddSnapshotSegment(absl::Span<const int32_t> rows,
+                                            std::vector<int32_t> positions,
+                                            GroupSnapshot* snap) const {
+  Segment segment;
+  segment.rows = static_cast<int32_t>(rows.size());
+  segment.positions = std::move(positions);
+  ASSIGN_OR_RETURN(std::shared_ptr<RowChunk> chunk, NewChunk(MemoryPool::kSnapshot, segment.rows));
+  std::vector<int32_t> chunk_rows(rows.size());
+  for (size_t i = 0; i < chunk_rows.size(); ++i) chunk_rows[i] = static_cast<int32_t>(i);
+  RETURN_IF_ERROR(
+      device_->CopyRowsBetween(arena_, planes_, rows, chunk->arena, chunk->planes, chunk_rows));
+  segment.chunk = std::move(chunk);
+  snap->segments.push_back(std::move(segment));
+  return absl::OkStatus();
+}
+
+absl::Status LayerGroup::CopyFromChunk(const RowChunk& chunk, absl::Span<const int32_t> src,
+                                       absl::Span<const int32_t> dst) {
+  return device_->CopyRowsBetween(chunk.arena, chunk.planes, src, arena_, planes_, dst);
 }
 
 }  // namespace kvmesh

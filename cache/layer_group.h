@@ -1,6 +1,7 @@
 // LayerGroup: the storage and metadata of one layer group of a Cache, whatever its kind
 // (AttentionGroup, RotatingGroup, RecurrentGroup), and the data types the groups share with
-// Cache: an Append batch, a Read part, and snapshot data.
+// Cache: an Append batch, a Read part, and snapshot data. SequenceMapGroup and StagingGroup
+// hold what several kinds do alike, so that each kind's class shows only what is its own.
 //
 // Every operation comes in halves: Check*/Prepare* inspect and never mutate; Apply*/Write*/
 // Commit* mutate and can fail only on a device error. Cache runs every group's check before any
@@ -13,6 +14,8 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -35,14 +38,9 @@ struct RowChunk {
 };
 
 // Allocates a chunk of `rows` rows for planes of the given row sizes, laid out plane after
-// plane, bound to the stream of `owner` (the arena of the group the chunk belongs to). `rows`
-// may be 0 (no allocation).
-absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPool pool,
-                                                        const DeviceArena& owner,
-                                                        absl::Span<const size_t> row_bytes,
-                                                        int32_t rows);
-// As above, bound to `stream` directly (a chunk allocated away from its group: an imported
-// snapshot, snapshot_wire.h).
+// plane, bound to `stream`: that of the arena of the group the chunk belongs to, which a group
+// passes itself (LayerGroup::NewChunk) and an imported snapshot names in its ChunkFormat
+// (snapshot_wire.h). `rows` may be 0 (no allocation).
 absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPool pool,
                                                         std::shared_ptr<DeviceStream> stream,
                                                         absl::Span<const size_t> row_bytes,
@@ -111,9 +109,10 @@ struct ReadPart {
   size_t bytes = 0;
 };
 
+// The interface Cache drives, and the group's arena: every kind keeps its data in one arena
+// on the device, as planes of rows.
 class LayerGroup {
  public:
-  explicit LayerGroup(int index) : index_(index) {}
   virtual ~LayerGroup() = default;
   LayerGroup(const LayerGroup&) = delete;
   LayerGroup& operator=(const LayerGroup&) = delete;
@@ -175,11 +174,120 @@ class LayerGroup {
                                     int32_t to, int32_t target) const = 0;
   virtual absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,
                                     int32_t to, int32_t target) = 0;
-  // The device, stream and plane row sizes of the group's snapshot chunks.
-  virtual ChunkFormat SnapshotChunkFormat() const = 0;
+  // The device, stream and plane row sizes of the group's snapshot chunks: a chunk has the
+  // arena's planes, so that rows copy between the two plane by plane.
+  ChunkFormat SnapshotChunkFormat() const;
+
+ protected:
+  // The kind lays out planes_ in its constructor.
+  LayerGroup(int index, DeviceArena arena, Device* device)
+      : device_(device), arena_(std::move(arena)), index_(index) {}
+
+  // A chunk of `rows` rows with the arena's planes, bound to the arena's stream.
+  absl::StatusOr<std::shared_ptr<RowChunk>> NewChunk(MemoryPool pool, int32_t rows) const;
+  // Copies arena rows `rows` into a new snapshot chunk and adds them to `snap` as a segment:
+  // rows[i] becomes the row of positions[i] (positions empty for a recurrent state).
+  absl::Status AddSnapshotSegment(absl::Span<const int32_t> rows, std::vector<int32_t> positions,
+                                  GroupSnapshot* snap) const;
+  // Copies rows `src` of `chunk` (a pending or snapshot chunk of this group) into arena rows
+  // `dst`.
+  absl::Status CopyFromChunk(const RowChunk& chunk, absl::Span<const int32_t> src,
+                             absl::Span<const int32_t> dst);
+
+  // Shared with the kinds rather than hidden behind accessors: each kind's code is mostly device
+  // calls on its own arena.
+  Device* const device_;
+  DeviceArena arena_;
+  // In payload order: an Append section or a Read holds each plane's rows in turn, in this
+  // order. The group's chunks have planes of the same row sizes, in the same order (NewChunk).
+  std::vector<Plane> planes_;
 
  private:
   const int index_;
+};
+
+// A LayerGroup whose metadata is one Entry per sequence, kept exactly while the group holds
+// anything for the sequence: each kind erases a sequence's entry when it empties it, so the
+// map answers Has, AddLive and LiveCount.
+template <typename Entry>
+class SequenceMapGroup : public LayerGroup {
+ public:
+  bool Has(int64_t seq) const override { return seqs_.contains(seq); }
+  void AddLive(absl::flat_hash_set<int64_t>* live) const override {
+    for (const auto& [seq, entry] : seqs_) live->insert(seq);
+  }
+  size_t LiveCount() const override { return seqs_.size(); }
+
+ protected:
+  using LayerGroup::LayerGroup;
+
+  // The entry of `seq`, or nullptr when the group holds nothing for it.
+  const Entry* Find(int64_t seq) const {
+    auto it = seqs_.find(seq);
+    return it == seqs_.end() ? nullptr : &it->second;
+  }
+
+  absl::flat_hash_map<int64_t, Entry> seqs_;
+};
+
+// What a StagingGroup keeps for every sequence; each kind adds where the committed data lives.
+struct StagedSequence {
+  int32_t offset = 0;               // one past the last committed position
+  std::vector<PendingRow> pending;  // the pending speculative tokens, ascending positions
+};
+
+// A group whose Append overwrites what a sequence stores (Rotating's ring rows, Recurrent's
+// state), where a speculative token could not be taken back if rejected. So pending tokens are
+// staged outside the arena, one row per token in chunks of the cache pool, and
+// CommitSpeculation copies the accepted ones in.
+template <typename Sequence>
+class StagingGroup : public SequenceMapGroup<Sequence> {
+  static_assert(std::is_base_of_v<StagedSequence, Sequence>);
+
+ public:
+  int32_t Offset(int64_t seq) const override {
+    const Sequence* s = this->Find(seq);
+    if (s == nullptr) return 0;
+    return s->pending.empty() ? s->offset : s->pending.back().pos + 1;
+  }
+  void AddPendingChunks(absl::flat_hash_set<const RowChunk*>* chunks) const override {
+    for (const auto& [seq, s] : this->seqs_) {
+      for (const PendingRow& row : s.pending) chunks->insert(row.chunk.get());
+    }
+  }
+  bool WritesInPlace(const AppendBatch& batch) const override {
+    return !batch.speculative && in_place_;
+  }
+
+ protected:
+  using SequenceMapGroup<Sequence>::SequenceMapGroup;
+
+  // A speculative Append, whatever the kind, writes token i of the batch to row i of a new
+  // chunk: these are its Prepare, Write and Commit halves (AbandonAppend resets spec_chunk_).
+  absl::Status PrepareStagedAppend(const AppendBatch& batch) {
+    absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
+        this->NewChunk(MemoryPool::kCache, static_cast<int32_t>(batch.tokens.size()));
+    if (!chunk.ok()) return chunk.status();
+    spec_chunk_ = *std::move(chunk);
+    return absl::OkStatus();
+  }
+  absl::Status WriteStagedAppend(const AppendBatch& batch, const uint8_t* section) {
+    std::vector<int32_t> rows(batch.tokens.size());
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
+    return this->device_->Scatter(spec_chunk_->arena, spec_chunk_->planes, rows, section);
+  }
+  void CommitStagedAppend(const AppendBatch& batch) {
+    for (size_t i = 0; i < batch.tokens.size(); ++i) {
+      const Token& t = batch.tokens[i];
+      this->seqs_[t.seq].pending.push_back(PendingRow{spec_chunk_, static_cast<int32_t>(i), t.pos});
+    }
+    spec_chunk_.reset();
+  }
+
+  // The Append in progress: whether it overwrites stored data (each kind's PrepareAppend sets
+  // this for a non-speculative batch), and a speculative one's chunk.
+  bool in_place_ = false;
+  std::shared_ptr<RowChunk> spec_chunk_;
 };
 
 }  // namespace kvmesh

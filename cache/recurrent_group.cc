@@ -3,39 +3,23 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "cache/status_macros.h"
 
 namespace kvmesh {
 
 RecurrentGroup::RecurrentGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device)
-    : LayerGroup(index),
+    : StagingGroup(index, std::move(arena), device),
       geo_(ComputeRecurrentGeometry(spec, index)),
-      device_(device),
-      arena_(std::move(arena)),
       refs_(static_cast<size_t>(geo_.slots), 0) {
   // Arena layout: for each layer, [slots][conv + delta].
   const size_t layer_bytes = geo_.conv_bytes + geo_.delta_bytes;
   for (int32_t l = 0; l < spec.groups[index].num_layers; ++l) {
     planes_.push_back(Plane{size_t(l) * size_t(geo_.slots) * layer_bytes, layer_bytes});
-    row_bytes_.push_back(layer_bytes);
   }
   free_.reserve(geo_.slots);
   for (int32_t s = geo_.slots - 1; s >= 0; --s) free_.push_back(s);
-}
-
-const RecurrentGroup::Sequence* RecurrentGroup::Find(int64_t seq) const {
-  auto it = seqs_.find(seq);
-  return it == seqs_.end() ? nullptr : &it->second;
-}
-
-int32_t RecurrentGroup::Offset(int64_t seq) const {
-  const Sequence* s = Find(seq);
-  if (s == nullptr) return 0;
-  return s->pending.empty() ? s->offset : s->pending.back().pos + 1;
-}
-
-void RecurrentGroup::AddLive(absl::flat_hash_set<int64_t>* live) const {
-  for (const auto& [seq, s] : seqs_) live->insert(seq);
 }
 
 GroupSequenceInfo RecurrentGroup::Info(int64_t seq) const {
@@ -54,12 +38,6 @@ GroupUsage RecurrentGroup::Usage() const {
   g.memory = kUnlimitedMemory;
   g.bytes = arena_.size();
   return g;
-}
-
-void RecurrentGroup::AddPendingChunks(absl::flat_hash_set<const RowChunk*>* chunks) const {
-  for (const auto& [seq, s] : seqs_) {
-    for (const PendingRow& row : s.pending) chunks->insert(row.chunk.get());
-  }
 }
 
 int32_t RecurrentGroup::TakeSlot() {
@@ -90,16 +68,11 @@ int32_t RecurrentGroup::MakeWritable(Sequence* s) {
 // ---- Append -------------------------------------------------------------------------------
 
 absl::Status RecurrentGroup::PrepareAppend(const AppendBatch& batch) {
-  if (batch.speculative) {
-    absl::StatusOr<std::shared_ptr<RowChunk>> chunk = AllocateChunk(
-        device_, MemoryPool::kCache, arena_, row_bytes_, static_cast<int32_t>(batch.tokens.size()));
-    if (!chunk.ok()) return chunk.status();
-    spec_chunk_ = *std::move(chunk);
-    return absl::OkStatus();
-  }
+  if (batch.speculative) return PrepareStagedAppend(batch);
   PlanWrites(batch);
   size_t needed = 0;
   for (const Write& w : writes_) needed += w.slot < 0;
+  // A write that keeps its sequence's slot overwrites the stored state.
   in_place_ = writes_.size() > needed;
   if (needed > free_.size()) {
     writes_.clear();
@@ -139,11 +112,7 @@ size_t RecurrentGroup::SectionBytes(const AppendBatch& batch) const {
 }
 
 absl::Status RecurrentGroup::WriteAppend(const AppendBatch& batch, const uint8_t* section) {
-  if (batch.speculative) {
-    std::vector<int32_t> rows(batch.tokens.size());
-    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
-    return device_->Scatter(spec_chunk_->arena, spec_chunk_->planes, rows, section);
-  }
+  if (batch.speculative) return WriteStagedAppend(batch, section);
   std::vector<int32_t> slots;
   for (Write& w : writes_) {
     if (w.slot < 0) {
@@ -157,11 +126,7 @@ absl::Status RecurrentGroup::WriteAppend(const AppendBatch& batch, const uint8_t
 
 void RecurrentGroup::CommitAppend(const AppendBatch& batch) {
   if (batch.speculative) {
-    for (size_t i = 0; i < batch.tokens.size(); ++i) {
-      Sequence& s = seqs_[batch.tokens[i].seq];
-      s.pending.push_back(PendingRow{spec_chunk_, static_cast<int32_t>(i), batch.tokens[i].pos});
-    }
-    spec_chunk_.reset();
+    CommitStagedAppend(batch);
     return;
   }
   absl::flat_hash_map<int64_t, int32_t> last;
@@ -202,8 +167,7 @@ absl::Status RecurrentGroup::CommitSpeculation(int64_t seq, absl::Span<const int
     const PendingRow& row = rows[accepted - 1];
     const int32_t slot = MakeWritable(&s);
     const int32_t src = row.row;
-    status = device_->CopyRowsBetween(row.chunk->arena, row.chunk->planes, {&src, 1}, arena_,
-                                      planes_, {&slot, 1});
+    status = CopyFromChunk(*row.chunk, {&src, 1}, {&slot, 1});
     s.offset = row.pos + 1;
     s.valid = true;
   }
@@ -310,17 +274,7 @@ absl::StatusOr<GroupSnapshot> RecurrentGroup::TakeSnapshot(int64_t seq, int32_t 
   GroupSnapshot snap;
   snap.row_bytes = geo_.state_bytes;
   const Sequence* s = Find(seq);
-  absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
-      AllocateChunk(device_, MemoryPool::kSnapshot, arena_, row_bytes_, 1);
-  if (!chunk.ok()) return chunk.status();
-  const int32_t zero = 0;
-  const absl::Status copied = device_->CopyRowsBetween(
-      arena_, planes_, {&s->slot, 1}, (*chunk)->arena, (*chunk)->planes, {&zero, 1});
-  if (!copied.ok()) return copied;
-  Segment segment;
-  segment.chunk = *std::move(chunk);
-  segment.rows = 1;
-  snap.segments.push_back(std::move(segment));
+  RETURN_IF_ERROR(AddSnapshotSegment({&s->slot, 1}, {}, &snap));
   snap.has_state = true;
   return snap;
 }
@@ -361,12 +315,7 @@ absl::Status RecurrentGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap
   s.offset = to;
   s.valid = true;
   const Segment& segment = snap->segments.front();
-  return device_->CopyRowsBetween(segment.chunk->arena, segment.chunk->planes,
-                                  {&segment.first_row, 1}, arena_, planes_, {&slot, 1});
-}
-
-ChunkFormat RecurrentGroup::SnapshotChunkFormat() const {
-  return ChunkFormat{device_, arena_.stream(), row_bytes_};
+  return CopyFromChunk(*segment.chunk, {&segment.first_row, 1}, {&slot, 1});
 }
 
 }  // namespace kvmesh

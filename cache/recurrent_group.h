@@ -10,35 +10,32 @@
 #define KVMESH_CACHE_RECURRENT_GROUP_H_
 
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "cache/device/device.h"
 #include "cache/layer_group.h"
 #include "cache/spec.h"
 
 namespace kvmesh {
 
-class RecurrentGroup final : public LayerGroup {
+// What a RecurrentGroup keeps for a sequence: offset is the position its committed state
+// belongs to, and each pending token carries the state after it.
+struct RecurrentSequence : StagedSequence {
+  int32_t slot = -1;  // -1: no state (invalidated, or only pending tokens so far)
+  bool valid = false;
+};
+
+class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
  public:
   RecurrentGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device);
 
   GroupKind kind() const override { return GroupKind::kRecurrent; }
-  bool Has(int64_t seq) const override { return seqs_.contains(seq); }
-  int32_t Offset(int64_t seq) const override;
-  void AddLive(absl::flat_hash_set<int64_t>* live) const override;
-  size_t LiveCount() const override { return seqs_.size(); }
   GroupSequenceInfo Info(int64_t seq) const override;
   GroupUsage Usage() const override;
-  void AddPendingChunks(absl::flat_hash_set<const RowChunk*>* chunks) const override;
 
   absl::Status PrepareAppend(const AppendBatch& batch) override;
   size_t SectionBytes(const AppendBatch& batch) const override;
-  bool WritesInPlace(const AppendBatch& batch) const override {
-    return !batch.speculative && in_place_;
-  }
   absl::Status WriteAppend(const AppendBatch& batch, const uint8_t* section) override;
   void CommitAppend(const AppendBatch& batch) override;
   void AbandonAppend() override;
@@ -66,17 +63,10 @@ class RecurrentGroup final : public LayerGroup {
                             int32_t target) const override;
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) override;
-  ChunkFormat SnapshotChunkFormat() const override;
 
  private:
-  struct Sequence {
-    int32_t slot = -1;   // -1: no state (invalidated, or only pending tokens so far)
-    int32_t offset = 0;  // the position the committed state belongs to
-    bool valid = false;
-    std::vector<PendingRow> pending;  // one state per pending token
-  };
+  using Sequence = RecurrentSequence;
 
-  const Sequence* Find(int64_t seq) const;
   // Whether writing `s`'s state needs a new slot (none yet, or shared copy-on-write).
   bool NeedsSlot(const Sequence* s) const { return s == nullptr || s->slot < 0 || refs_[s->slot] > 1; }
   int32_t TakeSlot();
@@ -87,14 +77,9 @@ class RecurrentGroup final : public LayerGroup {
   int32_t MakeWritable(Sequence* s);
 
   const RecurrentGeometry geo_;
-  Device* const device_;
-  DeviceArena arena_;
-  std::vector<Plane> planes_;  // one per layer, row = conv + delta bytes
-  std::vector<size_t> row_bytes_;
 
   std::vector<int32_t> refs_;  // per slot
   std::vector<int32_t> free_;
-  absl::flat_hash_map<int64_t, Sequence> seqs_;
 
   // The Append in progress: per batch sequence, the slot written (-1 until WriteAppend takes a
   // fresh one) and the shared slot it leaves (-1 when none).
@@ -106,8 +91,6 @@ class RecurrentGroup final : public LayerGroup {
   };
   void PlanWrites(const AppendBatch& batch);
   std::vector<Write> writes_;
-  bool in_place_ = false;  // some write overwrites a stored state
-  std::shared_ptr<RowChunk> spec_chunk_;
 };
 
 }  // namespace kvmesh

@@ -3,16 +3,16 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "cache/status_macros.h"
 
 namespace kvmesh {
 
 RotatingGroup::RotatingGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device)
-    : LayerGroup(index),
+    : StagingGroup(index, std::move(arena), device),
       spec_(spec.groups[index].rotating),
-      geo_(ComputeRotatingGeometry(spec, index)),
-      device_(device),
-      arena_(std::move(arena)) {
+      geo_(ComputeRotatingGeometry(spec, index)) {
   // Arena layout: for each layer, K [rings * max_size][k_row] then V [...][v_row].
   const size_t rows = size_t(geo_.rings) * size_t(geo_.max_size);
   size_t offset = 0;
@@ -21,26 +21,9 @@ RotatingGroup::RotatingGroup(int index, const CacheSpec& spec, DeviceArena arena
     offset += rows * geo_.k_row_bytes;
     planes_.push_back(Plane{offset, geo_.v_row_bytes});
     offset += rows * geo_.v_row_bytes;
-    row_bytes_.push_back(geo_.k_row_bytes);
-    row_bytes_.push_back(geo_.v_row_bytes);
   }
   free_rings_.reserve(geo_.rings);
   for (int32_t r = geo_.rings - 1; r >= 0; --r) free_rings_.push_back(r);
-}
-
-const RotatingGroup::Sequence* RotatingGroup::Find(int64_t seq) const {
-  auto it = seqs_.find(seq);
-  return it == seqs_.end() ? nullptr : &it->second;
-}
-
-int32_t RotatingGroup::Offset(int64_t seq) const {
-  const Sequence* s = Find(seq);
-  if (s == nullptr) return 0;
-  return s->pending.empty() ? s->offset : s->pending.back().pos + 1;
-}
-
-void RotatingGroup::AddLive(absl::flat_hash_set<int64_t>* live) const {
-  for (const auto& [seq, s] : seqs_) live->insert(seq);
 }
 
 GroupSequenceInfo RotatingGroup::Info(int64_t seq) const {
@@ -63,12 +46,6 @@ GroupUsage RotatingGroup::Usage() const {
   g.memory = geo_.max_size;
   g.bytes = arena_.size();
   return g;
-}
-
-void RotatingGroup::AddPendingChunks(absl::flat_hash_set<const RowChunk*>* chunks) const {
-  for (const auto& [seq, s] : seqs_) {
-    for (const PendingRow& row : s.pending) chunks->insert(row.chunk.get());
-  }
 }
 
 int32_t RotatingGroup::TakeRing() {
@@ -99,13 +76,7 @@ std::vector<int32_t> RotatingGroup::Positions(const Sequence& s, int64_t begin, 
 // ---- Append -------------------------------------------------------------------------------
 
 absl::Status RotatingGroup::PrepareAppend(const AppendBatch& batch) {
-  if (batch.speculative) {
-    absl::StatusOr<std::shared_ptr<RowChunk>> chunk = AllocateChunk(
-        device_, MemoryPool::kCache, arena_, row_bytes_, static_cast<int32_t>(batch.tokens.size()));
-    if (!chunk.ok()) return chunk.status();
-    spec_chunk_ = *std::move(chunk);
-    return absl::OkStatus();
-  }
+  if (batch.speculative) return PrepareStagedAppend(batch);
   size_t needed = 0;
   for (int64_t seq : batch.seqs) {
     const Sequence* s = Find(seq);
@@ -126,12 +97,8 @@ size_t RotatingGroup::SectionBytes(const AppendBatch& batch) const {
 }
 
 absl::Status RotatingGroup::WriteAppend(const AppendBatch& batch, const uint8_t* section) {
+  if (batch.speculative) return WriteStagedAppend(batch, section);
   const absl::Span<const Token> tokens = batch.tokens;
-  if (batch.speculative) {
-    std::vector<int32_t> rows(tokens.size());
-    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
-    return device_->Scatter(spec_chunk_->arena, spec_chunk_->planes, rows, section);
-  }
   for (int64_t seq : batch.seqs) {
     Sequence& s = seqs_[seq];
     if (s.ring < 0) {
@@ -152,17 +119,12 @@ absl::Status RotatingGroup::WriteAppend(const AppendBatch& batch, const uint8_t*
 }
 
 void RotatingGroup::CommitAppend(const AppendBatch& batch) {
-  for (size_t i = 0; i < batch.tokens.size(); ++i) {
-    const Token& t = batch.tokens[i];
-    Sequence& s = seqs_[t.seq];
-    if (batch.speculative) {
-      s.pending.push_back(PendingRow{spec_chunk_, static_cast<int32_t>(i), t.pos});
-    } else {
-      s.offset = t.pos + 1;
-    }
+  if (batch.speculative) {
+    CommitStagedAppend(batch);
+  } else {
+    for (const Token& t : batch.tokens) seqs_[t.seq].offset = t.pos + 1;
   }
   new_rings_.clear();
-  spec_chunk_.reset();
 }
 
 void RotatingGroup::AbandonAppend() {
@@ -196,8 +158,7 @@ absl::Status RotatingGroup::CommitSpeculation(int64_t seq, absl::Span<const int3
         src.push_back(rows[i].row);
         dst.push_back(Row(s, rows[i].pos));
       }
-      const absl::Status copied =
-          device_->CopyRowsBetween(chunk->arena, chunk->planes, src, arena_, planes_, dst);
+      const absl::Status copied = CopyFromChunk(*chunk, src, dst);
       if (status.ok()) status = copied;
     }
   }
@@ -348,22 +309,12 @@ absl::StatusOr<GroupSnapshot> RotatingGroup::TakeSnapshot(int64_t seq, int32_t f
   snap.ring_index = to % geo_.max_size;
   const Sequence* s = Find(seq);
   if (s == nullptr || s->offset == 0) return snap;
-  Segment segment;
-  std::vector<int32_t> src, dst;
+  std::vector<int32_t> positions, rows;
   for (int32_t p = WindowStart(*s); p < s->offset; ++p) {
-    segment.positions.push_back(p);
-    src.push_back(Row(*s, p));
-    dst.push_back(static_cast<int32_t>(dst.size()));
+    positions.push_back(p);
+    rows.push_back(Row(*s, p));
   }
-  segment.rows = static_cast<int32_t>(src.size());
-  absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
-      AllocateChunk(device_, MemoryPool::kSnapshot, arena_, row_bytes_, segment.rows);
-  if (!chunk.ok()) return chunk.status();
-  const absl::Status copied =
-      device_->CopyRowsBetween(arena_, planes_, src, (*chunk)->arena, (*chunk)->planes, dst);
-  if (!copied.ok()) return copied;
-  segment.chunk = *std::move(chunk);
-  snap.segments.push_back(std::move(segment));
+  RETURN_IF_ERROR(AddSnapshotSegment(rows, std::move(positions), &snap));
   return snap;
 }
 
@@ -415,15 +366,10 @@ absl::Status RotatingGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap,
       dst.push_back(Row(s, pos));
     }
     if (src.empty()) continue;
-    const absl::Status copied = device_->CopyRowsBetween(
-        segment.chunk->arena, segment.chunk->planes, src, arena_, planes_, dst);
+    const absl::Status copied = CopyFromChunk(*segment.chunk, src, dst);
     if (status.ok()) status = copied;
   }
   return status;
-}
-
-ChunkFormat RotatingGroup::SnapshotChunkFormat() const {
-  return ChunkFormat{device_, arena_.stream(), row_bytes_};
 }
 
 }  // namespace kvmesh

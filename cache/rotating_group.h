@@ -9,35 +9,31 @@
 #define KVMESH_CACHE_ROTATING_GROUP_H_
 
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "cache/device/device.h"
 #include "cache/layer_group.h"
 #include "cache/spec.h"
 
 namespace kvmesh {
 
-class RotatingGroup final : public LayerGroup {
+// What a RotatingGroup keeps for a sequence: offset counts its committed tokens, so its window
+// is [max(0, offset - max_size), offset).
+struct RotatingSequence : StagedSequence {
+  int32_t ring = -1;  // index of the ring, -1 while only pending tokens exist
+};
+
+class RotatingGroup final : public StagingGroup<RotatingSequence> {
  public:
   RotatingGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device);
 
   GroupKind kind() const override { return GroupKind::kRotating; }
-  bool Has(int64_t seq) const override { return seqs_.contains(seq); }
-  int32_t Offset(int64_t seq) const override;
-  void AddLive(absl::flat_hash_set<int64_t>* live) const override;
-  size_t LiveCount() const override { return seqs_.size(); }
   GroupSequenceInfo Info(int64_t seq) const override;
   GroupUsage Usage() const override;
-  void AddPendingChunks(absl::flat_hash_set<const RowChunk*>* chunks) const override;
 
   absl::Status PrepareAppend(const AppendBatch& batch) override;
   size_t SectionBytes(const AppendBatch& batch) const override;
-  bool WritesInPlace(const AppendBatch& batch) const override {
-    return !batch.speculative && in_place_;
-  }
   absl::Status WriteAppend(const AppendBatch& batch, const uint8_t* section) override;
   void CommitAppend(const AppendBatch& batch) override;
   void AbandonAppend() override;
@@ -62,14 +58,9 @@ class RotatingGroup final : public LayerGroup {
                             int32_t target) const override;
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) override;
-  ChunkFormat SnapshotChunkFormat() const override;
 
  private:
-  struct Sequence {
-    int32_t ring = -1;   // index of the ring, -1 while only pending tokens exist
-    int32_t offset = 0;  // committed tokens: the window is [max(0, offset - max_size), offset)
-    std::vector<PendingRow> pending;
-  };
+  using Sequence = RotatingSequence;
 
   bool Wrapped(const Sequence& s) const { return s.offset > geo_.max_size; }
   int32_t WindowStart(const Sequence& s) const {
@@ -78,7 +69,6 @@ class RotatingGroup final : public LayerGroup {
   int32_t Row(const Sequence& s, int32_t pos) const {
     return s.ring * geo_.max_size + pos % geo_.max_size;
   }
-  const Sequence* Find(int64_t seq) const;
   // Bytes of one token over every layer (K and V).
   size_t TokenBytes() const { return planes_.size() / 2 * (geo_.k_row_bytes + geo_.v_row_bytes); }
   // Positions of `seq` (window, then pending) in [begin, end).
@@ -88,18 +78,10 @@ class RotatingGroup final : public LayerGroup {
 
   const RotatingSpec spec_;
   const RotatingGeometry geo_;
-  Device* const device_;
-  DeviceArena arena_;
-  std::vector<Plane> planes_;  // K0, V0, K1, V1, ...: the payload order
-  std::vector<size_t> row_bytes_;
 
   std::vector<int32_t> free_rings_;
-  absl::flat_hash_map<int64_t, Sequence> seqs_;
 
-  // The Append in progress.
-  std::vector<int64_t> new_rings_;         // sequences given a ring by it
-  std::shared_ptr<RowChunk> spec_chunk_;   // its speculative rows
-  bool in_place_ = false;                  // it writes into rings that hold a window
+  std::vector<int64_t> new_rings_;  // sequences given a ring by the Append in progress
 };
 
 }  // namespace kvmesh
