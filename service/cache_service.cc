@@ -10,10 +10,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "cache/status_macros.h"
-#include "tests/sanitizers/tsan_handoff.h"
 #include "service/cluster/cluster.h"
 #include "service/common/convert.h"
 #include "service/peer_service.h"
+#include "tests/sanitizers/tsan_handoff.h"
 
 namespace kvmesh {
 namespace {
@@ -375,6 +375,20 @@ absl::StatusOr<Reservations::Guard> CacheServiceImpl::Guard(Reservations::Kind k
   return options_.cluster->reservations()->BeginOperation(kind, cache, ids, what);
 }
 
+absl::StatusOr<Reservations::Guard> CacheServiceImpl::GuardSequence(const std::string& cache,
+                                                                    int64_t seq,
+                                                                    const char* what) const {
+  const int64_t seqs[] = {seq};
+  return Guard(Reservations::Kind::kSequence, cache, seqs, what);
+}
+
+absl::StatusOr<Reservations::Guard> CacheServiceImpl::GuardSnapshots(
+    const std::string& cache, std::initializer_list<uint64_t> ids, const char* what) const {
+  std::vector<int64_t> keys;  // reservations key snapshots by int64, as sequences
+  for (const uint64_t id : ids) keys.push_back(static_cast<int64_t>(id));
+  return Guard(Reservations::Kind::kSnapshot, cache, keys, what);
+}
+
 absl::Status CacheServiceImpl::AppendGuarded(Cache& cache, absl::Span<const Token> tokens,
                                              absl::Span<const uint8_t> payload, bool speculative,
                                              const char* what) {
@@ -390,22 +404,14 @@ absl::Status CacheServiceImpl::AppendGuarded(Cache& cache, absl::Span<const Toke
 
 grpc::ServerUnaryReactor* CacheServiceImpl::RunCluster(grpc::CallbackServerContext* context,
                                                        absl::AnyInvocable<absl::Status() &&> fn) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (options_.cluster == nullptr || options_.cluster_executor == nullptr) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                                  "this node serves no cluster operations (no membership)"));
     return reactor;
   }
-  const bool queued =
-      options_.cluster_executor->Submit([context, reactor, fn = std::move(fn)]() mutable {
-        if (context->IsCancelled()) {
-          reactor->Finish(CancelledStatus());
-          return;
-        }
-        reactor->Finish(ToGrpcStatus(std::move(fn)()));
-      });
-  if (!queued) reactor->Finish(BusyStatus());
-  return reactor;
+  return RunUnaryOn(options_.cluster_executor, context, std::move(fn), CancelledStatus(),
+                    [this] { return BusyStatus(); });
 }
 
 absl::StatusOr<std::shared_ptr<Cache>> CacheServiceImpl::FindCache(const std::string& name) const {
@@ -417,16 +423,8 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheServiceImpl::FindCache(const std::st
 
 grpc::ServerUnaryReactor* CacheServiceImpl::RunUnary(grpc::CallbackServerContext* context,
                                                      absl::AnyInvocable<absl::Status() &&> fn) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const bool queued = executor_->Submit([context, reactor, fn = std::move(fn)]() mutable {
-    if (context->IsCancelled()) {
-      reactor->Finish(CancelledStatus());
-      return;
-    }
-    reactor->Finish(ToGrpcStatus(std::move(fn)()));
-  });
-  if (!queued) reactor->Finish(BusyStatus());
-  return reactor;
+  return RunUnaryOn(executor_, context, std::move(fn), CancelledStatus(),
+                    [this] { return BusyStatus(); });
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::CreateCache(grpc::CallbackServerContext* context,
@@ -456,9 +454,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::DeleteCache(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* CacheServiceImpl::GetCache(grpc::CallbackServerContext* context,
                                                      const v1::GetCacheRequest* request,
                                                      v1::GetCacheResponse* response) {
-  return RunUnary(context, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
-    *response->mutable_cache() = CacheInfoToProto(*cache);
+  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
+    *response->mutable_cache() = CacheInfoToProto(cache);
     return absl::OkStatus();
   });
 }
@@ -477,14 +474,13 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListCaches(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* context,
                                                    const v1::AppendRequest* request,
                                                    v1::AppendResponse* response) {
-  return RunUnary(context, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+  return RunOnCache(context, request, [this, request, response](Cache& cache) -> absl::Status {
     ASSIGN_OR_RETURN(const std::vector<Token> tokens, TokensFromProto(request->tokens()));
-    RETURN_IF_ERROR(CheckAppendShape(cache->spec(), tokens, request->speculative(), "payload",
+    RETURN_IF_ERROR(CheckAppendShape(cache.spec(), tokens, request->speculative(), "payload",
                                      static_cast<int64_t>(request->payload().size())));
-    RETURN_IF_ERROR(AppendGuarded(*cache, tokens, AsBytes(request->payload()),
+    RETURN_IF_ERROR(AppendGuarded(cache, tokens, AsBytes(request->payload()),
                                   request->speculative(), "Append"));
-    *response->mutable_usage() = UsageToProto(cache->Usage());
+    *response->mutable_usage() = UsageToProto(cache.Usage());
     return absl::OkStatus();
   });
 }
@@ -502,11 +498,10 @@ grpc::ServerWriteReactor<v1::ReadResponse>* CacheServiceImpl::Read(
 grpc::ServerUnaryReactor* CacheServiceImpl::Visible(grpc::CallbackServerContext* context,
                                                     const v1::VisibleRequest* request,
                                                     v1::VisibleResponse* response) {
-  return RunUnary(context, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
     ASSIGN_OR_RETURN(const std::vector<Query> queries, QueriesFromProto(request->queries()));
     ASSIGN_OR_RETURN(const std::vector<std::vector<int32_t>> visible,
-                     cache->Visible(request->group(), queries));
+                     cache.Visible(request->group(), queries));
     for (const std::vector<int32_t>& positions : visible) {
       response->add_visible()->mutable_positions()->Add(positions.begin(), positions.end());
     }
@@ -527,12 +522,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerConte
       return absl::OkStatus();
     });
   }
-  return RunUnary(context, [this, request]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
-    const int64_t dst[] = {request->dst_seq()};
+  return RunOnCache(context, request, [this, request](Cache& cache) -> absl::Status {
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     Guard(Reservations::Kind::kSequence, request->cache(), dst, "CopyPrefix"));
-    return cache->CopyPrefix(request->src_seq(), request->dst_seq(), request->length());
+                     GuardSequence(request->cache(), request->dst_seq(), "CopyPrefix"));
+    return cache.CopyPrefix(request->src_seq(), request->dst_seq(), request->length());
   });
 }
 
@@ -541,9 +534,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* 
                                                    v1::RemoveResponse* response) {
   auto local = [this, request]() -> absl::Status {
     ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
-    const int64_t seqs[] = {request->seq()};
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     Guard(Reservations::Kind::kSequence, request->cache(), seqs, "Remove"));
+                     GuardSequence(request->cache(), request->seq(), "Remove"));
     const std::optional<int32_t> end =
         request->has_end() ? std::optional<int32_t>(request->end()) : std::nullopt;
     return cache->Remove(request->seq(), request->begin(), end);
@@ -569,9 +561,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* CacheServiceImpl::CanResume(grpc::CallbackServerContext* context,
                                                       const v1::CanResumeRequest* request,
                                                       v1::CanResumeResponse* response) {
-  return RunUnary(context, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
-    ASSIGN_OR_RETURN(const bool can_resume, cache->CanResume(request->seq(), request->pos()));
+  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
+    ASSIGN_OR_RETURN(const bool can_resume, cache.CanResume(request->seq(), request->pos()));
     response->set_can_resume(can_resume);
     return absl::OkStatus();
   });
@@ -580,9 +571,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CanResume(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* CacheServiceImpl::ListSequences(grpc::CallbackServerContext* context,
                                                           const v1::ListSequencesRequest* request,
                                                           v1::ListSequencesResponse* response) {
-  return RunUnary(context, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
-    for (const SequenceInfo& info : cache->ListSequences()) {
+  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
+    for (const SequenceInfo& info : cache.ListSequences()) {
       *response->add_sequences() = SequenceInfoToProto(info);
     }
     return absl::OkStatus();
@@ -594,12 +584,11 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListSequences(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* CacheServiceImpl::Snapshot(grpc::CallbackServerContext* context,
                                                      const v1::SnapshotRequest* request,
                                                      v1::SnapshotResponse* response) {
-  return RunUnary(context, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
     RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
     RETURN_IF_ERROR(CheckNotNegative("from_offset", request->from_offset()));
     ASSIGN_OR_RETURN(const SnapshotInfo info,
-                     cache->Snapshot(request->seq(), request->from_offset()));
+                     cache.Snapshot(request->seq(), request->from_offset()));
     *response->mutable_snapshot() = SnapshotInfoToProto(info);
     return absl::OkStatus();
   });
@@ -608,30 +597,26 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Snapshot(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* CacheServiceImpl::Restore(grpc::CallbackServerContext* context,
                                                     const v1::RestoreRequest* request,
                                                     v1::RestoreResponse* response) {
-  return RunUnary(context, [this, request]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+  return RunOnCache(context, request, [this, request](Cache& cache) -> absl::Status {
     RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
     RETURN_IF_ERROR(CheckNotNegative("target", request->target()));
     const std::optional<uint64_t> snapshot_id =
         request->has_snapshot_id() ? std::optional<uint64_t>(request->snapshot_id()) : std::nullopt;
-    const int64_t seqs[] = {request->seq()};
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     Guard(Reservations::Kind::kSequence, request->cache(), seqs, "Restore"));
-    return cache->Restore(request->seq(), snapshot_id, request->target());
+                     GuardSequence(request->cache(), request->seq(), "Restore"));
+    return cache.Restore(request->seq(), snapshot_id, request->target());
   });
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::MergeSnapshots(grpc::CallbackServerContext* context,
                                                            const v1::MergeSnapshotsRequest* request,
                                                            v1::MergeSnapshotsResponse* response) {
-  return RunUnary(context, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
-    const int64_t ids[] = {static_cast<int64_t>(request->parent()),
-                           static_cast<int64_t>(request->child())};
-    ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     Guard(Reservations::Kind::kSnapshot, request->cache(), ids, "MergeSnapshots"));
+  return RunOnCache(context, request, [this, request, response](Cache& cache) -> absl::Status {
+    ASSIGN_OR_RETURN(
+        const Reservations::Guard guard,
+        GuardSnapshots(request->cache(), {request->parent(), request->child()}, "MergeSnapshots"));
     ASSIGN_OR_RETURN(const SnapshotInfo merged,
-                     cache->MergeSnapshots(request->parent(), request->child()));
+                     cache.MergeSnapshots(request->parent(), request->child()));
     *response->mutable_snapshot() = SnapshotInfoToProto(merged);
     return absl::OkStatus();
   });
@@ -640,13 +625,11 @@ grpc::ServerUnaryReactor* CacheServiceImpl::MergeSnapshots(grpc::CallbackServerC
 grpc::ServerUnaryReactor* CacheServiceImpl::SplitSnapshot(grpc::CallbackServerContext* context,
                                                           const v1::SplitSnapshotRequest* request,
                                                           v1::SplitSnapshotResponse* response) {
-  return RunUnary(context, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
-    const int64_t ids[] = {static_cast<int64_t>(request->snapshot_id())};
+  return RunOnCache(context, request, [this, request, response](Cache& cache) -> absl::Status {
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     Guard(Reservations::Kind::kSnapshot, request->cache(), ids, "SplitSnapshot"));
+                     GuardSnapshots(request->cache(), {request->snapshot_id()}, "SplitSnapshot"));
     ASSIGN_OR_RETURN(const SplitResult split,
-                     cache->SplitSnapshot(request->snapshot_id(), request->at()));
+                     cache.SplitSnapshot(request->snapshot_id(), request->at()));
     if (split.parent.has_value()) *response->mutable_parent() = SnapshotInfoToProto(*split.parent);
     if (split.child.has_value()) *response->mutable_child() = SnapshotInfoToProto(*split.child);
     return absl::OkStatus();
@@ -656,21 +639,18 @@ grpc::ServerUnaryReactor* CacheServiceImpl::SplitSnapshot(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* CacheServiceImpl::DropSnapshot(grpc::CallbackServerContext* context,
                                                          const v1::DropSnapshotRequest* request,
                                                          v1::DropSnapshotResponse* response) {
-  return RunUnary(context, [this, request]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
-    const int64_t ids[] = {static_cast<int64_t>(request->snapshot_id())};
+  return RunOnCache(context, request, [this, request](Cache& cache) -> absl::Status {
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     Guard(Reservations::Kind::kSnapshot, request->cache(), ids, "DropSnapshot"));
-    return cache->DropSnapshot(request->snapshot_id());
+                     GuardSnapshots(request->cache(), {request->snapshot_id()}, "DropSnapshot"));
+    return cache.DropSnapshot(request->snapshot_id());
   });
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::ListSnapshots(grpc::CallbackServerContext* context,
                                                           const v1::ListSnapshotsRequest* request,
                                                           v1::ListSnapshotsResponse* response) {
-  return RunUnary(context, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
-    for (const SnapshotInfo& info : cache->ListSnapshots()) {
+  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
+    for (const SnapshotInfo& info : cache.ListSnapshots()) {
       *response->add_snapshots() = SnapshotInfoToProto(info);
     }
     return absl::OkStatus();
@@ -680,18 +660,15 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListSnapshots(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* CacheServiceImpl::CommitSpeculation(
     grpc::CallbackServerContext* context, const v1::CommitSpeculationRequest* request,
     v1::CommitSpeculationResponse* response) {
-  return RunUnary(context, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+  return RunOnCache(context, request, [this, request, response](Cache& cache) -> absl::Status {
     RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
     RETURN_IF_ERROR(CheckNotNegative("accepted", request->accepted()));
-    const int64_t seqs[] = {request->seq()};
-    ASSIGN_OR_RETURN(
-        const Reservations::Guard guard,
-        Guard(Reservations::Kind::kSequence, request->cache(), seqs, "CommitSpeculation"));
-    RETURN_IF_ERROR(cache->CommitSpeculation(request->seq(), request->accepted()));
+    ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                     GuardSequence(request->cache(), request->seq(), "CommitSpeculation"));
+    RETURN_IF_ERROR(cache.CommitSpeculation(request->seq(), request->accepted()));
     // The sequence's offset afterwards; a commit of 0 tokens may leave it storing nothing.
     int32_t offset = 0;
-    for (const SequenceInfo& info : cache->ListSequences()) {
+    for (const SequenceInfo& info : cache.ListSequences()) {
       if (info.seq == request->seq()) {
         offset = info.offset;
         break;

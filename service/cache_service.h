@@ -24,8 +24,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
@@ -34,8 +36,8 @@
 #include "cache/cache_registry.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
-#include "service/executor.h"
 #include "service/cluster/reservations.h"
+#include "service/executor.h"
 
 namespace kvmesh {
 
@@ -136,6 +138,18 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
   grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context,
                                      absl::AnyInvocable<absl::Status() &&> fn);
 
+  // RunUnary for the RPCs on one cache: on the executor, finds `request->cache()` (FindCache's
+  // errors finish the call) and returns what `fn(Cache&)` returns.
+  template <typename Request, typename Fn>
+  grpc::ServerUnaryReactor* RunOnCache(grpc::CallbackServerContext* context,
+                                       const Request* request, Fn fn) {
+    return RunUnary(context, [this, request, fn = std::move(fn)]() mutable -> absl::Status {
+      absl::StatusOr<std::shared_ptr<Cache>> cache = FindCache(request->cache());
+      if (!cache.ok()) return cache.status();
+      return fn(**cache);
+    });
+  }
+
   // Append with the operation guard of its sequences.
   absl::Status AppendGuarded(Cache& cache, absl::Span<const Token> tokens,
                              absl::Span<const uint8_t> payload, bool speculative, const char* what);
@@ -149,6 +163,12 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
   // A node without a cluster has no migrations: the guard is empty.
   absl::StatusOr<Reservations::Guard> Guard(Reservations::Kind kind, const std::string& cache,
                                             absl::Span<const int64_t> ids, const char* what) const;
+  // Guard for one sequence, and for the snapshots `ids`.
+  absl::StatusOr<Reservations::Guard> GuardSequence(const std::string& cache, int64_t seq,
+                                                    const char* what) const;
+  absl::StatusOr<Reservations::Guard> GuardSnapshots(const std::string& cache,
+                                                     std::initializer_list<uint64_t> ids,
+                                                     const char* what) const;
 
   // The cache named `name`: INVALID_ARGUMENT when empty, NOT_FOUND when unknown.
   absl::StatusOr<std::shared_ptr<Cache>> FindCache(const std::string& name) const;

@@ -2,6 +2,9 @@
 
 #include <utility>
 
+#include "grpcpp/server_context.h"
+#include "service/common/convert.h"
+
 namespace kvmesh {
 
 Executor::Executor(int num_threads, size_t max_queued)
@@ -55,6 +58,23 @@ void Executor::WorkerLoop() {
     }
     std::move(task)();
   }
+}
+
+grpc::ServerUnaryReactor* RunUnaryOn(Executor* executor, grpc::CallbackServerContext* context,
+                                     absl::AnyInvocable<absl::Status() &&> fn,
+                                     const grpc::Status& cancelled,
+                                     absl::FunctionRef<grpc::Status()> busy) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const bool queued =
+      executor->Submit([context, reactor, &cancelled, fn = std::move(fn)]() mutable {
+        if (context->IsCancelled()) {
+          reactor->Finish(cancelled);
+          return;
+        }
+        reactor->Finish(ToGrpcStatus(std::move(fn)()));
+      });
+  if (!queued) reactor->Finish(busy());
+  return reactor;
 }
 
 }  // namespace kvmesh

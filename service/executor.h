@@ -2,6 +2,9 @@
 // engine work here so that they never block gRPC's threads; a full queue is refused at once
 // (Submit returns false) so the RPC can fail fast instead of piling up behind a slow device.
 //
+// RunUnaryOn is how the node's unary RPC handlers use an executor: the work runs there and
+// finishes the call.
+//
 // Thread safety: Submit, Shutdown and the accessors are thread-safe. Tasks may Submit further
 // tasks. Shutdown (and so the destructor) must not run on one of the executor's workers.
 #ifndef KVMESH_SERVICE_EXECUTOR_H_
@@ -15,7 +18,11 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 #include "cache/mutex.h"
+#include "grpcpp/support/server_callback.h"
+#include "grpcpp/support/status.h"
 
 namespace kvmesh {
 
@@ -54,6 +61,16 @@ class Executor {
   // Moved out under mu_ by the first Shutdown, which alone joins them.
   std::vector<std::thread> workers_ ABSL_GUARDED_BY(mu_);
 };
+
+// Runs `fn` on `executor` and finishes the unary call's default reactor with the status `fn`
+// returns; with `cancelled` instead when the call was cancelled before `fn` could start, and
+// with busy() (UNAVAILABLE, built only then) when the executor refuses the task. Returns the
+// reactor, for the RPC handler to return. `context` must be the call's; `cancelled` must live
+// until the task has run (a static status).
+grpc::ServerUnaryReactor* RunUnaryOn(Executor* executor, grpc::CallbackServerContext* context,
+                                     absl::AnyInvocable<absl::Status() &&> fn,
+                                     const grpc::Status& cancelled,
+                                     absl::FunctionRef<grpc::Status()> busy);
 
 }  // namespace kvmesh
 

@@ -24,22 +24,15 @@ PeerServiceImpl::PeerServiceImpl(Cluster* cluster, LeaseTable* leases, Executor*
 
 grpc::ServerUnaryReactor* PeerServiceImpl::RunOn(Executor* executor,
                                                  grpc::CallbackServerContext* context,
-                                                 std::function<absl::Status()> fn) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const bool queued = executor->Submit([context, reactor, fn = std::move(fn)]() {
-    if (context->IsCancelled()) {
-      reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "call cancelled by the peer"));
-      return;
-    }
-    reactor->Finish(ToGrpcStatus(fn()));
-  });
-  if (!queued) {
-    reactor->Finish(grpc::Status(
+                                                 absl::AnyInvocable<absl::Status() &&> fn) {
+  static const grpc::Status* const cancelled =
+      new grpc::Status(grpc::StatusCode::CANCELLED, "call cancelled by the peer");
+  return RunUnaryOn(executor, context, std::move(fn), *cancelled, [this, executor] {
+    return grpc::Status(
         grpc::StatusCode::UNAVAILABLE,
         absl::StrCat("kvmesh-node ", options_.name, " is overloaded: its executor queue holds ",
-                     executor->max_queued(), " tasks already; retry later")));
-  }
-  return reactor;
+                     executor->max_queued(), " tasks already; retry later"));
+  });
 }
 
 grpc::ServerUnaryReactor* PeerServiceImpl::NodeInfo(grpc::CallbackServerContext* context,

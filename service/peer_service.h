@@ -20,8 +20,8 @@
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
 #include "service/cluster/cluster.h"
-#include "service/executor.h"
 #include "service/cluster/leases.h"
+#include "service/executor.h"
 #include "transport/grpc_stream_transport.h"
 
 namespace kvmesh {
@@ -80,10 +80,10 @@ class PeerServiceImpl final
   // Finishes the call with FAILED_PRECONDITION: this node has no nccl transport.
   grpc::ServerUnaryReactor* NoNccl(grpc::CallbackServerContext* context) const;
 
-  // Runs `fn` on `executor` and finishes the call with its status (UNAVAILABLE when the
-  // executor refuses it).
+  // Runs `fn` on `executor` and finishes the call with its status (RunUnaryOn; UNAVAILABLE
+  // naming this node when the executor refuses it).
   grpc::ServerUnaryReactor* RunOn(Executor* executor, grpc::CallbackServerContext* context,
-                                  std::function<absl::Status()> fn);
+                                  absl::AnyInvocable<absl::Status() &&> fn);
 
   Cluster* const cluster_;
   LeaseTable* const leases_;

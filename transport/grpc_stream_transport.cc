@@ -20,8 +20,8 @@
 #include "absl/time/clock.h"
 #include "absl/types/span.h"
 #include "cache/mutex.h"
-#include "tests/sanitizers/tsan_handoff.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
+#include "tests/sanitizers/tsan_handoff.h"
 #include "transport/checksum.h"
 
 namespace kvmesh {

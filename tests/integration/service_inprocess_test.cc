@@ -19,8 +19,8 @@
 #include "gtest/gtest.h"
 #include "service/cache_service.h"
 #include "service/common/convert.h"
-#include "service/executor.h"
 #include "service/common/flags.h"
+#include "service/executor.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/node_fixture.h"
 
