@@ -1,9 +1,9 @@
-// Cache: one model's KV storage on a node (ARCHITECTURE.md §3). Holds the metadata of every
+// Cache: one model's KV storage on a node (docs/api.md). Holds the metadata of every
 // layer group on the host and the tensors on a Device.
 //
 // Every mutating operation is all-or-nothing: it validates the whole request against the
 // current state first and changes nothing when it returns an error. Error codes follow
-// ARCHITECTURE.md §5 and messages name the offending values.
+// docs/api.md#error-codes and messages name the offending values.
 //
 // Thread safety: all methods are thread-safe. Mutations take the cache's lock exclusively;
 // Read, Visible, CanResume, ListSequences and Usage take it shared.
@@ -60,8 +60,8 @@ struct ReadResult {
   std::vector<StateStatus> states;
   // For each group in spec order, for each layer: Attention/Rotating K [T_g][heads][head_dim_k]
   // then V [T_g][heads][head_dim_v]; Recurrent conv [conv_tail][conv_dim] in dtype then delta
-  // [num_v_heads][head_v_dim][head_k_dim] in float32 when states[g] == kValid (ARCHITECTURE.md
-  // §3 payload layout).
+  // [num_v_heads][head_v_dim][head_k_dim] in float32 when states[g] == kValid
+  // (docs/api.md#payload-layout).
   std::string payload;
 };
 

@@ -1,4 +1,4 @@
-// CacheSpec: the shape of one model's KV storage on a node (ARCHITECTURE.md §3), and the
+// CacheSpec: the shape of one model's KV storage on a node (docs/api.md#caches), and the
 // derived sizes every layer of kvmesh computes from it (cells per group, bytes per token,
 // payload sizes). Plain value types; safe to copy and share between threads.
 #ifndef KVMESH_CACHE_SPEC_H_
@@ -67,7 +67,7 @@ struct RecurrentSpec {
   bool operator==(const RecurrentSpec& o) const;
 };
 
-// Layer group kinds (ARCHITECTURE.md §3). Every switch over it is exhaustive so the compiler
+// Layer group kinds (docs/api.md#layer-groups). Every switch over it is exhaustive so the compiler
 // finds the places a new kind must be handled.
 enum class GroupKind { kAttention, kRotating, kRecurrent };
 

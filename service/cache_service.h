@@ -1,4 +1,4 @@
-// CacheServiceImpl: kvmesh.v1.CacheService (ARCHITECTURE.md §3) on gRPC's callback API, over
+// CacheServiceImpl: kvmesh.v1.CacheService (docs/api.md) on gRPC's callback API, over
 // the caches of a CacheRegistry.
 //
 // Every RPC validates its request before the engine sees it (INVALID_ARGUMENT naming the field

@@ -1,4 +1,4 @@
-// NCCL communicators for the nccl transport (docs/cluster.md, ARCHITECTURE.md §4), without gRPC:
+// NCCL communicators for the nccl transport (docs/cluster.md, docs/api.md#transports), without gRPC:
 // NcclComm owns one communicator (non-blocking init, async-error polling under a deadline,
 // ncclCommAbort on error or timeout) with its CUDA stream and staging buffers, and moves a
 // payload with ncclSend/ncclRecv in chunks; NcclCommPool keeps one communicator per peer key,

@@ -1,4 +1,4 @@
-// The nccl transport (docs/cluster.md, ARCHITECTURE.md §4): payloads move between the GPUs of two
+// The nccl transport (docs/cluster.md, docs/api.md#transports): payloads move between the GPUs of two
 // nodes over one two-rank NCCL communicator per node pair, set up and driven over the peer API
 // (PeerService/NcclConnect, PeerService/NcclSend). Communicators are transport/nccl_comm.h's.
 //

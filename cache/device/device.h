@@ -148,8 +148,8 @@ class Device {
     return nullptr;
   }
 
-  // Rotates the keys in rows `rows` of every plane by params.delta positions (ARCHITECTURE.md
-  // §3), computing in float32 and rounding back to params.dtype.
+  // Rotates the keys in rows `rows` of every plane by params.delta positions
+  // (docs/api.md#rope-shift), computing in float32 and rounding back to params.dtype.
   virtual absl::Status RopeShift(const DeviceArena& arena, absl::Span<const Plane> planes,
                                  absl::Span<const int32_t> rows, const RopeShiftParams& params) = 0;
 

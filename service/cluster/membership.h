@@ -1,5 +1,5 @@
 // Membership: who the other nodes of the cluster are, and the channels to reach them
-// (ARCHITECTURE.md §4, docs/cluster.md "Membership").
+// (docs/api.md#membership, docs/cluster.md "Membership").
 //
 // A node knows its peers either statically (`--peers=name=host:port,...`) or from a Kubernetes
 // headless Service (`--peer-dns=SERVICE:PORT`, one A/AAAA record per ready StatefulSet pod):

@@ -1,6 +1,6 @@
 // Deterministic test data for kvmesh: element patterns derived from (seed, index), a decoder of
 // the cache dtypes written independently of cache/dtype.cc, and builders of the Append and Read
-// payloads of a CacheSpec (ARCHITECTURE.md §3 payload layout).
+// payloads of a CacheSpec (docs/api.md#payload-layout).
 //
 // Every pattern element is a finite, normal, exactly representable value of its dtype with a
 // magnitude in [1/16, 2) and a random sign: never zero, never rounded on the way in, so a wrong

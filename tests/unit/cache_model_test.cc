@@ -1,6 +1,6 @@
 // Model-based randomized test of the cache engine.
 //
-// A small reference model of ARCHITECTURE.md §3 and docs/semantics.md, written here without
+// A small reference model of docs/api.md and docs/semantics.md, written here without
 // engine code, runs the same random operations as a real Cache on the device under test
 // (tests/testing/test_device.h: HostDevice, or CudaDevice with KVMESH_TEST_DEVICE=cuda):
 //   - Attention groups: a pool of reference-counted cells (so free cells are predicted exactly)
@@ -1126,7 +1126,7 @@ size_t StateBytes(const CacheSpec& spec, int g) {
           static_cast<size_t>(r.num_v_heads) * r.head_v_dim * r.head_k_dim * 4);
 }
 
-// The size an Append payload must have (ARCHITECTURE.md §3 layout).
+// The size an Append payload must have (docs/api.md#payload-layout).
 size_t ExpectedPayloadBytes(const CacheSpec& spec, const std::vector<Token>& tokens,
                             bool speculative) {
   std::set<int64_t> seqs;

@@ -1,4 +1,4 @@
-// An independent float64 reference of the RoPE shift in ARCHITECTURE.md §3: shifting a key by d
+// An independent float64 reference of the RoPE shift in docs/api.md#rope-shift: shifting a key by d
 // positions rotates, in each head, pair i (elements 2i, 2i+1 for NORMAL; i and i + dims/2 for
 // NEOX; i < dims/2) by the angle d * freq_scale * base^(-2i/dims), counterclockwise
 // (x0' = x0 cos - x1 sin, x1' = x0 sin + x1 cos, as ggml's rope); elements past dims stay.

@@ -1,5 +1,5 @@
 // Device::RopeShift of the device under test (tests/testing/test_device.h: HostDevice, or
-// CudaDevice with KVMESH_TEST_DEVICE=cuda) against the float64 reference of ARCHITECTURE.md §3.
+// CudaDevice with KVMESH_TEST_DEVICE=cuda) against the float64 reference of docs/api.md#rope-shift.
 // Rows go in by Scatter and come back by Gather (arena memory may be on the GPU).
 #include <cmath>
 #include <cstdint>
