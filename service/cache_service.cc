@@ -454,7 +454,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::DeleteCache(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* CacheServiceImpl::GetCache(grpc::CallbackServerContext* context,
                                                      const v1::GetCacheRequest* request,
                                                      v1::GetCacheResponse* response) {
-  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
+  return RunOnCache(context, request, [response](Cache& cache) -> absl::Status {
     *response->mutable_cache() = CacheInfoToProto(cache);
     return absl::OkStatus();
   });
@@ -571,7 +571,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CanResume(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* CacheServiceImpl::ListSequences(grpc::CallbackServerContext* context,
                                                           const v1::ListSequencesRequest* request,
                                                           v1::ListSequencesResponse* response) {
-  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
+  return RunOnCache(context, request, [response](Cache& cache) -> absl::Status {
     for (const SequenceInfo& info : cache.ListSequences()) {
       *response->add_sequences() = SequenceInfoToProto(info);
     }
@@ -649,7 +649,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::DropSnapshot(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* CacheServiceImpl::ListSnapshots(grpc::CallbackServerContext* context,
                                                           const v1::ListSnapshotsRequest* request,
                                                           v1::ListSnapshotsResponse* response) {
-  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
+  return RunOnCache(context, request, [response](Cache& cache) -> absl::Status {
     for (const SnapshotInfo& info : cache.ListSnapshots()) {
       *response->add_snapshots() = SnapshotInfoToProto(info);
     }

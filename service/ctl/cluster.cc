@@ -1,0 +1,128 @@
+// kvmeshctl's commands on the node itself and its cluster: health (grpc.health.v1), and the
+// cluster operations the node at --addr runs: list-members, migrate, migrate-snapshot.
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "cache/status_macros.h"
+#include "kvmesh/v1/kvmesh.pb.h"
+#include "service/common/convert.h"
+#include "service/common/health_client.h"
+#include "service/ctl/args.h"
+#include "service/ctl/client.h"
+#include "service/ctl/commands.h"
+#include "service/ctl/format.h"
+
+namespace kvmesh {
+namespace ctl {
+namespace {
+
+absl::Status Health(const Client& client, const Args& args) {
+  ASSIGN_OR_RETURN(std::string service, args.GetString("service", ""));
+  ServingStatus status;
+  RETURN_IF_ERROR(FromGrpcStatus(client.health().Check(client.Context().get(), service, &status)));
+  if (client.json()) {
+    std::printf("{\"status\":\"%s\"}\n", ServingStatusName(status));
+  } else {
+    std::printf("%s%s\n", service.empty() ? "" : (service + ": ").c_str(),
+                ServingStatusName(status));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ListMembers(const Client& client, const Args&) {
+  v1::ListMembersResponse response;
+  RETURN_IF_ERROR(
+      client.Call(&v1::CacheService::Stub::ListMembers, v1::ListMembersRequest(), &response));
+  if (client.json()) return PrintJson(response);
+  std::fputs(MembersTable(response).c_str(), stdout);
+  return absl::OkStatus();
+}
+
+absl::Status Migrate(const Client& client, const Args& args) {
+  v1::MigrateRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
+  ASSIGN_OR_RETURN(int64_t target_seq, args.GetInt("target-seq", seq));
+  ASSIGN_OR_RETURN(*request.mutable_target_node(), args.GetString("target-node"));
+  ASSIGN_OR_RETURN(bool keep_source, args.GetBool("keep-source"));
+  request.set_seq(seq);
+  request.set_target_seq(target_seq);
+  request.set_keep_source(keep_source);
+  v1::MigrateResponse response;
+  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::Migrate, request, &response));
+  if (client.json()) return PrintJson(response);
+  std::printf("migrated seq %" PRId64 " to node %s as seq %" PRId64 "%s\n", seq,
+              request.target_node().c_str(), target_seq,
+              keep_source ? " (source kept)" : " (removed here)");
+  if (response.has_transfer()) {
+    std::printf("transfer: %s\n", TransferLine(response.transfer()).c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MigrateSnapshot(const Client& client, const Args& args) {
+  v1::MigrateSnapshotRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(uint64_t id, GetSnapshotId(args, "snapshot"));
+  ASSIGN_OR_RETURN(*request.mutable_target_node(), args.GetString("target-node"));
+  ASSIGN_OR_RETURN(bool keep_source, args.GetBool("keep-source"));
+  request.set_snapshot_id(id);
+  request.set_keep_source(keep_source);
+  v1::MigrateSnapshotResponse response;
+  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::MigrateSnapshot, request, &response));
+  if (client.json()) return PrintJson(response);
+  std::printf("migrated snapshot %" PRIu64 " to node %s as snapshot %" PRIu64 "%s\n", id,
+              request.target_node().c_str(), response.snapshot().id(),
+              keep_source ? " (source kept)" : " (dropped here)");
+  // The snapshot's groups follow the cache's spec, which this node has too.
+  auto info = client.FetchInfo(request.cache());
+  if (info.ok()) {
+    std::printf("  on %s: %s\n", request.target_node().c_str(),
+                SnapshotLine(response.snapshot(), info->spec()).c_str());
+  }
+  if (response.has_transfer()) {
+    std::printf("transfer: %s\n", TransferLine(response.transfer()).c_str());
+  }
+  return absl::OkStatus();
+}
+
+constexpr absl::string_view kHealthFlags[] = {"service"};
+constexpr absl::string_view kMigrateFlags[] = {"cache",       "name",       "seq",
+                                               "target-node", "target-seq", "keep-source"};
+constexpr absl::string_view kMigrateSnapshotFlags[] = {"cache", "name", "snapshot", "target-node",
+                                                       "keep-source"};
+
+}  // namespace
+
+const Command kHealthCommand = {
+    "health", kHealthFlags,
+    R"(  health        [--service=NAME]               grpc.health.v1.Health/Check ("" = the server))",
+    &Health};
+
+const Command kListMembersCommand = {
+    "list-members",
+    {},
+    R"(  list-members                                 this node (*) and its peers: address, health,
+                                               backend, transports, why unreachable)",
+    &ListMembers};
+
+const Command kMigrateCommand = {
+    "migrate", kMigrateFlags,
+    R"(  migrate       --cache=CACHE --seq=N --target-node=NODE [--target-seq=N (--seq)]
+                [--keep-source]
+                move seq to NODE as --target-seq (replaced there); the source is removed once
+                the target has committed unless --keep-source; prints the transfer)",
+    &Migrate};
+
+const Command kMigrateSnapshotCommand = {
+    "migrate-snapshot", kMigrateSnapshotFlags,
+    R"(  migrate-snapshot --cache=CACHE --snapshot=ID --target-node=NODE [--keep-source]
+                move a snapshot to NODE; prints its id there and the transfer)",
+    &MigrateSnapshot};
+
+}  // namespace ctl
+}  // namespace kvmesh

@@ -1,0 +1,254 @@
+// kvmeshctl's commands on what a sequence holds and edits of it: visible, copy-prefix (from this
+// node or another member), remove (here or cluster-wide), can-resume, list-sequences and
+// commit-speculation.
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "cache/status_macros.h"
+#include "kvmesh/v1/kvmesh.pb.h"
+#include "service/common/convert.h"
+#include "service/ctl/args.h"
+#include "service/ctl/client.h"
+#include "service/ctl/commands.h"
+#include "service/ctl/format.h"
+#include "service/ctl/parse.h"
+
+namespace kvmesh {
+namespace ctl {
+namespace {
+
+absl::Status Visible(const Client& client, const Args& args) {
+  v1::VisibleRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(int32_t group, GetInt32(args, "group", 0));
+  request.set_group(group);
+  for (const std::string& text : args.GetAll("query")) {
+    std::vector<absl::string_view> parts = absl::StrSplit(text, ':');
+    v1::Query* q = request.add_queries();
+    int64_t seq;
+    int32_t pos;
+    if (parts.size() < 2 || parts.size() > 3 || !absl::SimpleAtoi(parts[0], &seq) ||
+        !absl::SimpleAtoi(parts[1], &pos) || (parts.size() == 3 && parts[2] != "nc")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--query='", text, "' is not SEQ:POS or SEQ:POS:nc"));
+    }
+    q->set_seq(seq);
+    q->set_pos(pos);
+    q->set_non_causal(parts.size() == 3);
+  }
+  if (args.Has("pos")) {
+    ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
+    ASSIGN_OR_RETURN(std::vector<int32_t> positions, GetPositions(args, "pos"));
+    ASSIGN_OR_RETURN(bool non_causal, args.GetBool("non-causal"));
+    for (int32_t pos : positions) {
+      v1::Query* q = request.add_queries();
+      q->set_seq(seq);
+      q->set_pos(pos);
+      q->set_non_causal(non_causal);
+    }
+  }
+  if (request.queries().empty()) {
+    return absl::InvalidArgumentError("give --query=SEQ:POS[:nc] or --seq=N --pos=LIST");
+  }
+  v1::VisibleResponse response;
+  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::Visible, request, &response));
+  if (client.json()) return PrintJson(response);
+  for (int i = 0; i < request.queries_size(); ++i) {
+    const v1::Query& q = request.queries(i);
+    const v1::Visibility empty;
+    const v1::Visibility& v = i < response.visible_size() ? response.visible(i) : empty;
+    std::printf(
+        "group %d query seq %" PRId64 " pos %d%s: %d visible: %s\n", group, q.seq(), q.pos(),
+        q.non_causal() ? " (non-causal)" : "", v.positions_size(),
+        FormatPositions(std::vector<int32_t>(v.positions().begin(), v.positions().end())).c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CopyPrefix(const Client& client, const Args& args) {
+  v1::CopyPrefixRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(int64_t src, args.GetInt("src"));
+  ASSIGN_OR_RETURN(int64_t dst, args.GetInt("dst"));
+  ASSIGN_OR_RETURN(int32_t length, GetInt32(args, "length"));
+  request.set_src_seq(src);
+  request.set_dst_seq(dst);
+  request.set_length(length);
+  ASSIGN_OR_RETURN(*request.mutable_source_node(), args.GetString("source-node", ""));
+  v1::CopyPrefixResponse response;
+  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::CopyPrefix, request, &response));
+  if (client.json()) return PrintJson(response);
+  std::printf(
+      "copied positions < %d of seq %" PRId64 "%s to seq %" PRId64 "\n", length, src,
+      request.source_node().empty() ? "" : absl::StrCat(" on node ", request.source_node()).c_str(),
+      dst);
+  if (response.has_transfer()) {
+    std::printf("transfer: %s\n", TransferLine(response.transfer()).c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Remove(const Client& client, const Args& args) {
+  v1::RemoveRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
+  ASSIGN_OR_RETURN(int32_t begin, GetInt32(args, "begin"));
+  request.set_seq(seq);
+  request.set_begin(begin);
+  if (args.Has("end")) {
+    ASSIGN_OR_RETURN(int32_t end, GetInt32(args, "end"));
+    request.set_end(end);
+  }
+  if (auto scope = args.Get("scope")) {
+    ASSIGN_OR_RETURN(v1::RemoveScope parsed, ParseRemoveScope(*scope));
+    request.set_scope(parsed);
+  }
+  v1::RemoveResponse response;
+  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::Remove, request, &response));
+  if (client.json()) return PrintJson(response);
+  if (request.scope() == v1::REMOVE_SCOPE_CLUSTER) {
+    std::printf("%s seq %" PRId64 " on %d nodes:\n",
+                request.has_end()
+                    ? absl::StrCat("remove [", begin, ", ", request.end(), ") of").c_str()
+                    : absl::StrCat("truncate at ", begin, " of").c_str(),
+                seq, response.nodes_size());
+    for (const v1::NodeResult& node : response.nodes()) {
+      std::printf("  %s\n", NodeResultLine(node).c_str());
+    }
+    return absl::OkStatus();
+  }
+  if (request.has_end()) {
+    std::printf("removed [%d, %d) from seq %" PRId64 "; later positions moved down by %d\n", begin,
+                request.end(), seq, request.end() - begin);
+  } else {
+    std::printf("truncated seq %" PRId64 " at %d\n", seq, begin);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CanResume(const Client& client, const Args& args) {
+  ASSIGN_OR_RETURN(std::string cache, GetCacheName(args));
+  ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
+  ASSIGN_OR_RETURN(std::vector<int32_t> positions, GetPositions(args, "pos"));
+  for (int32_t pos : positions) {
+    v1::CanResumeRequest request;
+    request.set_cache(cache);
+    request.set_seq(seq);
+    request.set_pos(pos);
+    v1::CanResumeResponse response;
+    RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::CanResume, request, &response));
+    if (client.json()) {
+      RETURN_IF_ERROR(PrintJson(response));
+    } else {
+      std::printf("can-resume seq %" PRId64 " pos %d: %s\n", seq, pos,
+                  response.can_resume() ? "true" : "false");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ListSequences(const Client& client, const Args& args) {
+  v1::ListSequencesRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  v1::ListSequencesResponse response;
+  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::ListSequences, request, &response));
+  if (client.json()) return PrintJson(response);
+  ASSIGN_OR_RETURN(v1::CacheInfo info, client.FetchInfo(request.cache()));
+  std::printf("%-8s %7s %7s  %s\n", "SEQ", "OFFSET", "PENDING",
+              "PER GROUP: stored (shared) [first, last] | recurrent: state (shared)");
+  for (const v1::SequenceInfo& s : response.sequences()) {
+    std::vector<std::string> groups;
+    for (const v1::GroupSequence& g : s.groups()) {
+      switch (GroupKindOf(info.spec(), g.group())) {
+        case v1::LayerGroup::kRecurrent:
+          groups.push_back(absl::StrCat("g", g.group(), ": state ", StateText(g.state()),
+                                        g.shared() > 0 ? " (shared)" : ""));
+          break;
+        case v1::LayerGroup::kRotating:
+          groups.push_back(absl::StrCat("g", g.group(), ": ring ", g.stored(), " (", g.shared(),
+                                        ") [", g.first(), ", ", g.last(), "]"));
+          break;
+        default:
+          groups.push_back(absl::StrCat("g", g.group(), ": ", g.stored(), " (", g.shared(), ") [",
+                                        g.first(), ", ", g.last(), "]"));
+      }
+    }
+    std::printf("%-8" PRId64 " %7d %7d  %s\n", s.seq(), s.offset(), s.pending(),
+                absl::StrJoin(groups, "  ").c_str());
+  }
+  if (response.sequences().empty()) std::printf("(no sequences)\n");
+  return absl::OkStatus();
+}
+
+absl::Status CommitSpeculation(const Client& client, const Args& args) {
+  v1::CommitSpeculationRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
+  ASSIGN_OR_RETURN(int32_t accepted, GetInt32(args, "accepted"));
+  request.set_seq(seq);
+  request.set_accepted(accepted);
+  v1::CommitSpeculationResponse response;
+  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::CommitSpeculation, request, &response));
+  if (client.json()) return PrintJson(response);
+  std::printf("committed %d pending tokens of seq %" PRId64 "; offset now %d\n", accepted, seq,
+              response.offset());
+  return absl::OkStatus();
+}
+
+constexpr absl::string_view kVisibleFlags[] = {"cache", "name", "group",     "query",
+                                               "seq",   "pos",  "non-causal"};
+constexpr absl::string_view kCopyPrefixFlags[] = {"cache", "name",   "src",
+                                                  "dst",   "length", "source-node"};
+constexpr absl::string_view kRemoveFlags[] = {"cache", "name", "seq", "begin", "end", "scope"};
+constexpr absl::string_view kCanResumeFlags[] = {"cache", "name", "seq", "pos"};
+constexpr absl::string_view kListSequencesFlags[] = {"cache", "name"};
+constexpr absl::string_view kCommitSpeculationFlags[] = {"cache", "name", "seq", "accepted"};
+
+}  // namespace
+
+const Command kVisibleCommand = {
+    "visible", kVisibleFlags,
+    R"(  visible       --cache=CACHE [--group=G] (--query=SEQ:POS[:nc]... | --seq=N --pos=LIST
+                [--non-causal]))",
+    &Visible};
+
+const Command kCopyPrefixCommand = {
+    "copy-prefix", kCopyPrefixFlags,
+    R"(  copy-prefix   --cache=CACHE --src=N --dst=N --length=TOKENS [--source-node=NODE]
+                with --source-node naming another member: this node (--addr) pulls src's
+                positions < TOKENS from NODE into dst; prints the transfer (transport, bytes,
+                time, GB/s))",
+    &CopyPrefix};
+
+const Command kRemoveCommand = {
+    "remove", kRemoveFlags,
+    R"(  remove        --cache=CACHE --seq=N --begin=P [--end=P] [--scope=local|cluster]
+                no --end: truncate from --begin; --scope=cluster removes on every member and
+                prints one line per node (the command succeeds when every member answered))",
+    &Remove};
+
+const Command kCanResumeCommand = {"can-resume", kCanResumeFlags,
+                                   R"(  can-resume    --cache=CACHE --seq=N --pos=LIST)",
+                                   &CanResume};
+
+const Command kListSequencesCommand = {
+    "list-sequences", kListSequencesFlags,
+    R"(  list-sequences --cache=CACHE                 offset, pending tokens, per-group storage/state)",
+    &ListSequences};
+
+const Command kCommitSpeculationCommand = {
+    "commit-speculation", kCommitSpeculationFlags,
+    R"(  commit-speculation --cache=CACHE --seq=N --accepted=K  keep the first K pending tokens)",
+    &CommitSpeculation};
+
+}  // namespace ctl
+}  // namespace kvmesh
