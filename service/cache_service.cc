@@ -74,9 +74,11 @@ grpc::Status InvalidArgument(std::string message) {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::move(message));
 }
 
+constexpr char kCancelledMessage[] = "call cancelled by the client";
+
 const grpc::Status& CancelledStatus() {
   static const grpc::Status* const status =
-      new grpc::Status(grpc::StatusCode::CANCELLED, "call cancelled by the client");
+      new grpc::Status(grpc::StatusCode::CANCELLED, kCancelledMessage);
   return *status;
 }
 
@@ -410,7 +412,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::RunCluster(grpc::CallbackServerConte
                                  "this node serves no cluster operations (no membership)"));
     return reactor;
   }
-  return RunUnaryOn(options_.cluster_executor, context, std::move(fn), CancelledStatus(),
+  return RunUnaryOn(options_.cluster_executor, context, std::move(fn), kCancelledMessage,
                     [this] { return BusyStatus(); });
 }
 
@@ -423,7 +425,7 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheServiceImpl::FindCache(const std::st
 
 grpc::ServerUnaryReactor* CacheServiceImpl::RunUnary(grpc::CallbackServerContext* context,
                                                      absl::AnyInvocable<absl::Status() &&> fn) {
-  return RunUnaryOn(executor_, context, std::move(fn), CancelledStatus(),
+  return RunUnaryOn(executor_, context, std::move(fn), kCancelledMessage,
                     [this] { return BusyStatus(); });
 }
 

@@ -62,13 +62,13 @@ void Executor::WorkerLoop() {
 
 grpc::ServerUnaryReactor* RunUnaryOn(Executor* executor, grpc::CallbackServerContext* context,
                                      absl::AnyInvocable<absl::Status() &&> fn,
-                                     const grpc::Status& cancelled,
+                                     const char* cancelled_message,
                                      absl::FunctionRef<grpc::Status()> busy) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const bool queued =
-      executor->Submit([context, reactor, &cancelled, fn = std::move(fn)]() mutable {
+      executor->Submit([context, reactor, cancelled_message, fn = std::move(fn)]() mutable {
         if (context->IsCancelled()) {
-          reactor->Finish(cancelled);
+          reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED, cancelled_message));
           return;
         }
         reactor->Finish(ToGrpcStatus(std::move(fn)()));

@@ -63,13 +63,13 @@ class Executor {
 };
 
 // Runs `fn` on `executor` and finishes the unary call's default reactor with the status `fn`
-// returns; with `cancelled` instead when the call was cancelled before `fn` could start, and
-// with busy() (UNAVAILABLE, built only then) when the executor refuses the task. Returns the
-// reactor, for the RPC handler to return. `context` must be the call's; `cancelled` must live
-// until the task has run (a static status).
+// returns; with CANCELLED and `cancelled_message` instead when the call was cancelled before
+// `fn` could start, and with busy() (UNAVAILABLE, built only then) when the executor refuses
+// the task. Returns the reactor, for the RPC handler to return. `context` must be the call's;
+// `cancelled_message` is a string literal (the task keeps the pointer).
 grpc::ServerUnaryReactor* RunUnaryOn(Executor* executor, grpc::CallbackServerContext* context,
                                      absl::AnyInvocable<absl::Status() &&> fn,
-                                     const grpc::Status& cancelled,
+                                     const char* cancelled_message,
                                      absl::FunctionRef<grpc::Status()> busy);
 
 }  // namespace kvmesh

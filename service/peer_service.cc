@@ -25,14 +25,13 @@ PeerServiceImpl::PeerServiceImpl(Cluster* cluster, LeaseTable* leases, Executor*
 grpc::ServerUnaryReactor* PeerServiceImpl::RunOn(Executor* executor,
                                                  grpc::CallbackServerContext* context,
                                                  absl::AnyInvocable<absl::Status() &&> fn) {
-  static const grpc::Status* const cancelled =
-      new grpc::Status(grpc::StatusCode::CANCELLED, "call cancelled by the peer");
-  return RunUnaryOn(executor, context, std::move(fn), *cancelled, [this, executor] {
+  auto busy = [this, executor] {
     return grpc::Status(
         grpc::StatusCode::UNAVAILABLE,
         absl::StrCat("kvmesh-node ", options_.name, " is overloaded: its executor queue holds ",
                      executor->max_queued(), " tasks already; retry later"));
-  });
+  };
+  return RunUnaryOn(executor, context, std::move(fn), "call cancelled by the peer", busy);
 }
 
 grpc::ServerUnaryReactor* PeerServiceImpl::NodeInfo(grpc::CallbackServerContext* context,

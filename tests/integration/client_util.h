@@ -171,8 +171,8 @@ grpc::Status ListSnapshots(Stub& stub, const std::string& cache,
 grpc::Status CommitSpeculation(Stub& stub, const std::string& cache, int64_t seq, int32_t accepted,
                                int32_t* offset = nullptr);
 
-// grpc.health.v1.Health/Check of `service` ("" = the server), through kvmeshctl's
-// HealthClient. *serving_status is the response's enum value (1 = SERVING, 2 = NOT_SERVING).
+// grpc.health.v1.Health/Check of `service` ("" = the server), through kvmesh::HealthClient
+// (service/common/health_client.h). *serving_status is the response's enum value (1 = SERVING, 2 = NOT_SERVING).
 grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
                          int* serving_status);
 
