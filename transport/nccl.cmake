@@ -26,7 +26,7 @@ add_library(kvmesh_nccl_comm nccl_comm.cc)
 add_library(kvmesh::nccl_comm ALIAS kvmesh_nccl_comm)
 target_include_directories(kvmesh_nccl_comm PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(kvmesh_nccl_comm
-  PUBLIC kvmesh::nccl_api kvmesh::cuda_device CUDA::cudart_static absl::status absl::statusor
+  PUBLIC kvmesh::nccl_api kvmesh::cuda_device ${KVMESH_CUDART} absl::status absl::statusor
          absl::time absl::strings absl::span absl::function_ref absl::core_headers
          Threads::Threads
   PRIVATE kvmesh_warnings)

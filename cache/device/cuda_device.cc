@@ -41,7 +41,7 @@ class CudaStreamState final : public DeviceStream {
   ~CudaStreamState() override {
     // The stream and event belong to this GPU; make it current whatever thread drops the last
     // reference.
-    (void)cudaSetDevice(ordinal_);
+    if (cudaSetDevice(ordinal_) != cudaSuccess) (void)cudaGetLastError();
     done_ = cuda::Event();
     stream_ = cuda::Stream();
   }
@@ -338,15 +338,15 @@ class CudaDevice final : public Device {
       : Device(options.budget_bytes, options.snapshot_budget_bytes),
         ordinal_(options.ordinal),
         staging_bytes_(options.staging_bytes),
-        name_(absl::StrCat("cuda:", options.ordinal)),
+        name_(absl::StrCat("cuda:", options.ordinal, CudaSimulated() ? " (simulated)" : "")),
         stream_(std::move(stream)),
         done_(std::move(done)) {}
 
   ~CudaDevice() override {
     // Teardown order: wait for the device's own stream, free the staging sets, then the stream
     // and its event. Caches (and their streams and arenas) are gone by now (REQUIRES).
-    (void)cudaSetDevice(ordinal_);
-    (void)cudaStreamSynchronize(stream_.get());
+    if (cudaSetDevice(ordinal_) != cudaSuccess) (void)cudaGetLastError();
+    if (cudaStreamSynchronize(stream_.get()) != cudaSuccess) (void)cudaGetLastError();
     MutexLock lock(&staging_mu_);
     staging_.clear();
     done_ = cuda::Event();
@@ -450,8 +450,9 @@ class CudaDevice final : public Device {
   }
 
   void RawFree(uint8_t* data, size_t bytes) override {
-    (void)cudaSetDevice(ordinal_);
-    (void)cudaFree(data);
+    // Errors are ignored but cleared, so that the next launch check does not report them.
+    if (cudaSetDevice(ordinal_) != cudaSuccess) (void)cudaGetLastError();
+    if (cudaFree(data) != cudaSuccess) (void)cudaGetLastError();
   }
 
  private:
@@ -462,28 +463,44 @@ class CudaDevice final : public Device {
     KVMESH_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
     ASSIGN_OR_RETURN(std::unique_ptr<Staging> staging, AcquireStaging());
     absl::Status status;
+    bool idle = true;
     if (arena.stream() == nullptr) {
       MutexLock lock(&own_stream_mu_);
-      status = RunOn(Queue{stream_.get(), done_.get()}, *staging, work);
+      status = RunOn(Queue{stream_.get(), done_.get()}, *staging, work, &idle);
     } else {
       auto* state = dynamic_cast<CudaStreamState*>(arena.stream().get());
       if (state == nullptr || state->ordinal() != ordinal_) {
         status = absl::InternalError(
             absl::StrCat("device ", name_, ": arena is bound to a stream of another device"));
       } else {
-        status = RunOn(Queue{state->stream(), state->done()}, *staging, work);
+        status = RunOn(Queue{state->stream(), state->done()}, *staging, work, &idle);
       }
     }
-    ReleaseStaging(std::move(staging));
+    if (idle) {
+      ReleaseStaging(std::move(staging));
+    } else {
+      DiscardStaging(std::move(staging));
+    }
     return status;
   }
 
+  // Runs `work` and drains the stream. *idle is false when the stream could not be waited for
+  // (a dead context): work enqueued on it may still read the staging set, which must then never
+  // be handed to another operation (found by the simulated GPU's fault sweeps: a reused set's
+  // new plane table steered a stale kernel's writes past an arena).
   template <typename Work>
-  static absl::Status RunOn(Queue q, Staging& staging, Work& work) {
+  static absl::Status RunOn(Queue q, Staging& staging, Work& work, bool* idle) {
     absl::Status status = work(q, staging);
     // Drain even after an error: nothing may still be reading the staging set or the caller's
     // buffers when the operation returns.
     const absl::Status drained = Drain(q);
+    if (!drained.ok()) {
+      // The event could not be recorded or waited for: wait for the stream itself.
+      if (cudaStreamSynchronize(q.stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        *idle = false;
+      }
+    }
     staging.Reset();
     if (!status.ok()) return status;
     return drained;
@@ -514,6 +531,16 @@ class CudaDevice final : public Device {
   void ReleaseStaging(std::unique_ptr<Staging> staging) {
     MutexLock lock(&staging_mu_);
     staging_.push_back(std::move(staging));
+    staging_released_.notify_one();
+  }
+
+  // Drops a staging set that a stream may still use (RunOn): it is never reused, and its place
+  // in the pool goes to a new set. Its memory is freed now (cudaFree waits for the device, or
+  // fails on a dead context, when the memory is lost with the context anyway).
+  void DiscardStaging(std::unique_ptr<Staging> staging) {
+    staging.reset();
+    MutexLock lock(&staging_mu_);
+    --staging_created_;
     staging_released_.notify_one();
   }
 
@@ -758,6 +785,14 @@ class CudaDevice final : public Device {
 }  // namespace
 
 bool CudaBuilt() { return true; }
+
+bool CudaSimulated() {
+#if defined(KVMESH_CUDA_SIMULATED)
+  return true;
+#else
+  return false;
+#endif
+}
 
 int CudaDeviceCount() {
   int count = 0;

@@ -42,6 +42,11 @@ struct CudaDeviceOptions {
 // Whether this binary was built with CUDA support.
 bool CudaBuilt();
 
+// Whether its CUDA runtime is the simulated GPU of the tests (a -DKVMESH_CUDA=SIM build,
+// docs/cuda.md): then the device names itself "cuda:N (simulated)" and kvmesh-node says so at
+// start-up, so that a simulated node is never taken for one on a GPU.
+bool CudaSimulated();
+
 // How many CUDA devices this process can use: 0 when the binary was built without CUDA, when
 // no driver is installed, or when no GPU is visible. Never fails.
 int CudaDeviceCount();

@@ -5,6 +5,8 @@ namespace kvmesh {
 
 bool CudaBuilt() { return false; }
 
+bool CudaSimulated() { return false; }
+
 int CudaDeviceCount() { return 0; }
 
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(const CudaDeviceOptions& options) {

@@ -31,6 +31,13 @@
 #include "cache/device/cuda_check.h"
 #include "cache/status_macros.h"
 
+// Launches `kernel` (which may be a template-id with commas, hence last) on `stream`. nvcc's
+// <<<>>> unless the includer defined it: the simulated GPU of the tests compiles this file as
+// host C++ with its own launcher (docs/cuda.md, "The simulated GPU").
+#ifndef KVMESH_LAUNCH
+#define KVMESH_LAUNCH(grid, block, shared, stream, ...) __VA_ARGS__<<<grid, block, shared, stream>>>
+#endif
+
 namespace kvmesh {
 namespace cuda {
 namespace {
@@ -408,8 +415,9 @@ absl::Status LaunchRope(uint8_t* const* planes, int32_t num_planes, uint64_t row
                          reinterpret_cast<uintptr_t>(sin) % 16 == 0;
   ASSIGN_OR_RETURN(const uint64_t resident_warps, ResidentWarps());
   const uint64_t items = uint64_t(num_planes) * uint64_t(num_rows);
-  RopeShiftKernel<E, kNeox><<<GridBlocks(items, resident_warps), kBlockThreads, 0, stream>>>(
-      planes, row_bytes, rows, uint64_t(num_rows), items, shape, vector_ok, cos, sin);
+  KVMESH_LAUNCH(GridBlocks(items, resident_warps), kBlockThreads, 0, stream,
+                RopeShiftKernel<E, kNeox>)(planes, row_bytes, rows, uint64_t(num_rows), items,
+                                           shape, vector_ok, cos, sin);
   return LaunchStatus("RopeShiftKernel");
 }
 
@@ -428,7 +436,7 @@ absl::Status LaunchCopyRows(const CopyPlane* planes, int32_t num_planes, const i
   // Few items: split each so that the device is still covered once (see the top comment).
   const uint64_t slices = items >= resident_warps ? 1 : CeilDiv(resident_warps, items);
   const uint64_t units = items * slices;
-  CopyRowsKernel<<<GridBlocks(units, resident_warps), kBlockThreads, 0, stream>>>(
+  KVMESH_LAUNCH(GridBlocks(units, resident_warps), kBlockThreads, 0, stream, CopyRowsKernel)(
       planes, src_rows, dst_rows, uint64_t(num_rows), slices, units);
   return LaunchStatus("CopyRowsKernel");
 }

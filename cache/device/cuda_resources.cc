@@ -14,6 +14,16 @@ absl::Status CudaError(cudaError_t error, const char* expr, const char* file, in
   return absl::InternalError(message);
 }
 
+namespace {
+
+// Release errors are ignored (see the header), but must not stay behind as the thread's last
+// error, where the next launch check (cudaGetLastError) would report them as its own.
+void Released(cudaError_t error) {
+  if (error != cudaSuccess) (void)cudaGetLastError();
+}
+
+}  // namespace
+
 absl::StatusOr<Stream> Stream::Create() {
   cudaStream_t stream = nullptr;
   KVMESH_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -28,7 +38,7 @@ Stream& Stream::operator=(Stream&& o) noexcept {
 }
 
 Stream::~Stream() {
-  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  if (stream_ != nullptr) Released(cudaStreamDestroy(stream_));
 }
 
 absl::StatusOr<Event> Event::Create() {
@@ -46,7 +56,7 @@ Event& Event::operator=(Event&& o) noexcept {
 }
 
 Event::~Event() {
-  if (event_ != nullptr) (void)cudaEventDestroy(event_);
+  if (event_ != nullptr) Released(cudaEventDestroy(event_));
 }
 
 absl::StatusOr<DeviceBuffer> DeviceBuffer::Create(size_t bytes) {
@@ -65,7 +75,7 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 }
 
 DeviceBuffer::~DeviceBuffer() {
-  if (data_ != nullptr) (void)cudaFree(data_);
+  if (data_ != nullptr) Released(cudaFree(data_));
 }
 
 absl::StatusOr<PinnedBuffer> PinnedBuffer::Create(size_t bytes) {
@@ -84,7 +94,7 @@ PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
 }
 
 PinnedBuffer::~PinnedBuffer() {
-  if (data_ != nullptr) (void)cudaFreeHost(data_);
+  if (data_ != nullptr) Released(cudaFreeHost(data_));
 }
 
 }  // namespace cuda

@@ -22,7 +22,8 @@ const char* EnvOrEmpty(const char* name) {
 }  // namespace
 
 std::string TestDeviceSelection::name() const {
-  return cuda ? absl::StrCat("cuda:", ordinal) : std::string("host");
+  if (!cuda) return "host";
+  return absl::StrCat("cuda:", ordinal, CudaSimulated() ? " (simulated)" : "");
 }
 
 absl::StatusOr<TestDeviceSelection> SelectedTestDevice() {

@@ -33,7 +33,8 @@ namespace testutil {
 struct TestDeviceSelection {
   bool cuda = false;  // false: HostDevice
   int ordinal = 0;    // CUDA device index when cuda
-  // What Device::name() of the selected device returns: "host" or "cuda:N".
+  // What Device::name() of the selected device returns: "host" or "cuda:N" ("cuda:N
+  // (simulated)" in a -DKVMESH_CUDA=SIM build).
   std::string name() const;
 };
 

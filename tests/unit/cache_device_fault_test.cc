@@ -3,6 +3,11 @@
 // or RopeShift fails on request. Append must leave the cache as it was (all groups are written
 // before any is committed); a Remove whose data rewrite failed must leave consistent metadata
 // and refuse further data operations instead of serving possibly wrong bytes.
+//
+// On the simulated GPU (KVMESH_CUDA=SIM, run as _cuda) the fault sweeps go one level further
+// down: the n-th call of a CUDA runtime function inside CudaDevice fails (a copy, a launch, a
+// kernel fault that kills the context, an event), so the error paths of CudaDevice itself are
+// held to the same promise.
 #include <algorithm>
 #include <functional>
 #include <map>
@@ -18,6 +23,10 @@
 #include "gtest/gtest.h"
 #include "tests/testing/test_device.h"
 #include "tests/unit/cache_test_util.h"
+
+#if defined(KVMESH_TEST_CUDASIM)
+#include "tests/testing/cudasim/cuda_sim.h"
+#endif
 
 namespace kvmesh {
 namespace {
@@ -254,11 +263,13 @@ void Arm(FaultyDevice& device, FaultKind kind, int n) {
   }
 }
 
-// Read, Append (of a new sequence 2), CopyPrefix and Remove refuse with FAILED_PRECONDITION.
-::testing::AssertionResult RefusesDataOperations(Cache& cache, int64_t seq) {
+// Read, Append (of a new sequence 2), CopyPrefix and Remove refuse with FAILED_PRECONDITION; Read
+// names the error (`cause`).
+::testing::AssertionResult RefusesDataOperations(Cache& cache, int64_t seq,
+                                                 absl::string_view cause = "injected") {
   const absl::Status read = cache.Read(seq, 0, std::nullopt).status();
   if (read.code() != absl::StatusCode::kFailedPrecondition ||
-      read.message().find("injected") == absl::string_view::npos) {
+      read.message().find(cause) == absl::string_view::npos) {
     return ::testing::AssertionFailure() << "Read: " << read;
   }
   const absl::Status append = AppendRange(cache, 2, 0, 1);
@@ -284,7 +295,64 @@ struct FaultScenario {
   std::function<void(const Cache&)> success;  // checks the result when no fault fired
 };
 
+#if defined(KVMESH_TEST_CUDASIM)
+// The sweep one level down, on the simulated GPU: the n-th call of a CUDA runtime function made
+// by the operation fails with `error`. A context-killing error (a kernel fault) is cleared, as a
+// device reset would, before the cache is inspected.
+void RunCudaFaultSweep(const FaultScenario& scenario) {
+  struct CudaFault {
+    const char* call;
+    cudaError_t error;
+  };
+  const CudaFault faults[] = {
+      {"cudaMemcpyAsync", cudaErrorInvalidValue},
+      {"cudaLaunchKernel", cudaErrorLaunchOutOfResources},
+      {"kernel", cudaErrorIllegalAddress},
+      {"cudaEventRecord", cudaErrorInvalidResourceHandle},
+      {"cudaEventSynchronize", cudaErrorUnknown},
+  };
+  int fired_runs = 0;
+  for (const CudaFault& fault : faults) {
+    const char* name = cudaGetErrorName(fault.error);
+    for (int n = 1;; ++n) {
+      SCOPED_TRACE(::testing::Message() << scenario.name << ": " << fault.call << " call " << n
+                                        << " fails with " << name);
+      ASSERT_LT(n, 200) << "the operation never completes";
+      FaultyDevice device;
+      absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(scenario.spec, &device);
+      ASSERT_TRUE(created.ok()) << created.status();
+      Cache& cache = **created;
+      scenario.setup(cache);
+      if (::testing::Test::HasFatalFailure()) return;
+      const testutil::CacheState before = CaptureState(cache);
+      cudasim::InjectFailure(fault.call, n, fault.error);
+      const absl::Status status = scenario.op(cache);
+      const bool fired = cudasim::PendingFailures() == 0;
+      cudasim::ResetFailures();
+      if (!fired) {
+        ASSERT_TRUE(status.ok()) << status;
+        scenario.success(cache);
+        break;
+      }
+      ++fired_runs;
+      ASSERT_FALSE(status.ok()) << "the CUDA error was swallowed";
+      EXPECT_EQ(status.code(), absl::StatusCode::kInternal) << status;
+      EXPECT_NE(status.message().find(name), absl::string_view::npos) << status;
+      const testutil::CacheState after = CaptureState(cache);
+      if (!SameState(before, after)) {
+        EXPECT_TRUE(RefusesDataOperations(cache, 0, name));
+      }
+    }
+  }
+  EXPECT_GT(fired_runs, 0) << scenario.name << ": no CUDA call to fail";
+}
+#endif
+
 void RunFaultSweep(const FaultScenario& scenario) {
+#if defined(KVMESH_TEST_CUDASIM)
+  if (testutil::TestOnCuda()) RunCudaFaultSweep(scenario);
+  if (::testing::Test::HasFatalFailure()) return;
+#endif
   int fired_runs = 0;
   for (FaultKind kind :
        {FaultKind::kScatter, FaultKind::kCopy, FaultKind::kCopyBetween, FaultKind::kRope}) {
@@ -347,7 +415,10 @@ CacheSpec HybridSpec() {
 
 TEST(CacheDeviceFaultTest, RotatingWrappedDecode) {
   RunFaultSweep(
-      {"rotating decode", RingSpec(), [](Cache& c) { ASSERT_TRUE(AppendRange(c, 0, 0, 6).ok()); },
+      {"rotating decode", RingSpec(), [](Cache& c) {
+         const absl::Status s = AppendRange(c, 0, 0, 6);
+         ASSERT_TRUE(s.ok()) << s;
+       },
        [](Cache& c) { return AppendRange(c, 0, 6, 7, /*salt=*/1); },
        [](const Cache& c) {
          EXPECT_TRUE(testutil::ReadIs(c, 0, 0, std::nullopt, {testutil::Range(3, 7)},
