@@ -106,21 +106,51 @@ bool Active();
 
 namespace internal {
 
-// The coordinates of the simulated GPU thread running on this host thread.
+// The coordinates of one simulated GPU thread.
 struct ThreadCoords {
   uint3 thread_idx;
   uint3 block_idx;
   dim3 block_dim;
   dim3 grid_dim;
 };
-ThreadCoords& Coords();
+
+// The threads of one launch in the order they run: thread k of the order is At(k), a linear index
+// (block * threads per block + thread) that Coords turns into coordinates.
+struct LaunchOrder {
+  ThreadOrder order;
+  const uint64_t* shuffled;  // kShuffle: the permutation
+  uint64_t total;            // threads in the grid
+  dim3 grid;
+  dim3 block;
+
+  uint64_t At(uint64_t k) const {
+    return order == ThreadOrder::kForward   ? k
+           : order == ThreadOrder::kReverse ? total - 1 - k
+                                            : shuffled[k];
+  }
+  ThreadCoords Coords(uint64_t t) const {
+    const uint64_t threads = uint64_t(block.x) * block.y * block.z;
+    const uint64_t b = t / threads, th = t % threads;
+    ThreadCoords c;
+    c.block_idx.x = unsigned(b % grid.x);
+    c.block_idx.y = unsigned(b / grid.x % grid.y);
+    c.block_idx.z = unsigned(b / grid.x / grid.y);
+    c.thread_idx.x = unsigned(th % block.x);
+    c.thread_idx.y = unsigned(th / block.x % block.y);
+    c.thread_idx.z = unsigned(th / block.x / block.y);
+    c.block_dim = block;
+    c.grid_dim = grid;
+    return c;
+  }
+};
 
 // Checks the launch configuration and the pointer arguments (each null or device memory), then
-// enqueues `body` to run once per (block, thread) of the grid, Coords() set for each. Errors are
-// reported as for a launch on a GPU: through cudaGetLastError.
+// enqueues the launch: when the stream reaches it, `run` is called once with the order of the
+// grid's threads and runs each of them (kernel_prelude.h). Errors are reported as for a launch on
+// a GPU: through cudaGetLastError.
 void LaunchKernel(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
                   cudaStream_t stream, const void* const* pointers, size_t num_pointers,
-                  std::function<void()> body);
+                  std::function<void(const LaunchOrder&)> run);
 
 }  // namespace internal
 }  // namespace cudasim

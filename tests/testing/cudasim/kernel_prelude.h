@@ -4,8 +4,8 @@
 //
 // - Qualifiers: CUDA's host_defines.h already blanks __global__, __device__ and __host__ for a
 //   host compiler; __launch_bounds__ is blanked here.
-// - threadIdx, blockIdx, blockDim and gridDim read the coordinates of the simulated thread the
-//   simulator is running (cudasim::internal::Coords()).
+// - threadIdx, blockIdx, blockDim and gridDim read the coordinates of the simulated thread being
+//   run (kernel_coords).
 // - __ldg is a plain load; the _rn arithmetic intrinsics are single IEEE operations, which stay
 //   separate because this code is compiled with -ffp-contract=off (as nvcc keeps them).
 // - KVMESH_LAUNCH(grid, block, shared, stream, kernel)(args...) enqueues the kernel on the
@@ -29,10 +29,10 @@
 #include "tests/testing/cudasim/cuda_sim.h"
 
 #define __launch_bounds__(...)
-#define threadIdx (::cudasim::internal::Coords().thread_idx)
-#define blockIdx (::cudasim::internal::Coords().block_idx)
-#define blockDim (::cudasim::internal::Coords().block_dim)
-#define gridDim (::cudasim::internal::Coords().grid_dim)
+#define threadIdx (::cudasim::internal::kernel_coords.thread_idx)
+#define blockIdx (::cudasim::internal::kernel_coords.block_idx)
+#define blockDim (::cudasim::internal::kernel_coords.block_dim)
+#define gridDim (::cudasim::internal::kernel_coords.grid_dim)
 
 template <typename T>
 inline T __ldg(const T* p) {
@@ -54,6 +54,11 @@ inline unsigned int __float_as_uint(float f) {
 
 namespace cudasim {
 namespace internal {
+
+// The simulated thread running on this host thread. Defined here, in the kernels' own
+// translation unit (linked into the executable), rather than in the runtime library, so that
+// reading threadIdx is a plain thread-local load.
+inline thread_local ThreadCoords kernel_coords;
 
 // Binds a kernel to its launch configuration; calling it with the kernel's arguments enqueues
 // the launch. Pointer arguments are handed to the simulator, which checks each is null or device
@@ -79,7 +84,12 @@ class Launcher {
         *params);
     void (*kernel)(Params...) = kernel_;
     LaunchKernel(name_, grid_, block_, shared_, stream_, pointers.data(), pointers.size(),
-                 [kernel, params] { std::apply(kernel, *params); });
+                 [kernel, params](const LaunchOrder& order) {
+                   for (uint64_t k = 0; k < order.total; ++k) {
+                     kernel_coords = order.Coords(order.At(k));
+                     std::apply(kernel, *params);
+                   }
+                 });
   }
 
  private:
