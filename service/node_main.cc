@@ -16,10 +16,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -93,6 +95,8 @@ namespace kvmesh {
 namespace {
 
 constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
+// Threads reading grpc-stream chunks that must be copied (see transfer_reads in Run).
+constexpr int kTransferReadThreads = 2;
 constexpr uint64_t kMinMessageBytes = 64 << 10;
 
 int Fail(const std::string& message) {
@@ -210,6 +214,14 @@ int Run() {
           absl::StrCat("--backend=cuda --device=", options.ordinal, ": ", cuda.status().message()));
     }
     device = *std::move(cuda);
+    if (CudaSimulated()) {
+      // A test build (-DKVMESH_CUDA=SIM): say so loudly, and the device name says it too.
+      std::fprintf(stderr,
+                   "kvmesh-node: WARNING: %s is the SIMULATED GPU of a -DKVMESH_CUDA=SIM test "
+                   "build: caches live in host memory, kernels run on the CPU. Not for "
+                   "production; build with -DKVMESH_CUDA=ON for a GPU.\n",
+                   device->name().c_str());
+    }
   } else {
     device = std::make_unique<HostDevice>(memory_budget, snapshot_budget);
   }
@@ -297,6 +309,18 @@ int Run() {
   cluster_options.transport = transport_flag;
   Cluster cluster(cluster_options, &registry, members, &leases, &reservations, cluster_transports);
   Executor cluster_executor(cluster_threads, static_cast<size_t>(queue));
+  // The grpc-stream sender's reads of chunks that must be copied: a payload without a host view
+  // (a CUDA export: each chunk is a Gather through pinned staging that waits for the device) is
+  // read here, never on gRPC's callback threads. A pool of its own rather than the engine
+  // executor: transfers are bulk background work, and two threads bound how many of the
+  // device's staging sets they hold at once, while a migration's reads neither wait behind every
+  // queued engine call nor make engine calls wait behind them. Not the cluster executor: its
+  // threads block in Receive on peers' Fetch streams, so two nodes pulling from each other with
+  // every cluster thread so blocked would queue the reads that feed those very streams behind
+  // them, until the deadlines. A stream has at most one read queued, so the queue
+  // (--executor_queue) fills only with that many streams reading at once; a refused read ends
+  // its stream with UNAVAILABLE (retry later), as every call an overloaded node refuses.
+  Executor transfer_reads(kTransferReadThreads, static_cast<size_t>(queue));
 
   CacheServiceImpl::Options options;
   options.max_send_message_bytes = max_message;
@@ -310,6 +334,12 @@ int Run() {
   peer_options.sender.max_chunk_bytes = static_cast<int>(max_message / 2);
   peer_options.sender.chunk_delay = absl::Milliseconds(absl::GetFlag(FLAGS_testing_chunk_delay_ms));
   peer_options.sender.corrupt_chunk = absl::GetFlag(FLAGS_testing_corrupt_chunk);
+  peer_options.sender.run_read = [&transfer_reads, name](std::function<void()> read) {
+    if (transfer_reads.Submit(std::move(read))) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat(
+        "kvmesh-node ", name, " is overloaded: its transfer read queue holds ",
+        transfer_reads.max_queued(), " reads already (or it is shutting down); retry later"));
+  };
   peer_options.nccl = std::move(nccl_hooks);
   PeerServiceImpl peer_service(&cluster, &leases, &executor, &cluster_executor, peer_options);
 
@@ -353,11 +383,13 @@ int Run() {
   }
   std::fprintf(stderr, "kvmesh-node %s: %s, shutting down\n", name.c_str(), strsignal(signal));
   health->SetServingStatus(false);
-  // Calls still running get the grace period, then are cancelled. The executor keeps running
-  // meanwhile: queued tasks are what finish those calls.
+  // Calls still running get the grace period, then are cancelled. The executors keep running
+  // meanwhile: queued tasks are what finish those calls (a Fetch stream whose chunk read is
+  // queued on transfer_reads finishes when that read runs and sees the cancellation).
   server->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
   cluster_executor.Shutdown();
   executor.Shutdown();
+  transfer_reads.Shutdown();
   server->Wait();
   // gRPC may still hold slices of grpc-stream chunks that point into exports; they must be gone
   // before the caches and the device that their memory comes from.

@@ -3,11 +3,13 @@
 //
 // Export runs on the engine executor (it snapshots and checksums); Pull, NcclConnect and
 // NcclSend run on the cluster executor (they wait on the network); Fetch is served by the
-// grpc-stream transport's sender (transport::ServeFetch) over the lease table; NodeInfo and
-// Release answer inline. A full executor answers UNAVAILABLE.
+// grpc-stream transport's sender (transport::ServeFetch) over the lease table, which reads
+// chunks that need a copy on Options::sender.run_read (kvmesh-node: a pool of its own); NodeInfo
+// and Release answer inline. A full executor answers UNAVAILABLE.
 //
 // Thread safety: thread-safe; everything passed to the constructor must outlive it, and the
-// executors must keep running until the server has shut down.
+// executors (and what sender.run_read runs reads on) must keep running until the server has
+// shut down.
 #ifndef KVMESH_SERVICE_PEER_SERVICE_H_
 #define KVMESH_SERVICE_PEER_SERVICE_H_
 

@@ -367,11 +367,13 @@ size_t EncodeChunkFields(uint64_t offset, uint32_t crc32c, uint64_t data_bytes, 
 
 // One Fetch stream. Exactly one party owns the stream's progress at a time and is the only one
 // to touch the chunk or start an operation: the constructor, then either the write in flight
-// (its OnWriteDone) or the chunk_delay alarm (its callback). Each hands over by starting the
-// next operation as its last step, and the owner calls Finish exactly once. OnCancel may run
+// (its OnWriteDone), the chunk_delay alarm (its callback) or the read of a chunk queued on
+// options_.run_read (ReadChunk, on the runner's thread). Each hands over by starting the next
+// operation as its last step, and the owner calls Finish exactly once. OnCancel may run
 // concurrently with the owner: it only records the cancellation and cancels a pending alarm
-// (under mu_), so that the owner finishes promptly; gRPC runs OnDone after every other reaction
-// has returned, and alarm callbacks cannot be pending then (only an owner finishes).
+// (under mu_), so that the owner finishes promptly (a queued read checks it before reading);
+// gRPC runs OnDone after every other reaction has returned, and neither alarm callbacks nor
+// reads can be pending then (only an owner finishes).
 class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   FetchReactor(const grpc::ByteBuffer& request, LeaseLookup* leases, const SenderOptions& options)
@@ -499,7 +501,8 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     SendChunk();
   }
 
-  // Owner: renews the lease, reads the next chunk into the message and starts its write.
+  // Owner: renews the lease and sends the next chunk: as views of the payload's memory, prepared
+  // here, or copied with ReadAt by ReadChunk on options_.run_read's thread.
   void SendChunk() {
     if (chunks_ > 0) {
       const absl::StatusOr<std::shared_ptr<LeasedPayload>> renewed = leases_->Touch(lease_id_);
@@ -524,32 +527,82 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       views_.push_back(view);
       at += view.size();
     }
-    std::vector<grpc::Slice> slices(1);  // [0]: the fields before the data, below
-    uint32_t crc = 0;
-    if (viewed) {
-      // Each slice holds a reference to the payload, so the bytes outlive the write whatever
-      // gRPC does with them.
-      for (const absl::Span<const uint8_t> view : views_) {
-        crc = Crc32cExtend(crc, view);
-        slices.emplace_back(const_cast<uint8_t*>(view.data()), view.size(), &ReleasePayloadRef,
-                            NewPayloadRef(payload_));
-      }
-    }
     if (!viewed) {
-      // One copy, into a slice of its own.
-      grpc_slice copy = grpc_slice_malloc(n);
-      uint8_t* data = GRPC_SLICE_START_PTR(copy);
-      slices.emplace_back(copy, grpc::Slice::STEAL_REF);
-      const absl::Status read = payload_->ReadAt(offset_, absl::Span<uint8_t>(data, n));
-      if (!read.ok()) {
-        Done(grpc::Status(static_cast<grpc::StatusCode>(read.code()),
-                          absl::StrCat("reading lease ", lease_id_, " at offset ", offset_, ": ",
-                                       read.message())));
-        return;
-      }
-      crc = Crc32cExtend(0, absl::Span<const uint8_t>(data, n));
-      if (chunks_ == options_.corrupt_chunk) data[n / 2] ^= 0x01;  // n > 0 here
+      ScheduleRead();
+      return;
     }
+    std::vector<grpc::Slice> slices(1);  // [0]: the fields before the data, by StartChunk
+    uint32_t crc = 0;
+    // Each slice holds a reference to the payload, so the bytes outlive the write whatever
+    // gRPC does with them.
+    for (const absl::Span<const uint8_t> view : views_) {
+      crc = Crc32cExtend(crc, view);
+      slices.emplace_back(const_cast<uint8_t*>(view.data()), view.size(), &ReleasePayloadRef,
+                          NewPayloadRef(payload_));
+    }
+    StartChunk(std::move(slices), crc, n);
+  }
+
+  // Owner: hands the read of the next chunk to options_.run_read (inline without one). A
+  // refused read finishes the stream with the runner's status (UNAVAILABLE: the receiver's
+  // caller retries the transfer later, as for any call an overloaded node refuses). Waiting
+  // here for room instead would hold this gRPC thread, which is what the runner is for, and
+  // reading inline instead would do the same whenever the runner is busiest.
+  void ScheduleRead() {
+    if (!options_.run_read) {
+      ReadChunk();
+      return;
+    }
+    // A copy: once the runner has the read, ReadChunk may finish the call and OnDone delete this
+    // reactor (and options_ with it) before the runner returns.
+    const ReadRunner run = options_.run_read;
+    const uint64_t lease_id = lease_id_;
+    const size_t offset = offset_;
+    HandOff(this);  // to ReadChunk, unless the runner refuses it
+    const absl::Status queued = run([this] { ReadChunk(); });
+    if (queued.ok()) return;  // nothing of this reactor is touched from here
+    TakeOver(this);           // refused: the read never runs, this is still the owner
+    Done(grpc::Status(static_cast<grpc::StatusCode>(queued.code()),
+                      absl::StrCat("lease ", lease_id, " at offset ", offset,
+                                   ": the chunk's read was refused: ", queued.message())));
+  }
+
+  // Owner, on options_.run_read's thread (or gRPC's without one): copies the next chunk out of
+  // the payload (ReadAt may wait for a device copy) and starts its write.
+  void ReadChunk() {
+    TakeOver(this);
+    bool cancelled;
+    {
+      MutexLock lock(&mu_);
+      cancelled = cancelled_;
+    }
+    if (cancelled) {
+      // The receiver went away while the read was queued: skip the copy nobody will take.
+      Done(CancelledStatus());
+      return;
+    }
+    const size_t n = std::min(chunk_bytes_, size_ - offset_);
+    // One copy, into a slice of its own (allocated here, not when queued, so that queued reads
+    // hold no memory).
+    grpc_slice copy = grpc_slice_malloc(n);
+    uint8_t* data = GRPC_SLICE_START_PTR(copy);
+    std::vector<grpc::Slice> slices(1);  // [0]: the fields before the data, by StartChunk
+    slices.emplace_back(copy, grpc::Slice::STEAL_REF);
+    const absl::Status read = payload_->ReadAt(offset_, absl::Span<uint8_t>(data, n));
+    if (!read.ok()) {
+      Done(grpc::Status(static_cast<grpc::StatusCode>(read.code()),
+                        absl::StrCat("reading lease ", lease_id_, " at offset ", offset_, ": ",
+                                     read.message())));
+      return;
+    }
+    const uint32_t crc = Crc32cExtend(0, absl::Span<const uint8_t>(data, n));
+    if (chunks_ == options_.corrupt_chunk) data[n / 2] ^= 0x01;  // n > 0 here
+    StartChunk(std::move(slices), crc, n);
+  }
+
+  // Owner: completes the message (`slices` after their empty first one hold the chunk's `n`
+  // bytes, whose CRC-32C is `crc`) and starts its write, handing the stream to OnWriteDone.
+  void StartChunk(std::vector<grpc::Slice> slices, uint32_t crc, size_t n) {
     uint8_t fields[32];
     const size_t k = EncodeChunkFields(static_cast<uint64_t>(offset_), crc, n, fields);
     slices[0] = grpc::Slice(fields, k);

@@ -10,7 +10,8 @@
 // Sender: ServeFetch is the reactor behind the node's PeerService::Fetch. It prepares the next
 // chunk only when gRPC has taken the previous one (OnWriteDone), so a stream holds at most one
 // chunk beyond what HTTP/2's flow-control window admits, and renews the lease before every
-// chunk.
+// chunk. A chunk that must be copied (ReadAt: a device copy for a CUDA export) is read on a
+// thread of the caller's (SenderOptions::run_read), never on one of gRPC's.
 //
 // Copies. Both ends use raw messages (grpc::ByteBuffer) and write and read the Chunk's fields
 // themselves, so the payload's bytes are copied only by the kernel's socket writes and reads
@@ -18,7 +19,7 @@
 // (LeasedPayload::View; each slice keeps the payload alive), computing the chunk's CRC-32C from
 // them as it goes, and the receiver checksums and sinks the slices that gRPC read from the
 // socket, piece by piece while each is in the CPU's cache. A payload that is not in host memory
-// is read into one buffer per chunk (ReadAt) instead.
+// is read into one buffer per chunk (ReadAt) instead, off gRPC's threads.
 //
 // Thread safety: GrpcStreamTransport is thread-safe (concurrent Receive calls are independent
 // streams). ServeFetch may be called from any thread; its reactor synchronizes internally.
@@ -109,7 +110,23 @@ class GrpcStreamTransport final : public Transport {
 
 // ---- sender side ---------------------------------------------------------------------------
 
+// Runs `read` later on a thread that may block (not one of gRPC's) and returns OK; or refuses
+// it at once, without running or keeping it, and returns why (UNAVAILABLE for a full queue or
+// a shutdown, naming the node and the limit). `read` starts the stream's next gRPC operation
+// as its last step, so a refused read would leave the stream hanging if it were dropped
+// silently: hence the status, which the sender finishes the stream with.
+using ReadRunner = std::function<absl::Status(std::function<void()> read)>;
+
 struct SenderOptions {
+  // Where chunks that need a copy (LeasedPayload::ReadAt) are read: for a payload without a
+  // View, a CUDA export, that is a Gather through pinned staging that waits for the device
+  // (milliseconds, more behind a busy stream), which must not hold one of gRPC's callback
+  // threads: they serve every other call of the server. Chunks sent as views of host memory
+  // are prepared on gRPC's thread (a checksum over memory, no waiting). Empty: reads run inline
+  // on gRPC's thread, which only payloads whose ReadAt never waits may rely on (tests with
+  // host memory); a node always sets it.
+  ReadRunner run_read;
+
   // Chunk size for a FetchRequest with chunk_bytes 0.
   int32_t default_chunk_bytes = kDefaultChunkBytes;
   // Larger requests are clamped to this (not refused). The server's send limit
@@ -135,19 +152,24 @@ struct SenderOptions {
 // Statuses: NOT_FOUND for an unknown lease; INVALID_ARGUMENT for a negative offset or
 // chunk_bytes; OUT_OF_RANGE for an offset past the payload's end (an offset equal to the size
 // sends no chunk and finishes OK); ReadAt's errors with their codes. When the receiver goes
-// away (or the server shuts down) the stream stops at once: no further reads or writes, the
-// call is finished once, and the payload's reference is dropped when gRPC is done with it.
+// away (or the server shuts down) the stream stops at once: no further reads or writes (a read
+// queued on run_read sees the cancellation and does not read), the call is finished once, and
+// the payload's reference is dropped when gRPC is done with it. A read that run_read refuses
+// ends the stream with run_read's status, naming the lease and the offset; the receiver sees
+// UNAVAILABLE (retry later).
 //
 // The method is served raw: the node's service derives from PeerServiceWithRawFetch (below) and
 // passes the request's ByteBuffer (a serialized FetchRequest; INVALID_ARGUMENT when it does not
 // parse).
 //
-// Chunks are prepared inline on gRPC's callback thread: the checksum of a 4 MiB view of an
-// immutable image in host memory takes well under a millisecond. A LeasedPayload without a
-// View whose ReadAt can block (disk, a device copy that waits on a busy stream) would need the
-// read moved to an executor before it is used here.
+// Chunks of views are prepared inline on gRPC's callback thread: the checksum of a 4 MiB view of
+// an immutable image in host memory takes well under a millisecond. Chunks read with ReadAt
+// (no View, too many pieces, the corrupt_chunk knob) are read by options.run_read's thread,
+// which also starts their write.
 //
-// REQUIRES: `leases` outlives the call (the server). `options` is copied.
+// REQUIRES: `leases` outlives the call (the server), and so does whatever options.run_read
+// runs reads on: it must accept or refuse reads until the server has shut down (Server::Shutdown
+// waits for streams whose read is queued), and run every read it accepted. `options` is copied.
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ServeFetch(grpc::CallbackServerContext* context,
                                                        const grpc::ByteBuffer* request,
                                                        LeaseLookup* leases,

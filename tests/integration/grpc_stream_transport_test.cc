@@ -4,14 +4,19 @@
 // corruption and wrong checksums (DATA_LOSS), unknown leases (NOT_FOUND), request validation,
 // a sender that shuts down mid-transfer (UNAVAILABLE), deadlines (DEADLINE_EXCEEDED), sink
 // errors (returned unchanged; the sender sees the cancel and drops the payload), lease renewal
-// per chunk and concurrent transfers.
+// per chunk and concurrent transfers. Chunks that are copied (ReadAt) are read on a pool of the
+// test's, standing in for the node's: never on gRPC's threads, a blocked read stalls nothing
+// else, a refused read is UNAVAILABLE, and cancellation and shutdown with a read in flight.
 #include "transport/grpc_stream_transport.h"
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
 #include <optional>
 #include <memory>
@@ -23,6 +28,7 @@
 #include <malloc.h>
 #include <sys/resource.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -79,10 +85,14 @@ enum class Views {
   kNone,     // no View: every chunk is read with ReadAt (the copy path)
 };
 
+// Called first thing in every ReadAt of a payload that has one, on ReadAt's thread.
+using ReadHook = std::function<void()>;
+
 class MemoryPayload final : public LeasedPayload {
  public:
-  explicit MemoryPayload(std::vector<uint8_t> bytes, Views views = Views::kWhole)
-      : bytes_(std::move(bytes)), views_(views) {}
+  explicit MemoryPayload(std::vector<uint8_t> bytes, Views views = Views::kWhole,
+                         ReadHook on_read = nullptr)
+      : bytes_(std::move(bytes)), views_(views), on_read_(std::move(on_read)) {}
   size_t size() const override { return bytes_.size(); }
   absl::Span<const uint8_t> View(size_t offset, size_t max_bytes) const override {
     if (views_ == Views::kNone || offset >= bytes_.size()) return {};
@@ -92,6 +102,7 @@ class MemoryPayload final : public LeasedPayload {
     return {bytes_.data() + offset, n};
   }
   absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) override {
+    if (on_read_) on_read_();
     if (offset > bytes_.size() || dst.size() > bytes_.size() - offset) {
       return absl::OutOfRangeError(
           absl::StrCat("ReadAt(", offset, ", ", dst.size(), ") past the end of ", bytes_.size()));
@@ -104,15 +115,18 @@ class MemoryPayload final : public LeasedPayload {
  private:
   const std::vector<uint8_t> bytes_;
   const Views views_;
+  const ReadHook on_read_;
 };
 
 // Leases held in memory; counts Touch calls per lease.
 class FakeLeases final : public LeaseLookup {
  public:
-  uint64_t Add(std::vector<uint8_t> bytes, Views views = Views::kWhole) {
+  uint64_t Add(std::vector<uint8_t> bytes, Views views = Views::kWhole,
+               ReadHook on_read = nullptr) {
     MutexLock lock(&mu_);
     const uint64_t id = next_id_++;
-    leases_[id].payload = std::make_shared<MemoryPayload>(std::move(bytes), views);
+    leases_[id].payload =
+        std::make_shared<MemoryPayload>(std::move(bytes), views, std::move(on_read));
     return id;
   }
 
@@ -148,6 +162,119 @@ class FakeLeases final : public LeaseLookup {
   Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, Entry> leases_ ABSL_GUARDED_BY(mu_);
+};
+
+// One worker thread standing in for the node's transfer-read pool (SenderOptions::run_read):
+// runs the reads it accepts in order, refuses once `Accept`'s allowance runs out (as a full
+// queue does), and runs what it holds before its thread exits (as Executor::Shutdown does).
+class ReadPool {
+ public:
+  ReadPool() : thread_([this] { Loop(); }) {}
+  ~ReadPool() {
+    {
+      MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    ready_.notify_one();
+    thread_.join();
+  }
+
+  // SenderOptions::run_read.
+  absl::Status Run(std::function<void()> read) {
+    {
+      MutexLock lock(&mu_);
+      if (allowance_ == 0) {
+        return absl::UnavailableError(
+            absl::StrCat("the test's read pool refuses reads after ", accepted_));
+      }
+      if (allowance_ > 0) --allowance_;
+      ++accepted_;
+      queue_.push_back(std::move(read));
+    }
+    ready_.notify_one();
+    return absl::OkStatus();
+  }
+
+  // Accept `n` more reads, then refuse them; -1 (the start): accept every read.
+  void Accept(int64_t n) {
+    MutexLock lock(&mu_);
+    allowance_ = n;
+  }
+  int64_t accepted() {
+    MutexLock lock(&mu_);
+    return accepted_;
+  }
+  std::thread::id thread_id() const { return thread_.get_id(); }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> read;
+      {
+        MutexLock lock(&mu_);
+        while (queue_.empty() && !stopping_) ready_.wait(mu_);
+        if (queue_.empty()) return;  // stopping, and drained
+        read = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      read();
+    }
+  }
+
+  Mutex mu_;
+  std::condition_variable_any ready_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t allowance_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t accepted_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: it starts once the members above exist
+};
+
+// Records the threads a payload's ReadAt runs on; a gated probe holds every ReadAt until Open.
+class ReadProbe {
+ public:
+  explicit ReadProbe(bool gated = false) : gated_(gated) {}
+
+  // The payload's ReadHook. REQUIRES: the probe outlives the payload's reads.
+  ReadHook Hook() {
+    return [this] {
+      MutexLock lock(&mu_);
+      threads_.push_back(std::this_thread::get_id());
+      changed_.notify_all();
+      while (gated_ && !open_) changed_.wait(mu_);
+    };
+  }
+
+  // Lets every read through, held or to come.
+  void Open() {
+    {
+      MutexLock lock(&mu_);
+      open_ = true;
+    }
+    changed_.notify_all();
+  }
+  // Waits until `n` reads have begun (true) or `timeout` passes (false).
+  bool WaitForReads(size_t n, absl::Duration timeout) {
+    const auto deadline = absl::ToChronoTime(absl::Now() + timeout);
+    MutexLock lock(&mu_);
+    while (threads_.size() < n) {
+      if (changed_.wait_until(mu_, deadline) == std::cv_status::timeout) {
+        return threads_.size() >= n;
+      }
+    }
+    return true;
+  }
+  std::vector<std::thread::id> threads() {
+    MutexLock lock(&mu_);
+    return threads_;
+  }
+
+ private:
+  const bool gated_;
+  Mutex mu_;
+  std::condition_variable_any changed_;
+  std::vector<std::thread::id> threads_ ABSL_GUARDED_BY(mu_);
+  bool open_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // The node's PeerService reduced to Fetch, delegating to ServeFetch as the node does.
@@ -244,7 +371,15 @@ class GrpcStreamTransportTest : public ::testing::Test {
  protected:
   ~GrpcStreamTransportTest() override { StopServer(absl::Seconds(5)); }
 
-  void StartServer(SenderOptions options = {}) {
+  // Chunks that need a copy are read on read_pool_, as the node reads them on its pool, unless
+  // `options` brings a runner of its own or `inline_reads` asks for none (reads on gRPC's
+  // thread, what a sender without a runner does).
+  void StartServer(SenderOptions options = {}, bool inline_reads = false) {
+    if (!options.run_read && !inline_reads) {
+      options.run_read = [this](std::function<void()> read) {
+        return read_pool_.Run(std::move(read));
+      };
+    }
     service_ = std::make_unique<TestPeerService>(&leases_, options);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -385,6 +520,7 @@ class GrpcStreamTransportTest : public ::testing::Test {
   }
 
   FakeLeases leases_;
+  ReadPool read_pool_;  // outlives the server: the destructor stops the server first
   std::unique_ptr<TestPeerService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
@@ -538,26 +674,31 @@ TEST_F(GrpcStreamTransportTest, ChunksWithoutCrcNeedTheWholeOne) {
 
 // Payloads in host memory go out as views of it (one slice, or many small ones per chunk, or
 // copied when the pieces are too many); others through ReadAt. All arrive intact, with and
-// without a whole-payload CRC.
+// without a whole-payload CRC, whether the copies are read on a pool or inline (a sender
+// without a runner).
 TEST_F(GrpcStreamTransportTest, ViewsAndReadsArriveAlike) {
-  StartServer();
-  GrpcStreamTransport::Options options;
-  options.chunk_bytes = 64 * 1024;
-  auto transport = MakeTransport(options);
-  for (const Views views : {Views::kWhole, Views::kPieces, Views::kCrumbs, Views::kNone}) {
-    const uint64_t id = leases_.Add(PatternBytes(1000 * 1000 + 7, 21), views);
-    for (const bool whole : {true, false}) {
-      SCOPED_TRACE(absl::StrCat("views ", static_cast<int>(views), ", whole crc ", whole));
-      Lease lease = MakeLease(id);
-      lease.has_crc32c = whole;
-      std::vector<uint8_t> got;
-      const absl::Status status = ReceiveAll(*transport, lease, &got);
-      ASSERT_TRUE(status.ok()) << status;
-      EXPECT_TRUE(got == leases_.payload(id)->bytes());
+  for (const bool inline_reads : {false, true}) {
+    StopServer(absl::Seconds(5));
+    StartServer({}, inline_reads);
+    GrpcStreamTransport::Options options;
+    options.chunk_bytes = 64 * 1024;
+    auto transport = MakeTransport(options);
+    for (const Views views : {Views::kWhole, Views::kPieces, Views::kCrumbs, Views::kNone}) {
+      const uint64_t id = leases_.Add(PatternBytes(1000 * 1000 + 7, 21), views);
+      for (const bool whole : {true, false}) {
+        SCOPED_TRACE(absl::StrCat("views ", static_cast<int>(views), ", whole crc ", whole,
+                                  inline_reads ? ", inline reads" : ", reads on the pool"));
+        Lease lease = MakeLease(id);
+        lease.has_crc32c = whole;
+        std::vector<uint8_t> got;
+        const absl::Status status = ReceiveAll(*transport, lease, &got);
+        ASSERT_TRUE(status.ok()) << status;
+        EXPECT_TRUE(got == leases_.payload(id)->bytes());
+      }
+      // The slices that pointed into the payload are gone once gRPC is done with them.
+      EXPECT_TRUE(WaitFor([&] { return leases_.extra_refs(id) == 0; }, absl::Seconds(5)));
+      EXPECT_TRUE(AwaitPayloadSlicesReleased(absl::Now() + absl::Seconds(5)));
     }
-    // The slices that pointed into the payload are gone once gRPC is done with them.
-    EXPECT_TRUE(WaitFor([&] { return leases_.extra_refs(id) == 0; }, absl::Seconds(5)));
-    EXPECT_TRUE(AwaitPayloadSlicesReleased(absl::Now() + absl::Seconds(5)));
   }
   // kPieces: 16 slices per 64 KiB chunk; kCrumbs: more pieces than a chunk may have slices
   // (64 KiB / 100 > 64), so those chunks are copied.
@@ -709,6 +850,7 @@ class BackgroundReceive {
               },
               deadline);
           elapsed_ = absl::Now() - start;
+          done_.store(true);
         }) {}
   ~BackgroundReceive() { Join(); }
 
@@ -716,12 +858,15 @@ class BackgroundReceive {
     if (thread_.joinable()) thread_.join();
   }
   uint64_t received() const { return received_.load(); }
+  // Whether Receive has returned (Join then returns at once).
+  bool done() const { return done_.load(); }
   // After Join().
   const absl::Status& status() const { return status_; }
   absl::Duration elapsed() const { return elapsed_; }
 
  private:
   std::atomic<uint64_t> received_{0};
+  std::atomic<bool> done_{false};
   absl::Status status_;
   absl::Duration elapsed_;
   std::thread thread_;
@@ -803,6 +948,179 @@ TEST_F(GrpcStreamTransportTest, SinkErrorStopsTransfer) {
     EXPECT_LT(leases_.touches(id), static_cast<int>(chunks));
     StopServer(absl::Seconds(5));
   }
+}
+
+// Chunks that are copied (no View, or too many pieces) are read on the sender's runner, never
+// on gRPC's callback threads: for a CUDA export each read waits for a device copy. Chunks of
+// views never reach the runner.
+TEST_F(GrpcStreamTransportTest, CopiedChunksAreReadOffGrpcThreads) {
+  StartServer();
+  GrpcStreamTransport::Options options;
+  options.chunk_bytes = 64 * 1024;
+  auto transport = MakeTransport(options);
+  constexpr size_t kBytes = 1000 * 1000 + 7;
+  constexpr int64_t kChunks = 16;  // 15 of 64 KiB and a tail
+  std::vector<std::unique_ptr<ReadProbe>> probes;
+  for (const Views views : {Views::kNone, Views::kCrumbs, Views::kWhole}) {
+    SCOPED_TRACE(absl::StrCat("views ", static_cast<int>(views)));
+    probes.push_back(std::make_unique<ReadProbe>());
+    ReadProbe& probe = *probes.back();
+    const uint64_t id = leases_.Add(PatternBytes(kBytes, 31), views, probe.Hook());
+    const int64_t accepted = read_pool_.accepted();
+    std::vector<uint8_t> got;
+    const absl::Status status = ReceiveAll(*transport, MakeLease(id), &got);
+    ASSERT_TRUE(status.ok()) << status;
+    EXPECT_TRUE(got == leases_.payload(id)->bytes());
+    const std::vector<std::thread::id> threads = probe.threads();
+    if (views == Views::kWhole) {
+      EXPECT_TRUE(threads.empty());
+      EXPECT_EQ(read_pool_.accepted(), accepted);
+      continue;
+    }
+    EXPECT_EQ(static_cast<int64_t>(threads.size()), kChunks);
+    EXPECT_EQ(read_pool_.accepted() - accepted, kChunks);
+    for (size_t i = 0; i < threads.size(); ++i) {
+      EXPECT_EQ(threads[i], read_pool_.thread_id()) << "the read of chunk " << i;
+    }
+  }
+}
+
+// A read that blocks (a device copy behind a busy GPU stream) holds only the pool's thread:
+// while four transfers wait on it (one read held, three queued), the server keeps serving
+// other transfers, and the held ones complete once the reads return.
+TEST_F(GrpcStreamTransportTest, BlockedReadStallsNothingElse) {
+  StartServer();
+  GrpcStreamTransport::Options options;
+  options.chunk_bytes = 64 * 1024;
+  auto transport = MakeTransport(options);
+  ReadProbe gate(/*gated=*/true);
+  constexpr size_t kHeldBytes = 300 * 1000;
+  std::vector<std::unique_ptr<BackgroundReceive>> held;
+  for (int i = 0; i < 4; ++i) {
+    const uint64_t id = leases_.Add(PatternBytes(kHeldBytes, 40 + i), Views::kNone, gate.Hook());
+    held.push_back(std::make_unique<BackgroundReceive>(transport.get(), MakeLease(id),
+                                                       absl::Now() + absl::Seconds(60)));
+  }
+  // Opens the gate on every way out, so that a failure does not leave the receives hanging.
+  absl::Cleanup open_gate = [&gate] { gate.Open(); };
+  ASSERT_TRUE(gate.WaitForReads(1, absl::Seconds(20)));
+  EXPECT_TRUE(WaitFor([&] { return read_pool_.accepted() == 4; }, absl::Seconds(20)));
+  for (int i = 0; i < 3; ++i) {
+    const uint64_t id = leases_.Add(PatternBytes(kHeldBytes, 50 + i));
+    std::vector<uint8_t> got;
+    const absl::Status status =
+        ReceiveAll(*transport, MakeLease(id), &got, nullptr, absl::Seconds(10));
+    EXPECT_TRUE(status.ok()) << "transfer " << i << " while the reads are held: " << status;
+    EXPECT_TRUE(got == leases_.payload(id)->bytes());
+  }
+  for (const auto& receive : held) EXPECT_EQ(receive->received(), 0u);
+  gate.Open();
+  for (const auto& receive : held) {
+    receive->Join();
+    EXPECT_TRUE(receive->status().ok()) << receive->status();
+    EXPECT_EQ(receive->received(), kHeldBytes);
+  }
+  const std::vector<std::thread::id> threads = gate.threads();
+  EXPECT_EQ(threads.size(), 4u * 5);  // 5 chunks each
+  for (const std::thread::id thread : threads) EXPECT_EQ(thread, read_pool_.thread_id());
+}
+
+// A receiver whose deadline passes while its stream's read is queued behind a held one returns
+// at its deadline; once the pool moves on, the sender finishes that stream (the queued read
+// sees the cancellation) and lets go of the payload.
+TEST_F(GrpcStreamTransportTest, ReceiverLeavesWhileReadQueued) {
+  StartServer();
+  GrpcStreamTransport::Options options;
+  options.chunk_bytes = 64 * 1024;
+  auto transport = MakeTransport(options);
+  ReadProbe gate(/*gated=*/true);
+  const uint64_t held = leases_.Add(PatternBytes(100 * 1000, 60), Views::kNone, gate.Hook());
+  ReadProbe probe;
+  const uint64_t queued = leases_.Add(PatternBytes(100 * 1000, 61), Views::kNone, probe.Hook());
+  BackgroundReceive holder(transport.get(), MakeLease(held), absl::Now() + absl::Seconds(60));
+  absl::Cleanup open_gate = [&gate] { gate.Open(); };  // before holder joins, on every way out
+  ASSERT_TRUE(gate.WaitForReads(1, absl::Seconds(20)));
+  BackgroundReceive leaver(transport.get(), MakeLease(queued),
+                           absl::Now() + absl::Milliseconds(300));
+  leaver.Join();
+  EXPECT_EQ(leaver.status().code(), absl::StatusCode::kDeadlineExceeded) << leaver.status();
+  EXPECT_EQ(leaver.received(), 0u);
+  EXPECT_LT(leaver.elapsed(), absl::Seconds(3));
+  EXPECT_TRUE(probe.threads().empty());  // its read waits behind the held one
+  gate.Open();
+  holder.Join();
+  EXPECT_TRUE(holder.status().ok()) << holder.status();
+  EXPECT_EQ(holder.received(), 100u * 1000);
+  EXPECT_TRUE(WaitFor([&] { return leases_.extra_refs(queued) == 0; }, absl::Seconds(5)));
+  // Normally none: the server's own deadline cancelled the stream before the pool reached its
+  // read. At most the one that was queued, never a second.
+  EXPECT_LE(probe.threads().size(), 1u);
+}
+
+// A read the pool refuses (its queue full, or the node shutting down) ends the stream with the
+// pool's UNAVAILABLE, naming the lease and the offset: at the first chunk or mid-transfer. The
+// lease stays whole, so a later attempt gets it.
+TEST_F(GrpcStreamTransportTest, RefusedReadIsUnavailable) {
+  StartServer();
+  const uint64_t id = leases_.Add(PatternBytes(10 * 4096, 35), Views::kNone);
+  GrpcStreamTransport::Options options;
+  options.chunk_bytes = 4096;
+  auto transport = MakeTransport(options);
+  for (const int64_t accept : {0, 3}) {
+    SCOPED_TRACE(absl::StrCat("the pool accepts ", accept, " reads"));
+    read_pool_.Accept(accept);
+    std::vector<uint8_t> got;
+    const absl::Status status = ReceiveAll(*transport, MakeLease(id), &got);
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+    EXPECT_THAT(std::string(status.message()),
+                HasSubstr(absl::StrCat("lease ", id, " at offset ", accept * 4096,
+                                       ": the chunk's read was refused: the test's read pool "
+                                       "refuses reads after ")));
+    EXPECT_THAT(std::string(status.message()), HasSubstr(kSenderName));
+    EXPECT_EQ(got.size(), static_cast<size_t>(accept) * 4096);
+    EXPECT_TRUE(WaitFor([&] { return leases_.extra_refs(id) == 0; }, absl::Seconds(5)));
+  }
+  read_pool_.Accept(-1);
+  std::vector<uint8_t> got;
+  ASSERT_TRUE(ReceiveAll(*transport, MakeLease(id), &got).ok());
+  EXPECT_TRUE(got == leases_.payload(id)->bytes());
+}
+
+// The server shuts down (no grace) while one stream's read is held on the pool and another's
+// is queued, the node's order: Server::Shutdown while the pool still runs, the pool after it.
+// The receivers see UNAVAILABLE at once; Shutdown returns only once the pool has run both reads
+// (gRPC waits for every reactor to finish), and nothing of the payloads is left behind.
+TEST_F(GrpcStreamTransportTest, ShutdownWithReadInFlight) {
+  StartServer();
+  GrpcStreamTransport::Options options;
+  options.chunk_bytes = 64 * 1024;
+  auto transport = MakeTransport(options);
+  ReadProbe gate(/*gated=*/true);
+  const uint64_t held = leases_.Add(PatternBytes(100 * 1000, 70), Views::kNone, gate.Hook());
+  const uint64_t queued = leases_.Add(PatternBytes(100 * 1000, 71), Views::kNone, gate.Hook());
+  BackgroundReceive a(transport.get(), MakeLease(held), absl::Now() + absl::Seconds(60));
+  BackgroundReceive b(transport.get(), MakeLease(queued), absl::Now() + absl::Seconds(60));
+  absl::Cleanup open_gate = [&gate] { gate.Open(); };  // before a and b join, on every way out
+  ASSERT_TRUE(gate.WaitForReads(1, absl::Seconds(20)));
+  ASSERT_TRUE(WaitFor([&] { return read_pool_.accepted() == 2; }, absl::Seconds(20)));
+  std::atomic<bool> stopped{false};
+  std::thread stopper([&] {
+    StopServer(absl::ZeroDuration());
+    stopped.store(true);
+  });
+  EXPECT_TRUE(WaitFor([&] { return a.done() && b.done(); }, absl::Seconds(10)));
+  EXPECT_FALSE(stopped.load());  // the held read's stream is not finished yet
+  gate.Open();
+  stopper.join();
+  for (BackgroundReceive* receive : {&a, &b}) {
+    receive->Join();
+    EXPECT_EQ(receive->status().code(), absl::StatusCode::kUnavailable) << receive->status();
+    EXPECT_EQ(receive->received(), 0u);
+  }
+  EXPECT_TRUE(AwaitPayloadSlicesReleased(absl::Now() + absl::Seconds(5)));
+  EXPECT_EQ(leases_.extra_refs(held), 0);
+  EXPECT_EQ(leases_.extra_refs(queued), 0);
+  EXPECT_LE(gate.threads().size(), 2u);
 }
 
 TEST_F(GrpcStreamTransportTest, RenewsLeaseEveryChunk) {

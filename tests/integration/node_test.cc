@@ -334,6 +334,22 @@ TEST(NodeTest, TransportAutoWithoutLoadableNcclGoesOnWithGrpcStream) {
   EXPECT_TRUE((*node)->Stop().clean()) << (*node)->ReadStderr();
 }
 
+// A node on the simulated GPU of a -DKVMESH_CUDA=SIM build never passes for one on a GPU: its
+// backend (NodeInfo, and so ListMembers) and its start-up say so.
+TEST(NodeTest, SimulatedGpuNodeSaysItIsSimulated) {
+  if (!CudaSimulated()) GTEST_SKIP() << "not a -DKVMESH_CUDA=SIM build";
+  NodeProcess::Options options;
+  options.node_name = "sim-node";
+  options.extra_args = {"--backend=cuda", "--transport=grpc-stream", "--memory-budget=64MiB",
+                        "--snapshot-budget=64MiB"};
+  absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
+  ASSERT_TRUE(node.ok()) << node.status();
+  EXPECT_EQ(NodeInfo(**node).backend(), "cuda:0 (simulated)");
+  EXPECT_THAT((*node)->ReadStderr(), HasSubstr("cuda:0 (simulated) is the SIMULATED GPU"));
+  (*node)->ReleaseChannel();
+  EXPECT_TRUE((*node)->Stop().clean()) << (*node)->ReadStderr();
+}
+
 TEST(NodeTest, CudaNodeLoadsNccl) {
   if (!kNodeHasNccl) GTEST_SKIP() << "kvmesh-node was built without NCCL";
   if (kNcclLibrary[0] == '\0') GTEST_SKIP() << "the build found no libnccl";

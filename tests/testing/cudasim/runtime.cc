@@ -712,7 +712,8 @@ class Sim {
 };
 
 // ---- Fault handler: names the allocation a wild kernel or copy touched -----------------------
-
+// ASan reports the fault itself, with the faulting line; elsewhere this says what was hit.
+#if !defined(KVMESH_CUDASIM_ASAN)
 struct sigaction previous_segv;
 
 void OnSegv(int sig, siginfo_t* info, void* context) {
@@ -731,9 +732,10 @@ void OnSegv(int sig, siginfo_t* info, void* context) {
   (void)context;
 }
 
+#endif
+
 void Sim::InstallFaultHandler() {
 #if !defined(KVMESH_CUDASIM_ASAN)
-  // ASan reports the fault itself, with the faulting line; elsewhere say what was hit.
   struct sigaction action;
   std::memset(&action, 0, sizeof(action));
   action.sa_sigaction = OnSegv;
