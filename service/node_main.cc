@@ -49,6 +49,8 @@
 #ifdef KVMESH_HAVE_NCCL
 #include "transport/nccl_api.h"
 #include "transport/nccl_transport.h"
+static_assert(kvmesh::transport::kNcclChunkBytes == uint64_t{64} << 20,
+              "--testing_nccl_chunk_bytes defaults to kNcclChunkBytes");
 #endif
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7700",
@@ -86,10 +88,15 @@ ABSL_FLAG(int64_t, transfer_timeout_ms, 120000,
 ABSL_FLAG(int32_t, cluster_threads, 8,
           "threads running cluster operations (they wait on the network, apart from the engine)");
 ABSL_FLAG(int64_t, testing_chunk_delay_ms, 0,
-          "testing only: the grpc-stream sender waits this long before each chunk");
-ABSL_FLAG(
-    int32_t, testing_corrupt_chunk, -1,
-    "testing only: the grpc-stream sender flips a byte of this chunk index of every transfer");
+          "testing only: the grpc-stream and nccl senders wait this long before each chunk "
+          "(nccl: piece)");
+ABSL_FLAG(int32_t, testing_corrupt_chunk, -1,
+          "testing only: the grpc-stream and nccl senders flip a byte of this chunk (nccl: "
+          "piece) index of every transfer, after its CRC-32C was computed");
+// The default is transport::kNcclChunkBytes (checked below where NCCL is built).
+ABSL_FLAG(kvmesh::ByteSize, testing_nccl_chunk_bytes, kvmesh::ByteSize{uint64_t{64} << 20},
+          "testing only: the nccl transport's piece size (a protocol constant: every node of "
+          "the cluster must use the same), at least 4KiB");
 
 namespace kvmesh {
 namespace {
@@ -161,6 +168,11 @@ int Run() {
       transport_flag != transport::kNccl) {
     return Fail(absl::StrCat("--transport=", transport_flag,
                              " is not a transport: use auto, grpc-stream or nccl"));
+  }
+  const uint64_t nccl_chunk_bytes = absl::GetFlag(FLAGS_testing_nccl_chunk_bytes).bytes;
+  if (nccl_chunk_bytes < 4096 || nccl_chunk_bytes > (uint64_t{1} << 30)) {
+    return Fail(absl::StrCat("--testing_nccl_chunk_bytes=", nccl_chunk_bytes,
+                             " is out of range [4096, 1GiB]"));
   }
   if (transport_flag == transport::kNccl && backend != "cuda") {
     return Fail(absl::StrCat("--transport=nccl needs --backend=cuda, but this node has --backend=",
@@ -286,6 +298,9 @@ int Run() {
     nccl_options.channels = [members](const std::string& address) {
       return members->Channel(MemberAddress{address, address});
     };
+    nccl_options.chunk_bytes = nccl_chunk_bytes;
+    nccl_options.piece_delay = absl::Milliseconds(absl::GetFlag(FLAGS_testing_chunk_delay_ms));
+    nccl_options.corrupt_piece = absl::GetFlag(FLAGS_testing_corrupt_chunk);
     nccl_transport = std::make_unique<transport::NcclTransport>(std::move(nccl_options));
     nccl_peer_side = std::make_unique<transport::NcclPeerSide>(nccl_transport.get());
     cluster_transports[transport::kNccl] = nccl_transport.get();

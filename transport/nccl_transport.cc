@@ -79,6 +79,51 @@ class PendingCall {
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
+// Bytes of a piece's frame that are not payload: its CRC-32C.
+constexpr size_t kFrameCrcBytes = 4;
+
+// The size on the wire of a payload of `bytes` cut into pieces of `chunk` bytes.
+size_t FramedSize(size_t bytes, size_t chunk) {
+  const size_t data = chunk - kFrameCrcBytes;
+  return bytes + kFrameCrcBytes * ((bytes + data - 1) / data);
+}
+
+// A lease's payload as the sender puts it on the wire: piece i holds payload bytes
+// [i * (chunk - 4), +chunk - 4) followed by their CRC-32C. NcclComm reads it a whole piece at a
+// time, at piece boundaries (it cuts transfers at the same chunk size).
+class FramedPayload final : public LeasedPayload {
+ public:
+  FramedPayload(LeasedPayload* payload, size_t chunk, absl::Duration delay, int64_t corrupt)
+      : payload_(payload), chunk_(chunk), delay_(delay), corrupt_(corrupt) {}
+
+  size_t size() const override { return FramedSize(payload_->size(), chunk_); }
+
+  absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) override {
+    const size_t piece = offset / chunk_;
+    const size_t data_offset = piece * (chunk_ - kFrameCrcBytes);
+    if (offset % chunk_ != 0 || dst.size() <= kFrameCrcBytes ||
+        dst.size() - kFrameCrcBytes != std::min(chunk_ - kFrameCrcBytes,
+                                                payload_->size() - data_offset)) {
+      return absl::InternalError(absl::StrCat("nccl framing: a read of ", dst.size(),
+                                              " bytes at offset ", offset,
+                                              " is not piece-aligned for pieces of ", chunk_));
+    }
+    if (delay_ > absl::ZeroDuration()) absl::SleepFor(delay_);
+    const size_t n = dst.size() - kFrameCrcBytes;
+    RETURN_IF_ERROR(payload_->ReadAt(data_offset, dst.subspan(0, n)));
+    const uint32_t crc = Crc32cExtend(0, dst.subspan(0, n));
+    for (size_t i = 0; i < kFrameCrcBytes; ++i) dst[n + i] = static_cast<uint8_t>(crc >> (8 * i));
+    if (static_cast<int64_t>(piece) == corrupt_) dst[n / 2] ^= 0x01;
+    return absl::OkStatus();
+  }
+
+ private:
+  LeasedPayload* const payload_;
+  const size_t chunk_;
+  const absl::Duration delay_;
+  const int64_t corrupt_;
+};
+
 }  // namespace
 
 // ---- receiver ------------------------------------------------------------------------------
@@ -87,7 +132,7 @@ NcclTransport::NcclTransport(Options options)
     : options_(std::move(options)), pool_([this] {
         NcclCommOptions comm = options_.comm;
         comm.device = options_.device;
-        comm.chunk_bytes = kNcclChunkBytes;
+        comm.chunk_bytes = options_.chunk_bytes;
         return comm;
       }()) {
   if (options_.idle_timeout > absl::ZeroDuration()) reaper_ = std::thread([this] { ReapLoop(); });
@@ -211,8 +256,28 @@ absl::Status NcclTransport::ReceiveOnce(const Lease& lease, Sink sink, absl::Tim
 
   uint32_t crc = 0;
   uint64_t received = 0;
+  uint64_t pieces = 0;
   bool sink_failed = false;
-  auto checked = [&](absl::Span<const uint8_t> piece) -> absl::Status {
+  // Each piece is checked against its own CRC-32C before its payload goes to the sink.
+  auto checked = [&](absl::Span<const uint8_t> frame) -> absl::Status {
+    if (frame.size() <= kFrameCrcBytes) {
+      return absl::DataLossError(absl::StrCat("nccl transfer of lease ", lease.id, " from ",
+                                              DescribeSender(lease), ": piece ", pieces,
+                                              " has only ", frame.size(), " bytes"));
+    }
+    const absl::Span<const uint8_t> piece = frame.subspan(0, frame.size() - kFrameCrcBytes);
+    uint32_t expected = 0;
+    for (size_t i = 0; i < kFrameCrcBytes; ++i) {
+      expected |= uint32_t{frame[piece.size() + i]} << (8 * i);
+    }
+    const uint32_t actual = Crc32cExtend(0, piece);
+    if (actual != expected) {
+      return absl::DataLossError(absl::StrCat(
+          "nccl transfer of lease ", lease.id, " from ", DescribeSender(lease), ": piece ",
+          pieces, " (payload bytes ", received, " to ", received + piece.size(),
+          ") has CRC-32C ", Hex32(actual), ", the sender computed ", Hex32(expected)));
+    }
+    ++pieces;
     crc = Crc32cExtend(crc, piece);
     received += piece.size();
     *sink_used = true;
@@ -221,7 +286,8 @@ absl::Status NcclTransport::ReceiveOnce(const Lease& lease, Sink sink, absl::Tim
     return status;
   };
   absl::Status status = comm->Recv(
-      1 - RankWith(lease.sender_name), NcclDestination::Host(lease.payload_bytes, checked),
+      1 - RankWith(lease.sender_name),
+      NcclDestination::Host(FramedSize(lease.payload_bytes, options_.chunk_bytes), checked),
       deadline, [&call, &lease]() -> absl::Status {
         std::optional<grpc::Status> failure = call.Failure();
         return failure ? FromPeerStatus(*failure, "NcclSend", lease) : absl::OkStatus();
@@ -230,7 +296,8 @@ absl::Status NcclTransport::ReceiveOnce(const Lease& lease, Sink sink, absl::Tim
   const grpc::Status rpc = call.Wait();
   if (!comm->healthy()) pool_.Remove(PairKey(lease.sender_name), comm.get());
   if (!status.ok()) {
-    if (sink_failed) return status;  // the sink's own error, unchanged
+    // The sink's own error, or a piece's CRC mismatch, unchanged.
+    if (sink_failed || status.code() == absl::StatusCode::kDataLoss) return status;
     return absl::Status(status.code(),
                         absl::StrCat("nccl transfer of lease ", lease.id, " from ",
                                      DescribeSender(lease), " after ", received, " of ",
@@ -330,8 +397,11 @@ absl::Status NcclPeerSide::Send(const v1::NcclSendRequest& request, LeaseLookup*
         "; reconnect"));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<LeasedPayload> payload, leases->Touch(request.lease_id()));
-  absl::Status status = comm->Send(1 - transport_->RankWith(to), NcclSource::Host(payload.get()),
-                                   deadline, interrupt);
+  const NcclTransport::Options& options = transport_->options();
+  FramedPayload framed(payload.get(), options.chunk_bytes, options.piece_delay,
+                       options.corrupt_piece);
+  absl::Status status =
+      comm->Send(1 - transport_->RankWith(to), NcclSource::Host(&framed), deadline, interrupt);
   if (!comm->healthy()) pool->Remove(key, comm.get());
   return status;
 }

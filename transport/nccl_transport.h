@@ -19,8 +19,12 @@
 // matching ncclSend from the lease's payload and answers when its side has completed. A sender
 // whose communicator with the receiver has another generation (or none) answers ABORTED, and
 // the receiver aborts its own, reconnects and retries once (only while its sink has seen no
-// bytes). The receiver checks the size and the CRC-32C of what it handed to the sink (DATA_LOSS
-// on mismatch). Pieces are kNcclChunkBytes on both sides.
+// bytes). Pieces are kNcclChunkBytes on both sides, and each piece on the wire is framed: its
+// first chunk_bytes - 4 bytes (fewer in the last piece) are payload, its last 4 bytes the
+// CRC-32C of those (little endian). The receiver checks each piece's CRC before its payload
+// reaches the sink (DATA_LOSS naming the piece: nothing corrupt is handed on, as with
+// grpc-stream's per-chunk CRC), then the size and the CRC-32C of the whole payload against the
+// lease (DATA_LOSS on mismatch).
 //
 // Thread safety: thread-safe. Transfers over one pair communicator run one at a time; transfers
 // with different peers run concurrently.
@@ -66,8 +70,16 @@ class NcclTransport final : public Transport {
     // zero or less: never).
     absl::Duration idle_timeout = absl::Minutes(5);
     // Polling and close bounds of the communicators (device and chunk size are set from the
-    // fields above and kNcclChunkBytes).
+    // fields above).
     NcclCommOptions comm;
+    // The piece size of the wire protocol: kNcclChunkBytes, the same on every node. Tests make it
+    // smaller on every node of a cluster, so that a payload has several pieces.
+    size_t chunk_bytes = kNcclChunkBytes;
+    // Testing only, on the sending side, as grpc-stream's SenderOptions: wait this long before
+    // each piece, and flip one payload byte of piece `corrupt_piece` (0-based; -1: none) after
+    // its CRC-32C was computed.
+    absl::Duration piece_delay = absl::ZeroDuration();
+    int64_t corrupt_piece = -1;
   };
 
   explicit NcclTransport(Options options);

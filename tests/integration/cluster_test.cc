@@ -7,10 +7,18 @@
 // payloads of tests/testing/pattern.h), and leftovers are checked through Usage: a lease that
 // expired has freed its copy (export_bytes back to 0), a failed receiver holds no partial
 // sequence.
+//
+// Two flavours of cluster (tests/integration/CMakeLists.txt registers both): host nodes moving
+// payloads over grpc-stream (cluster_test), and, with KVMESH_TEST_CLUSTER=nccl, nodes on the
+// simulated GPU of a -DKVMESH_CUDA=SIM build (--backend=cuda) moving them over the nccl
+// transport through the simulated NCCL (cluster_test_nccl). The fault knobs of the sender
+// (--testing-chunk-delay-ms, --testing-corrupt-chunk) act on grpc-stream chunks or nccl pieces
+// alike; nccl pieces are 4 MiB there, so that a transfer has several.
 #include <signal.h>
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <future>
 #include <map>
 #include <memory>
@@ -35,6 +43,14 @@ namespace testutil {
 namespace {
 
 using ::testing::HasSubstr;
+
+bool NcclCluster() {
+  const char* flavour = std::getenv("KVMESH_TEST_CLUSTER");
+  return flavour != nullptr && std::string(flavour) == "nccl";
+}
+
+// The transport cross-node operations of this flavour use.
+std::string ExpectedTransport() { return NcclCluster() ? "nccl" : "grpc-stream"; }
 
 std::vector<int32_t> Range(int32_t begin, int32_t end) {
   std::vector<int32_t> out(end - begin);
@@ -98,6 +114,12 @@ class Cluster {
       options.port = ports[i];
       options.extra_args = {absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
                             "--memory-budget=512MiB", "--snapshot-budget=512MiB"};
+      if (NcclCluster()) {
+        options.extra_args.insert(options.extra_args.end(),
+                                  {"--backend=cuda", "--transport=nccl",
+                                   "--testing-nccl-chunk-bytes=4MiB"});
+        options.env = {absl::StrCat("KVMESH_NCCL_LIBRARY=", KVMESH_TEST_NCCL_LIBRARY)};
+      }
       if (i < extra.size()) {
         options.extra_args.insert(options.extra_args.end(), extra[i].begin(), extra[i].end());
       }
@@ -240,8 +262,12 @@ TEST_F(ClusterTest, ListMembersReportsEveryNode) {
   EXPECT_EQ(members.members(2).name(), "node-c");
   for (const v1::Member& m : members.members()) {
     EXPECT_EQ(m.health(), v1::MEMBER_HEALTH_SERVING) << m.DebugString();
-    EXPECT_EQ(m.backend(), "host") << m.DebugString();
+    // A node on the simulated GPU says so (never passing for one on a GPU).
+    EXPECT_EQ(m.backend(), NcclCluster() ? "cuda:0 (simulated)" : "host") << m.DebugString();
     EXPECT_THAT(m.transports(), ::testing::Contains("grpc-stream"));
+    if (NcclCluster()) {
+      EXPECT_THAT(m.transports(), ::testing::Contains("nccl"));
+    }
   }
   EXPECT_EQ(members.members(1).address(), cluster_[0].process->address());
 
@@ -265,7 +291,7 @@ TEST_F(ClusterTest, CopyPrefixFromAnotherNodeCopiesEveryGroupByteForByte) {
   v1::CopyPrefixResponse response;
   grpc::Status status = CopyFrom(cluster_.stub(1), "hybrid", "node-a", 1, 1, 11, &response);
   ASSERT_TRUE(status.ok()) << StatusText(status);
-  EXPECT_EQ(response.transfer().transport(), "grpc-stream");
+  EXPECT_EQ(response.transfer().transport(), ExpectedTransport());
   EXPECT_GT(response.transfer().bytes(), 0);
   ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", 1), source);
   // The source is unchanged and holds no export copy once the receiver released it.
@@ -537,6 +563,11 @@ TEST_F(ClusterFaultTest, CorruptedChunkIsDataLossAndNothingIsStored) {
   v1::CopyPrefixResponse response;
   grpc::Status status = CopyFrom(cluster_.stub(1), "big", "node-a", 0, 1, kBigTokens, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DATA_LOSS) << StatusText(status);
+  // Caught by the chunk's (piece's) own CRC-32C, before its bytes went anywhere.
+  EXPECT_THAT(status.error_message(), HasSubstr("CRC-32C")) << StatusText(status);
+  if (NcclCluster()) {
+    EXPECT_THAT(status.error_message(), HasSubstr("piece 2 ")) << StatusText(status);
+  }
   EXPECT_THAT(LiveSeqs(cluster_.stub(1), "big"), ::testing::IsEmpty());
   EXPECT_EQ(Usage(cluster_.stub(1), "big").snapshot_bytes(), 0);
   // A migration through the same corrupting sender fails the same way and keeps the source.
