@@ -14,7 +14,12 @@
 #
 # Environment: KVMESH_BUILD_DIR (default <repo>/build), KVMESH_DEMO_BUDGET (node memory budget,
 # default 4GiB), KVMESH_DEMO_SNAPSHOT_BUDGET (node snapshot pool, default 1GiB), KVMESH_RUN_DIR
-# (logs and port files, default deploy/local/run/, not tracked by git).
+# (logs and port files, default deploy/local/run/, not tracked by git),
+# KVMESH_DEMO_CLUSTER_BACKEND (host, the default, or cuda: the three nodes run --backend=cuda
+# --transport=nccl on the simulated GPU and NCCL of the test build, docs/cuda.md).
+#
+# The build is configured as tests/run.sh configures it (-DKVMESH_CUDA=SIM), so that the two
+# share build/; the single-node part and a host cluster never touch the simulated GPU.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -22,6 +27,12 @@ run_dir=${KVMESH_RUN_DIR:-$root/deploy/local/run}
 build_dir=${KVMESH_BUILD_DIR:-$root/build}
 budget=${KVMESH_DEMO_BUDGET:-4GiB}
 snapshot_budget=${KVMESH_DEMO_SNAPSHOT_BUDGET:-1GiB}
+cluster_backend=${KVMESH_DEMO_CLUSTER_BACKEND:-host}
+case "$cluster_backend" in
+  host) cluster_flags=() ;;
+  cuda) cluster_flags=(--backend=cuda --transport=nccl) ;;
+  *) echo "demo: KVMESH_DEMO_CLUSTER_BACKEND=$cluster_backend: expected host or cuda" >&2; exit 1 ;;
+esac
 mkdir -p "$run_dir"
 
 step() { printf '\n=== %s\n' "$*"; }
@@ -30,11 +41,14 @@ die() { echo "demo: $*" >&2; exit 1; }
 # ---- build ---------------------------------------------------------------------------------
 step "bootstrap, configure and build kvmesh-node and kvmeshctl (${build_dir#$root/})"
 "$root/scripts/bootstrap.sh"
-if ! cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$run_dir/cmake.log" 2>&1; then
+if ! cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVMESH_CUDA=SIM \
+    >"$run_dir/cmake.log" 2>&1; then
   tail -n 30 "$run_dir/cmake.log" >&2
   die "cmake configure failed (log: $run_dir/cmake.log)"
 fi
-if ! cmake --build "$build_dir" -j"$(nproc)" --target kvmesh_node kvmesh_ctl >"$run_dir/build.log" 2>&1; then
+targets=(kvmesh_node kvmesh_ctl)
+[ "$cluster_backend" = cuda ] && targets+=(kvmesh_ncclsim)
+if ! cmake --build "$build_dir" -j"$(nproc)" --target "${targets[@]}" >"$run_dir/build.log" 2>&1; then
   tail -n 40 "$run_dir/build.log" >&2
   die "build failed (log: $run_dir/build.log)"
 fi
@@ -308,11 +322,15 @@ free_port() {
   while ss -Htln "sport = :$port" | grep -q .; do port=$((port + 1)); done
   echo "$port"
 }
-step "start a three-node cluster on 127.0.0.1: each node knows the others from --peers"
+step "start a three-node cluster on 127.0.0.1 (backend $cluster_backend): each node knows the others from --peers"
+if [ "$cluster_backend" = cuda ]; then
+  export KVMESH_NCCL_LIBRARY="$build_dir/tests/testing/ncclsim/libnccl_sim.so"
+  echo "nodes on the simulated GPU, payloads over the nccl transport ($KVMESH_NCCL_LIBRARY)"
+fi
 p0=$(free_port 17700); p1=$(free_port $((p0 + 1))); p2=$(free_port $((p1 + 1)))
-node_port=$p0 start_node node-0 --peers=node-1=127.0.0.1:$p1,node-2=127.0.0.1:$p2
-node_port=$p1 start_node node-1 --peers=node-0=127.0.0.1:$p0,node-2=127.0.0.1:$p2
-node_port=$p2 start_node node-2 --peers=node-0=127.0.0.1:$p0,node-1=127.0.0.1:$p1
+node_port=$p0 start_node node-0 --peers=node-1=127.0.0.1:$p1,node-2=127.0.0.1:$p2 "${cluster_flags[@]}"
+node_port=$p1 start_node node-1 --peers=node-0=127.0.0.1:$p0,node-2=127.0.0.1:$p2 "${cluster_flags[@]}"
+node_port=$p2 start_node node-2 --peers=node-0=127.0.0.1:$p0,node-1=127.0.0.1:$p1 "${cluster_flags[@]}"
 ctl node-1 list-members
 
 cc=llama3-8b
