@@ -41,6 +41,11 @@ struct ExitStatus {
 // Path of the kvmesh-node binary this test build runs (injected by CMake).
 const char* NodeBinaryPath();
 
+// When set (e.g. to "cuda"), every node a test starts gets --backend=<value> unless its
+// Options::extra_args choose a backend: the integration tests' _cuda runs in a -DKVMESH_CUDA=SIM
+// build use it to run on the simulated GPU.
+inline constexpr char kTestNodeBackendEnv[] = "KVMESH_TEST_NODE_BACKEND";
+
 class NodeProcess {
  public:
   struct Options {
