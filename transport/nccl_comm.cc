@@ -136,7 +136,8 @@ absl::StatusOr<std::unique_ptr<NcclComm>> NcclComm::Create(absl::string_view uni
 
 NcclComm::~NcclComm() {
   MutexLock lock(&mu_);
-  (void)cudaSetDevice(options_.device);
+  // Errors ignored but cleared, so that the next launch check does not report them.
+  if (cudaSetDevice(options_.device) != cudaSuccess) (void)cudaGetLastError();
   if (comm_ != nullptr) {
     if (state_.load() == State::kReady && !abort_requested_.load()) {
       (void)CloseLocked(absl::Now() + options_.close_timeout);

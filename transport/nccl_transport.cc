@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <utility>
 
@@ -135,6 +137,12 @@ NcclTransport::NcclTransport(Options options)
         comm.chunk_bytes = options_.chunk_bytes;
         return comm;
       }()) {
+  // The framing needs room for payload in every piece; the node checks its flag (>= 4 KiB).
+  if (options_.chunk_bytes <= 2 * kFrameCrcBytes) {
+    std::fprintf(stderr, "NcclTransport: chunk_bytes %zu leaves no room for payload\n",
+                 options_.chunk_bytes);
+    std::abort();
+  }
   if (options_.idle_timeout > absl::ZeroDuration()) reaper_ = std::thread([this] { ReapLoop(); });
 }
 
@@ -328,6 +336,12 @@ absl::Status NcclTransport::Receive(const Lease& lease, Sink sink, absl::Time de
                                               Hex32(lease.crc32c)));
     }
     return absl::OkStatus();
+  }
+  // The size comes from the peer: one whose framing would not fit a size_t is refused.
+  if (lease.payload_bytes > SIZE_MAX / 2) {
+    return absl::InvalidArgumentError(absl::StrCat("lease ", lease.id, " from ",
+                                                   DescribeSender(lease), " announces ",
+                                                   lease.payload_bytes, " bytes"));
   }
   bool sink_used = false;
   absl::Status status = ReceiveOnce(lease, sink, deadline, &sink_used);

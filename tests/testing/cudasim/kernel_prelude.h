@@ -29,6 +29,12 @@
 #include "tests/testing/cudasim/cuda_sim.h"
 
 #define __launch_bounds__(...)
+// Shared memory (and the barriers that go with it) has no serial schedule that is faithful: a
+// kernel that uses it must not compile for the simulator, where CUDA's headers would blank
+// __shared__ into a per-thread variable. (__syncthreads, warp shuffles, votes and atomics are not
+// declared for host code at all.)
+#undef __shared__
+#define __shared__ __shared___memory_is_not_simulated_by_cudasim
 #define threadIdx (::cudasim::internal::kernel_coords.thread_idx)
 #define blockIdx (::cudasim::internal::kernel_coords.block_idx)
 #define blockDim (::cudasim::internal::kernel_coords.block_dim)

@@ -144,7 +144,7 @@ struct Config {
   bool trace = false;
 };
 
-[[noreturn]] void Die(const char* format, ...) {
+[[noreturn]] __attribute__((format(printf, 1, 2))) void Die(const char* format, ...) {
   va_list args;
   va_start(args, format);
   std::fputs("cudasim: ", stderr);
@@ -184,6 +184,22 @@ cudaError_t ParseError(const std::string& name) {
   Die("KVMESH_CUDASIM_FAIL: unknown error %s (a cudaError name or number)", name.c_str());
 }
 
+// The calls a failure can be injected into: the runtime functions, a launch, a running kernel.
+bool KnownCall(const std::string& call) {
+  static const char* const kCalls[] = {
+      "cudaDeviceGetAttribute", "cudaDeviceSynchronize", "cudaEventCreateWithFlags",
+      "cudaEventDestroy", "cudaEventQuery", "cudaEventRecord", "cudaEventSynchronize",
+      "cudaFree", "cudaFreeHost", "cudaGetDevice", "cudaGetDeviceCount",
+      "cudaGetDeviceProperties", "cudaMalloc", "cudaMallocHost", "cudaMemGetInfo", "cudaMemcpy",
+      "cudaMemcpyAsync", "cudaMemset", "cudaMemsetAsync", "cudaSetDevice",
+      "cudaStreamCreateWithFlags", "cudaStreamDestroy", "cudaStreamQuery",
+      "cudaStreamSynchronize", "cudaLaunchKernel", "kernel"};
+  for (const char* known : kCalls) {
+    if (call == known) return true;
+  }
+  return false;
+}
+
 struct Injection {
   std::string call;
   int64_t countdown;  // fails when it reaches 0
@@ -217,9 +233,7 @@ struct Op {
 };
 
 struct Stream {
-  uint64_t id = 0;
   int device = 0;
-  bool legacy = false;
   std::mutex queue_mu;
   std::deque<Op> ops;      // not yet completed, oldest first
   uint64_t enqueued = 0;   // operations ever enqueued
@@ -275,6 +289,7 @@ class Sim {
 
   void Inject(const std::string& call, int nth, cudaError_t error) {
     if (nth < 1) Die("InjectFailure(%s): nth must be at least 1, not %d", call.c_str(), nth);
+    if (!KnownCall(call)) Die("InjectFailure(%s): not a call the simulator has", call.c_str());
     std::lock_guard<std::mutex> lock(inject_mu_);
     injections_.push_back(Injection{call, nth, error});
     any_injection_.store(true, std::memory_order_release);
@@ -353,6 +368,9 @@ class Sim {
     a.granted = granted;
     a.map = static_cast<uint8_t*>(map);
     a.map_bytes = map_bytes;
+    // The slack before the base (up to a page) and after the size both hold the canary: a
+    // kernel writing just before or after an allocation is caught when it ends.
+    std::memset(first, kCanary, static_cast<size_t>(a.base - first));
     std::memset(a.base, kind == Kind::kDevice ? kDevicePoison : kPinnedPoison, size);
     std::memset(a.base + size, kCanary, granted - size);
     std::lock_guard<std::mutex> lock(registry_mu_);
@@ -362,7 +380,9 @@ class Sim {
     return cudaSuccess;
   }
 
-  // Frees the allocation starting at p. `kind` is what the call frees (cudaFree: device).
+  // Frees the allocation starting at p. `kind` is what the call frees (cudaFree: device). The
+  // range moves from the live table to the quarantine in one step, and its memory is replaced by
+  // an inaccessible mapping, so a late access faults and is named.
   cudaError_t Free(Kind kind, void* p, std::string* why) {
     if (p == nullptr) return cudaSuccess;
     Allocation a;
@@ -375,23 +395,29 @@ class Sim {
         return kind == Kind::kDevice ? cudaErrorInvalidDevicePointer : cudaErrorInvalidValue;
       }
       a = it->second;
+      CheckCanary(a, "it was freed");
       live_.erase(it);
       if (kind == Kind::kDevice) device_used_[a.device] -= a.granted;
-    }
-    CheckCanary(a, "freed");
-    // Keep the addresses, drop the memory: a late access faults.
-    mmap(a.map, a.map_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
-         -1, 0);
-    std::lock_guard<std::mutex> lock(registry_mu_);
-    freed_[reinterpret_cast<uintptr_t>(a.base)] = a;
-    freed_order_.push_back(reinterpret_cast<uintptr_t>(a.base));
-    if (freed_order_.size() > kQuarantineCount) {
-      auto old = freed_.find(freed_order_.front());
-      freed_order_.pop_front();
-      munmap(old->second.map, old->second.map_bytes);
-      freed_.erase(old);
+      if (mmap(a.map, a.map_bytes, PROT_NONE,
+               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
+        Die("remapping freed allocation #%" PRIu64 " without access failed: %s", a.id,
+            std::strerror(errno));
+      }
+      freed_[reinterpret_cast<uintptr_t>(a.base)] = a;
+      freed_order_.push_back(reinterpret_cast<uintptr_t>(a.base));
+      if (freed_order_.size() > kQuarantineCount) {
+        auto old = freed_.find(freed_order_.front());
+        freed_order_.pop_front();
+        munmap(old->second.map, old->second.map_bytes);
+        freed_.erase(old);
+      }
     }
     return cudaSuccess;
+  }
+
+  std::string DescribeLocked(const void* p) {
+    std::lock_guard<std::mutex> lock(registry_mu_);
+    return Describe(p);
   }
 
   // What p is, for messages. REQUIRES: registry_mu_ held.
@@ -417,7 +443,9 @@ class Sim {
   static const Allocation* Containing(const std::map<uintptr_t, Allocation>& table,
                                       const void* p) {
     const uintptr_t x = reinterpret_cast<uintptr_t>(p);
-    auto it = table.upper_bound(x + PageSize());  // bases are at least a page into their maps
+    // A base lies at most two pages (less 256 bytes) into its mapping: the lower guard page,
+    // then the slack that puts the end of the granule against the upper one.
+    auto it = table.upper_bound(x + 2 * PageSize());
     while (it != table.begin()) {
       --it;
       const Allocation& a = it->second;
@@ -467,6 +495,14 @@ class Sim {
 
   // Reports a write into the slack of an allocation (past its size, before the guard page).
   void CheckCanary(const Allocation& a, const char* when) {
+    const uint8_t* first = a.map + PageSize();
+    for (const uint8_t* q = first; q < a.base; ++q) {
+      if (*q != kCanary) {
+        Die("%s allocation #%" PRIu64 " of %zu bytes at %p was written %td bytes before its "
+            "start (found when %s): an out-of-bounds write",
+            KindName(a.kind), a.id, a.size, static_cast<void*>(a.base), a.base - q, when);
+      }
+    }
     for (size_t i = a.size; i < a.granted; ++i) {
       if (a.base[i] != kCanary) {
         Die("%s allocation #%" PRIu64 " of %zu bytes at %p was written %zu bytes past its end "
@@ -481,7 +517,8 @@ class Sim {
     {
       std::lock_guard<std::mutex> lock(registry_mu_);
       for (const auto& entry : live_) {
-        if (entry.second.granted != entry.second.size) all.push_back(entry.second);
+        const Allocation& a = entry.second;
+        if (a.granted != a.size || a.base != a.map + PageSize()) all.push_back(a);
       }
     }
     for (const Allocation& a : all) CheckCanary(a, when);
@@ -490,17 +527,17 @@ class Sim {
   // Fault reports: what a faulting address was (no locks: the process is going down).
   void DescribeFault(const void* p, char* out, size_t n) const {
     const Allocation* a = Containing(live_, p);
-    const char* state = "live";
+    bool freed = false;
     if (a == nullptr) {
       a = Containing(freed_, p);
-      state = "freed";
+      freed = true;
     }
     if (a == nullptr) {
       std::snprintf(out, n, "%p is no CUDA allocation's", p);
       return;
     }
     const uint8_t* b = static_cast<const uint8_t*>(p);
-    if (std::string(state) == "freed") {
+    if (freed) {
       std::snprintf(out, n, "%p: use after free of %s allocation #%" PRIu64 " (%zu bytes at %p)",
                     p, KindName(a->kind), a->id, a->size, static_cast<void*>(a->base));
     } else if (b < a->base) {
@@ -536,7 +573,6 @@ class Sim {
     auto s = std::make_shared<Stream>();
     s->device = device;
     std::lock_guard<std::mutex> lock(registry_mu_);
-    s->id = ++next_stream_;
     streams_[s.get()] = s;
     return s;
   }
@@ -549,8 +585,6 @@ class Sim {
       if (legacy == nullptr) {
         legacy = std::make_shared<Stream>();
         legacy->device = device;
-        legacy->legacy = true;
-        legacy->id = ++next_stream_;
       }
       return legacy;
     }
@@ -558,19 +592,36 @@ class Sim {
     return it == streams_.end() ? nullptr : it->second;
   }
 
+  // Retires a stream: its handle is gone at once, but work still queued on it completes later
+  // (the next device-wide synchronization runs it), as cudaStreamDestroy promises.
   std::shared_ptr<Stream> RemoveStream(cudaStream_t handle) {
     std::lock_guard<std::mutex> lock(registry_mu_);
     auto it = streams_.find(reinterpret_cast<void*>(handle));
     if (it == streams_.end()) return nullptr;
     std::shared_ptr<Stream> s = std::move(it->second);
     streams_.erase(it);
+    retired_.push_back(s);
     return s;
   }
 
+  // Live, legacy and retired streams; retired ones whose work is done are forgotten here.
   std::vector<std::shared_ptr<Stream>> AllStreams() {
     std::lock_guard<std::mutex> lock(registry_mu_);
     std::vector<std::shared_ptr<Stream>> all;
     for (auto& entry : streams_) all.push_back(entry.second);
+    for (auto it = retired_.begin(); it != retired_.end();) {
+      bool done;
+      {
+        std::lock_guard<std::mutex> queue((*it)->queue_mu);
+        done = (*it)->completed == (*it)->enqueued;
+      }
+      if (done) {
+        it = retired_.erase(it);
+      } else {
+        all.push_back(*it);
+        ++it;
+      }
+    }
     for (auto& entry : legacy_) {
       if (entry.second != nullptr) all.push_back(entry.second);
     }
@@ -639,6 +690,10 @@ class Sim {
       } else {
         const cudaError_t e = op->run();
         if (e != cudaSuccess) {
+          if (config_.trace) {
+            std::fprintf(stderr, "cudasim: %s failed as it ran: %s\n", op->what.c_str(),
+                         FindError(e) != nullptr ? FindError(e)->name : "error");
+          }
           if (IsSticky(e)) SetSticky(e);
           std::lock_guard<std::mutex> lock(s.queue_mu);
           s.ops.pop_front();
@@ -702,7 +757,7 @@ class Sim {
   uint64_t next_allocation_ = 0;
   std::unordered_map<void*, std::shared_ptr<Stream>> streams_;
   std::map<int, std::shared_ptr<Stream>> legacy_;
-  uint64_t next_stream_ = 0;
+  std::vector<std::shared_ptr<Stream>> retired_;  // destroyed with work still queued
   std::unordered_map<void*, std::shared_ptr<Event>> events_;
 
   std::atomic<uint64_t> launches_{0};
@@ -739,7 +794,10 @@ void Sim::InstallFaultHandler() {
   struct sigaction action;
   std::memset(&action, 0, sizeof(action));
   action.sa_sigaction = OnSegv;
-  action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  action.sa_flags = SA_SIGINFO;
+  // backtrace() loads libgcc on its first call, which must not happen inside the handler.
+  void* frame;
+  (void)backtrace(&frame, 1);
   sigemptyset(&action.sa_mask);
   sigaction(SIGSEGV, &action, &previous_segv);
 #endif
@@ -799,7 +857,9 @@ Sim::Sim() {
     }
     const int nth = std::atoi(item.substr(c1 + 1, c2 - c1 - 1).c_str());
     if (nth < 1) Die("KVMESH_CUDASIM_FAIL: %s: N must be at least 1", item.c_str());
-    injections_.push_back(Injection{item.substr(0, c1), nth, ParseError(item.substr(c2 + 1))});
+    const std::string call = item.substr(0, c1);
+    if (!KnownCall(call)) Die("KVMESH_CUDASIM_FAIL: %s is not a call the simulator has", call.c_str());
+    injections_.push_back(Injection{call, nth, ParseError(item.substr(c2 + 1))});
     at = end + 1;
   }
   any_injection_.store(!injections_.empty());
@@ -829,6 +889,13 @@ cudaError_t Fail(cudaError_t e, const std::string& why, bool misuse) {
                  why.c_str());
   }
   return e;
+}
+
+// Records and prints a misuse that is not the result of a CUDA call.
+void Report(const std::string& why) {
+  last_message = why;
+  Sim::Get().CountMisuse();
+  std::fprintf(stderr, "cudasim: %s\n", why.c_str());
 }
 
 #define SIM_ENTER(call)                                                    \
@@ -866,6 +933,13 @@ cudaError_t Copy(const char* call, void* dst, const void* src, size_t n, cudaMem
   }
   if (!sim.Classify(src, n, &from, &why)) {
     return Fail(cudaErrorInvalidValue, std::string(call) + ": source " + why, true);
+  }
+  const uintptr_t d = reinterpret_cast<uintptr_t>(dst), r = reinterpret_cast<uintptr_t>(src);
+  if (d < r + n && r < d + n) {
+    return Fail(cudaErrorInvalidValue,
+                std::string(call) + ": source and destination of " + std::to_string(n) +
+                    " bytes overlap (undefined on a GPU)",
+                true);
   }
   const bool to_device = to == Sim::Where::kDevice, from_device = from == Sim::Where::kDevice;
   bool ok = true;
@@ -913,7 +987,7 @@ cudaError_t Copy(const char* call, void* dst, const void* src, size_t n, cudaMem
     };
   } else {
     op.run = [dst, src, n]() {
-      std::memmove(dst, src, n);
+      std::memcpy(dst, src, n);
       return cudaSuccess;
     };
   }
@@ -947,6 +1021,35 @@ cudaError_t Memset(const char* call, void* p, int value, size_t n, cudaStream_t 
     if (e != cudaSuccess) return Fail(e, std::string(call) + ": stream failed", false);
   }
   return cudaSuccess;
+}
+
+// cudaFree and cudaFreeHost: both synchronize the device first, as on a GPU. After a device
+// fault (a dead context) the memory is still released, as a context's memory is when it goes,
+// and the call returns the fault.
+cudaError_t FreeCall(const char* call, Kind kind, void* ptr) {
+  Sim& sim = Sim::Get();
+  const cudaError_t dead = sim.sticky();
+  if (dead == cudaSuccess) {
+    if (const cudaError_t e = sim.Injected(call); e != cudaSuccess) {
+      return Fail(e, std::string(call) + " failed (injected)", false);
+    }
+  }
+  if (ptr == nullptr) return dead == cudaSuccess ? cudaSuccess : Fail(dead, call, false);
+  const cudaError_t drained = dead == cudaSuccess ? sim.RunAll() : dead;
+  std::string why;
+  const cudaError_t e = sim.Free(kind, ptr, &why);
+  if (e != cudaSuccess) return Fail(e, why, true);
+  return drained == cudaSuccess
+             ? cudaSuccess
+             : Fail(drained, std::string(call) + ": the device failed", false);
+}
+
+cudaError_t AllocateCall(const char* call, Kind kind, void** ptr, size_t size) {
+  if (ptr == nullptr) return Fail(cudaErrorInvalidValue, std::string(call) + ": null", true);
+  if (Sim::Get().config().devices == 0) return NoDevice(call);
+  std::string why;
+  const cudaError_t e = Sim::Get().Allocate(kind, current_device, size, ptr, &why);
+  return e == cudaSuccess ? e : Fail(e, why, false);
 }
 
 }  // namespace
@@ -983,7 +1086,8 @@ cudaError_t Enqueue(cudaStream_t stream, std::unique_ptr<AsyncOp> op, const char
 bool CheckDeviceRange(const void* p, size_t bytes, const char* what) {
   std::string why;
   if (Sim::Get().CheckDevice(p, bytes == 0 ? 1 : bytes, what, &why)) return true;
-  Fail(cudaErrorIllegalAddress, why, true);
+  // Not a CUDA call: reported, but not left behind as this thread's last error.
+  Report(why);
   return false;
 }
 
@@ -1016,23 +1120,40 @@ void LaunchKernel(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
     Fail(cudaErrorInvalidResourceHandle, call + ": unknown stream", true);
     return;
   }
-  for (size_t i = 0; i < num_pointers; ++i) {
+  if (s->device != current_device) {
+    Fail(cudaErrorInvalidResourceHandle,
+         call + ": the stream belongs to device " + std::to_string(s->device) +
+             ", the current device is " + std::to_string(current_device),
+         true);
+    return;
+  }
+  // A pointer argument a kernel could not dereference (host memory that is not pinned, freed
+  // memory) makes it fault when it runs, as on a GPU: a sticky cudaErrorIllegalAddress.
+  std::string bad_pointer;
+  for (size_t i = 0; i < num_pointers && bad_pointer.empty(); ++i) {
     if (pointers[i] == nullptr) continue;
+    Sim::Where where;
     std::string why;
-    if (!sim.CheckDevice(pointers[i], 1, (call + ", pointer argument " + std::to_string(i)).c_str(),
-                         &why)) {
-      Fail(cudaErrorInvalidValue, why, true);
-      return;
+    if (!sim.Classify(pointers[i], 1, &where, &why)) {
+      bad_pointer = call + ", pointer argument " + std::to_string(i) + ": " + why;
+    } else if (where == Sim::Where::kPageable) {
+      bad_pointer = call + ", pointer argument " + std::to_string(i) + ": " +
+                    sim.DescribeLocked(pointers[i]) + " is not device or pinned memory";
     }
   }
+  if (!bad_pointer.empty()) Report(bad_pointer + " (the kernel will fault)");
   const auto [order, seed] = sim.order();
   const uint64_t launch = sim.NextLaunch();
   const int device = current_device;
   Op op;
   op.what = call;
   op.run = [name = std::string(name), grid, block, threads, blocks, order = order,
-            seed = seed + launch, device, run = std::move(run)]() -> cudaError_t {
+            seed = seed + launch, device, bad_pointer, run = std::move(run)]() -> cudaError_t {
     Sim& sim = Sim::Get();
+    if (!bad_pointer.empty()) {
+      sim.SetSticky(cudaErrorIllegalAddress);
+      return cudaErrorIllegalAddress;
+    }
     const cudaError_t injected = sim.Injected("kernel");
     if (injected != cudaSuccess) {
       // Surfaces through the call that waits for the stream, not cudaGetLastError.
@@ -1040,6 +1161,8 @@ void LaunchKernel(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
         std::fprintf(stderr, "cudasim: kernel %s fails as it runs (injected %s)\n", name.c_str(),
                      cudaGetErrorName(injected));
       }
+      // Any fault of a running kernel kills the context on a GPU.
+      sim.SetSticky(injected);
       return injected;
     }
     const uint64_t total = threads * blocks;
@@ -1212,43 +1335,18 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
 
 cudaError_t cudaMalloc(void** ptr, size_t size) {
   SIM_ENTER("cudaMalloc");
-  if (ptr == nullptr) return Fail(cudaErrorInvalidValue, "cudaMalloc: null", true);
-  if (Sim::Get().config().devices == 0) return cudasim::NoDevice("cudaMalloc");
-  std::string why;
-  const cudaError_t e =
-      Sim::Get().Allocate(cudasim::Kind::kDevice, current_device, size, ptr, &why);
-  return e == cudaSuccess ? e : Fail(e, why, false);
+  return cudasim::AllocateCall("cudaMalloc", cudasim::Kind::kDevice, ptr, size);
 }
 
 cudaError_t cudaMallocHost(void** ptr, size_t size) {
   SIM_ENTER("cudaMallocHost");
-  if (ptr == nullptr) return Fail(cudaErrorInvalidValue, "cudaMallocHost: null", true);
-  std::string why;
-  const cudaError_t e =
-      Sim::Get().Allocate(cudasim::Kind::kPinned, current_device, size, ptr, &why);
-  return e == cudaSuccess ? e : Fail(e, why, false);
+  return cudasim::AllocateCall("cudaMallocHost", cudasim::Kind::kPinned, ptr, size);
 }
 
-// Both synchronize the device first, as on a GPU.
-cudaError_t cudaFree(void* ptr) {
-  SIM_ENTER("cudaFree");
-  if (ptr == nullptr) return cudaSuccess;
-  const cudaError_t drained = Sim::Get().RunAll();
-  std::string why;
-  const cudaError_t e = Sim::Get().Free(cudasim::Kind::kDevice, ptr, &why);
-  if (e != cudaSuccess) return Fail(e, why, true);
-  return drained == cudaSuccess ? cudaSuccess : Fail(drained, "cudaFree: device failed", false);
-}
+cudaError_t cudaFree(void* ptr) { return cudasim::FreeCall("cudaFree", cudasim::Kind::kDevice, ptr); }
 
 cudaError_t cudaFreeHost(void* ptr) {
-  SIM_ENTER("cudaFreeHost");
-  if (ptr == nullptr) return cudaSuccess;
-  const cudaError_t drained = Sim::Get().RunAll();
-  std::string why;
-  const cudaError_t e = Sim::Get().Free(cudasim::Kind::kPinned, ptr, &why);
-  if (e != cudaSuccess) return Fail(e, why, true);
-  return drained == cudaSuccess ? cudaSuccess
-                                : Fail(drained, "cudaFreeHost: device failed", false);
+  return cudasim::FreeCall("cudaFreeHost", cudasim::Kind::kPinned, ptr);
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
@@ -1291,14 +1389,15 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) {
   return cudaStreamCreateWithFlags(stream, cudaStreamDefault);
 }
 
-// Work still on the stream completes (here: runs now) before the stream goes away.
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   SIM_ENTER("cudaStreamDestroy");
   std::shared_ptr<cudasim::Stream> s = Sim::Get().RemoveStream(stream);
   if (s == nullptr) {
     return Fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy: unknown stream", true);
   }
-  (void)Sim::Get().Run(*s, UINT64_MAX, /*blocking=*/true);
+  // Returns at once, as on a GPU: what is queued runs without blocking now if it can, the rest
+  // at the next device-wide synchronization.
+  (void)Sim::Get().Run(*s, UINT64_MAX, /*blocking=*/false);
   return cudaSuccess;
 }
 
