@@ -3,7 +3,8 @@
 // DeviceOpsParityTest runs one seeded random sequence of Device operations on a HostDevice and on
 // a CudaDevice: Scatter (with -1 rows that consume their source row and write nothing), Gather
 // (rows may repeat), CopyRows, CopyRowsBetween between a cache-pool and a snapshot-pool arena
-// (both ways and within one arena), and RopeShift NORMAL and NEOX on F32, F16 and BF16 rows of
+// (both ways and within one arena), and RopeShift (rows may repeat) NORMAL and NEOX on F32, F16
+// and BF16 rows of
 // many shapes (dims < head_dim, odd head counts, rows of a few MiB). Layouts are irregular on
 // purpose: odd row sizes, plane offsets that are not 16-byte aligned (element-aligned for RoPE,
 // which addresses whole elements; any byte for the copies), planes in shuffled order, gaps.
@@ -521,7 +522,13 @@ class DeviceOpsEpisode {
   ::testing::AssertionResult DoRopeShift() {
     TwinArena& twin = rng_.Chance(80) ? cache_ : snapshot_;
     const std::vector<Plane> planes = Select(twin.layout, PlaneSubset());
-    const std::vector<int32_t> rows = DistinctRows(twin.layout.rows, MaxRowsPerOp(twin.layout));
+    // Sometimes with rows listed more than once: each listing rotates the row again, so a launch
+    // must never hold two of them (on a GPU they would race; the simulator runs threads one
+    // after another and cannot see that, only the result's order of rotations).
+    const std::vector<int32_t> rows =
+        rng_.Chance(25) ? AnyRows(twin.layout.rows, static_cast<size_t>(rng_.Between(
+                                                         1, MaxRowsPerOp(twin.layout))))
+                        : DistinctRows(twin.layout.rows, MaxRowsPerOp(twin.layout));
     RopeShiftParams params;
     params.rope.type = rng_.Chance(50) ? RopeType::kNormal : RopeType::kNeox;
     // Any even dims up to head_dim: often all of it, often fewer (partial rotary).
