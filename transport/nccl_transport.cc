@@ -104,8 +104,8 @@ class FramedPayload final : public LeasedPayload {
     const size_t piece = offset / chunk_;
     const size_t data_offset = piece * (chunk_ - kFrameCrcBytes);
     if (offset % chunk_ != 0 || dst.size() <= kFrameCrcBytes ||
-        dst.size() - kFrameCrcBytes != std::min(chunk_ - kFrameCrcBytes,
-                                                payload_->size() - data_offset)) {
+        dst.size() - kFrameCrcBytes !=
+            std::min(chunk_ - kFrameCrcBytes, payload_->size() - data_offset)) {
       return absl::InternalError(absl::StrCat("nccl framing: a read of ", dst.size(),
                                               " bytes at offset ", offset,
                                               " is not piece-aligned for pieces of ", chunk_));
@@ -281,9 +281,9 @@ absl::Status NcclTransport::ReceiveOnce(const Lease& lease, Sink sink, absl::Tim
     const uint32_t actual = Crc32cExtend(0, piece);
     if (actual != expected) {
       return absl::DataLossError(absl::StrCat(
-          "nccl transfer of lease ", lease.id, " from ", DescribeSender(lease), ": piece ",
-          pieces, " (payload bytes ", received, " to ", received + piece.size(),
-          ") has CRC-32C ", Hex32(actual), ", the sender computed ", Hex32(expected)));
+          "nccl transfer of lease ", lease.id, " from ", DescribeSender(lease), ": piece ", pieces,
+          " (payload bytes ", received, " to ", received + piece.size(), ") has CRC-32C ",
+          Hex32(actual), ", the sender computed ", Hex32(expected)));
     }
     ++pieces;
     crc = Crc32cExtend(crc, piece);

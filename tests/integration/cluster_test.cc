@@ -115,9 +115,8 @@ class Cluster {
       options.extra_args = {absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
                             "--memory-budget=512MiB", "--snapshot-budget=512MiB"};
       if (NcclCluster()) {
-        options.extra_args.insert(options.extra_args.end(),
-                                  {"--backend=cuda", "--transport=nccl",
-                                   "--testing-nccl-chunk-bytes=4MiB"});
+        options.extra_args.insert(options.extra_args.end(), {"--backend=cuda", "--transport=nccl",
+                                                             "--testing-nccl-chunk-bytes=4MiB"});
         options.env = {absl::StrCat("KVMESH_NCCL_LIBRARY=", KVMESH_TEST_NCCL_LIBRARY)};
       }
       if (i < extra.size()) {

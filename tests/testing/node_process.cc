@@ -208,8 +208,9 @@ absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& o
   // The backend of a whole test run (the _cuda runs of the integration tests in a
   // -DKVMESH_CUDA=SIM build), unless the test chose one itself.
   const char* backend = std::getenv(kTestNodeBackendEnv);
-  const bool chosen = std::any_of(options.extra_args.begin(), options.extra_args.end(),
-                                  [](const std::string& a) { return a.rfind("--backend=", 0) == 0; });
+  const bool chosen =
+      std::any_of(options.extra_args.begin(), options.extra_args.end(),
+                  [](const std::string& a) { return a.rfind("--backend=", 0) == 0; });
   if (backend != nullptr && backend[0] != '\0' && !chosen) {
     args.push_back(absl::StrCat("--backend=", backend));
   }

@@ -310,8 +310,8 @@ struct SweepFault {
 // Runs the scenario once for every n until the armed fault no longer fires.
 void Sweep(const FaultScenario& scenario, const SweepFault& fault, int* fired_runs) {
   for (int n = fault.first;; ++n) {
-    SCOPED_TRACE(::testing::Message() << scenario.name << ": " << fault.name << " call " << n
-                                      << " fails");
+    SCOPED_TRACE(::testing::Message()
+                 << scenario.name << ": " << fault.name << " call " << n << " fails");
     ASSERT_LT(n, 200) << "the operation never completes";
     FaultyDevice device;
     absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(scenario.spec, &device);
@@ -368,17 +368,16 @@ std::vector<SweepFault> SweepFaults() {
         {"cudaEventSynchronize", cudaErrorUnknown},
     };
     for (const auto& [call, error] : calls) {
-      faults.push_back(SweepFault{
-          absl::StrCat(call, " (", cudaGetErrorName(error), ")"), 1,
-          [call = std::string(call), error = error](FaultyDevice&, int n) {
-            cudasim::InjectFailure(call, n, error);
-          },
-          [](FaultyDevice&) {
-            const bool fired = cudasim::PendingFailures() == 0;
-            cudasim::ResetFailures();
-            return fired;
-          },
-          cudaGetErrorName(error), /*must_fire=*/true});
+      faults.push_back(SweepFault{absl::StrCat(call, " (", cudaGetErrorName(error), ")"), 1,
+                                  [call = std::string(call), error = error](FaultyDevice&, int n) {
+                                    cudasim::InjectFailure(call, n, error);
+                                  },
+                                  [](FaultyDevice&) {
+                                    const bool fired = cudasim::PendingFailures() == 0;
+                                    cudasim::ResetFailures();
+                                    return fired;
+                                  },
+                                  cudaGetErrorName(error), /*must_fire=*/true});
     }
   }
 #endif
@@ -423,17 +422,18 @@ CacheSpec HybridSpec() {
 }
 
 TEST(CacheDeviceFaultTest, RotatingWrappedDecode) {
-  RunFaultSweep(
-      {"rotating decode", RingSpec(), [](Cache& c) {
-         const absl::Status s = AppendRange(c, 0, 0, 6);
-         ASSERT_TRUE(s.ok()) << s;
-       },
-       [](Cache& c) { return AppendRange(c, 0, 6, 7, /*salt=*/1); },
-       [](const Cache& c) {
-         EXPECT_TRUE(testutil::ReadIs(c, 0, 0, std::nullopt, {testutil::Range(3, 7)},
-                                      {{testutil::TokenId(0, 3), testutil::TokenId(0, 4),
-                                        testutil::TokenId(0, 5), testutil::TokenId(0, 6, 1)}}));
-       }});
+  RunFaultSweep({"rotating decode", RingSpec(),
+                 [](Cache& c) {
+                   const absl::Status s = AppendRange(c, 0, 0, 6);
+                   ASSERT_TRUE(s.ok()) << s;
+                 },
+                 [](Cache& c) { return AppendRange(c, 0, 6, 7, /*salt=*/1); },
+                 [](const Cache& c) {
+                   EXPECT_TRUE(
+                       testutil::ReadIs(c, 0, 0, std::nullopt, {testutil::Range(3, 7)},
+                                        {{testutil::TokenId(0, 3), testutil::TokenId(0, 4),
+                                          testutil::TokenId(0, 5), testutil::TokenId(0, 6, 1)}}));
+                 }});
 }
 
 TEST(CacheDeviceFaultTest, RotatingPrefillAroundTheRing) {

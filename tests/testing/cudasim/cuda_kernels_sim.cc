@@ -4,10 +4,9 @@
 // separate, as nvcc's __fmul_rn and friends keep them.
 #include "tests/testing/cudasim/kernel_prelude.h"
 
-// The kernels' BitCast copies CUDA's half
-// pairs (trivially copyable on the device, not to g++'s check) with memcpy, as device code may;
-// nvcc's `#pragma unroll` is silenced by -Wno-unknown-pragmas (cache/CMakeLists.txt): g++ ignores
-// that warning's pragma form.
+// The kernels' BitCast copies CUDA's half pairs with memcpy, as device code may (they are
+// trivially copyable on the device, not to g++'s check). nvcc's `#pragma unroll` is silenced by
+// -Wno-unknown-pragmas (cache/CMakeLists.txt): g++ ignores that warning's pragma form.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wclass-memaccess"
 #endif

@@ -148,8 +148,8 @@ struct LaunchOrder {
 // enqueues the launch: when the stream reaches it, `run` is called once with the order of the
 // grid's threads and runs each of them (kernel_prelude.h). Errors are reported as for a launch on
 // a GPU: through cudaGetLastError.
-void LaunchKernel(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
-                  cudaStream_t stream, const void* const* pointers, size_t num_pointers,
+void LaunchKernel(const char* name, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                  const void* const* pointers, size_t num_pointers,
                   std::function<void(const LaunchOrder&)> run);
 
 }  // namespace internal

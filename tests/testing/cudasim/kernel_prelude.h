@@ -74,7 +74,11 @@ class Launcher {
  public:
   Launcher(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared,
            cudaStream_t stream)
-      : name_(name), kernel_(kernel), grid_(grid), block_(block), shared_(shared),
+      : name_(name),
+        kernel_(kernel),
+        grid_(grid),
+        block_(block),
+        shared_(shared),
         stream_(stream) {}
 
   template <typename... Args>
@@ -83,11 +87,7 @@ class Launcher {
     auto params = std::make_shared<std::tuple<std::decay_t<Params>...>>(
         static_cast<std::decay_t<Params>>(std::forward<Args>(args))...);
     std::vector<const void*> pointers;
-    std::apply(
-        [&pointers](const auto&... p) {
-          (Collect(p, &pointers), ...);
-        },
-        *params);
+    std::apply([&pointers](const auto&... p) { (Collect(p, &pointers), ...); }, *params);
     void (*kernel)(Params...) = kernel_;
     LaunchKernel(name_, grid_, block_, shared_, stream_, pointers.data(), pointers.size(),
                  [kernel, params](const LaunchOrder& order) {
@@ -122,8 +122,7 @@ Launcher<Params...> MakeLauncher(const char* name, dim3 grid, dim3 block, size_t
 }  // namespace internal
 }  // namespace cudasim
 
-#define KVMESH_LAUNCH(grid, block, shared, stream, ...)                                     \
-  ::cudasim::internal::MakeLauncher(#__VA_ARGS__, (grid), (block), (shared), (stream),      \
-                                    __VA_ARGS__)
+#define KVMESH_LAUNCH(grid, block, shared, stream, ...) \
+  ::cudasim::internal::MakeLauncher(#__VA_ARGS__, (grid), (block), (shared), (stream), __VA_ARGS__)
 
 #endif  // KVMESH_TESTS_TESTING_CUDASIM_KERNEL_PRELUDE_H_

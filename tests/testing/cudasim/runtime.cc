@@ -9,10 +9,10 @@
 
 #include <cuda_runtime_api.h>
 #include <execinfo.h>
-#include <vector_functions.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#include <vector_functions.h>
 
 #include <algorithm>
 #include <atomic>
@@ -84,22 +84,19 @@ constexpr ErrorInfo kErrors[] = {
      "invalid copy direction for memcpy"},
     {cudaErrorNoDevice, "cudaErrorNoDevice", "no CUDA-capable device is detected"},
     {cudaErrorInvalidDevice, "cudaErrorInvalidDevice", "invalid device ordinal"},
-    {cudaErrorInvalidResourceHandle, "cudaErrorInvalidResourceHandle",
-     "invalid resource handle"},
+    {cudaErrorInvalidResourceHandle, "cudaErrorInvalidResourceHandle", "invalid resource handle"},
     {cudaErrorNotReady, "cudaErrorNotReady", "device not ready"},
     {cudaErrorIllegalAddress, "cudaErrorIllegalAddress",
      "an illegal memory access was encountered"},
     {cudaErrorLaunchOutOfResources, "cudaErrorLaunchOutOfResources",
      "too many resources requested for launch"},
-    {cudaErrorLaunchTimeout, "cudaErrorLaunchTimeout",
-     "the launch timed out and was terminated"},
+    {cudaErrorLaunchTimeout, "cudaErrorLaunchTimeout", "the launch timed out and was terminated"},
     {cudaErrorLaunchFailure, "cudaErrorLaunchFailure", "unspecified launch failure"},
     {cudaErrorHardwareStackError, "cudaErrorHardwareStackError", "hardware stack error"},
     {cudaErrorIllegalInstruction, "cudaErrorIllegalInstruction",
      "an illegal instruction was encountered"},
     {cudaErrorMisalignedAddress, "cudaErrorMisalignedAddress", "misaligned address"},
-    {cudaErrorECCUncorrectable, "cudaErrorECCUncorrectable",
-     "uncorrectable ECC error encountered"},
+    {cudaErrorECCUncorrectable, "cudaErrorECCUncorrectable", "uncorrectable ECC error encountered"},
     {cudaErrorAssert, "cudaErrorAssert", "device-side assert triggered"},
     {cudaErrorNotSupported, "cudaErrorNotSupported", "operation not supported"},
     {cudaErrorInsufficientDriver, "cudaErrorInsufficientDriver",
@@ -186,14 +183,32 @@ cudaError_t ParseError(const std::string& name) {
 
 // The calls a failure can be injected into: the runtime functions, a launch, a running kernel.
 bool KnownCall(const std::string& call) {
-  static const char* const kCalls[] = {
-      "cudaDeviceGetAttribute", "cudaDeviceSynchronize", "cudaEventCreateWithFlags",
-      "cudaEventDestroy", "cudaEventQuery", "cudaEventRecord", "cudaEventSynchronize",
-      "cudaFree", "cudaFreeHost", "cudaGetDevice", "cudaGetDeviceCount",
-      "cudaGetDeviceProperties", "cudaMalloc", "cudaMallocHost", "cudaMemGetInfo", "cudaMemcpy",
-      "cudaMemcpyAsync", "cudaMemset", "cudaMemsetAsync", "cudaSetDevice",
-      "cudaStreamCreateWithFlags", "cudaStreamDestroy", "cudaStreamQuery",
-      "cudaStreamSynchronize", "cudaLaunchKernel", "kernel"};
+  static const char* const kCalls[] = {"cudaDeviceGetAttribute",
+                                       "cudaDeviceSynchronize",
+                                       "cudaEventCreateWithFlags",
+                                       "cudaEventDestroy",
+                                       "cudaEventQuery",
+                                       "cudaEventRecord",
+                                       "cudaEventSynchronize",
+                                       "cudaFree",
+                                       "cudaFreeHost",
+                                       "cudaGetDevice",
+                                       "cudaGetDeviceCount",
+                                       "cudaGetDeviceProperties",
+                                       "cudaMalloc",
+                                       "cudaMallocHost",
+                                       "cudaMemGetInfo",
+                                       "cudaMemcpy",
+                                       "cudaMemcpyAsync",
+                                       "cudaMemset",
+                                       "cudaMemsetAsync",
+                                       "cudaSetDevice",
+                                       "cudaStreamCreateWithFlags",
+                                       "cudaStreamDestroy",
+                                       "cudaStreamQuery",
+                                       "cudaStreamSynchronize",
+                                       "cudaLaunchKernel",
+                                       "kernel"};
   for (const char* known : kCalls) {
     if (call == known) return true;
   }
@@ -340,16 +355,16 @@ class Sim {
     if (kind == Kind::kDevice) {
       std::lock_guard<std::mutex> lock(registry_mu_);
       if (device_used_[device] + granted > config_.memory) {
-        *why = "cudaMalloc of " + std::to_string(size) + " bytes: " +
-               std::to_string(config_.memory - device_used_[device]) + " of " +
+        *why = "cudaMalloc of " + std::to_string(size) +
+               " bytes: " + std::to_string(config_.memory - device_used_[device]) + " of " +
                std::to_string(config_.memory) + " bytes free on simulated device " +
                std::to_string(device);
         return cudaErrorMemoryAllocation;
       }
       device_used_[device] += granted;
     }
-    void* map = mmap(nullptr, map_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                     -1, 0);
+    void* map =
+        mmap(nullptr, map_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     uint8_t* first = static_cast<uint8_t*>(map) + page;
     if (map == MAP_FAILED || mprotect(first, body, PROT_READ | PROT_WRITE) != 0) {
       if (map != MAP_FAILED) munmap(map, map_bytes);
@@ -432,16 +447,15 @@ class Sim {
     if (a == nullptr) {
       std::snprintf(text, sizeof(text), "%p (host memory not allocated through CUDA)", p);
     } else {
-      std::snprintf(text, sizeof(text), "%p (offset %td of %s %s allocation #%" PRIu64
-                    " of %zu bytes)", p, static_cast<const uint8_t*>(p) - a->base, state,
-                    KindName(a->kind), a->id, a->size);
+      std::snprintf(
+          text, sizeof(text), "%p (offset %td of %s %s allocation #%" PRIu64 " of %zu bytes)", p,
+          static_cast<const uint8_t*>(p) - a->base, state, KindName(a->kind), a->id, a->size);
     }
     return text;
   }
 
   // The allocation of `table` whose mapping (guard pages included) holds p.
-  static const Allocation* Containing(const std::map<uintptr_t, Allocation>& table,
-                                      const void* p) {
+  static const Allocation* Containing(const std::map<uintptr_t, Allocation>& table, const void* p) {
     const uintptr_t x = reinterpret_cast<uintptr_t>(p);
     // A base lies at most two pages (less 256 bytes) into its mapping: the lower guard page,
     // then the slack that puts the end of the granule against the upper one.
@@ -498,14 +512,16 @@ class Sim {
     const uint8_t* first = a.map + PageSize();
     for (const uint8_t* q = first; q < a.base; ++q) {
       if (*q != kCanary) {
-        Die("%s allocation #%" PRIu64 " of %zu bytes at %p was written %td bytes before its "
+        Die("%s allocation #%" PRIu64
+            " of %zu bytes at %p was written %td bytes before its "
             "start (found when %s): an out-of-bounds write",
             KindName(a.kind), a.id, a.size, static_cast<void*>(a.base), a.base - q, when);
       }
     }
     for (size_t i = a.size; i < a.granted; ++i) {
       if (a.base[i] != kCanary) {
-        Die("%s allocation #%" PRIu64 " of %zu bytes at %p was written %zu bytes past its end "
+        Die("%s allocation #%" PRIu64
+            " of %zu bytes at %p was written %zu bytes past its end "
             "(found when %s): an out-of-bounds write",
             KindName(a.kind), a.id, a.size, static_cast<void*>(a.base), i - a.size + 1, when);
       }
@@ -538,16 +554,16 @@ class Sim {
     }
     const uint8_t* b = static_cast<const uint8_t*>(p);
     if (freed) {
-      std::snprintf(out, n, "%p: use after free of %s allocation #%" PRIu64 " (%zu bytes at %p)",
-                    p, KindName(a->kind), a->id, a->size, static_cast<void*>(a->base));
+      std::snprintf(out, n, "%p: use after free of %s allocation #%" PRIu64 " (%zu bytes at %p)", p,
+                    KindName(a->kind), a->id, a->size, static_cast<void*>(a->base));
     } else if (b < a->base) {
-      std::snprintf(out, n, "%p: %td bytes before %s allocation #%" PRIu64 " (%zu bytes at %p)",
-                    p, a->base - b, KindName(a->kind), a->id, a->size,
-                    static_cast<void*>(a->base));
+      std::snprintf(out, n, "%p: %td bytes before %s allocation #%" PRIu64 " (%zu bytes at %p)", p,
+                    a->base - b, KindName(a->kind), a->id, a->size, static_cast<void*>(a->base));
     } else {
-      std::snprintf(out, n, "%p: %td bytes past the end of %s allocation #%" PRIu64
-                    " (%zu bytes at %p)", p, b - (a->base + a->size) + 1, KindName(a->kind),
-                    a->id, a->size, static_cast<void*>(a->base));
+      std::snprintf(out, n,
+                    "%p: %td bytes past the end of %s allocation #%" PRIu64 " (%zu bytes at %p)", p,
+                    b - (a->base + a->size) + 1, KindName(a->kind), a->id, a->size,
+                    static_cast<void*>(a->base));
     }
   }
 
@@ -777,7 +793,8 @@ void OnSegv(int sig, siginfo_t* info, void* context) {
   char line[512];
   const int n = std::snprintf(line, sizeof(line),
                               "cudasim: segmentation fault at %s (a guard page or freed memory: "
-                              "an out-of-bounds or use-after-free access)\n", what);
+                              "an out-of-bounds or use-after-free access)\n",
+                              what);
   if (n > 0) (void)!write(STDERR_FILENO, line, static_cast<size_t>(n));
   void* frames[64];
   const int depth = backtrace(frames, 64);
@@ -858,7 +875,8 @@ Sim::Sim() {
     const int nth = std::atoi(item.substr(c1 + 1, c2 - c1 - 1).c_str());
     if (nth < 1) Die("KVMESH_CUDASIM_FAIL: %s: N must be at least 1", item.c_str());
     const std::string call = item.substr(0, c1);
-    if (!KnownCall(call)) Die("KVMESH_CUDASIM_FAIL: %s is not a call the simulator has", call.c_str());
+    if (!KnownCall(call))
+      Die("KVMESH_CUDASIM_FAIL: %s is not a call the simulator has", call.c_str());
     injections_.push_back(Injection{call, nth, ParseError(item.substr(c2 + 1))});
     at = end + 1;
   }
@@ -898,20 +916,23 @@ void Report(const std::string& why) {
   std::fprintf(stderr, "cudasim: %s\n", why.c_str());
 }
 
-#define SIM_ENTER(call)                                                    \
-  do {                                                                     \
-    const cudaError_t sim_entered_ = Sim::Get().Enter(call);               \
-    if (sim_entered_ != cudaSuccess) {                                     \
-      return Fail(sim_entered_, std::string(call) + " failed (injected or " \
-                                "after an earlier device fault)", false);  \
-    }                                                                      \
+#define SIM_ENTER(call)                                      \
+  do {                                                       \
+    const cudaError_t sim_entered_ = Sim::Get().Enter(call); \
+    if (sim_entered_ != cudaSuccess) {                       \
+      return Fail(sim_entered_,                              \
+                  std::string(call) +                        \
+                      " failed (injected or "                \
+                      "after an earlier device fault)",      \
+                  false);                                    \
+    }                                                        \
   } while (0)
 
 bool ValidDevice(int device) { return device >= 0 && device < Sim::Get().config().devices; }
 
 cudaError_t NoDevice(const char* call) {
-  return Fail(cudaErrorNoDevice, std::string(call) + ": no simulated device (KVMESH_CUDASIM_DEVICES=0)",
-              false);
+  return Fail(cudaErrorNoDevice,
+              std::string(call) + ": no simulated device (KVMESH_CUDASIM_DEVICES=0)", false);
 }
 
 // Enqueues a copy after checking both ranges against `kind`.
@@ -968,8 +989,7 @@ cudaError_t Copy(const char* call, void* dst, const void* src, size_t n, cudaMem
     return Fail(cudaErrorInvalidValue,
                 std::string(call) + ": cudaMemcpy" + kKinds[kind] + " from " +
                     (from_device ? "device" : "host") + " memory to " +
-                    (to_device ? "device" : "host") + " memory (" + std::to_string(n) +
-                    " bytes)",
+                    (to_device ? "device" : "host") + " memory (" + std::to_string(n) + " bytes)",
                 true);
   }
   // Pageable host memory: a real GPU stages the source at once (so the caller may reuse it when
@@ -1039,9 +1059,8 @@ cudaError_t FreeCall(const char* call, Kind kind, void* ptr) {
   std::string why;
   const cudaError_t e = sim.Free(kind, ptr, &why);
   if (e != cudaSuccess) return Fail(e, why, true);
-  return drained == cudaSuccess
-             ? cudaSuccess
-             : Fail(drained, std::string(call) + ": the device failed", false);
+  return drained == cudaSuccess ? cudaSuccess
+                                : Fail(drained, std::string(call) + ": the device failed", false);
 }
 
 cudaError_t AllocateCall(const char* call, Kind kind, void** ptr, size_t size) {
@@ -1093,8 +1112,8 @@ bool CheckDeviceRange(const void* p, size_t bytes, const char* what) {
 
 namespace internal {
 
-void LaunchKernel(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
-                  cudaStream_t stream, const void* const* pointers, size_t num_pointers,
+void LaunchKernel(const char* name, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                  const void* const* pointers, size_t num_pointers,
                   std::function<void(const LaunchOrder&)> run) {
   Sim& sim = Sim::Get();
   const std::string call = std::string("launch of ") + name;
@@ -1109,9 +1128,10 @@ void LaunchKernel(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
       grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535 ||
       shared_bytes > kMaxSharedPerBlock) {
     char text[200];
-    std::snprintf(text, sizeof(text), ": grid (%u, %u, %u), block (%u, %u, %u), %zu bytes of "
-                  "shared memory", grid.x, grid.y, grid.z, block.x, block.y, block.z,
-                  shared_bytes);
+    std::snprintf(text, sizeof(text),
+                  ": grid (%u, %u, %u), block (%u, %u, %u), %zu bytes of "
+                  "shared memory",
+                  grid.x, grid.y, grid.z, block.x, block.y, block.z, shared_bytes);
     Fail(cudaErrorInvalidConfiguration, call + text, true);
     return;
   }
@@ -1200,9 +1220,9 @@ void LaunchKernel(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
 
 // ---- The CUDA runtime API --------------------------------------------------------------------
 
+using cudasim::current_device;
 using cudasim::Fail;
 using cudasim::Sim;
-using cudasim::current_device;
 
 extern "C" {
 
@@ -1246,8 +1266,8 @@ cudaError_t cudaSetDevice(int device) {
   if (Sim::Get().config().devices == 0) return cudasim::NoDevice("cudaSetDevice");
   if (!cudasim::ValidDevice(device)) {
     return Fail(cudaErrorInvalidDevice,
-                "cudaSetDevice(" + std::to_string(device) + "): " +
-                    std::to_string(Sim::Get().config().devices) + " simulated devices",
+                "cudaSetDevice(" + std::to_string(device) +
+                    "): " + std::to_string(Sim::Get().config().devices) + " simulated devices",
                 false);
   }
   current_device = device;
@@ -1287,10 +1307,10 @@ cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int dev
       *value = 0;
       return cudaSuccess;
     default:
-      return Fail(cudaErrorInvalidValue,
-                  "cudaDeviceGetAttribute: attribute " + std::to_string(int(attr)) +
-                      " is not simulated",
-                  true);
+      return Fail(
+          cudaErrorInvalidValue,
+          "cudaDeviceGetAttribute: attribute " + std::to_string(int(attr)) + " is not simulated",
+          true);
   }
 }
 
@@ -1343,7 +1363,9 @@ cudaError_t cudaMallocHost(void** ptr, size_t size) {
   return cudasim::AllocateCall("cudaMallocHost", cudasim::Kind::kPinned, ptr, size);
 }
 
-cudaError_t cudaFree(void* ptr) { return cudasim::FreeCall("cudaFree", cudasim::Kind::kDevice, ptr); }
+cudaError_t cudaFree(void* ptr) {
+  return cudasim::FreeCall("cudaFree", cudasim::Kind::kDevice, ptr);
+}
 
 cudaError_t cudaFreeHost(void* ptr) {
   return cudasim::FreeCall("cudaFreeHost", cudasim::Kind::kPinned, ptr);
@@ -1437,7 +1459,8 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
   SIM_ENTER("cudaEventCreateWithFlags");
-  constexpr unsigned kKnown = cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess;
+  constexpr unsigned kKnown =
+      cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess;
   if (event == nullptr || (flags & ~kKnown) != 0) {
     return Fail(cudaErrorInvalidValue, "cudaEventCreateWithFlags: null or unknown flags", true);
   }
