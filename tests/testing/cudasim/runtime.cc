@@ -528,16 +528,12 @@ class Sim {
     }
   }
 
+  // Under the registry lock: Free remaps an allocation without access under it, so one that
+  // another thread frees meanwhile is either checked whole or not at all (found by
+  // cache_transfer_test_cuda's concurrent exports under ASan).
   void CheckAllCanaries(const char* when) {
-    std::vector<Allocation> all;
-    {
-      std::lock_guard<std::mutex> lock(registry_mu_);
-      for (const auto& entry : live_) {
-        const Allocation& a = entry.second;
-        if (a.granted != a.size || a.base != a.map + PageSize()) all.push_back(a);
-      }
-    }
-    for (const Allocation& a : all) CheckCanary(a, when);
+    std::lock_guard<std::mutex> lock(registry_mu_);
+    for (const auto& entry : live_) CheckCanary(entry.second, when);
   }
 
   // Fault reports: what a faulting address was (no locks: the process is going down).
