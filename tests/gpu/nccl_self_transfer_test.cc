@@ -45,23 +45,6 @@ constexpr size_t kLlama4kPayload = 512 * kMiB;  // 4096 tokens x 128 KiB (32 lay
 
 absl::Time Within(absl::Duration d) { return absl::Now() + d; }
 
-// Bytes [0, size) of pattern stream `seed`: 8 bytes per HashPair(seed, word index).
-std::vector<uint8_t> Pattern(size_t size, uint64_t seed) {
-  std::vector<uint8_t> bytes(size);
-  for (size_t i = 0; i < size; i += 8) {
-    const uint64_t word = testutil::HashPair(seed, i / 8);
-    std::memcpy(bytes.data() + i, &word, std::min<size_t>(8, size - i));
-  }
-  return bytes;
-}
-
-size_t CountWrong(const std::vector<uint8_t>& expected, const std::vector<uint8_t>& actual) {
-  if (expected.size() != actual.size()) return std::max(expected.size(), actual.size());
-  size_t wrong = 0;
-  for (size_t i = 0; i < expected.size(); ++i) wrong += expected[i] != actual[i];
-  return wrong;
-}
-
 // A lease payload over host bytes; `fail_at` makes the ReadAt that reaches that offset fail.
 class VectorPayload : public LeasedPayload {
  public:
@@ -165,7 +148,7 @@ TEST_F(NcclSelfTransferTest, HostPayloadsOfEverySizeReuseOneCommunicator) {
   const size_t sizes[] = {0, 1, 4097, 64 * kMiB, 64 * kMiB + 1, kLlama4kPayload};
   for (size_t size : sizes) {
     SCOPED_TRACE(absl::StrCat("payload of ", size, " bytes"));
-    const std::vector<uint8_t> payload = Pattern(size, /*seed=*/size + 1);
+    const std::vector<uint8_t> payload = testutil::PatternBytes(size, /*seed=*/size + 1);
     // Twice: the first run allocates the staging buffers, the second shows the steady state.
     for (int run = 0; run < 2; ++run) {
       absl::StatusOr<std::shared_ptr<NcclComm>> comm =
@@ -176,7 +159,7 @@ TEST_F(NcclSelfTransferTest, HostPayloadsOfEverySizeReuseOneCommunicator) {
       Received received(size);
       absl::Duration time;
       ASSERT_TRUE(HostSelfTransfer(**comm, payload, &received, &time).ok());
-      const size_t wrong = CountWrong(payload, received.bytes);
+      const size_t wrong = testutil::CountWrongBytes(payload, received.bytes);
       EXPECT_EQ(received.offset, size);
       EXPECT_EQ(wrong, 0u);
       EXPECT_EQ(received.pieces, (size + kNcclChunkBytes - 1) / kNcclChunkBytes);
@@ -194,7 +177,7 @@ TEST_F(NcclSelfTransferTest, DeviceBuffersMoveWithoutStaging) {
   PrintHeader();
   for (size_t size : {size_t{4097}, 64 * kMiB, kLlama4kPayload}) {
     SCOPED_TRACE(absl::StrCat("payload of ", size, " bytes"));
-    const std::vector<uint8_t> payload = Pattern(size, /*seed=*/7 * size);
+    const std::vector<uint8_t> payload = testutil::PatternBytes(size, /*seed=*/7 * size);
     absl::StatusOr<cuda::DeviceBuffer> src = cuda::DeviceBuffer::Create(size);
     absl::StatusOr<cuda::DeviceBuffer> dst = cuda::DeviceBuffer::Create(size);
     ASSERT_TRUE(src.ok() && dst.ok());
@@ -212,7 +195,7 @@ TEST_F(NcclSelfTransferTest, DeviceBuffersMoveWithoutStaging) {
     }
     std::vector<uint8_t> back(size);
     ASSERT_EQ(cudaMemcpy(back.data(), dst->data(), size, cudaMemcpyDeviceToHost), cudaSuccess);
-    const size_t wrong = CountWrong(payload, back);
+    const size_t wrong = testutil::CountWrongBytes(payload, back);
     EXPECT_EQ(wrong, 0u);
     PrintRow("device->device", size, (size + kNcclChunkBytes - 1) / kNcclChunkBytes, time, wrong);
   }
@@ -222,13 +205,13 @@ TEST_F(NcclSelfTransferTest, SmallChunksCycleBothStagingSlots) {
   // 1 MiB pieces: 11 of them, the last 5 bytes long, so each slot is reused several times.
   absl::StatusOr<std::unique_ptr<NcclComm>> comm = NewSelfComm(Options(kMiB));
   ASSERT_TRUE(comm.ok()) << comm.status();
-  const std::vector<uint8_t> payload = Pattern(10 * kMiB + 5, /*seed=*/99);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(10 * kMiB + 5, /*seed=*/99);
   Received received(payload.size());
   absl::Duration time;
   ASSERT_TRUE(HostSelfTransfer(**comm, payload, &received, &time).ok());
   EXPECT_EQ(received.pieces, 11u);
   EXPECT_EQ(received.largest_piece, kMiB);
-  EXPECT_EQ(CountWrong(payload, received.bytes), 0u);
+  EXPECT_EQ(testutil::CountWrongBytes(payload, received.bytes), 0u);
 
   // Host source into device memory, and back out through the sink path.
   absl::StatusOr<cuda::DeviceBuffer> dst = cuda::DeviceBuffer::Create(payload.size());
@@ -248,7 +231,7 @@ TEST_F(NcclSelfTransferTest, SmallChunksCycleBothStagingSlots) {
                                                    }),
                              Within(absl::Seconds(60)))
                   .ok());
-  EXPECT_EQ(CountWrong(payload, back.bytes), 0u);
+  EXPECT_EQ(testutil::CountWrongBytes(payload, back.bytes), 0u);
 }
 
 TEST_F(NcclSelfTransferTest, InitThatNobodyJoinsTimesOutAndThePoolRecreates) {
@@ -271,11 +254,11 @@ TEST_F(NcclSelfTransferTest, InitThatNobodyJoinsTimesOutAndThePoolRecreates) {
   absl::StatusOr<std::shared_ptr<NcclComm>> comm =
       pool.GetOrCreate("pair", [&] { return NewSelfComm(pool.options()); });
   ASSERT_TRUE(comm.ok()) << comm.status();
-  const std::vector<uint8_t> payload = Pattern(4097, /*seed=*/5);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(4097, /*seed=*/5);
   Received received(payload.size());
   absl::Duration time;
   ASSERT_TRUE(HostSelfTransfer(**comm, payload, &received, &time).ok());
-  EXPECT_EQ(CountWrong(payload, received.bytes), 0u);
+  EXPECT_EQ(testutil::CountWrongBytes(payload, received.bytes), 0u);
 }
 
 TEST_F(NcclSelfTransferTest, InterruptAbortsAndThePoolReplacesTheDeadCommunicator) {
@@ -283,7 +266,7 @@ TEST_F(NcclSelfTransferTest, InterruptAbortsAndThePoolReplacesTheDeadCommunicato
   absl::StatusOr<std::shared_ptr<NcclComm>> comm =
       pool.GetOrCreate("self", [&] { return NewSelfComm(pool.options()); });
   ASSERT_TRUE(comm.ok()) << comm.status();
-  const std::vector<uint8_t> payload = Pattern(4 * kMiB, /*seed=*/11);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(4 * kMiB, /*seed=*/11);
   VectorPayload source(&payload);
   Received received(payload.size());
   const absl::Status status = (*comm)->SendRecv(
@@ -309,7 +292,7 @@ TEST_F(NcclSelfTransferTest, InterruptAbortsAndThePoolReplacesTheDeadCommunicato
   Received ok(payload.size());
   absl::Duration time;
   ASSERT_TRUE(HostSelfTransfer(**fresh, payload, &ok, &time).ok());
-  EXPECT_EQ(CountWrong(payload, ok.bytes), 0u);
+  EXPECT_EQ(testutil::CountWrongBytes(payload, ok.bytes), 0u);
   EXPECT_EQ(pool.size(), 1u);
 }
 
@@ -322,7 +305,7 @@ TEST_F(NcclSelfTransferTest, RequestAbortStopsTheNextTransferWithAborted) {
   absl::StatusOr<std::unique_ptr<NcclComm>> replacement = NewSelfComm(pool.options());
   ASSERT_TRUE(replacement.ok()) << replacement.status();
   pool.Put("self", std::shared_ptr<NcclComm>(std::move(*replacement)));
-  const std::vector<uint8_t> payload = Pattern(4097, /*seed=*/3);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(4097, /*seed=*/3);
   Received received(payload.size());
   absl::Duration time;
   const absl::Status status = HostSelfTransfer(**comm, payload, &received, &time);
@@ -334,7 +317,7 @@ TEST_F(NcclSelfTransferTest, RequestAbortStopsTheNextTransferWithAborted) {
 TEST_F(NcclSelfTransferTest, PayloadAndSinkErrorsComeBackAsTheyAre) {
   absl::StatusOr<std::unique_ptr<NcclComm>> comm = NewSelfComm(Options(kMiB));
   ASSERT_TRUE(comm.ok()) << comm.status();
-  const std::vector<uint8_t> payload = Pattern(5 * kMiB, /*seed=*/21);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(5 * kMiB, /*seed=*/21);
   {
     VectorPayload failing(&payload, /*fail_at=*/3 * kMiB);
     Received received(payload.size());
@@ -367,7 +350,7 @@ TEST_F(NcclSelfTransferTest, PayloadAndSinkErrorsComeBackAsTheyAre) {
 TEST_F(NcclSelfTransferTest, BadArgumentsLeaveTheCommunicatorUsable) {
   absl::StatusOr<std::unique_ptr<NcclComm>> comm = NewSelfComm(Options());
   ASSERT_TRUE(comm.ok()) << comm.status();
-  const std::vector<uint8_t> payload = Pattern(4097, /*seed=*/8);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(4097, /*seed=*/8);
   VectorPayload source(&payload);
   EXPECT_EQ((*comm)->Send(1, NcclSource::Host(&source), Within(absl::Seconds(5))).code(),
             absl::StatusCode::kInvalidArgument);
@@ -392,7 +375,7 @@ TEST_F(NcclSelfTransferTest, BadArgumentsLeaveTheCommunicatorUsable) {
   Received ok(payload.size());
   absl::Duration time;
   ASSERT_TRUE(HostSelfTransfer(**comm, payload, &ok, &time).ok());
-  EXPECT_EQ(CountWrong(payload, ok.bytes), 0u);
+  EXPECT_EQ(testutil::CountWrongBytes(payload, ok.bytes), 0u);
 }
 
 TEST_F(NcclSelfTransferTest, CloseIdleClosesOnlyIdleCommunicators) {
@@ -400,7 +383,7 @@ TEST_F(NcclSelfTransferTest, CloseIdleClosesOnlyIdleCommunicators) {
   absl::StatusOr<std::shared_ptr<NcclComm>> comm =
       pool.GetOrCreate("self", [&] { return NewSelfComm(pool.options()); });
   ASSERT_TRUE(comm.ok()) << comm.status();
-  const std::vector<uint8_t> payload = Pattern(4097, /*seed=*/4);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(4097, /*seed=*/4);
   Received received(payload.size());
   absl::Duration time;
   ASSERT_TRUE(HostSelfTransfer(**comm, payload, &received, &time).ok());
@@ -439,11 +422,11 @@ TEST_F(NcclSelfTransferTest, UnmatchedSelfRecvIsInvalidUsage) {
       pool.GetOrCreate("self", [&] { return NewSelfComm(pool.options()); });
   ASSERT_TRUE(fresh.ok()) << fresh.status();
   EXPECT_NE(fresh->get(), comm->get());
-  const std::vector<uint8_t> payload = Pattern(4097, /*seed=*/6);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(4097, /*seed=*/6);
   Received ok(payload.size());
   absl::Duration time;
   ASSERT_TRUE(HostSelfTransfer(**fresh, payload, &ok, &time).ok());
-  EXPECT_EQ(CountWrong(payload, ok.bytes), 0u);
+  EXPECT_EQ(testutil::CountWrongBytes(payload, ok.bytes), 0u);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #ifndef KVMESH_TESTS_TESTING_PATTERN_H_
 #define KVMESH_TESTS_TESTING_PATTERN_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -34,6 +35,27 @@ inline uint64_t Mix64(uint64_t x) {
 
 inline uint64_t HashPair(uint64_t seed, uint64_t index) {
   return Mix64(Mix64(seed) ^ (index * 0xD1B54A32D192ED03ull));
+}
+
+// Bytes [0, size) of pattern stream `seed`: 8 bytes per HashPair(seed, word index). For raw
+// payloads (transport tests), where no dtype applies.
+inline std::vector<uint8_t> PatternBytes(size_t size, uint64_t seed) {
+  std::vector<uint8_t> bytes(size);
+  for (size_t i = 0; i < size; i += 8) {
+    const uint64_t word = HashPair(seed, i / 8);
+    std::memcpy(bytes.data() + i, &word, std::min<size_t>(8, size - i));
+  }
+  return bytes;
+}
+
+// How many bytes of `actual` differ from `expected` (the larger size when the sizes differ).
+inline size_t CountWrongBytes(const std::vector<uint8_t>& expected,
+                              const std::vector<uint8_t>& actual) {
+  if (expected.size() != actual.size()) return std::max(expected.size(), actual.size());
+  if (expected == actual) return 0;  // memcmp: a byte loop over 100s of MiB is slow under ASan
+  size_t wrong = 0;
+  for (size_t i = 0; i < expected.size(); ++i) wrong += expected[i] != actual[i];
+  return wrong;
 }
 
 inline size_t ElementBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }

@@ -67,25 +67,6 @@ constexpr int kExitWrongBytes = 100;
 
 absl::Time Within(absl::Duration d) { return absl::Now() + d; }
 
-// Bytes [0, size) of pattern stream `seed`: 8 bytes per HashPair(seed, word index).
-std::vector<uint8_t> Pattern(size_t size, uint64_t seed) {
-  std::vector<uint8_t> bytes(size);
-  for (size_t i = 0; i < size; i += 8) {
-    const uint64_t word = testutil::HashPair(seed, i / 8);
-    std::memcpy(bytes.data() + i, &word, std::min<size_t>(8, size - i));
-  }
-  return bytes;
-}
-
-size_t CountWrong(const std::vector<uint8_t>& expected, const std::vector<uint8_t>& actual) {
-  if (expected.size() != actual.size()) return std::max(expected.size(), actual.size());
-  // memcmp first: a byte loop over 150 MiB is slow under the sanitizers.
-  if (expected == actual) return 0;
-  size_t wrong = 0;
-  for (size_t i = 0; i < expected.size(); ++i) wrong += expected[i] != actual[i];
-  return wrong;
-}
-
 class VectorPayload : public LeasedPayload {
  public:
   explicit VectorPayload(const std::vector<uint8_t>* bytes) : bytes_(bytes) {}
@@ -215,7 +196,7 @@ int RunHelper(const HelperTask& task) {
   absl::StatusOr<std::unique_ptr<NcclComm>> comm =
       NcclComm::Create(task.id, 2, 1, /*generation=*/1, Options(task.chunk), deadline);
   if (!comm.ok()) return Report("NcclComm::Create", comm.status(), kExitCreateFailed);
-  const std::vector<uint8_t> pattern = Pattern(task.bytes, task.seed);
+  const std::vector<uint8_t> pattern = testutil::PatternBytes(task.bytes, task.seed);
   absl::Status status;
   bool right = true;
   cuda::DeviceBuffer buffer;
@@ -242,11 +223,11 @@ int RunHelper(const HelperTask& task) {
         cudaMemcpy(back.data(), buffer.data(), task.bytes, cudaMemcpyDeviceToHost) != cudaSuccess) {
       return kExitCudaFailed;
     }
-    right = CountWrong(pattern, back) == 0;
+    right = testutil::CountWrongBytes(pattern, back) == 0;
   } else {
     Received received(task.bytes);
     status = (*comm)->Recv(0, NcclDestination::Host(task.bytes, received.sink()), deadline);
-    right = CountWrong(pattern, received.bytes) == 0;
+    right = testutil::CountWrongBytes(pattern, received.bytes) == 0;
   }
   if (!status.ok()) return Report(task.role == "send" ? "Send" : "Recv", status, 0);
   if (!right) return kExitWrongBytes;
@@ -382,7 +363,7 @@ class NcclSimTest : public ::testing::Test {
     ASSERT_TRUE(status.ok()) << status;
     EXPECT_EQ(received.offset, bytes);
     EXPECT_EQ(received.pieces, (bytes + chunk - 1) / chunk);
-    EXPECT_EQ(CountWrong(Pattern(bytes, seed), received.bytes), 0u);
+    EXPECT_EQ(testutil::CountWrongBytes(testutil::PatternBytes(bytes, seed), received.bytes), 0u);
     EXPECT_TRUE(pair->comm->Close(Within(absl::Seconds(10))).ok());
     EXPECT_EQ(pair->helper->Wait(absl::Seconds(20)), 0);
     std::printf("  %-14s %10zu bytes between processes in %s\n", path, bytes,
@@ -410,7 +391,7 @@ TEST_F(NcclSimTest, OneRankSendsToItself) {
   absl::StatusOr<std::unique_ptr<NcclComm>> comm =
       NcclComm::Create(*id, 1, 0, 1, Options(kMiB), Within(absl::Seconds(10)));
   ASSERT_TRUE(comm.ok()) << comm.status();
-  const std::vector<uint8_t> payload = Pattern(3 * kMiB + 5, /*seed=*/1);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(3 * kMiB + 5, /*seed=*/1);
   VectorPayload source(&payload);
   Received received(payload.size());
   ASSERT_TRUE((*comm)
@@ -419,7 +400,7 @@ TEST_F(NcclSimTest, OneRankSendsToItself) {
                              Within(absl::Seconds(10)))
                   .ok());
   EXPECT_EQ(received.pieces, 4u);
-  EXPECT_EQ(CountWrong(payload, received.bytes), 0u);
+  EXPECT_EQ(testutil::CountWrongBytes(payload, received.bytes), 0u);
 
   // A receive from itself with no send in its group: NCCL refuses it (ncclInvalidUsage).
   Received unmatched(4097);
@@ -433,7 +414,7 @@ TEST_F(NcclSimTest, OneRankSendsToItself) {
 TEST_F(NcclSimTest, TwoRanksInOneProcess) {
   absl::StatusOr<std::string> id = NewNcclUniqueId();
   ASSERT_TRUE(id.ok()) << id.status();
-  const std::vector<uint8_t> payload = Pattern(3 * kMiB + 5, /*seed=*/2);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(3 * kMiB + 5, /*seed=*/2);
   absl::Status send_status = absl::UnknownError("not run");
   std::thread sender([&] {
     absl::StatusOr<std::unique_ptr<NcclComm>> comm =
@@ -460,7 +441,7 @@ TEST_F(NcclSimTest, TwoRanksInOneProcess) {
   EXPECT_TRUE(send_status.ok()) << send_status;
   std::vector<uint8_t> back(payload.size());
   ASSERT_EQ(cudaMemcpy(back.data(), dst->data(), back.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_EQ(CountWrong(payload, back), 0u);
+  EXPECT_EQ(testutil::CountWrongBytes(payload, back), 0u);
 }
 
 TEST_F(NcclSimTest, ToHostBetweenProcesses) {
@@ -478,7 +459,7 @@ TEST_F(NcclSimTest, DeviceToDeviceBetweenProcesses) {
   task.seed = 5;
   absl::StatusOr<Pair> pair = StartPair(task);
   ASSERT_TRUE(pair.ok()) << pair.status();
-  const std::vector<uint8_t> payload = Pattern(kBytes, task.seed);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(kBytes, task.seed);
   absl::StatusOr<cuda::DeviceBuffer> src = cuda::DeviceBuffer::Create(kBytes);
   ASSERT_TRUE(src.ok());
   ASSERT_EQ(cudaMemcpy(src->data(), payload.data(), kBytes, cudaMemcpyHostToDevice), cudaSuccess);
@@ -733,7 +714,7 @@ TEST_F(NcclSimTest, BlockingRanksFinalizeAndDestroy) {
   ncclUniqueId id;
   ASSERT_EQ(nccl.ncclGetUniqueId(&id), ncclSuccess);
   constexpr size_t kCount = 1000;  // doubles
-  const std::vector<uint8_t> payload = Pattern(kCount * sizeof(double), /*seed=*/8);
+  const std::vector<uint8_t> payload = testutil::PatternBytes(kCount * sizeof(double), /*seed=*/8);
   std::vector<uint8_t> back(payload.size());
   // Blocking init waits for the other rank: one thread per rank.
   auto rank = [&](int r, ncclResult_t* result) {
@@ -766,7 +747,7 @@ TEST_F(NcclSimTest, BlockingRanksFinalizeAndDestroy) {
   other.join();
   EXPECT_EQ(results[0], ncclSuccess) << nccl.ncclGetLastError(nullptr);
   EXPECT_EQ(results[1], ncclSuccess) << nccl.ncclGetLastError(nullptr);
-  EXPECT_EQ(CountWrong(payload, back), 0u);
+  EXPECT_EQ(testutil::CountWrongBytes(payload, back), 0u);
 }
 
 TEST_F(NcclSimTest, MisuseIsRefused) {
