@@ -8,9 +8,9 @@
 #   tests/run.sh -L unit         only tests with a label (unit, integration); other
 #                                arguments after the mode go to ctest as they are
 #
-# The default and ASan builds are -DKVMESH_CUDA=SIM: the CUDA device, its kernels and the nccl
-# transport run on the simulated GPU and NCCL of tests/testing/ (docs/cuda.md), so their tests
-# run here instead of skipping. The TSan build leaves CUDA out.
+# All three builds are -DKVMESH_CUDA=SIM: the CUDA device, its kernels and the nccl transport run
+# on the simulated GPU and NCCL of tests/testing/ (docs/cuda.md), so their tests run here
+# instead of skipping (under TSan the parity test runs once, short).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -42,7 +42,7 @@ run_mode() {
                        -DKVMESH_SANITIZE=address -DKVMESH_CUDA=SIM -DKVMESH_BUILD_BENCH=OFF) ;;
     tsan) dir="$root/build-tsan"
           cmake_args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
-                       -DKVMESH_SANITIZE=thread -DKVMESH_CUDA=OFF -DKVMESH_BUILD_BENCH=OFF) ;;
+                       -DKVMESH_SANITIZE=thread -DKVMESH_CUDA=SIM -DKVMESH_BUILD_BENCH=OFF) ;;
   esac
   echo "== tests/run.sh: $mode build in ${dir#$root/}"
   cmake -S "$root" -B "$dir" "${cmake_args[@]}" >/dev/null
