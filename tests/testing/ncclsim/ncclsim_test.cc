@@ -717,17 +717,23 @@ TEST_F(NcclSimTest, BlockingRanksFinalizeAndDestroy) {
   const std::vector<uint8_t> payload = testutil::PatternBytes(kCount * sizeof(double), /*seed=*/8);
   std::vector<uint8_t> back(payload.size());
   // Blocking init waits for the other rank: one thread per rank.
+  // Every CUDA call is checked: a failure is reported as ncclUnhandledCudaError.
   auto rank = [&](int r, ncclResult_t* result) {
-    cudaSetDevice(0);
+    if (cudaSetDevice(0) != cudaSuccess) {
+      *result = ncclUnhandledCudaError;
+      return;
+    }
     ncclComm_t comm = nullptr;
     *result = nccl.ncclCommInitRankConfig(&comm, 2, id, r, nullptr);
     if (*result != ncclSuccess) return;
     void* buffer = nullptr;
-    cudaStream_t stream;
-    cudaMalloc(&buffer, payload.size());
-    cudaStreamCreate(&stream);
-    if (r == 1) {
-      cudaMemcpy(buffer, payload.data(), payload.size(), cudaMemcpyHostToDevice);
+    cudaStream_t stream = nullptr;
+    if (cudaMalloc(&buffer, payload.size()) != cudaSuccess ||
+        cudaStreamCreate(&stream) != cudaSuccess ||
+        (r == 1 && cudaMemcpy(buffer, payload.data(), payload.size(), cudaMemcpyHostToDevice) !=
+                       cudaSuccess)) {
+      *result = ncclUnhandledCudaError;
+    } else if (r == 1) {
       *result = nccl.ncclSend(buffer, kCount, ncclFloat64, 0, comm, stream);
     } else {
       *result = nccl.ncclRecv(buffer, kCount, ncclFloat64, 1, comm, stream);
@@ -735,11 +741,16 @@ TEST_F(NcclSimTest, BlockingRanksFinalizeAndDestroy) {
     if (*result == ncclSuccess && cudaStreamSynchronize(stream) != cudaSuccess) {
       *result = ncclUnhandledCudaError;
     }
-    if (r == 0) cudaMemcpy(back.data(), buffer, back.size(), cudaMemcpyDeviceToHost);
+    if (*result == ncclSuccess && r == 0 &&
+        cudaMemcpy(back.data(), buffer, back.size(), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      *result = ncclUnhandledCudaError;
+    }
     if (*result == ncclSuccess) *result = nccl.ncclCommFinalize(comm);
     if (*result == ncclSuccess) *result = nccl.ncclCommDestroy(comm);
-    cudaStreamDestroy(stream);
-    cudaFree(buffer);
+    if (stream != nullptr && cudaStreamDestroy(stream) != cudaSuccess) {
+      *result = ncclUnhandledCudaError;
+    }
+    if (cudaFree(buffer) != cudaSuccess) *result = ncclUnhandledCudaError;
   };
   ncclResult_t results[2] = {ncclInternalError, ncclInternalError};
   std::thread other(rank, 1, &results[1]);
