@@ -27,6 +27,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -55,6 +56,11 @@ static_assert(kvmesh::transport::kNcclChunkBytes == uint64_t{64} << 20,
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7700",
           "address to serve on, host:port; port 0 picks a free port (see --port_file)");
+ABSL_FLAG(std::string, peer_listen, "",
+          "address of the peer plane (kvmesh.v1.PeerService, the node-to-node API, and "
+          "grpc.health.v1.Health), host:port, port 0 picks one; meant for a private network. "
+          "Empty: PeerService is served on --listen in development mode (plaintext, no "
+          "--token-file, loopback --listen) and nowhere otherwise (docs/security.md)");
 ABSL_FLAG(std::string, node_name, "", "this node's name in the cluster (default: the hostname)");
 ABSL_FLAG(kvmesh::ByteSize, memory_budget, kvmesh::ByteSize{uint64_t{8} << 30},
           "device memory the caches may use, in bytes or with a suffix: 512MiB, 8GiB");
@@ -73,7 +79,9 @@ ABSL_FLAG(std::string, backend, "host",
 ABSL_FLAG(int32_t, device, 0, "with --backend=cuda: the CUDA device index to serve from");
 ABSL_FLAG(std::string, port_file, "", "when set, the bound port is written to this file");
 ABSL_FLAG(std::string, peers, "",
-          "the other members of the cluster: name=host:port,name=host:port,... (docs/cluster.md)");
+          "the other members of the cluster: name=host:port,name=host:port,... where host:port "
+          "is each member's peer plane (its --peer-listen, or its --listen in development "
+          "mode); docs/cluster.md");
 ABSL_FLAG(std::string, peer_dns, "",
           "discover the members from a Kubernetes headless Service instead: SERVICE:PORT "
           "(StatefulSet pods; each pod's name is the first label of its reverse DNS name)");
@@ -111,6 +119,21 @@ int Fail(const std::string& message) {
   return EXIT_FAILURE;
 }
 
+// Whether `host` (of a host:port) is a loopback address: only processes of this machine can
+// reach a server there.
+bool IsLoopbackHost(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || absl::StartsWith(host, "127.");
+}
+
+// Splits "host:port" at its last ':' (host may be a bracketed IPv6 address); false when there
+// is no ':' or nothing before it.
+bool SplitHostPort(const std::string& address, std::string* host) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0) return false;
+  *host = address.substr(0, colon);
+  return true;
+}
+
 std::string Hostname() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "kvmesh-node";
@@ -143,11 +166,29 @@ int Run() {
   }
 
   const std::string listen = absl::GetFlag(FLAGS_listen);
-  const size_t colon = listen.rfind(':');
-  if (colon == std::string::npos || colon == 0) {
+  std::string host;
+  if (!SplitHostPort(listen, &host)) {
     return Fail(absl::StrCat("--listen=", listen, " is not host:port"));
   }
-  const std::string host = listen.substr(0, colon);
+  const std::string peer_listen = absl::GetFlag(FLAGS_peer_listen);
+  std::string peer_host;
+  if (!peer_listen.empty() && !SplitHostPort(peer_listen, &peer_host)) {
+    return Fail(absl::StrCat("--peer_listen=", peer_listen, " is not host:port"));
+  }
+  // Development mode: nothing but this machine can call the node, and nothing authenticates
+  // callers anyway, so the peer plane may share the client port. Anywhere else PeerService,
+  // which hands out any cache's data to its caller, is served only on --peer-listen (mTLS from
+  // members when TLS is on; a private network otherwise) and never beside the client API.
+  const bool tls = false;
+  const bool development = !tls && IsLoopbackHost(host);
+  const bool has_peers = !absl::GetFlag(FLAGS_peers).empty() || !absl::GetFlag(FLAGS_peer_dns).empty();
+  if (peer_listen.empty() && !development && has_peers) {
+    return Fail(absl::StrCat(
+        "--peers/--peer_dns need --peer_listen here: outside development mode (plaintext, no "
+        "--token_file, loopback --listen) the peer plane is served only on its own address, and "
+        "--listen=",
+        listen, " is not one"));
+  }
 
   const uint64_t max_message = absl::GetFlag(FLAGS_max_message_bytes).bytes;
   if (max_message < kMinMessageBytes || max_message > static_cast<uint64_t>(INT_MAX)) {
@@ -256,7 +297,7 @@ int Run() {
   if (have_nccl) transports.push_back(transport::kNccl);
   Membership::Options membership_options;
   membership_options.self_name = name;
-  membership_options.self_address = listen;
+  membership_options.self_address = peer_listen.empty() ? listen : peer_listen;
   membership_options.backend = backend_name;
   membership_options.transports = transports;
   membership_options.max_message_bytes = static_cast<int>(max_message);
@@ -360,36 +401,74 @@ int Run() {
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // Settings both servers share.
+  auto configure = [max_message](grpc::ServerBuilder& builder) {
+    builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
+    builder.SetMaxSendMessageSize(static_cast<int>(max_message));
+    // gRPC sets SO_REUSEPORT by default: a second node on the same port would start and share
+    // the traffic instead of failing.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  };
+  auto fail_to_listen = [&](const std::string& flag, const std::string& address) {
+    cluster_executor.Shutdown();
+    executor.Shutdown();
+    transfer_reads.Shutdown();
+    return Fail(absl::StrCat("cannot listen on --", flag, "=", address));
+  };
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
-  builder.RegisterService(&peer_service);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
-  builder.SetMaxSendMessageSize(static_cast<int>(max_message));
-  // gRPC sets SO_REUSEPORT by default: a second node on the same port would start and share
-  // the traffic instead of failing.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  const bool peer_plane_on_client_port = peer_listen.empty() && development;
+  if (peer_plane_on_client_port) builder.RegisterService(&peer_service);
+  configure(builder);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    cluster_executor.Shutdown();
-    executor.Shutdown();
-    return Fail(absl::StrCat("cannot listen on --listen=", listen));
+  if (server == nullptr || port == 0) return fail_to_listen("listen", listen);
+  // The peer plane's own server: PeerService and health (membership checks a peer's health
+  // there), no CacheService and no reflection.
+  std::unique_ptr<grpc::Server> peer_server;
+  int peer_port = 0;
+  if (!peer_listen.empty()) {
+    grpc::ServerBuilder peer_builder;
+    peer_builder.AddListeningPort(peer_listen, grpc::InsecureServerCredentials(), &peer_port);
+    peer_builder.RegisterService(&peer_service);
+    configure(peer_builder);
+    peer_server = peer_builder.BuildAndStart();
+    if (peer_server == nullptr || peer_port == 0) {
+      server->Shutdown();
+      return fail_to_listen("peer_listen", peer_listen);
+    }
+  } else if (!peer_plane_on_client_port) {
+    std::fprintf(stderr,
+                 "kvmesh-node %s: no --peer_listen: this node serves no PeerService, so no other "
+                 "node can copy from it or move data to it\n",
+                 name.c_str());
   }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   health->SetServingStatus(v1::CacheService::service_full_name(), true);
-  health->SetServingStatus(v1::PeerService::service_full_name(), true);
-  members->SetSelfAddress(absl::StrCat(host, ":", port));
+  if (peer_plane_on_client_port) {
+    health->SetServingStatus(v1::PeerService::service_full_name(), true);
+  }
+  grpc::HealthCheckServiceInterface* peer_health =
+      peer_server != nullptr ? peer_server->GetHealthCheckService() : nullptr;
+  if (peer_health != nullptr) {
+    peer_health->SetServingStatus(v1::PeerService::service_full_name(), true);
+  }
+  members->SetSelfAddress(peer_server != nullptr ? absl::StrCat(peer_host, ":", peer_port)
+                                                 : absl::StrCat(host, ":", port));
 
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty() && !WritePortFile(port_file, port)) {
+    if (peer_server != nullptr) peer_server->Shutdown();
     server->Shutdown();
     cluster_executor.Shutdown();
     executor.Shutdown();
     return Fail(absl::StrCat("cannot write --port_file=", port_file, ": ", std::strerror(errno)));
   }
-  std::printf("kvmesh-node %s listening on %s:%d backend=%s peers=%zu\n", name.c_str(),
-              host.c_str(), port, backend.c_str(), members->Peers().size());
+  const std::string peer_plane =
+      peer_server != nullptr ? absl::StrCat(" peer-plane=", peer_host, ":", peer_port) : "";
+  std::printf("kvmesh-node %s listening on %s:%d backend=%s peers=%zu%s\n", name.c_str(),
+              host.c_str(), port, backend.c_str(), members->Peers().size(), peer_plane.c_str());
   std::fflush(stdout);
 
   int signal = 0;
@@ -398,17 +477,22 @@ int Run() {
   }
   std::fprintf(stderr, "kvmesh-node %s: %s, shutting down\n", name.c_str(), strsignal(signal));
   health->SetServingStatus(false);
+  if (peer_health != nullptr) peer_health->SetServingStatus(false);
   // Calls still running get the grace period, then are cancelled. The executors keep running
   // meanwhile: queued tasks are what finish those calls (a Fetch stream whose chunk read is
   // queued on transfer_reads finishes when that read runs and sees the cancellation).
-  server->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
+  const absl::Time grace_end = absl::Now() + kShutdownGrace;
+  if (peer_server != nullptr) peer_server->Shutdown(absl::ToChronoTime(grace_end));
+  server->Shutdown(absl::ToChronoTime(grace_end));
   cluster_executor.Shutdown();
   executor.Shutdown();
   transfer_reads.Shutdown();
   server->Wait();
+  if (peer_server != nullptr) peer_server->Wait();
   // gRPC may still hold slices of grpc-stream chunks that point into exports; they must be gone
   // before the caches and the device that their memory comes from.
   server.reset();
+  peer_server.reset();
   if (!transport::AwaitPayloadSlicesReleased(absl::Now() + kShutdownGrace)) {
     std::fprintf(stderr,
                  "kvmesh-node %s: gRPC still holds %lld chunk slices of exports; exiting without "

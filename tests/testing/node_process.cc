@@ -252,6 +252,19 @@ absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& o
   }
   node->port_ = port;
   node->address_ = absl::StrCat("127.0.0.1:", port);
+  // "... peer-plane=<host>:<port>" at the end when the node serves its peer plane apart.
+  node->peer_port_ = port;
+  const size_t peer_plane = node->line_.find(" peer-plane=");
+  if (peer_plane != std::string::npos) {
+    const size_t peer_colon = node->line_.rfind(':');
+    if (peer_colon < peer_plane ||
+        !absl::SimpleAtoi(node->line_.substr(peer_colon + 1), &node->peer_port_) ||
+        node->peer_port_ <= 0) {
+      return absl::InternalError(
+          absl::StrCat("kvmesh-node printed an unexpected line: '", node->line_, "'"));
+    }
+  }
+  node->peer_address_ = absl::StrCat("127.0.0.1:", node->peer_port_);
   grpc::ChannelArguments channel_args;
   channel_args.SetMaxReceiveMessageSize(-1);
   channel_args.SetMaxSendMessageSize(-1);

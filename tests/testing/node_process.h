@@ -77,6 +77,10 @@ class NodeProcess {
   pid_t pid() const { return pid_; }
   int port() const { return port_; }
   const std::string& address() const { return address_; }  // "127.0.0.1:<port>"
+  // The peer plane's port and address when the node serves it apart (--peer-listen), else
+  // port() and address().
+  int peer_port() const { return peer_port_; }
+  const std::string& peer_address() const { return peer_address_; }
   const std::string& listening_line() const { return line_; }
 
   // A channel shared by the callers, without message size limits on the client side.
@@ -109,6 +113,8 @@ class NodeProcess {
   std::string line_;
   int port_ = 0;
   std::string address_;
+  int peer_port_ = 0;
+  std::string peer_address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::optional<ExitStatus> exit_;
 };
