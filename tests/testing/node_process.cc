@@ -107,7 +107,7 @@ std::vector<std::string> ChildEnvironment(const std::vector<std::string>& overri
 // Starts kvmesh-node with `args` and `env` (NodeProcess::Options::env): stdout into a pipe,
 // stderr into a new temporary file.
 absl::StatusOr<Child> Spawn(const std::vector<std::string>& args,
-                            const std::vector<std::string>& env) {
+                            const std::vector<std::string>& env, const std::string& binary = "") {
   const char* tmpdir = std::getenv("TEST_TMPDIR");
   std::string path =
       absl::StrCat(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp", "/kvmesh-node-XXXXXX");
@@ -121,7 +121,7 @@ absl::StatusOr<Child> Spawn(const std::vector<std::string>& args,
   }
   // Everything the child needs is prepared before fork: after it, only async-signal-safe calls.
   std::vector<std::string> argv_storage;
-  argv_storage.push_back(NodeBinaryPath());
+  argv_storage.push_back(binary.empty() ? NodeBinaryPath() : binary);
   argv_storage.insert(argv_storage.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& arg : argv_storage) argv.push_back(arg.data());
@@ -214,7 +214,7 @@ absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& o
   if (backend != nullptr && backend[0] != '\0' && !chosen) {
     args.push_back(absl::StrCat("--backend=", backend));
   }
-  absl::StatusOr<Child> child = Spawn(args, options.env);
+  absl::StatusOr<Child> child = Spawn(args, options.env, options.binary);
   if (!child.ok()) return child.status();
   std::unique_ptr<NodeProcess> node(
       new NodeProcess(child->pid, child->stdout_fd, std::move(child->stderr_path)));

@@ -60,6 +60,8 @@ class NodeProcess {
     std::vector<std::string> env;
     // How long the node may take to print its listening line.
     absl::Duration start_timeout = absl::Seconds(60);
+    // The kvmesh-node binary to run; empty: NodeBinaryPath() (the soak runs other builds).
+    std::string binary;
   };
 
   // Starts kvmesh-node and waits for "kvmesh-node <name> listening on <host>:<port> ...".
