@@ -44,6 +44,7 @@
 #include "service/cluster/membership.h"
 #include "service/cluster/reservations.h"
 #include "service/common/flags.h"
+#include "service/common/tls.h"
 #include "service/executor.h"
 #include "service/peer_service.h"
 #include "transport/grpc_stream_transport.h"
@@ -61,6 +62,17 @@ ABSL_FLAG(std::string, peer_listen, "",
           "grpc.health.v1.Health), host:port, port 0 picks one; meant for a private network. "
           "Empty: PeerService is served on --listen in development mode (plaintext, no "
           "--token-file, loopback --listen) and nowhere otherwise (docs/security.md)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate (chain) of this node: TLS on --listen and mTLS on the peer plane; "
+          "re-read when the file changes (docs/security.md)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert; re-read when it changes");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: when set, clients on --listen must present a certificate it signed");
+ABSL_FLAG(std::string, peer_ca, "",
+          "PEM CA bundle of the peer plane (required with --tls-cert): members' certificates "
+          "must verify against it, both ways");
+ABSL_FLAG(int32_t, testing_tls_reload_interval_s, kvmesh::kDefaultTlsReloadIntervalSeconds,
+          "testing only: how often the TLS files are re-read, in seconds");
 ABSL_FLAG(std::string, node_name, "", "this node's name in the cluster (default: the hostname)");
 ABSL_FLAG(kvmesh::ByteSize, memory_budget, kvmesh::ByteSize{uint64_t{8} << 30},
           "device memory the caches may use, in bytes or with a suffix: 512MiB, 8GiB");
@@ -179,7 +191,35 @@ int Run() {
   // callers anyway, so the peer plane may share the client port. Anywhere else PeerService,
   // which hands out any cache's data to its caller, is served only on --peer-listen (mTLS from
   // members when TLS is on; a private network otherwise) and never beside the client API.
-  const bool tls = false;
+  NodeTlsOptions tls_options;
+  tls_options.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  tls_options.key_file = absl::GetFlag(FLAGS_tls_key);
+  tls_options.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  tls_options.peer_ca_file = absl::GetFlag(FLAGS_peer_ca);
+  const int32_t tls_reload_s = absl::GetFlag(FLAGS_testing_tls_reload_interval_s);
+  if (tls_reload_s < 1) {
+    return Fail(
+        absl::StrCat("--testing_tls_reload_interval_s=", tls_reload_s, " must be at least 1"));
+  }
+  tls_options.reload_interval_s = static_cast<unsigned>(tls_reload_s);
+  absl::StatusOr<std::unique_ptr<NodeTls>> node_tls = NodeTls::Create(tls_options);
+  if (!node_tls.ok()) return Fail(std::string(node_tls.status().message()));
+  const bool tls = (*node_tls)->enabled();
+  if (!tls && !IsLoopbackListenAddress(listen)) {
+    std::fprintf(stderr,
+                 "kvmesh-node: WARNING: PLAINTEXT on --listen=%s, which other machines can reach: "
+                 "requests, cache contents and bearer tokens cross the network unencrypted and "
+                 "unauthenticated. Give --tls-cert, --tls-key and --peer-ca (docs/security.md), "
+                 "or listen on 127.0.0.1 for development.\n",
+                 listen.c_str());
+  }
+  if (!tls && !peer_listen.empty() && !IsLoopbackListenAddress(peer_listen)) {
+    std::fprintf(stderr,
+                 "kvmesh-node: WARNING: PLAINTEXT peer plane on --peer-listen=%s: anyone who can "
+                 "reach it can read and write caches through PeerService; only on a private "
+                 "network, else give --tls-cert, --tls-key and --peer-ca (docs/security.md).\n",
+                 peer_listen.c_str());
+  }
   const bool development = !tls && IsLoopbackHost(host);
   const bool has_peers = !absl::GetFlag(FLAGS_peers).empty() || !absl::GetFlag(FLAGS_peer_dns).empty();
   if (peer_listen.empty() && !development && has_peers) {
@@ -302,6 +342,12 @@ int Run() {
   membership_options.transports = transports;
   membership_options.max_message_bytes = static_cast<int>(max_message);
   membership_options.peer_dns = absl::GetFlag(FLAGS_peer_dns);
+  if (tls) {
+    const NodeTls* const credentials = node_tls->get();
+    membership_options.channel_credentials = [credentials](const MemberAddress& member) {
+      return credentials->PeerChannelCredentials(member.name);
+    };
+  }
   absl::StatusOr<std::vector<MemberAddress>> peers =
       Membership::ParsePeers(absl::GetFlag(FLAGS_peers));
   if (!peers.ok()) {
@@ -417,7 +463,7 @@ int Run() {
   };
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, (*node_tls)->ClientPortServerCredentials(), &port);
   builder.RegisterService(&service);
   const bool peer_plane_on_client_port = peer_listen.empty() && development;
   if (peer_plane_on_client_port) builder.RegisterService(&peer_service);
@@ -430,7 +476,8 @@ int Run() {
   int peer_port = 0;
   if (!peer_listen.empty()) {
     grpc::ServerBuilder peer_builder;
-    peer_builder.AddListeningPort(peer_listen, grpc::InsecureServerCredentials(), &peer_port);
+    peer_builder.AddListeningPort(peer_listen, (*node_tls)->PeerPortServerCredentials(),
+                                  &peer_port);
     peer_builder.RegisterService(&peer_service);
     configure(peer_builder);
     peer_server = peer_builder.BuildAndStart();

@@ -288,7 +288,17 @@ std::shared_ptr<grpc::Channel> Membership::Channel(const MemberAddress& member) 
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kMaxReconnectBackoffMs);
     // Retries stay on (gRPC's default): peer requests are small, so the retry buffer costs
     // nothing, and transparent retries cover a call that races a connection's shutdown.
-    channel = grpc::CreateCustomChannel(member.address, grpc::InsecureChannelCredentials(), args);
+    std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+    if (options_.channel_credentials) {
+      // Callers that know only an address (the transports) pass it as the name too: the
+      // member's certificate may name the member, so look its name up.
+      MemberAddress named{member.name == member.address ? "" : member.name, member.address};
+      for (const MemberAddress& peer : peers_) {
+        if (named.name.empty() && peer.address == member.address) named.name = peer.name;
+      }
+      credentials = options_.channel_credentials(named);
+    }
+    channel = grpc::CreateCustomChannel(member.address, credentials, args);
   }
   return channel;
 }

@@ -22,6 +22,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -35,6 +36,7 @@
 #include "absl/time/time.h"
 #include "cache/mutex.h"
 #include "grpcpp/channel.h"
+#include "grpcpp/security/credentials.h"
 #include "kvmesh/v1/kvmesh.pb.h"
 
 namespace kvmesh {
@@ -70,6 +72,11 @@ class Membership {
     absl::Duration rediscover_interval = absl::Seconds(5);
     // Largest message a peer channel sends or receives (export payload chunks, NCCL ids, ...).
     int max_message_bytes = 128 << 20;
+    // The credentials of the channel to a member (its name as this node knows it, or empty,
+    // and its address): with TLS, the node's certificate and a check of the member's
+    // (NodeTls::PeerChannelCredentials). Null: plaintext.
+    std::function<std::shared_ptr<grpc::ChannelCredentials>(const MemberAddress& member)>
+        channel_credentials;
   };
 
   // Parses `--peers`: "name=host:port,name=host:port,..." (whitespace around items ignored; ""

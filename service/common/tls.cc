@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <string>
@@ -27,6 +28,7 @@
 #include "cache/status_macros.h"
 #include "grpc/grpc_security_constants.h"
 #include "grpcpp/security/tls_certificate_provider.h"
+#include "grpcpp/security/tls_certificate_verifier.h"
 #include "grpcpp/security/tls_credentials_options.h"
 
 namespace kvmesh {
@@ -208,26 +210,68 @@ absl::StatusOr<std::vector<UniqueX509>> ReadCaBundle(absl::string_view flag,
   return ParseCertificates(flag, path, pem);
 }
 
-// The node's files under one FileWatcherCertificateProvider: identity (key, cert) and `root`
-// (a CA file, or "" for none), re-read every `interval` seconds.
-std::shared_ptr<grpc::experimental::FileWatcherCertificateProvider> Watcher(
-    const NodeTlsOptions& options, const std::string& root) {
-  return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      options.key_file, options.cert_file, root, options.reload_interval_s);
-}
-
-std::shared_ptr<grpc::ServerCredentials> ServerCredentialsVerifying(const NodeTlsOptions& options,
-                                                                    const std::string& ca_file) {
-  grpc::experimental::TlsServerCredentialsOptions tls(Watcher(options, ca_file));
+std::shared_ptr<grpc::ServerCredentials> ServerCredentialsVerifying(
+    const std::shared_ptr<grpc::experimental::CertificateProviderInterface>& files,
+    bool verify_clients) {
+  grpc::experimental::TlsServerCredentialsOptions tls(files);
   tls.watch_identity_key_cert_pairs();
-  if (ca_file.empty()) {
-    tls.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  } else {
+  if (verify_clients) {
     tls.watch_root_certs();
     tls.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  } else {
+    tls.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   }
   return grpc::experimental::TlsServerCredentials(tls);
 }
+
+// The host of a target name ("host:port", "[v6]:port", or a bare host).
+absl::string_view TargetHost(absl::string_view target) {
+  if (absl::ConsumePrefix(&target, "[")) return target.substr(0, target.find(']'));
+  if (std::count(target.begin(), target.end(), ':') == 1) return target.substr(0, target.find(':'));
+  return target;
+}
+
+std::vector<std::string> Strings(const std::vector<grpc::string_ref>& refs) {
+  std::vector<std::string> out;
+  out.reserve(refs.size());
+  for (const grpc::string_ref& r : refs) out.emplace_back(r.data(), r.size());
+  return out;
+}
+
+// Runs after gRPC verified the member's chain against --peer-ca (set_verify_server_certs), in
+// place of gRPC's host name check: accepts a certificate that names the host dialled (what the
+// host name check does) or the member's node name, so members found through --peer-dns (dialled
+// by IP address) may carry certificates that name their pods.
+class MemberVerifier : public grpc::experimental::ExternalCertificateVerifier {
+ public:
+  explicit MemberVerifier(std::string member_name) : member_name_(std::move(member_name)) {}
+
+  bool Verify(grpc::experimental::TlsCustomVerificationCheckRequest* request,
+              std::function<void(grpc::Status)> /*callback*/, grpc::Status* sync_status) override {
+    const std::vector<std::string> dns = Strings(request->dns_names());
+    const std::vector<std::string> ips = Strings(request->ip_names());
+    const grpc::string_ref cn_ref = request->common_name();
+    const absl::string_view cn(cn_ref.data(), cn_ref.size());
+    const grpc::string_ref target_ref = request->target_name();
+    const absl::string_view host =
+        TargetHost(absl::string_view(target_ref.data(), target_ref.size()));
+    if (CertificateNamesHost(dns, ips, cn, host) ||
+        (!member_name_.empty() && CertificateNamesHost(dns, ips, cn, member_name_))) {
+      *sync_status = grpc::Status::OK;
+    } else {
+      *sync_status =
+          grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                       absl::StrCat("the peer certificate names neither the host dialled ('", host,
+                                    "') nor the member '", member_name_, "'"));
+    }
+    return true;  // answered synchronously
+  }
+
+  void Cancel(grpc::experimental::TlsCustomVerificationCheckRequest* /*request*/) override {}
+
+ private:
+  const std::string member_name_;
+};
 
 }  // namespace
 
@@ -275,25 +319,39 @@ absl::Status ValidateNodeTls(const NodeTlsOptions& options) {
   return absl::OkStatus();
 }
 
-std::shared_ptr<grpc::ServerCredentials> ClientPortServerCredentials(
-    const NodeTlsOptions& options) {
-  if (!options.enabled()) return grpc::InsecureServerCredentials();
-  return ServerCredentialsVerifying(options, options.client_ca_file);
+absl::StatusOr<std::unique_ptr<NodeTls>> NodeTls::Create(const NodeTlsOptions& options) {
+  RETURN_IF_ERROR(ValidateNodeTls(options));
+  return std::unique_ptr<NodeTls>(new NodeTls(options));
 }
 
-std::shared_ptr<grpc::ServerCredentials> PeerPortServerCredentials(const NodeTlsOptions& options) {
-  if (!options.enabled()) return grpc::InsecureServerCredentials();
-  return ServerCredentialsVerifying(options, options.peer_ca_file);
+NodeTls::NodeTls(const NodeTlsOptions& options) : options_(options) {
+  if (!options_.enabled()) return;
+  client_port_files_ = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      options_.key_file, options_.cert_file, options_.client_ca_file, options_.reload_interval_s);
+  peer_files_ = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      options_.key_file, options_.cert_file, options_.peer_ca_file, options_.reload_interval_s);
 }
 
-std::shared_ptr<grpc::ChannelCredentials> PeerChannelCredentials(const NodeTlsOptions& options) {
-  if (!options.enabled()) return grpc::InsecureChannelCredentials();
+std::shared_ptr<grpc::ServerCredentials> NodeTls::ClientPortServerCredentials() const {
+  if (!enabled()) return grpc::InsecureServerCredentials();
+  return ServerCredentialsVerifying(client_port_files_, !options_.client_ca_file.empty());
+}
+
+std::shared_ptr<grpc::ServerCredentials> NodeTls::PeerPortServerCredentials() const {
+  if (!enabled()) return grpc::InsecureServerCredentials();
+  return ServerCredentialsVerifying(peer_files_, /*verify_clients=*/true);
+}
+
+std::shared_ptr<grpc::ChannelCredentials> NodeTls::PeerChannelCredentials(
+    const std::string& member_name) const {
+  if (!enabled()) return grpc::InsecureChannelCredentials();
   grpc::experimental::TlsChannelCredentialsOptions tls;
-  tls.set_certificate_provider(Watcher(options, options.peer_ca_file));
+  tls.set_certificate_provider(peer_files_);
   tls.watch_identity_key_cert_pairs();
   tls.watch_root_certs();
-  // Verifies the chain against --peer-ca and the host name dialled against the certificate.
-  tls.set_verify_server_certs(true);
+  tls.set_verify_server_certs(true);  // the chain, against --peer-ca
+  tls.set_certificate_verifier(
+      grpc::experimental::ExternalCertificateVerifier::Create<MemberVerifier>(member_name));
   return grpc::experimental::TlsCredentials(tls);
 }
 
@@ -342,6 +400,26 @@ std::vector<std::string> PeerCertificateNames(const grpc::AuthContext& context) 
     }
   }
   return names;
+}
+
+bool CertificateNamesHost(const std::vector<std::string>& dns_names,
+                          const std::vector<std::string>& ip_names, absl::string_view common_name,
+                          absl::string_view host) {
+  if (host.empty()) return false;
+  for (const std::string& ip : ip_names) {
+    if (ip == host) return true;
+  }
+  for (const std::string& dns : dns_names) {
+    if (absl::EqualsIgnoreCase(dns, host)) return true;
+    // "*.domain" stands for exactly one label: "a.domain", not "domain" nor "a.b.domain".
+    absl::string_view domain = dns;
+    const size_t dot = host.find('.');
+    if (absl::ConsumePrefix(&domain, "*.") && dot != absl::string_view::npos && dot > 0 &&
+        absl::EqualsIgnoreCase(host.substr(dot + 1), domain)) {
+      return true;
+    }
+  }
+  return dns_names.empty() && ip_names.empty() && common_name == host;
 }
 
 bool IsLoopbackListenAddress(absl::string_view address) {

@@ -4,14 +4,14 @@
 // only quiet there).
 //
 // Everything cryptographic is gRPC's (TlsServerCredentials, TlsChannelCredentials,
-// SslCredentials over OpenSSL); the node's files are read by gRPC's
+// SslCredentials over OpenSSL; kvmesh only compares names); the node's files are read by gRPC's
 // FileWatcherCertificateProvider, which re-reads them every refresh interval, so a rotated
 // certificate (cert-manager, a Kubernetes Secret update) is used by new connections without a
 // restart. OpenSSL is called directly only to check the files at start-up, so that a bad flag
 // fails there with a message naming the flag and the file instead of as handshake failures later.
 //
-// Thread safety: the functions are stateless and safe from any thread; the credentials they
-// return are gRPC's and may be shared by any number of servers and channels.
+// Thread safety: the functions are stateless and NodeTls immutable, all safe from any thread; the
+// credentials they return are gRPC's and may be shared by any number of servers and channels.
 #ifndef KVMESH_SERVICE_COMMON_TLS_H_
 #define KVMESH_SERVICE_COMMON_TLS_H_
 
@@ -25,6 +25,7 @@
 #include "grpcpp/security/auth_context.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
+#include "grpcpp/security/tls_certificate_provider.h"
 #include "grpcpp/support/channel_arguments.h"
 
 namespace kvmesh {
@@ -48,26 +49,53 @@ struct NodeTlsOptions {
 // --tls-client-ca or --peer-ca without --tls-cert, TLS on without --peer-ca, a reload interval
 // of 0; naming the flag and the file: a file that cannot be read, holds no PEM certificate (or
 // key), a key that does not belong to the certificate, a certificate that has expired or that
-// --peer-ca does not verify (other members could not accept it).
+// --peer-ca does not verify as a TLS server and client certificate (other members could not
+// accept it).
 absl::Status ValidateNodeTls(const NodeTlsOptions& options);
 
-// Server credentials for the client port (--listen). TLS off: insecure. TLS on: the node's
-// certificate, reloaded; with --tls-client-ca every client must present a certificate that CA
-// signed (REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY), without it none is asked for.
-// REQUIRES: ValidateNodeTls(options) is OK.
-std::shared_ptr<grpc::ServerCredentials> ClientPortServerCredentials(const NodeTlsOptions& options);
+// A node's credentials: one set of certificate files, watched by gRPC and reloaded every
+// reload_interval_s, behind the client port, the peer port and the channels to other members.
+// With TLS off every credential is insecure.
+//
+// Thread safety: immutable after Create; safe from any thread. It must outlive nothing: the
+// credentials it returns keep what they need alive.
+class NodeTls {
+ public:
+  // ValidateNodeTls, then the file watchers. The errors of ValidateNodeTls.
+  static absl::StatusOr<std::unique_ptr<NodeTls>> Create(const NodeTlsOptions& options);
 
-// Server credentials for the peer port (--peer-listen). TLS off: insecure. TLS on: always mTLS,
-// every caller must present a certificate that --peer-ca verifies; which certificate names are
-// members is PeerService's check (PeerCertificateNames).
-// REQUIRES: ValidateNodeTls(options) is OK.
-std::shared_ptr<grpc::ServerCredentials> PeerPortServerCredentials(const NodeTlsOptions& options);
+  NodeTls(const NodeTls&) = delete;
+  NodeTls& operator=(const NodeTls&) = delete;
 
-// Channel credentials for this node's channels to other members. TLS off: insecure. TLS on: the
-// node presents its own certificate and verifies the member's against --peer-ca, including that
-// it names the host of the address dialled (gRPC's host name check); both reloaded.
-// REQUIRES: ValidateNodeTls(options) is OK.
-std::shared_ptr<grpc::ChannelCredentials> PeerChannelCredentials(const NodeTlsOptions& options);
+  bool enabled() const { return options_.enabled(); }
+  const NodeTlsOptions& options() const { return options_; }
+
+  // The client port (--listen): the node's certificate; with --tls-client-ca every client must
+  // present a certificate that CA signed (REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY),
+  // without it none is asked for.
+  std::shared_ptr<grpc::ServerCredentials> ClientPortServerCredentials() const;
+
+  // The peer port (--peer-listen): always mTLS, every caller must present a certificate that
+  // --peer-ca verifies. Which certificate names are members is PeerService's check
+  // (PeerCertificateNames).
+  std::shared_ptr<grpc::ServerCredentials> PeerPortServerCredentials() const;
+
+  // A channel to the member `member_name` (empty when not known): the node presents its own
+  // certificate and accepts the member's when --peer-ca verifies it and it names the host
+  // dialled or `member_name`, as a DNS or IP subject alternative name or, without those, as
+  // its common name (a DNS name may be a "*.domain" wildcard for one label).
+  std::shared_ptr<grpc::ChannelCredentials> PeerChannelCredentials(
+      const std::string& member_name) const;
+
+ private:
+  explicit NodeTls(const NodeTlsOptions& options);
+
+  const NodeTlsOptions options_;
+  // Key and certificate with --tls-client-ca (client port) and with --peer-ca (peer plane);
+  // null with TLS off.
+  std::shared_ptr<grpc::experimental::CertificateProviderInterface> client_port_files_;
+  std::shared_ptr<grpc::experimental::CertificateProviderInterface> peer_files_;
+};
 
 // A client's TLS settings (kvmeshctl --tls-*, the tests). TLS is on when any is set.
 struct ClientTlsOptions {
@@ -96,6 +124,14 @@ void AddClientTlsChannelArgs(const ClientTlsOptions& options, grpc::ChannelArgum
 // its subject common name, each once, in that order. Empty when the peer is not authenticated
 // (plaintext, or TLS without a client certificate).
 std::vector<std::string> PeerCertificateNames(const grpc::AuthContext& context);
+
+// Whether a certificate with these names (its DNS and IP subject alternative names, its subject
+// common name) names `host`, a DNS name or an IP address: an IP name equal to it, a DNS name
+// equal to it ignoring case or a "*.domain" wildcard matching its first label, or, when the
+// certificate has no DNS and no IP name, a common name equal to it.
+bool CertificateNamesHost(const std::vector<std::string>& dns_names,
+                          const std::vector<std::string>& ip_names, absl::string_view common_name,
+                          absl::string_view host);
 
 // Whether `address` (a --listen value: "host:port", "[v6]:port", a bare host, or a "unix:"
 // path) only accepts connections from this machine: 127.0.0.0/8, ::1 (and ::ffff:127.x),
