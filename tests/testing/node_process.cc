@@ -83,6 +83,16 @@ std::string ReadFile(const std::string& path) {
   return text.str();
 }
 
+// The channel arguments of every test channel: no message size limits on the client side (the
+// node enforces its own), the TLS ones of `client`.
+grpc::ChannelArguments TestChannelArguments(const ClientConnectionOptions& client) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  AddClientTlsChannelArgs(client.tls, &args);
+  return args;
+}
+
 struct Child {
   pid_t pid = -1;
   int stdout_fd = -1;
@@ -202,6 +212,10 @@ NodeProcess::NodeProcess(pid_t pid, int stdout_fd, std::string stderr_path)
     : pid_(pid), stdout_fd_(stdout_fd), stderr_path_(std::move(stderr_path)) {}
 
 absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& options) {
+  // The client's credentials first: a test's bad certificate path fails before a node starts.
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      ClientCredentials(options.client);
+  if (!credentials.ok()) return credentials.status();
   std::vector<std::string> args = {absl::StrCat("--listen=127.0.0.1:", options.port),
                                    absl::StrCat("--node-name=", options.node_name)};
   args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
@@ -218,6 +232,8 @@ absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& o
   if (!child.ok()) return child.status();
   std::unique_ptr<NodeProcess> node(
       new NodeProcess(child->pid, child->stdout_fd, std::move(child->stderr_path)));
+  node->client_ = options.client;
+  node->credentials_ = *std::move(credentials);
 
   const absl::Time deadline = absl::Now() + options.start_timeout;
   std::string text;
@@ -265,11 +281,8 @@ absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& o
     }
   }
   node->peer_address_ = absl::StrCat("127.0.0.1:", node->peer_port_);
-  grpc::ChannelArguments channel_args;
-  channel_args.SetMaxReceiveMessageSize(-1);
-  channel_args.SetMaxSendMessageSize(-1);
-  node->channel_ =
-      grpc::CreateCustomChannel(node->address_, grpc::InsecureChannelCredentials(), channel_args);
+  node->channel_ = grpc::CreateCustomChannel(node->address_, node->credentials_,
+                                             TestChannelArguments(node->client_));
   return node;
 }
 
@@ -284,11 +297,23 @@ NodeProcess::~NodeProcess() {
 }
 
 std::shared_ptr<grpc::Channel> NodeProcess::NewChannel() const {
-  grpc::ChannelArguments channel_args;
-  channel_args.SetMaxReceiveMessageSize(-1);
-  channel_args.SetMaxSendMessageSize(-1);
+  grpc::ChannelArguments channel_args = TestChannelArguments(client_);
   channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), channel_args);
+  return grpc::CreateCustomChannel(address_, credentials_, channel_args);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> NodeProcess::NewChannelWith(
+    const ClientConnectionOptions& client) const {
+  grpc::ChannelArguments channel_args = TestChannelArguments(ClientConnectionOptions());
+  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return NewClientChannel(address_, client, channel_args);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> NodeProcess::NewPeerChannelWith(
+    const ClientConnectionOptions& client) const {
+  grpc::ChannelArguments channel_args = TestChannelArguments(ClientConnectionOptions());
+  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return NewClientChannel(peer_address_, client, channel_args);
 }
 
 std::unique_ptr<v1::CacheService::Stub> NodeProcess::NewStub() const {

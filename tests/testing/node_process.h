@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
+#include "service/common/client_channel.h"
 
 namespace kvmesh {
 namespace testutil {
@@ -62,11 +63,16 @@ class NodeProcess {
     absl::Duration start_timeout = absl::Seconds(60);
     // The kvmesh-node binary to run; empty: NodeBinaryPath() (the soak runs other builds).
     std::string binary;
+    // How this test's channels to the node (channel(), NewChannel(), NewStub()) connect: TLS
+    // (a CA, a client certificate, a server name; give the node --tls-cert etc. in extra_args),
+    // a bearer token and a tenant that every call on them carries. Default: plaintext, none.
+    ClientConnectionOptions client;
   };
 
   // Starts kvmesh-node and waits for "kvmesh-node <name> listening on <host>:<port> ...".
   // UNAVAILABLE with the node's stderr when it exits first; DEADLINE_EXCEEDED when the line
-  // does not come in time (the child is killed); INTERNAL when the line does not parse.
+  // does not come in time (the child is killed); INTERNAL when the line does not parse;
+  // INVALID_ARGUMENT (before starting anything) when options.client does not make credentials.
   static absl::StatusOr<std::unique_ptr<NodeProcess>> Start(const Options& options);
 
   // Stop(), then removes the stderr file. Prints the node's stderr when it did not exit
@@ -85,11 +91,19 @@ class NodeProcess {
   const std::string& peer_address() const { return peer_address_; }
   const std::string& listening_line() const { return line_; }
 
-  // A channel shared by the callers, without message size limits on the client side.
+  // A channel shared by the callers, without message size limits on the client side, connected
+  // as Options::client says.
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
-  // A new channel with its own connection (not shared with channel() or other NewChannel()s).
+  // A new channel with its own connection (not shared with channel() or other NewChannel()s),
+  // connected as Options::client says.
   std::shared_ptr<grpc::Channel> NewChannel() const;
   std::unique_ptr<v1::CacheService::Stub> NewStub() const;
+  // A new channel with its own connection to the client port (address()) or the peer port
+  // (peer_address()), connected as `client` says instead. The errors of ClientCredentials.
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> NewChannelWith(
+      const ClientConnectionOptions& client) const;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> NewPeerChannelWith(
+      const ClientConnectionOptions& client) const;
 
   // Drops this object's reference to channel(). When no stub or copy holds it any more, the
   // connection closes, and the node's shutdown need not wait for an idle client to notice it.
@@ -117,6 +131,8 @@ class NodeProcess {
   std::string address_;
   int peer_port_ = 0;
   std::string peer_address_;
+  ClientConnectionOptions client_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;  // from client_
   std::shared_ptr<grpc::Channel> channel_;
   std::optional<ExitStatus> exit_;
 };
