@@ -10,7 +10,9 @@
 // local step fails (a file, a payload that does not verify: DATA_LOSS), or a flag has a bad
 // value; 2 for an unknown command or flag.
 #include <cstdio>
+#include <cstdlib>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,6 +24,7 @@
 #include "service/ctl/args.h"
 #include "service/ctl/client.h"
 #include "service/ctl/commands.h"
+#include "service/ctl/connection.h"
 
 namespace kvmesh {
 namespace ctl {
@@ -65,12 +68,24 @@ const Command* const kClusterCommands[] = {
 };
 
 constexpr absl::string_view kUsageLine =
-    "usage: kvmeshctl [--addr=HOST:PORT] [--timeout=DURATION] [--json] COMMAND [FLAGS]\n";
+    "usage: kvmeshctl [--addr=HOST:PORT] [--timeout=DURATION] [--json] [--tls-ca=FILE ...]\n"
+    "                 [--token-file=FILE] [--tenant=NAME] COMMAND [FLAGS]\n";
 
 constexpr absl::string_view kGlobalFlagsUsage = R"(global flags
   --addr=HOST:PORT     node to call (default 127.0.0.1:7700)
   --timeout=DURATION   deadline of every call: 10s, 500ms, or seconds (default 30s)
   --json               print responses as protobuf JSON (one object per line, one per call)
+
+connection flags (a node with TLS or a token file; docs/security.md)
+  --tls-ca=FILE        speak TLS; verify the node's certificate against this PEM CA bundle
+                       (without it, but with another --tls-* flag: the system's roots)
+  --tls-cert=FILE      client certificate (PEM), for a node with --tls-client-ca ...
+  --tls-key=FILE       ... and its private key
+  --tls-server-name=NAME  the name the node's certificate must carry, instead of the host of
+                       --addr (e.g. the node's DNS name when --addr is an IP address)
+  --token-file=FILE    file holding the bearer token sent as "authorization: Bearer <token>"
+                       on every call; without it, $KVMESH_TOKEN when set
+  --tenant=NAME        act for this tenant (admin tokens only): sent as kvmesh-tenant metadata
 )";
 
 // `kvmeshctl help`: the global flags, then every command's entry.
@@ -131,6 +146,7 @@ int Main(int argc, char** argv) {
     return 2;
   }
   std::vector<absl::string_view> allowed(std::begin(kGlobalFlags), std::end(kGlobalFlags));
+  allowed.insert(allowed.end(), std::begin(kConnectionFlags), std::end(kConnectionFlags));
   allowed.insert(allowed.end(), command->flags.begin(), command->flags.end());
   if (absl::Status s = args.CheckAllowed(allowed); !s.ok()) {
     PrintError(s);
@@ -151,12 +167,22 @@ int Main(int argc, char** argv) {
       return 1;
     }
   }
+  absl::StatusOr<ClientConnectionOptions> connection =
+      ConnectionFromArgs(args, std::getenv(kTokenEnv));
+  if (!connection.ok()) {
+    PrintError(connection.status());
+    return 1;
+  }
   grpc::ChannelArguments channel_args;
   channel_args.SetMaxReceiveMessageSize(-1);  // responses are bounded by the server's chunking
   channel_args.SetMaxSendMessageSize(-1);     // the server enforces its own limit
-  const Client client(
-      grpc::CreateCustomChannel(*addr, grpc::InsecureChannelCredentials(), channel_args), *timeout,
-      *json);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+      NewClientChannel(*addr, *connection, channel_args);
+  if (!channel.ok()) {
+    PrintError(channel.status());
+    return 1;
+  }
+  const Client client(*std::move(channel), *timeout, *json);
   absl::Status status = command->run(client, args);
   std::fflush(stdout);
   if (!status.ok()) {

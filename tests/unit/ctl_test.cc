@@ -1,6 +1,10 @@
 // Unit tests of kvmeshctl's helpers: shorthand parsers, argument parsing, pattern payloads, the
 // output of the cluster commands.
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
@@ -9,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "service/common/convert.h"
 #include "service/ctl/args.h"
+#include "service/ctl/connection.h"
 #include "service/ctl/format.h"
 #include "service/ctl/parse.h"
 #include "service/ctl/payload.h"
@@ -498,6 +503,115 @@ TEST(ClusterFormatTest, ParseRemoveScope) {
   auto bad = ParseRemoveScope("global");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad.status().message(), "--scope='global': expected local or cluster");
+}
+
+// A file with `content` under $TEST_TMPDIR or /tmp, removed with the object.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& content) {
+    const char* dir = std::getenv("TEST_TMPDIR");
+    path_ = std::string(dir != nullptr && *dir != '\0' ? dir : "/tmp") + "/ctl_test-XXXXXX";
+    const int fd = mkstemp(path_.data());
+    if (fd >= 0) close(fd);
+    std::ofstream(path_, std::ios::binary | std::ios::trunc) << content;
+  }
+  ~TempFile() { unlink(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+absl::StatusOr<ClientConnectionOptions> Connect(std::vector<std::string> flags,
+                                                const char* env_token = nullptr) {
+  std::vector<const char*> argv = {"kvmeshctl"};
+  for (const std::string& f : flags) argv.push_back(f.c_str());
+  argv.push_back("list");
+  auto args = Args::Parse(static_cast<int>(argv.size()), argv.data(), {});
+  if (!args.ok()) return args.status();
+  return ConnectionFromArgs(*args, env_token);
+}
+
+TEST(ConnectionTest, NoFlagsIsPlaintextWithoutToken) {
+  auto c = Connect({});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->tls.enabled());
+  EXPECT_EQ(c->token, "");
+  EXPECT_EQ(c->tenant, "");
+  auto empty_env = Connect({}, "");
+  ASSERT_TRUE(empty_env.ok()) << empty_env.status();
+  EXPECT_EQ(empty_env->token, "");
+}
+
+TEST(ConnectionTest, TlsFlags) {
+  auto c = Connect(
+      {"--tls-ca=/ca.pem", "--tls-cert", "/c.pem", "--tls-key=/k.pem", "--tls-server-name=node-a"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->tls.enabled());
+  EXPECT_EQ(c->tls.ca_file, "/ca.pem");
+  EXPECT_EQ(c->tls.cert_file, "/c.pem");
+  EXPECT_EQ(c->tls.key_file, "/k.pem");
+  EXPECT_EQ(c->tls.server_name, "node-a");
+
+  auto no_key = Connect({"--tls-cert=/c.pem"});
+  EXPECT_EQ(no_key.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(no_key.status().message(), "--tls-cert is set but --tls-key is not: give both");
+  auto no_cert = Connect({"--tls-key=/k.pem"});
+  EXPECT_EQ(no_cert.status().message(), "--tls-key is set but --tls-cert is not: give both");
+  auto empty = Connect({"--tls-ca="});
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(empty.status().message(), "--tls-ca is empty");
+}
+
+TEST(ConnectionTest, TokenFromFileWinsOverEnvironment) {
+  TempFile file("  s3cr3t-token_0123456789abcdef\n\n");
+  auto c = Connect({"--token-file=" + file.path()}, "from-env");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->token, "s3cr3t-token_0123456789abcdef");
+  auto env = Connect({}, " from-env\n");
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_EQ(env->token, "from-env");
+}
+
+TEST(ConnectionTest, BadTokenFiles) {
+  auto missing = ReadTokenFile("/nonexistent/kvmesh-token");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(missing.status().message(),
+            "cannot read --token-file '/nonexistent/kvmesh-token': No such file or directory");
+
+  TempFile blank(" \n\t\n");
+  auto empty = ReadTokenFile(blank.path());
+  EXPECT_EQ(empty.status().message(), "--token-file '" + blank.path() + "' is empty");
+
+  // The node's token file (hashes), given by mistake: refused, and its content is not echoed.
+  TempFile node_file("token sha256:0123abcd team-a tenant\n");
+  auto words = ReadTokenFile(node_file.path());
+  EXPECT_EQ(words.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(words.status().message()),
+              ::testing::HasSubstr("holds more than one word"));
+  EXPECT_THAT(std::string(words.status().message()),
+              ::testing::Not(::testing::HasSubstr("sha256")));
+
+  TempFile control("tok\001en");
+  auto bad = ReadTokenFile(control.path());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), ::testing::HasSubstr("byte 1 at offset 3"));
+
+  auto bad_env = Connect({}, "tok\x7f");
+  EXPECT_EQ(bad_env.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad_env.status().message()), ::testing::StartsWith("KVMESH_TOKEN: "));
+}
+
+TEST(ConnectionTest, Tenant) {
+  auto c = Connect({"--tenant=team-a"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->tenant, "team-a");
+  auto spaced = Connect({"--tenant=team a"});
+  EXPECT_EQ(spaced.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(spaced.status().message(),
+            "--tenant='team a' has a space or a character outside printable ASCII");
+  auto empty = Connect({"--tenant="});
+  EXPECT_EQ(empty.status().message(), "--tenant is empty");
 }
 
 }  // namespace
