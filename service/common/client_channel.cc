@@ -4,38 +4,51 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cache/status_macros.h"
-#include "grpc/grpc_security_constants.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/support/client_interceptor.h"
 
 namespace kvmesh {
 namespace {
 
 bool IsTokenChar(char c) { return c > 0x20 && c < 0x7f; }
 
-// Adds fixed metadata to every call. Not blocking: GetMetadata only copies strings, so gRPC may
-// call it inline instead of on a thread of its own.
-class FixedMetadataPlugin : public grpc::MetadataCredentialsPlugin {
+// Adds the token and tenant to the initial metadata of every call. The interceptor lives as long
+// as its call; the strings are copied into the call's metadata.
+class MetadataInterceptor : public grpc::experimental::Interceptor {
  public:
-  explicit FixedMetadataPlugin(std::multimap<grpc::string, grpc::string> metadata)
-      : metadata_(std::move(metadata)) {}
+  explicit MetadataInterceptor(const std::vector<std::pair<std::string, std::string>>* metadata)
+      : metadata_(metadata) {}
 
-  bool IsBlocking() const override { return false; }
-  const char* GetType() const override { return "kvmesh-bearer-token"; }
-
-  grpc::Status GetMetadata(grpc::string_ref /*service_url*/, grpc::string_ref /*method_name*/,
-                           const grpc::AuthContext& /*channel_auth_context*/,
-                           std::multimap<grpc::string, grpc::string>* metadata) override {
-    metadata->insert(metadata_.begin(), metadata_.end());
-    return grpc::Status::OK;
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      std::multimap<std::string, std::string>* sent = methods->GetSendInitialMetadata();
+      for (const auto& [key, value] : *metadata_) sent->emplace(key, value);
+    }
+    methods->Proceed();
   }
 
-  grpc::string DebugString() override { return "kvmesh bearer token (value not shown)"; }
+ private:
+  const std::vector<std::pair<std::string, std::string>>* const metadata_;
+};
+
+class MetadataInterceptorFactory : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit MetadataInterceptorFactory(std::vector<std::pair<std::string, std::string>> metadata)
+      : metadata_(std::move(metadata)) {}
+
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo* /*info*/) override {
+    return new MetadataInterceptor(&metadata_);
+  }
 
  private:
-  const std::multimap<grpc::string, grpc::string> metadata_;
+  // Owned by the factory, which the channel keeps as long as it has calls.
+  const std::vector<std::pair<std::string, std::string>> metadata_;
 };
 
 }  // namespace
@@ -66,37 +79,37 @@ absl::Status ValidateTenantMetadata(absl::string_view tenant) {
   return absl::OkStatus();
 }
 
-std::shared_ptr<grpc::CallCredentials> TokenCallCredentials(const std::string& token,
-                                                            const std::string& tenant) {
-  if (token.empty() && tenant.empty()) return nullptr;
-  std::multimap<grpc::string, grpc::string> metadata;
-  if (!token.empty()) metadata.emplace(kAuthorizationMetadataKey, absl::StrCat("Bearer ", token));
-  if (!tenant.empty()) metadata.emplace(kTenantMetadataKey, tenant);
-  // GRPC_SECURITY_NONE: also over plaintext (by default gRPC drops call credentials on insecure
-  // channels). Whether a node accepts a token over plaintext is the node's decision.
-  return grpc::experimental::MetadataCredentialsFromPlugin(
-      std::make_unique<FixedMetadataPlugin>(std::move(metadata)), GRPC_SECURITY_NONE);
+absl::StatusOr<ClientConnector> ClientConnector::Create(const ClientConnectionOptions& options,
+                                                        absl::string_view flag_prefix) {
+  if (!options.token.empty()) {
+    RETURN_IF_ERROR(ValidateBearerToken(options.token, "the bearer token"));
+  }
+  if (!options.tenant.empty()) RETURN_IF_ERROR(ValidateTenantMetadata(options.tenant));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                   ClientChannelCredentials(options.tls, flag_prefix));
+  return ClientConnector(options, std::move(credentials));
 }
 
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientCredentials(
-    const ClientConnectionOptions& options, absl::string_view flag_prefix) {
-  if (!options.token.empty())
-    RETURN_IF_ERROR(ValidateBearerToken(options.token, "the bearer token"));
-  if (!options.tenant.empty()) RETURN_IF_ERROR(ValidateTenantMetadata(options.tenant));
-  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> channel,
-                   ClientChannelCredentials(options.tls, flag_prefix));
-  std::shared_ptr<grpc::CallCredentials> call = TokenCallCredentials(options.token, options.tenant);
-  if (call == nullptr) return channel;
-  return grpc::CompositeChannelCredentials(channel, call);
+std::shared_ptr<grpc::Channel> ClientConnector::NewChannel(const std::string& target,
+                                                           grpc::ChannelArguments args) const {
+  AddClientTlsChannelArgs(options_.tls, &args);
+  std::vector<std::pair<std::string, std::string>> metadata;
+  if (!options_.token.empty()) {
+    metadata.emplace_back(kAuthorizationMetadataKey, absl::StrCat("Bearer ", options_.token));
+  }
+  if (!options_.tenant.empty()) metadata.emplace_back(kTenantMetadataKey, options_.tenant);
+  if (metadata.empty()) return grpc::CreateCustomChannel(target, credentials_, args);
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<MetadataInterceptorFactory>(std::move(metadata)));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(target, credentials_, args,
+                                                                 std::move(interceptors));
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> NewClientChannel(
     const std::string& target, const ClientConnectionOptions& options, grpc::ChannelArguments args,
     absl::string_view flag_prefix) {
-  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
-                   ClientCredentials(options, flag_prefix));
-  AddClientTlsChannelArgs(options.tls, &args);
-  return grpc::CreateCustomChannel(target, credentials, args);
+  ASSIGN_OR_RETURN(ClientConnector connector, ClientConnector::Create(options, flag_prefix));
+  return connector.NewChannel(target, std::move(args));
 }
 
 }  // namespace kvmesh

@@ -3,10 +3,12 @@
 // <tenant>" on every call. kvmeshctl, the benchmarks and the test helpers build their channels
 // here, so all of them speak to a secured node the same way.
 //
-// The token and tenant travel as gRPC call credentials attached to the channel credentials, so
-// every call on every stub of the channel carries them without each call site adding metadata.
-// They are allowed over plaintext too (a loopback development node with a token file): the node,
-// not the client, decides what it accepts.
+// The token and tenant are added to the initial metadata of every call by a client interceptor
+// of the channel, so every call on every stub of the channel (generated or generic, such as the
+// health client's) carries them without each call site adding metadata. An interceptor rather
+// than gRPC call credentials because they are sent over plaintext too (a loopback development
+// node with a token file), where gRPC refuses call credentials: the node, not the client,
+// decides what it accepts.
 //
 // Thread safety: stateless functions, safe from any thread; the credentials and channels are
 // gRPC's and thread-safe.
@@ -15,6 +17,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -46,20 +49,31 @@ absl::Status ValidateBearerToken(absl::string_view token, absl::string_view what
 // (the node checks the tenant name rules; this only keeps the metadata well formed).
 absl::Status ValidateTenantMetadata(absl::string_view tenant);
 
-// Call credentials that add the bearer token (if not empty) and the tenant (if not empty) to
-// every call. Null when both are empty.
-std::shared_ptr<grpc::CallCredentials> TokenCallCredentials(const std::string& token,
-                                                            const std::string& tenant);
+// What a client needs to open channels as `options` says, made once: the TLS credentials (the
+// files are read by Create) and the metadata of every call. Copyable; thread-safe.
+class ClientConnector {
+ public:
+  // The errors of ClientChannelCredentials (flag names spelt with `flag_prefix`),
+  // ValidateBearerToken (what: "the bearer token") and ValidateTenantMetadata.
+  static absl::StatusOr<ClientConnector> Create(const ClientConnectionOptions& options,
+                                                absl::string_view flag_prefix = "--tls-");
 
-// Channel credentials for `options`: ClientChannelCredentials(options.tls, flag_prefix) with
-// TokenCallCredentials attached when a token or tenant is set. The errors of
-// ClientChannelCredentials, ValidateBearerToken (what: "the bearer token") and
-// ValidateTenantMetadata.
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientCredentials(
-    const ClientConnectionOptions& options, absl::string_view flag_prefix = "--tls-");
+  // A channel to `target` with `args`, to which the TLS channel arguments are added.
+  std::shared_ptr<grpc::Channel> NewChannel(const std::string& target,
+                                            grpc::ChannelArguments args = {}) const;
 
-// A channel to `target` with ClientCredentials(options) and `args` (to which the TLS channel
-// arguments are added). The errors of ClientCredentials.
+  const ClientConnectionOptions& options() const { return options_; }
+
+ private:
+  ClientConnector(ClientConnectionOptions options,
+                  std::shared_ptr<grpc::ChannelCredentials> credentials)
+      : options_(std::move(options)), credentials_(std::move(credentials)) {}
+
+  ClientConnectionOptions options_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
+};
+
+// ClientConnector::Create(options, flag_prefix), then NewChannel(target, args).
 absl::StatusOr<std::shared_ptr<grpc::Channel>> NewClientChannel(
     const std::string& target, const ClientConnectionOptions& options,
     grpc::ChannelArguments args = grpc::ChannelArguments(),

@@ -81,7 +81,8 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path_, ignored);
 }
 
-absl::StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
+absl::StatusOr<CommandResult> RunProcess(const std::vector<std::string>& argv,
+                                         const std::vector<std::string>& env) {
   std::string out_path = absl::StrCat(TempRoot(), "/kvmesh-cmd-XXXXXX");
   const int out_fd = mkostemp(out_path.data(), O_CLOEXEC);
   if (out_fd < 0) return absl::InternalError(absl::StrCat("mkostemp: ", std::strerror(errno)));
@@ -89,13 +90,29 @@ absl::StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
   std::vector<char*> args;
   for (std::string& a : storage) args.push_back(a.data());
   args.push_back(nullptr);
+  // This process's environment with `env` applied.
+  std::vector<std::string> variables;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const std::string variable = *entry;
+    const std::string name = variable.substr(0, variable.find('='));
+    bool replaced = false;
+    for (const std::string& e : env) replaced |= e.substr(0, e.find('=')) == name;
+    if (!replaced) variables.push_back(variable);
+  }
+  for (const std::string& e : env) {
+    if (e.find('=') != std::string::npos) variables.push_back(e);
+  }
+  std::vector<char*> envp;
+  for (std::string& v : variables) envp.push_back(v.data());
+  envp.push_back(nullptr);
+
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
   posix_spawn_file_actions_adddup2(&actions, out_fd, STDOUT_FILENO);
   posix_spawn_file_actions_adddup2(&actions, out_fd, STDERR_FILENO);
   pid_t pid = 0;
-  const int spawned = posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
+  const int spawned = posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
   close(out_fd);
   int status = 0;
@@ -105,18 +122,26 @@ absl::StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
   }
   absl::StatusOr<std::string> output = ReadTextFile(out_path);
   unlink(out_path.c_str());
-  const std::string command = absl::StrJoin(argv, " ");
   if (spawned != 0) {
     return absl::InternalError(
-        absl::StrCat("cannot run '", command, "': ", std::strerror(spawned),
+        absl::StrCat("cannot run '", absl::StrJoin(argv, " "), "': ", std::strerror(spawned),
                      argv[0] == "openssl" ? " (install Debian's openssl package)" : ""));
   }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    return absl::InternalError(absl::StrCat("'", command, "' failed (wait status ", status,
-                                            "): ", output.ok() ? *output : ""));
-  }
   if (!output.ok()) return output.status();
-  return output;
+  CommandResult result;
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  result.output = *std::move(output);
+  return result;
+}
+
+absl::StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
+  absl::StatusOr<CommandResult> run = RunProcess(argv);
+  if (!run.ok()) return run.status();
+  if (run->exit_code != 0) {
+    return absl::InternalError(absl::StrCat("'", absl::StrJoin(argv, " "), "' failed (exit ",
+                                            run->exit_code, "): ", run->output));
+  }
+  return std::move(run->output);
 }
 
 absl::StatusOr<std::string> ReadTextFile(const std::string& path) {

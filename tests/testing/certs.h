@@ -76,8 +76,21 @@ class TestCa {
   uint64_t next_serial_ = 1000;
 };
 
-// Runs `argv` (argv[0] looked up in PATH) to completion; its combined stdout and stderr.
-// INTERNAL naming the command and quoting its output when it does not exit with 0.
+// How a command ended: its exit code (-1 when a signal killed it) and its stdout and stderr
+// together.
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;
+};
+
+// Runs `argv` (argv[0] looked up in PATH unless it holds a '/') to completion, with this
+// process's environment and `env` ("NAME=value") set or replaced in it ("NAME" alone: removed).
+// INTERNAL when it cannot be started.
+absl::StatusOr<CommandResult> RunProcess(const std::vector<std::string>& argv,
+                                         const std::vector<std::string>& env = {});
+
+// RunProcess, and INTERNAL naming the command and quoting its output when it does not exit
+// with 0; its output otherwise.
 absl::StatusOr<std::string> RunCommand(const std::vector<std::string>& argv);
 
 // The whole content of a file; NOT_FOUND when it cannot be read.

@@ -84,12 +84,12 @@ std::string ReadFile(const std::string& path) {
 }
 
 // The channel arguments of every test channel: no message size limits on the client side (the
-// node enforces its own), the TLS ones of `client`.
-grpc::ChannelArguments TestChannelArguments(const ClientConnectionOptions& client) {
+// node enforces its own); `own_connection`: a connection not shared with other channels.
+grpc::ChannelArguments TestChannelArguments(bool own_connection) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
-  AddClientTlsChannelArgs(client.tls, &args);
+  if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return args;
 }
 
@@ -213,9 +213,8 @@ NodeProcess::NodeProcess(pid_t pid, int stdout_fd, std::string stderr_path)
 
 absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& options) {
   // The client's credentials first: a test's bad certificate path fails before a node starts.
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      ClientCredentials(options.client);
-  if (!credentials.ok()) return credentials.status();
+  absl::StatusOr<ClientConnector> client = ClientConnector::Create(options.client);
+  if (!client.ok()) return client.status();
   std::vector<std::string> args = {absl::StrCat("--listen=127.0.0.1:", options.port),
                                    absl::StrCat("--node-name=", options.node_name)};
   args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
@@ -232,8 +231,7 @@ absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& o
   if (!child.ok()) return child.status();
   std::unique_ptr<NodeProcess> node(
       new NodeProcess(child->pid, child->stdout_fd, std::move(child->stderr_path)));
-  node->client_ = options.client;
-  node->credentials_ = *std::move(credentials);
+  node->client_ = *std::move(client);
 
   const absl::Time deadline = absl::Now() + options.start_timeout;
   std::string text;
@@ -281,8 +279,7 @@ absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& o
     }
   }
   node->peer_address_ = absl::StrCat("127.0.0.1:", node->peer_port_);
-  node->channel_ = grpc::CreateCustomChannel(node->address_, node->credentials_,
-                                             TestChannelArguments(node->client_));
+  node->channel_ = node->client_->NewChannel(node->address_, TestChannelArguments(false));
   return node;
 }
 
@@ -297,23 +294,17 @@ NodeProcess::~NodeProcess() {
 }
 
 std::shared_ptr<grpc::Channel> NodeProcess::NewChannel() const {
-  grpc::ChannelArguments channel_args = TestChannelArguments(client_);
-  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(address_, credentials_, channel_args);
+  return client_->NewChannel(address_, TestChannelArguments(true));
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> NodeProcess::NewChannelWith(
     const ClientConnectionOptions& client) const {
-  grpc::ChannelArguments channel_args = TestChannelArguments(ClientConnectionOptions());
-  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return NewClientChannel(address_, client, channel_args);
+  return NewClientChannel(address_, client, TestChannelArguments(true));
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> NodeProcess::NewPeerChannelWith(
     const ClientConnectionOptions& client) const {
-  grpc::ChannelArguments channel_args = TestChannelArguments(ClientConnectionOptions());
-  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return NewClientChannel(peer_address_, client, channel_args);
+  return NewClientChannel(peer_address_, client, TestChannelArguments(true));
 }
 
 std::unique_ptr<v1::CacheService::Stub> NodeProcess::NewStub() const {

@@ -99,7 +99,8 @@ class NodeProcess {
   std::shared_ptr<grpc::Channel> NewChannel() const;
   std::unique_ptr<v1::CacheService::Stub> NewStub() const;
   // A new channel with its own connection to the client port (address()) or the peer port
-  // (peer_address()), connected as `client` says instead. The errors of ClientCredentials.
+  // (peer_address()), connected as `client` says instead. The errors of
+  // ClientConnector::Create.
   absl::StatusOr<std::shared_ptr<grpc::Channel>> NewChannelWith(
       const ClientConnectionOptions& client) const;
   absl::StatusOr<std::shared_ptr<grpc::Channel>> NewPeerChannelWith(
@@ -131,8 +132,7 @@ class NodeProcess {
   std::string address_;
   int peer_port_ = 0;
   std::string peer_address_;
-  ClientConnectionOptions client_;
-  std::shared_ptr<grpc::ChannelCredentials> credentials_;  // from client_
+  std::optional<ClientConnector> client_;  // Options::client, set by Start
   std::shared_ptr<grpc::Channel> channel_;
   std::optional<ExitStatus> exit_;
 };
