@@ -1,6 +1,7 @@
 #include "cache/attention_group.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "cache/status_macros.h"
@@ -359,27 +360,52 @@ bool AttentionGroup::CanResume(int64_t seq, int32_t pos) const {
   return window_start >= first && int64_t{pos} <= int64_t{last} + 1;
 }
 
+namespace {
+
+// The positions [lo, hi] a query may attend to in an Attention group with `window`, before
+// looking at what is stored.
+std::pair<int64_t, int64_t> VisibleRange(const WindowSpec& window, const Query& query) {
+  int64_t lo = 0;
+  const int64_t hi = query.non_causal ? INT32_MAX : query.pos;
+  switch (window.kind) {
+    case WindowKind::kFull:
+      break;
+    case WindowKind::kSliding:
+      lo = std::max<int64_t>(lo, int64_t{query.pos} - window.window);
+      break;
+    case WindowKind::kChunked:
+      lo = int64_t{query.pos} - query.pos % window.chunk;
+      break;
+  }
+  return {lo, hi};
+}
+
+}  // namespace
+
 std::vector<int32_t> AttentionGroup::Visible(const Query& query) const {
   std::vector<int32_t> out;
   const Index* index = Find(query.seq);
   if (index == nullptr) return out;
-  int64_t lo = 0;
-  const int64_t hi = query.non_causal ? INT32_MAX : query.pos;
-  switch (spec_.window.kind) {
-    case WindowKind::kFull:
-      break;
-    case WindowKind::kSliding:
-      lo = std::max<int64_t>(lo, int64_t{query.pos} - spec_.window.window);
-      break;
-    case WindowKind::kChunked:
-      lo = int64_t{query.pos} - query.pos % spec_.window.chunk;
-      break;
-  }
+  const auto [lo, hi] = VisibleRange(spec_.window, query);
   for (auto it = index->lower_bound(static_cast<int32_t>(lo));
        it != index->end() && it->first <= hi; ++it) {
     out.push_back(it->first);
   }
   return out;
+}
+
+int64_t AttentionGroup::VisibleBound(const Query& query) const {
+  const Index* index = Find(query.seq);
+  if (index == nullptr) return 0;
+  const auto [lo, hi] = VisibleRange(spec_.window, query);
+  const auto first = index->lower_bound(static_cast<int32_t>(lo));
+  if (first == index->end() || first->first > hi) return 0;
+  // The last stored position <= hi: positions are distinct, so at most last - first + 1 of them
+  // lie between (exact when the sequence stores them without gaps).
+  auto last = index->upper_bound(static_cast<int32_t>(hi));
+  --last;
+  return std::min<int64_t>(static_cast<int64_t>(index->size()),
+                           int64_t{last->first} - first->first + 1);
 }
 
 // ---- Snapshots ----------------------------------------------------------------------------

@@ -308,6 +308,11 @@ absl::Status Cache::CommitSpeculation(int64_t seq, int32_t accepted) {
 
 absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin,
                                        std::optional<int32_t> end) const {
+  return Read(seq, begin, end, [](size_t) { return absl::OkStatus(); });
+}
+
+absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin, std::optional<int32_t> end,
+                                       absl::FunctionRef<absl::Status(size_t)> admit) const {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("begin", begin));
   if (end.has_value() && *end < begin) {
@@ -329,6 +334,7 @@ absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin,
     parts.push_back(group->PlanRead(seq, begin, stop, offset));
     total += parts.back().bytes;
   }
+  RETURN_IF_ERROR(admit(total));
   result.payload.resize(total);
   uint8_t* dst = reinterpret_cast<uint8_t*>(result.payload.data());
   for (size_t g = 0; g < groups_.size(); ++g) {
@@ -340,13 +346,15 @@ absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin,
   return result;
 }
 
-absl::StatusOr<std::vector<std::vector<int32_t>>> Cache::Visible(
-    int group, absl::Span<const Query> queries) const {
-  if (group < 0 || group >= static_cast<int>(spec_.groups.size())) {
+namespace {
+
+absl::Status CheckVisibleRequest(const CacheSpec& spec, int group,
+                                 absl::Span<const Query> queries) {
+  if (group < 0 || group >= static_cast<int>(spec.groups.size())) {
     return absl::InvalidArgumentError(
-        absl::StrCat("group = ", group, " is out of range [0, ", spec_.groups.size(), ")"));
+        absl::StrCat("group = ", group, " is out of range [0, ", spec.groups.size(), ")"));
   }
-  if (spec_.groups[group].kind == GroupKind::kRecurrent) {
+  if (spec.groups[group].kind == GroupKind::kRecurrent) {
     return absl::InvalidArgumentError(absl::StrCat(
         "group = ", group, " is Recurrent: it holds a state, not positions to attend to"));
   }
@@ -357,11 +365,32 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> Cache::Visible(
                                                      "; both must be >= 0"));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::vector<int32_t>>> Cache::Visible(
+    int group, absl::Span<const Query> queries) const {
+  return Visible(group, queries, [](int64_t) { return absl::OkStatus(); });
+}
+
+absl::StatusOr<std::vector<std::vector<int32_t>>> Cache::Visible(
+    int group, absl::Span<const Query> queries,
+    absl::FunctionRef<absl::Status(int64_t max_positions)> admit) const {
+  RETURN_IF_ERROR(CheckVisibleRequest(spec_, group, queries));
   ReaderMutexLock lock(&mu_);
+  RETURN_IF_ERROR(admit(VisibleBoundLocked(group, queries)));
   std::vector<std::vector<int32_t>> out;
   out.reserve(queries.size());
   for (const Query& q : queries) out.push_back(groups_[group]->Visible(q));
   return out;
+}
+
+int64_t Cache::VisibleBoundLocked(int group, absl::Span<const Query> queries) const {
+  int64_t bound = 0;  // at most queries x 2^31: no overflow
+  for (const Query& q : queries) bound += groups_[group]->VisibleBound(q);
+  return bound;
 }
 
 absl::StatusOr<bool> Cache::CanResume(int64_t seq, int32_t pos) const {

@@ -20,6 +20,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -197,12 +198,24 @@ class Cache {
   // K/V of the stored positions of `seq` in [begin, end) (end absent: to the end).
   // NOT_FOUND when `seq` stores nothing; INVALID_ARGUMENT for begin < 0 or end < begin.
   absl::StatusOr<ReadResult> Read(int64_t seq, int32_t begin, std::optional<int32_t> end) const;
+  // The same, after `admit` has accepted the payload's size in bytes: it runs under the cache's
+  // lock before the payload is allocated, and an error from it is returned as it is.
+  absl::StatusOr<ReadResult> Read(int64_t seq, int32_t begin, std::optional<int32_t> end,
+                                  absl::FunctionRef<absl::Status(size_t payload_bytes)> admit) const;
 
   // For each query, the stored positions of its sequence in group `group` that it attends to,
   // ascending. An unknown sequence sees nothing. INVALID_ARGUMENT for a bad group index or
   // negative seq/pos.
   absl::StatusOr<std::vector<std::vector<int32_t>>> Visible(int group,
                                                             absl::Span<const Query> queries) const;
+  // The same, after `admit` has accepted an upper bound of the positions the answer lists in
+  // all, found without listing them (O(log n) per query; exact for sequences stored without
+  // gaps and for Rotating groups). `admit` runs under the cache's lock, before any position is
+  // listed; an error from it is returned as it is. The caller bounds the answer's time and
+  // memory this way: many queries over long sequences would otherwise take without limit.
+  absl::StatusOr<std::vector<std::vector<int32_t>>> Visible(
+      int group, absl::Span<const Query> queries,
+      absl::FunctionRef<absl::Status(int64_t max_positions)> admit) const;
 
   // dst's old contents go; dst gets src's stored positions < length, sharing src's cells.
   // INVALID_ARGUMENT for src == dst or negative arguments; RESOURCE_EXHAUSTED when dst would be
@@ -287,6 +300,8 @@ class Cache {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   int32_t LiveCountLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool IsLiveLocked(int64_t seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  int64_t VisibleBoundLocked(int group, absl::Span<const Query> queries) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // One past the largest position any group holds for `seq` (pending included).
   int32_t OffsetLocked(int64_t seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when making `seq` live would exceed max_sequences.

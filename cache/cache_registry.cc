@@ -4,9 +4,23 @@
 #include "cache/status_macros.h"
 
 namespace kvmesh {
+namespace {
 
-absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::FindLocked(const CacheSpec& spec) const {
-  auto it = caches_.find(spec.name);
+absl::Status NoSuchCache(absl::string_view name) {
+  return absl::NotFoundError(absl::StrCat("no cache named '", name, "'"));
+}
+
+}  // namespace
+
+uint64_t CacheRegistry::ArenaBytes(const Cache& cache) {
+  uint64_t bytes = 0;
+  for (const GroupUsage& group : cache.Usage().groups) bytes += group.bytes;
+  return bytes;
+}
+
+absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::FindLocked(absl::string_view tenant,
+                                                                      const CacheSpec& spec) const {
+  auto it = caches_.find(Key(tenant, spec.name));
   if (it == caches_.end()) return CreateResult{};
   if (it->second->spec() != spec) {
     return absl::AlreadyExistsError(
@@ -16,51 +30,92 @@ absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::FindLocked(const Cach
   return CreateResult{it->second, false};
 }
 
-absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(const CacheSpec& spec) {
-  RETURN_IF_ERROR(ValidateSpec(spec));
+CacheRegistry::TenantUsage CacheRegistry::UsageLocked(absl::string_view tenant) const {
+  TenantUsage usage;
+  for (auto it = caches_.lower_bound(Key(tenant, "")); it != caches_.end() && it->first.first == tenant;
+       ++it) {
+    ++usage.caches;
+    usage.bytes += ArenaBytes(*it->second);
+  }
+  return usage;
+}
 
+CacheRegistry::TenantUsage CacheRegistry::Usage(absl::string_view tenant) const {
+  ReaderMutexLock lock(&mu_);
+  return UsageLocked(tenant);
+}
+
+absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(absl::string_view tenant,
+                                                                  const CacheSpec& spec,
+                                                                  const TenantQuota& quota) {
+  RETURN_IF_ERROR(ValidateSpec(spec));
   {
     MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(CreateResult found, FindLocked(spec));
+    ASSIGN_OR_RETURN(CreateResult found, FindLocked(tenant, spec));
     if (found.cache != nullptr) return found;
+    if (UsageLocked(tenant).caches >= quota.max_caches) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tenant '", tenant, "' holds ", quota.max_caches,
+                       " caches already, its quota (delete one first)"));
+    }
   }
   // Allocate without the lock: a device allocation can be slow, and every RPC looks caches up.
   // The device's budget is reserved atomically, so racing creates cannot overshoot it.
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> cache, Cache::Create(spec, device_));
   std::shared_ptr<Cache> shared(std::move(cache));
+  const uint64_t bytes = ArenaBytes(*shared);
   MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(CreateResult found, FindLocked(spec));
+  ASSIGN_OR_RETURN(CreateResult found, FindLocked(tenant, spec));
   if (found.cache != nullptr) return found;  // a racing create won; ours is freed
-  caches_.emplace(spec.name, shared);
+  const TenantUsage usage = UsageLocked(tenant);
+  if (usage.caches >= quota.max_caches) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant '", tenant, "' holds ", quota.max_caches, " caches already, its quota (delete one first)"));
+  }
+  if (bytes > quota.max_bytes || usage.bytes > quota.max_bytes - bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cache '", spec.name, "' needs ", bytes, " bytes, but tenant '", tenant,
+                     "' holds ", usage.bytes, " of its quota of ", quota.max_bytes, " bytes"));
+  }
+  caches_.emplace(Key(tenant, spec.name), shared);
   return CreateResult{std::move(shared), true};
 }
 
-absl::Status CacheRegistry::Delete(absl::string_view name) {
+absl::Status CacheRegistry::Delete(absl::string_view tenant, absl::string_view name) {
   std::shared_ptr<Cache> doomed;  // freed outside the lock
   {
     MutexLock lock(&mu_);
-    auto it = caches_.find(name);
-    if (it == caches_.end()) {
-      return absl::NotFoundError(absl::StrCat("no cache named '", name, "'"));
-    }
+    auto it = caches_.find(Key(tenant, name));
+    if (it == caches_.end()) return NoSuchCache(name);
     doomed = std::move(it->second);
     caches_.erase(it);
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<Cache>> CacheRegistry::Get(absl::string_view name) const {
+absl::StatusOr<std::shared_ptr<Cache>> CacheRegistry::Get(absl::string_view tenant,
+                                                          absl::string_view name) const {
   ReaderMutexLock lock(&mu_);
-  auto it = caches_.find(name);
-  if (it == caches_.end()) return absl::NotFoundError(absl::StrCat("no cache named '", name, "'"));
+  auto it = caches_.find(Key(tenant, name));
+  if (it == caches_.end()) return NoSuchCache(name);
   return it->second;
 }
 
-std::vector<std::shared_ptr<Cache>> CacheRegistry::List() const {
+std::vector<std::shared_ptr<Cache>> CacheRegistry::List(absl::string_view tenant) const {
   ReaderMutexLock lock(&mu_);
   std::vector<std::shared_ptr<Cache>> out;
+  for (auto it = caches_.lower_bound(Key(tenant, "")); it != caches_.end() && it->first.first == tenant;
+       ++it) {
+    out.push_back(it->second);
+  }
+  return out;
+}
+
+std::vector<CacheRegistry::Entry> CacheRegistry::ListAll() const {
+  ReaderMutexLock lock(&mu_);
+  std::vector<Entry> out;
   out.reserve(caches_.size());
-  for (const auto& [name, cache] : caches_) out.push_back(cache);
+  for (const auto& [key, cache] : caches_) out.push_back(Entry{key.first, cache});
   return out;
 }
 

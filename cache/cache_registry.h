@@ -1,13 +1,20 @@
-// CacheRegistry: the caches of one node, by name.
+// CacheRegistry: the caches of one node, by tenant and name.
+//
+// Every cache belongs to a tenant (the one that created it; kDefaultTenant on a node without
+// tenants), and names are per tenant: two tenants may each have a cache "m", and a tenant never
+// sees another's. Lookups of another tenant's cache fail exactly as for a name nobody uses.
 //
 // Thread safety: thread-safe. Callers get shared ownership of a cache, so a DeleteCache that
 // races with an operation on the same cache frees the memory only when the operation ends.
 #ifndef KVMESH_CACHE_CACHE_REGISTRY_H_
 #define KVMESH_CACHE_CACHE_REGISTRY_H_
 
+#include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -19,6 +26,16 @@
 
 namespace kvmesh {
 
+// The tenant of a node that has no tenants, and of the calls that name none.
+inline constexpr char kDefaultTenant[] = "default";
+
+// What one tenant may hold: caches, and device bytes of their arenas (the memory a cache
+// reserves when it is created). Unlimited by default.
+struct TenantQuota {
+  int64_t max_caches = std::numeric_limits<int64_t>::max();
+  uint64_t max_bytes = std::numeric_limits<uint64_t>::max();
+};
+
 class CacheRegistry {
  public:
   // `device` must outlive the registry and every cache handed out.
@@ -29,30 +46,64 @@ class CacheRegistry {
     bool created = false;  // false: a cache with this exact spec already existed
   };
 
-  // Creates the cache named spec.name. The memory is allocated outside the registry's lock, so
-  // racing creates of one name may each allocate; one wins and the others' memory is freed. Same
-  // name and same spec again is an idempotent success; same name with a different spec is
-  // ALREADY_EXISTS. Otherwise errors of Cache::Create.
-  absl::StatusOr<CreateResult> Create(const CacheSpec& spec);
+  // Creates the cache named spec.name for `tenant`. The memory is allocated outside the
+  // registry's lock, so racing creates of one name may each allocate; one wins and the others'
+  // memory is freed. Same name and same spec again is an idempotent success; same name with a
+  // different spec is ALREADY_EXISTS. RESOURCE_EXHAUSTED naming the tenant and its quota when
+  // the new cache would take the tenant past `quota` (checked under the lock against the
+  // caches the tenant holds then, so racing creates cannot overshoot it). Otherwise errors of
+  // Cache::Create.
+  absl::StatusOr<CreateResult> Create(absl::string_view tenant, const CacheSpec& spec,
+                                      const TenantQuota& quota);
+  absl::StatusOr<CreateResult> Create(const CacheSpec& spec) {
+    return Create(kDefaultTenant, spec, TenantQuota());
+  }
 
-  // NOT_FOUND when no cache has that name.
-  absl::Status Delete(absl::string_view name);
-  absl::StatusOr<std::shared_ptr<Cache>> Get(absl::string_view name) const;
+  // NOT_FOUND "no cache named 'x'" when `tenant` has no cache of that name (whether or not
+  // another tenant has one).
+  absl::Status Delete(absl::string_view tenant, absl::string_view name);
+  absl::StatusOr<std::shared_ptr<Cache>> Get(absl::string_view tenant,
+                                             absl::string_view name) const;
+  absl::Status Delete(absl::string_view name) { return Delete(kDefaultTenant, name); }
+  absl::StatusOr<std::shared_ptr<Cache>> Get(absl::string_view name) const {
+    return Get(kDefaultTenant, name);
+  }
 
-  // All caches, ordered by name.
-  std::vector<std::shared_ptr<Cache>> List() const;
+  // The caches of `tenant`, ordered by name.
+  std::vector<std::shared_ptr<Cache>> List(absl::string_view tenant) const;
+  std::vector<std::shared_ptr<Cache>> List() const { return List(kDefaultTenant); }
+
+  struct Entry {
+    std::string tenant;
+    std::shared_ptr<Cache> cache;
+  };
+  // Every cache of every tenant, ordered by tenant, then name.
+  std::vector<Entry> ListAll() const;
+
+  // The caches `tenant` holds and the arena bytes they reserve.
+  struct TenantUsage {
+    int64_t caches = 0;
+    uint64_t bytes = 0;
+  };
+  TenantUsage Usage(absl::string_view tenant) const;
 
   Device* device() const { return device_; }
 
+  // Device bytes a cache's arenas reserve: what a TenantQuota's max_bytes counts.
+  static uint64_t ArenaBytes(const Cache& cache);
+
  private:
-  // The cache named spec.name if its spec equals `spec` (created = false), an empty result when
-  // there is none, ALREADY_EXISTS when the specs differ.
-  absl::StatusOr<CreateResult> FindLocked(const CacheSpec& spec) const
+  using Key = std::pair<std::string, std::string>;  // tenant, name
+
+  // The cache named spec.name of `tenant` if its spec equals `spec` (created = false), an empty
+  // result when there is none, ALREADY_EXISTS when the specs differ.
+  absl::StatusOr<CreateResult> FindLocked(absl::string_view tenant, const CacheSpec& spec) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  TenantUsage UsageLocked(absl::string_view tenant) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   Device* const device_;
   mutable Mutex mu_;
-  std::map<std::string, std::shared_ptr<Cache>, std::less<>> caches_ ABSL_GUARDED_BY(mu_);
+  std::map<Key, std::shared_ptr<Cache>> caches_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvmesh

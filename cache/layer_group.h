@@ -151,6 +151,9 @@ class LayerGroup {
   virtual ReadPart PlanRead(int64_t seq, int64_t begin, int64_t end, int32_t seq_offset) const = 0;
   virtual absl::Status Gather(int64_t seq, const ReadPart& part, uint8_t* dst) const = 0;
   virtual std::vector<int32_t> Visible(const Query& query) const = 0;
+  // An upper bound of Visible(query).size() found without listing the positions (O(log n)),
+  // so that a Visible request too large to serve is refused before any work.
+  virtual int64_t VisibleBound(const Query& query) const = 0;
   virtual bool CanResume(int64_t seq, int32_t pos) const = 0;
 
   // ---- CopyPrefix -----------------------------------------------------------------------

@@ -45,6 +45,7 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
   ReadPart PlanRead(int64_t seq, int64_t begin, int64_t end, int32_t seq_offset) const override;
   absl::Status Gather(int64_t seq, const ReadPart& part, uint8_t* dst) const override;
   std::vector<int32_t> Visible(const Query&) const override { return {}; }
+  int64_t VisibleBound(const Query&) const override { return 0; }
   bool CanResume(int64_t seq, int32_t pos) const override;
 
   absl::Status CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const override;

@@ -226,6 +226,18 @@ std::vector<int32_t> RotatingGroup::Visible(const Query& query) const {
   return Positions(*s, lo, hi);
 }
 
+int64_t RotatingGroup::VisibleBound(const Query& query) const {
+  const Sequence* s = Find(query.seq);
+  if (s == nullptr) return 0;
+  // Exact and without listing: the window part of Positions() is a range, plus pending rows.
+  const int64_t lo = int64_t{query.pos} - geo_.max_size + 1;
+  const int64_t hi = query.non_causal ? int64_t{INT32_MAX} + 1 : int64_t{query.pos} + 1;
+  int64_t n = std::max<int64_t>(
+      0, std::min<int64_t>(hi, s->offset) - std::max<int64_t>(lo, WindowStart(*s)));
+  for (const PendingRow& row : s->pending) n += row.pos >= lo && row.pos < hi;
+  return n;
+}
+
 bool RotatingGroup::CanResume(int64_t seq, int32_t pos) const {
   const Sequence* s = Find(seq);
   if (s == nullptr) return pos == 0;

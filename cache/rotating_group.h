@@ -43,6 +43,7 @@ class RotatingGroup final : public StagingGroup<RotatingSequence> {
   ReadPart PlanRead(int64_t seq, int64_t begin, int64_t end, int32_t seq_offset) const override;
   absl::Status Gather(int64_t seq, const ReadPart& part, uint8_t* dst) const override;
   std::vector<int32_t> Visible(const Query& query) const override;
+  int64_t VisibleBound(const Query& query) const override;
   bool CanResume(int64_t seq, int32_t pos) const override;
 
   absl::Status CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const override;

@@ -1,6 +1,8 @@
 #include "service/cache_service.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -20,10 +22,6 @@ namespace {
 
 // Room left in every Read message for the protobuf framing around its data.
 constexpr size_t kReadMessageSlack = 1024;
-
-// Largest buffer an AppendStream reserves up front; beyond it the buffer grows with the data,
-// so a header that merely claims a huge payload costs nothing.
-constexpr size_t kMaxAppendReserve = size_t{64} << 20;
 
 int64_t DistinctSequences(absl::Span<const Token> tokens) {
   absl::flat_hash_set<int64_t> seqs;
@@ -74,6 +72,48 @@ grpc::Status InvalidArgument(std::string message) {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::move(message));
 }
 
+// Finishes a unary call at once with `status`, for a request refused before any work.
+grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* context,
+                                    const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+// Upper bound of a serialized VisibleResponse: per position at most 5 bytes of varint, per
+// query a Visibility's tag, length and packed-field header.
+uint64_t VisibleWireBound(size_t queries, int64_t positions) {
+  return 5 * static_cast<uint64_t>(positions) + 16 * static_cast<uint64_t>(queries) + 16;
+}
+
+// Decides, before the engine lists anything, whether a Visible of `queries` queries that lists
+// at most `positions` positions may run: within max_positions (--max-visible-positions), an
+// answer that fits the send limit, and its memory reserved in `budget` (into *reservation).
+absl::Status AdmitVisible(const std::string& cache, int32_t group, size_t queries,
+                          int64_t positions, int64_t max_positions, size_t max_send_bytes,
+                          InflightBudget* budget, InflightBudget::Reservation* reservation) {
+  if (positions > max_positions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "Visible of ", queries, " queries in group ", group, " of cache '", cache,
+        "' would list up to ", positions, " positions, more than this node's limit of ",
+        max_positions, " per call (--max-visible-positions); split the queries over calls"));
+  }
+  const uint64_t wire = VisibleWireBound(queries, positions);
+  if (wire > max_send_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "Visible of ", queries, " queries in group ", group, " of cache '", cache,
+        "' would list up to ", positions, " positions in an answer of up to ", wire,
+        " bytes, more than this node's message limit of ", max_send_bytes,
+        " bytes (--max-message-bytes); split the queries over calls"));
+  }
+  const uint64_t bytes = kVisibleBytesPerPosition * static_cast<uint64_t>(positions) +
+                         kVisibleBytesPerQuery * static_cast<uint64_t>(queries);
+  ASSIGN_OR_RETURN(*reservation,
+                   budget->Reserve(bytes, absl::StrCat("Visible of ", queries, " queries and up to ",
+                                                       positions, " positions")));
+  return absl::OkStatus();
+}
+
 constexpr char kCancelledMessage[] = "call cancelled by the client";
 
 const grpc::Status& CancelledStatus() {
@@ -89,18 +129,39 @@ const grpc::Status& CancelledStatus() {
 // States: reading the first message (no header yet) -> checking the header on the executor
 // (no read outstanding) -> reading data -> appending on the executor -> finished. Exactly one
 // of gRPC's reactions or one executor task owns the reactor at a time: each hands over by
-// starting the next operation (StartRead, Submit) as its last step, so members need no lock.
+// starting the next operation (StartRead, Submit) as its last step.
+//
+// Memory: the first message's data is reserved in the in-flight budget as soon as it arrives;
+// the header check then reserves the whole header.payload_bytes (checked against the cache's
+// largest batch first) before any further data is read, and the buffer is allocated for exactly
+// that. A stream that cannot get its bytes ends at once with RESOURCE_EXHAUSTED rather than
+// waiting for them: a stream that waited would hold its first message (up to the message
+// limit) and block others, and streams that each held part of the budget while waiting for the
+// rest could stall one another. gRPC's flow control is the back-pressure for a stream that has
+// its reservation: the node reads its next message only once the last one is buffered.
+//
+// Idle streams: while a read is outstanding the stream is registered with the service's
+// IdleReaper, which may end it (DEADLINE_EXCEEDED) from its own thread. `mu_` orders that with
+// the reactions: the reaper ends a stream only while a read is outstanding, i.e. while no
+// reaction or task owns it, and a read that completes after that sees `finished_` and stops.
 class CacheServiceImpl::AppendStreamReactor final
-    : public grpc::ServerReadReactor<v1::AppendStreamRequest> {
+    : public grpc::ServerReadReactor<v1::AppendStreamRequest>,
+      public IdleReaper::Stream {
  public:
   AppendStreamReactor(CacheServiceImpl* service, grpc::CallbackServerContext* context,
                       v1::AppendResponse* response)
       : service_(service), context_(context), response_(response) {
+    service_->idle_reaper_->Add(this);
     ReadNext();
   }
 
   void OnReadDone(bool ok) override {
     TakeOver(this);
+    {
+      MutexLock lock(&mu_);
+      reading_ = false;
+      if (finished_) return;  // ended by the idle reaper while this read was outstanding
+    }
     if (!ok) {
       OnEndOfStream();
       return;
@@ -115,31 +176,73 @@ class CacheServiceImpl::AppendStreamReactor final
                                         " carries a header; only the first message may")));
       return;
     }
-    const std::string& data = request_.data();
-    if (data.size() > static_cast<uint64_t>(payload_bytes_) - payload_.size()) {
+    std::string* data = request_.mutable_data();
+    if (data->size() > static_cast<uint64_t>(payload_bytes_) - payload_.size()) {
       Done(InvalidArgument(absl::StrCat(
           "AppendStream data exceeds header.payload_bytes = ", payload_bytes_, ": message ", index,
-          " brings it to ", payload_.size() + data.size(), " bytes")));
+          " brings it to ", payload_.size() + data->size(), " bytes")));
       return;
     }
-    payload_.append(data);
+    // Within the reservation and the buffer's capacity (both payload_bytes_): no reallocation.
+    payload_.append(*data);
+    // Free the message's copy now rather than when the next message replaces it: a stream holds
+    // its reserved payload and nothing more while it waits.
+    std::string().swap(*data);
     ReadNext();
   }
 
   void OnDone() override {
     TakeOver(this);
+    service_->idle_reaper_->Remove(this);
     delete this;
+  }
+
+  bool ExpireIfIdle(absl::Time now, absl::Duration timeout) override {
+    MutexLock lock(&mu_);
+    if (finished_ || !reading_ || now - read_started_ < timeout) return false;
+    finished_ = true;
+    return true;
+  }
+
+  void EndIdle(absl::Duration timeout) override {
+    // No reaction or task owns the reactor (a read is outstanding, and its completion stops at
+    // finished_), so its buffer is the reaper's to free.
+    const size_t buffered = payload_.size();
+    ReleaseMemory();
+    Finish(grpc::Status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrCat("AppendStream sent no message for ", absl::ToInt64Milliseconds(timeout),
+                     " ms (the node's --stream-idle-timeout-ms) after ", messages_,
+                     " messages; the stream is closed and its ", buffered,
+                     " buffered bytes are freed: send the whole stream without long pauses")));
   }
 
  private:
   void ReadNext() {
+    {
+      MutexLock lock(&mu_);
+      reading_ = true;
+      read_started_ = absl::Now();
+    }
     HandOff(this);
     StartRead(&request_);
   }
 
   void Done(const grpc::Status& status) {
+    {
+      MutexLock lock(&mu_);
+      finished_ = true;
+    }
+    ReleaseMemory();
     HandOff(this);
     Finish(status);
+  }
+
+  // The payload and its reservation go as soon as the outcome is known, not when gRPC is done
+  // with the call.
+  void ReleaseMemory() {
+    std::string().swap(payload_);
+    reservation_.Reset();
   }
 
   void OnFirstMessage() {
@@ -156,6 +259,14 @@ class CacheServiceImpl::AppendStreamReactor final
           InvalidArgument(absl::StrCat("header.payload_bytes = ", payload_bytes_, " is negative")));
       return;
     }
+    // The message's data is here already: count it before anything else can pile up behind it.
+    absl::StatusOr<InflightBudget::Reservation> reservation = service_->inflight_->Reserve(
+        payload_.size(), absl::StrCat("AppendStream message 0 of ", payload_.size(), " bytes"));
+    if (!reservation.ok()) {
+      Done(ToGrpcStatus(reservation.status()));
+      return;
+    }
+    reservation_ = *std::move(reservation);
     if (!service_->executor_->Submit([this] { CheckHeader(); })) {
       Done(service_->BusyStatus());
     }
@@ -176,7 +287,7 @@ class CacheServiceImpl::AppendStreamReactor final
   }
 
   absl::Status CheckHeaderAgainstCache() {
-    ASSIGN_OR_RETURN(cache_, service_->FindCache(header_.cache()));
+    ASSIGN_OR_RETURN(cache_, service_->FindCache(*context_, header_.cache(), &caller_));
     const CacheSpec& spec = cache_->spec();
     // A speculative batch carries one Recurrent state per token: the largest payload of all.
     const size_t max_bytes =
@@ -194,7 +305,12 @@ class CacheServiceImpl::AppendStreamReactor final
           absl::StrCat("AppendStream data exceeds header.payload_bytes = ", payload_bytes_,
                        ": message 0 brings it to ", payload_.size(), " bytes"));
     }
-    payload_.reserve(std::min(static_cast<size_t>(payload_bytes_), kMaxAppendReserve));
+    RETURN_IF_ERROR(reservation_.Resize(
+        static_cast<uint64_t>(payload_bytes_),
+        absl::StrCat("AppendStream of ", payload_bytes_, " bytes to cache '", spec.name, "'")));
+    // The whole payload is reserved, so the buffer can be too: it then never reallocates (which
+    // would hold the old and the new buffer at once). Pages are touched only as data arrives.
+    payload_.reserve(static_cast<size_t>(payload_bytes_));
     return absl::OkStatus();
   }
 
@@ -224,8 +340,9 @@ class CacheServiceImpl::AppendStreamReactor final
       Done(CancelledStatus());
       return;
     }
-    const absl::Status status = service_->AppendGuarded(*cache_, tokens_, AsBytes(payload_),
-                                                        header_.speculative(), "AppendStream");
+    const absl::Status status =
+        service_->AppendGuarded(caller_.tenant, *cache_, tokens_, AsBytes(payload_),
+                                header_.speculative(), "AppendStream");
     if (status.ok()) *response_->mutable_usage() = UsageToProto(cache_->Usage());
     Done(ToGrpcStatus(status));
   }
@@ -238,9 +355,17 @@ class CacheServiceImpl::AppendStreamReactor final
   int64_t messages_ = 0;  // messages read so far
   v1::AppendHeader header_;
   int64_t payload_bytes_ = 0;
+  Principal caller_;  // set with cache_
   std::shared_ptr<Cache> cache_;
   std::vector<Token> tokens_;
   std::string payload_;
+  InflightBudget::Reservation reservation_;  // payload_'s bytes in the in-flight budget
+
+  // Between the owner of the reactor and the idle reaper.
+  Mutex mu_;
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;  // a read is outstanding
+  absl::Time read_started_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish was called or is being called
 };
 
 // ---- Read ---------------------------------------------------------------------------------
@@ -295,14 +420,22 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
       Done(CancelledStatus());
       return;
     }
-    absl::StatusOr<std::shared_ptr<Cache>> cache = service_->FindCache(request_->cache());
+    absl::StatusOr<std::shared_ptr<Cache>> cache = service_->FindCache(*context_, request_->cache());
     if (!cache.ok()) {
       Done(ToGrpcStatus(cache.status()));
       return;
     }
     const std::optional<int32_t> end =
         request_->has_end() ? std::optional<int32_t>(request_->end()) : std::nullopt;
-    absl::StatusOr<ReadResult> result = (*cache)->Read(request_->seq(), request_->begin(), end);
+    // The payload is counted in flight until the last chunk is sent, and refused before the
+    // engine copies it out when it does not fit.
+    absl::StatusOr<ReadResult> result = (*cache)->Read(
+        request_->seq(), request_->begin(), end, [this](size_t bytes) -> absl::Status {
+          ASSIGN_OR_RETURN(reservation_,
+                           service_->inflight_->Reserve(
+                               bytes, absl::StrCat("Read of ", bytes, " payload bytes")));
+          return absl::OkStatus();
+        });
     if (!result.ok()) {
       Done(ToGrpcStatus(result.status()));
       return;
@@ -356,12 +489,20 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
   size_t total_ = 0;  // payload bytes of the whole read
   size_t sent_ = 0;   // payload bytes handed to writes so far
   v1::ReadResponse response_;
+  InflightBudget::Reservation reservation_;  // payload_'s bytes in the in-flight budget
 };
 
 // ---- the service --------------------------------------------------------------------------
 
 CacheServiceImpl::CacheServiceImpl(CacheRegistry* registry, Executor* executor, Options options)
-    : registry_(registry), executor_(executor), options_(options) {}
+    : registry_(registry),
+      executor_(executor),
+      options_(options),
+      own_inflight_(options.inflight != nullptr
+                        ? nullptr
+                        : std::make_unique<InflightBudget>(UINT64_MAX, "--inflight-budget")),
+      inflight_(options.inflight != nullptr ? options.inflight : own_inflight_.get()),
+      idle_reaper_(std::make_unique<IdleReaper>(options.stream_idle_timeout)) {}
 
 grpc::Status CacheServiceImpl::BusyStatus() const {
   return grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -391,7 +532,8 @@ absl::StatusOr<Reservations::Guard> CacheServiceImpl::GuardSnapshots(
   return Guard(Reservations::Kind::kSnapshot, cache, keys, what);
 }
 
-absl::Status CacheServiceImpl::AppendGuarded(Cache& cache, absl::Span<const Token> tokens,
+absl::Status CacheServiceImpl::AppendGuarded(const std::string& tenant, Cache& cache,
+                                             absl::Span<const Token> tokens,
                                              absl::Span<const uint8_t> payload, bool speculative,
                                              const char* what) {
   std::vector<int64_t> seqs;
@@ -400,7 +542,8 @@ absl::Status CacheServiceImpl::AppendGuarded(Cache& cache, absl::Span<const Toke
   std::sort(seqs.begin(), seqs.end());
   seqs.erase(std::unique(seqs.begin(), seqs.end()), seqs.end());
   ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                   Guard(Reservations::Kind::kSequence, cache.spec().name, seqs, what));
+                   Guard(Reservations::Kind::kSequence, Reservations::Key(tenant, cache.spec().name),
+                         seqs, what));
   return cache.Append(tokens, payload, speculative);
 }
 
@@ -416,11 +559,22 @@ grpc::ServerUnaryReactor* CacheServiceImpl::RunCluster(grpc::CallbackServerConte
                     [this] { return BusyStatus(); });
 }
 
-absl::StatusOr<std::shared_ptr<Cache>> CacheServiceImpl::FindCache(const std::string& name) const {
+absl::StatusOr<Principal> CacheServiceImpl::Caller(
+    const grpc::CallbackServerContext& context) const {
+  if (options_.auth == nullptr) return Principal{kDefaultTenant, Role::kAdmin};
+  return options_.auth->Authenticate(context);
+}
+
+absl::StatusOr<std::shared_ptr<Cache>> CacheServiceImpl::FindCache(
+    const grpc::CallbackServerContext& context, const std::string& name, Principal* caller) const {
+  ASSIGN_OR_RETURN(Principal who, Caller(context));
   if (name.empty()) {
     return absl::InvalidArgumentError("cache is empty: name the cache to operate on");
   }
-  return registry_->Get(name);
+  RETURN_IF_ERROR(CheckNameLength("cache", name));
+  absl::StatusOr<std::shared_ptr<Cache>> cache = registry_->Get(who.tenant, name);
+  if (caller != nullptr) *caller = std::move(who);
+  return cache;
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::RunUnary(grpc::CallbackServerContext* context,
@@ -432,11 +586,16 @@ grpc::ServerUnaryReactor* CacheServiceImpl::RunUnary(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* CacheServiceImpl::CreateCache(grpc::CallbackServerContext* context,
                                                         const v1::CreateCacheRequest* request,
                                                         v1::CreateCacheResponse* response) {
-  return RunUnary(context, [this, request, response]() -> absl::Status {
+  return RunUnary(context, [this, context, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     if (!request->has_spec()) return absl::InvalidArgumentError("spec is missing");
     ASSIGN_OR_RETURN(const CacheSpec spec, SpecFromProto(request->spec()));
-    ASSIGN_OR_RETURN(const CacheRegistry::CreateResult result, registry_->Create(spec));
+    const TenantQuota quota =
+        options_.auth != nullptr ? options_.auth->Quota(caller.tenant) : TenantQuota();
+    ASSIGN_OR_RETURN(const CacheRegistry::CreateResult result,
+                     registry_->Create(caller.tenant, spec, quota));
     *response->mutable_cache() = CacheInfoToProto(*result.cache);
+    response->mutable_cache()->set_tenant(caller.tenant);
     response->set_created(result.created);
     return absl::OkStatus();
   });
@@ -445,19 +604,23 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CreateCache(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* CacheServiceImpl::DeleteCache(grpc::CallbackServerContext* context,
                                                         const v1::DeleteCacheRequest* request,
                                                         v1::DeleteCacheResponse* response) {
-  return RunUnary(context, [this, request]() -> absl::Status {
+  return RunUnary(context, [this, context, request]() -> absl::Status {
+    ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     if (request->cache().empty()) {
       return absl::InvalidArgumentError("cache is empty: name the cache to delete");
     }
-    return registry_->Delete(request->cache());
+    RETURN_IF_ERROR(CheckNameLength("cache", request->cache()));
+    return registry_->Delete(caller.tenant, request->cache());
   });
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::GetCache(grpc::CallbackServerContext* context,
                                                      const v1::GetCacheRequest* request,
                                                      v1::GetCacheResponse* response) {
-  return RunOnCache(context, request, [response](Cache& cache) -> absl::Status {
+  return RunOnCache(context, request,
+                    [response](Cache& cache, const Principal& caller) -> absl::Status {
     *response->mutable_cache() = CacheInfoToProto(cache);
+    response->mutable_cache()->set_tenant(caller.tenant);
     return absl::OkStatus();
   });
 }
@@ -465,9 +628,24 @@ grpc::ServerUnaryReactor* CacheServiceImpl::GetCache(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* CacheServiceImpl::ListCaches(grpc::CallbackServerContext* context,
                                                        const v1::ListCachesRequest* request,
                                                        v1::ListCachesResponse* response) {
-  return RunUnary(context, [this, response]() -> absl::Status {
-    for (const std::shared_ptr<Cache>& cache : registry_->List()) {
-      *response->add_caches() = CacheInfoToProto(*cache);
+  return RunUnary(context, [this, context, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
+    // An admin that names no tenant (kvmesh-tenant) sees every tenant's caches.
+    const bool everyone =
+        caller.admin() &&
+        context->client_metadata().find(kTenantMetadata) == context->client_metadata().end();
+    if (everyone) {
+      for (const CacheRegistry::Entry& entry : registry_->ListAll()) {
+        v1::CacheInfo* info = response->add_caches();
+        *info = CacheInfoToProto(*entry.cache);
+        info->set_tenant(entry.tenant);
+      }
+      return absl::OkStatus();
+    }
+    for (const std::shared_ptr<Cache>& cache : registry_->List(caller.tenant)) {
+      v1::CacheInfo* info = response->add_caches();
+      *info = CacheInfoToProto(*cache);
+      info->set_tenant(caller.tenant);
     }
     return absl::OkStatus();
   });
@@ -476,11 +654,19 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListCaches(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* context,
                                                    const v1::AppendRequest* request,
                                                    v1::AppendResponse* response) {
-  return RunOnCache(context, request, [this, request, response](Cache& cache) -> absl::Status {
+  // gRPC has assembled the payload already: count it until the call is done, and refuse it at
+  // once when it does not fit rather than queue it for the engine.
+  absl::StatusOr<InflightBudget::Reservation> reservation = inflight_->Reserve(
+      request->payload().size(),
+      absl::StrCat("Append of ", request->payload().size(), " payload bytes"));
+  if (!reservation.ok()) return FinishNow(context, reservation.status());
+  return RunOnCache(context, request,
+                    [this, request, response, reservation = *std::move(reservation)](
+                        Cache& cache, const Principal& caller) -> absl::Status {
     ASSIGN_OR_RETURN(const std::vector<Token> tokens, TokensFromProto(request->tokens()));
     RETURN_IF_ERROR(CheckAppendShape(cache.spec(), tokens, request->speculative(), "payload",
                                      static_cast<int64_t>(request->payload().size())));
-    RETURN_IF_ERROR(AppendGuarded(cache, tokens, AsBytes(request->payload()),
+    RETURN_IF_ERROR(AppendGuarded(caller.tenant, cache, tokens, AsBytes(request->payload()),
                                   request->speculative(), "Append"));
     *response->mutable_usage() = UsageToProto(cache.Usage());
     return absl::OkStatus();
@@ -500,10 +686,20 @@ grpc::ServerWriteReactor<v1::ReadResponse>* CacheServiceImpl::Read(
 grpc::ServerUnaryReactor* CacheServiceImpl::Visible(grpc::CallbackServerContext* context,
                                                     const v1::VisibleRequest* request,
                                                     v1::VisibleResponse* response) {
-  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
+  // The answer's size is bounded before the engine lists anything (AdmitVisible). The
+  // reservation is a capture, not a local: it lives until the call's task is gone, after
+  // Finish has serialized the answer.
+  return RunOnCache(context, request,
+                    [this, request, response, reservation = InflightBudget::Reservation()](
+                        Cache& cache) mutable -> absl::Status {
     ASSIGN_OR_RETURN(const std::vector<Query> queries, QueriesFromProto(request->queries()));
     ASSIGN_OR_RETURN(const std::vector<std::vector<int32_t>> visible,
-                     cache.Visible(request->group(), queries));
+                     cache.Visible(request->group(), queries, [&](int64_t positions) {
+                       return AdmitVisible(cache.spec().name, request->group(), queries.size(),
+                                           positions, options_.max_visible_positions,
+                                           options_.max_send_message_bytes, inflight_,
+                                           &reservation);
+                     }));
     for (const std::vector<int32_t>& positions : visible) {
       response->add_visible()->mutable_positions()->Add(positions.begin(), positions.end());
     }
@@ -518,15 +714,21 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerConte
       (options_.cluster == nullptr ||
        request->source_node() != options_.cluster->options().self_name)) {
     return RunCluster(context, [this, context, request, response]() -> absl::Status {
+      ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
+      RETURN_IF_ERROR(
+          CheckNames({{"cache", request->cache()}, {"source_node", request->source_node()}}));
       ASSIGN_OR_RETURN(*response->mutable_transfer(),
                        options_.cluster->CopyPrefixFrom(
-                           *request, options_.cluster->Deadline(ContextDeadline(*context))));
+                           caller.tenant, *request,
+                           options_.cluster->Deadline(ContextDeadline(*context))));
       return absl::OkStatus();
     });
   }
-  return RunOnCache(context, request, [this, request](Cache& cache) -> absl::Status {
+  return RunOnCache(context, request,
+                    [this, request](Cache& cache, const Principal& caller) -> absl::Status {
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     GuardSequence(request->cache(), request->dst_seq(), "CopyPrefix"));
+                     GuardSequence(Reservations::Key(caller.tenant, request->cache()),
+                                   request->dst_seq(), "CopyPrefix"));
     return cache.CopyPrefix(request->src_seq(), request->dst_seq(), request->length());
   });
 }
@@ -534,10 +736,13 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* context,
                                                    const v1::RemoveRequest* request,
                                                    v1::RemoveResponse* response) {
-  auto local = [this, request]() -> absl::Status {
-    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request->cache()));
+  auto local = [this, context, request]() -> absl::Status {
+    Principal caller;
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,
+                     FindCache(*context, request->cache(), &caller));
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     GuardSequence(request->cache(), request->seq(), "Remove"));
+                     GuardSequence(Reservations::Key(caller.tenant, request->cache()),
+                                   request->seq(), "Remove"));
     const std::optional<int32_t> end =
         request->has_end() ? std::optional<int32_t>(request->end()) : std::nullopt;
     return cache->Remove(request->seq(), request->begin(), end);
@@ -545,9 +750,11 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* 
   if (request->scope() == v1::REMOVE_SCOPE_CLUSTER) {
     return RunCluster(context, [this, context, request, response, local]() -> absl::Status {
       // The local part runs on the engine executor's terms too: it is an engine call.
-      ASSIGN_OR_RETURN(*response,
-                       options_.cluster->RemoveEverywhere(
-                           *request, options_.cluster->Deadline(ContextDeadline(*context)), local));
+      ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
+      RETURN_IF_ERROR(CheckNameLength("cache", request->cache()));
+      ASSIGN_OR_RETURN(*response, options_.cluster->RemoveEverywhere(
+                                      caller.tenant, *request,
+                                      options_.cluster->Deadline(ContextDeadline(*context)), local));
       return absl::OkStatus();
     });
   }
@@ -599,13 +806,14 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Snapshot(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* CacheServiceImpl::Restore(grpc::CallbackServerContext* context,
                                                     const v1::RestoreRequest* request,
                                                     v1::RestoreResponse* response) {
-  return RunOnCache(context, request, [this, request](Cache& cache) -> absl::Status {
+  return RunOnCache(context, request,
+                    [this, request](Cache& cache, const Principal& caller) -> absl::Status {
     RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
     RETURN_IF_ERROR(CheckNotNegative("target", request->target()));
     const std::optional<uint64_t> snapshot_id =
         request->has_snapshot_id() ? std::optional<uint64_t>(request->snapshot_id()) : std::nullopt;
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     GuardSequence(request->cache(), request->seq(), "Restore"));
+                     GuardSequence(Reservations::Key(caller.tenant, request->cache()), request->seq(), "Restore"));
     return cache.Restore(request->seq(), snapshot_id, request->target());
   });
 }
@@ -613,10 +821,12 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Restore(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* CacheServiceImpl::MergeSnapshots(grpc::CallbackServerContext* context,
                                                            const v1::MergeSnapshotsRequest* request,
                                                            v1::MergeSnapshotsResponse* response) {
-  return RunOnCache(context, request, [this, request, response](Cache& cache) -> absl::Status {
+  return RunOnCache(context, request,
+                    [this, request, response](Cache& cache,
+                                              const Principal& caller) -> absl::Status {
     ASSIGN_OR_RETURN(
         const Reservations::Guard guard,
-        GuardSnapshots(request->cache(), {request->parent(), request->child()}, "MergeSnapshots"));
+        GuardSnapshots(Reservations::Key(caller.tenant, request->cache()), {request->parent(), request->child()}, "MergeSnapshots"));
     ASSIGN_OR_RETURN(const SnapshotInfo merged,
                      cache.MergeSnapshots(request->parent(), request->child()));
     *response->mutable_snapshot() = SnapshotInfoToProto(merged);
@@ -627,9 +837,11 @@ grpc::ServerUnaryReactor* CacheServiceImpl::MergeSnapshots(grpc::CallbackServerC
 grpc::ServerUnaryReactor* CacheServiceImpl::SplitSnapshot(grpc::CallbackServerContext* context,
                                                           const v1::SplitSnapshotRequest* request,
                                                           v1::SplitSnapshotResponse* response) {
-  return RunOnCache(context, request, [this, request, response](Cache& cache) -> absl::Status {
+  return RunOnCache(context, request,
+                    [this, request, response](Cache& cache,
+                                              const Principal& caller) -> absl::Status {
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     GuardSnapshots(request->cache(), {request->snapshot_id()}, "SplitSnapshot"));
+                     GuardSnapshots(Reservations::Key(caller.tenant, request->cache()), {request->snapshot_id()}, "SplitSnapshot"));
     ASSIGN_OR_RETURN(const SplitResult split,
                      cache.SplitSnapshot(request->snapshot_id(), request->at()));
     if (split.parent.has_value()) *response->mutable_parent() = SnapshotInfoToProto(*split.parent);
@@ -641,9 +853,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::SplitSnapshot(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* CacheServiceImpl::DropSnapshot(grpc::CallbackServerContext* context,
                                                          const v1::DropSnapshotRequest* request,
                                                          v1::DropSnapshotResponse* response) {
-  return RunOnCache(context, request, [this, request](Cache& cache) -> absl::Status {
+  return RunOnCache(context, request,
+                    [this, request](Cache& cache, const Principal& caller) -> absl::Status {
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     GuardSnapshots(request->cache(), {request->snapshot_id()}, "DropSnapshot"));
+                     GuardSnapshots(Reservations::Key(caller.tenant, request->cache()), {request->snapshot_id()}, "DropSnapshot"));
     return cache.DropSnapshot(request->snapshot_id());
   });
 }
@@ -662,11 +875,13 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListSnapshots(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* CacheServiceImpl::CommitSpeculation(
     grpc::CallbackServerContext* context, const v1::CommitSpeculationRequest* request,
     v1::CommitSpeculationResponse* response) {
-  return RunOnCache(context, request, [this, request, response](Cache& cache) -> absl::Status {
+  return RunOnCache(context, request,
+                    [this, request, response](Cache& cache,
+                                              const Principal& caller) -> absl::Status {
     RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
     RETURN_IF_ERROR(CheckNotNegative("accepted", request->accepted()));
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     GuardSequence(request->cache(), request->seq(), "CommitSpeculation"));
+                     GuardSequence(Reservations::Key(caller.tenant, request->cache()), request->seq(), "CommitSpeculation"));
     RETURN_IF_ERROR(cache.CommitSpeculation(request->seq(), request->accepted()));
     // The sequence's offset afterwards; a commit of 0 tokens may leave it storing nothing.
     int32_t offset = 0;
@@ -691,9 +906,12 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Migrate(grpc::CallbackServerContext*
                                                     const v1::MigrateRequest* request,
                                                     v1::MigrateResponse* response) {
   return RunCluster(context, [this, context, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(
-        *response,
-        options_.cluster->Migrate(*request, options_.cluster->Deadline(ContextDeadline(*context))));
+    ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
+    RETURN_IF_ERROR(
+        CheckNames({{"cache", request->cache()}, {"target_node", request->target_node()}}));
+    ASSIGN_OR_RETURN(*response,
+                     options_.cluster->Migrate(caller.tenant, *request,
+                                               options_.cluster->Deadline(ContextDeadline(*context))));
     return absl::OkStatus();
   });
 }
@@ -702,9 +920,12 @@ grpc::ServerUnaryReactor* CacheServiceImpl::MigrateSnapshot(
     grpc::CallbackServerContext* context, const v1::MigrateSnapshotRequest* request,
     v1::MigrateSnapshotResponse* response) {
   return RunCluster(context, [this, context, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(*response,
-                     options_.cluster->MigrateSnapshot(
-                         *request, options_.cluster->Deadline(ContextDeadline(*context))));
+    ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
+    RETURN_IF_ERROR(
+        CheckNames({{"cache", request->cache()}, {"target_node", request->target_node()}}));
+    ASSIGN_OR_RETURN(*response, options_.cluster->MigrateSnapshot(
+                                    caller.tenant, *request,
+                                    options_.cluster->Deadline(ContextDeadline(*context))));
     return absl::OkStatus();
   });
 }
@@ -712,8 +933,19 @@ grpc::ServerUnaryReactor* CacheServiceImpl::MigrateSnapshot(
 grpc::ServerUnaryReactor* CacheServiceImpl::ListMembers(grpc::CallbackServerContext* context,
                                                         const v1::ListMembersRequest* request,
                                                         v1::ListMembersResponse* response) {
-  return RunCluster(context, [this, response]() -> absl::Status {
+  return RunCluster(context, [this, context, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     *response = options_.cluster->DescribeMembers();
+    if (!caller.admin()) {
+      // A tenant learns which nodes exist and whether they serve (to place its sequences);
+      // where they are, what they run on and why one fails are the operators' (admin) details.
+      for (v1::Member& member : *response->mutable_members()) {
+        member.clear_address();
+        member.clear_backend();
+        member.clear_transports();
+        member.clear_detail();
+      }
+    }
     return absl::OkStatus();
   });
 }

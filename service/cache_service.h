@@ -12,6 +12,12 @@
 //  - AppendStream checks the first message's header (cache, tokens, payload_bytes) before it
 //    buffers any data, refuses data beyond header.payload_bytes as soon as it arrives, and
 //    appends only when the stream ends with exactly payload_bytes.
+//  - Memory in flight is bounded (docs/security.md#bounded-memory): an AppendStream reserves its
+//    whole header.payload_bytes in Options::inflight before it reads any data, a unary Append
+//    its payload, a Read its payload before the engine copies it out, a Visible its answer
+//    before the engine lists it; what does not fit is RESOURCE_EXHAUSTED at once. An
+//    AppendStream idle for Options::stream_idle_timeout is ended with DEADLINE_EXCEEDED.
+//  - Every name a request carries is checked with CheckNameLength before it is used.
 //  - Read runs the engine read on the executor, then streams the header and the payload in
 //    chunks of max_chunk_bytes (0: kDefaultReadChunkBytes), each message cut to fit the
 //    server's send limit.
@@ -26,18 +32,23 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <type_traits>
 #include <string>
 #include <utility>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "cache/cache.h"
 #include "cache/cache_registry.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
+#include "service/auth.h"
 #include "service/cluster/reservations.h"
 #include "service/executor.h"
+#include "service/idle_reaper.h"
+#include "service/inflight_budget.h"
 
 namespace kvmesh {
 
@@ -46,6 +57,17 @@ class Cluster;
 // Read chunk size when a request leaves max_chunk_bytes at 0, and the largest one accepted.
 inline constexpr int32_t kDefaultReadChunkBytes = 1 << 20;
 inline constexpr int32_t kMaxReadChunkBytes = 64 << 20;
+
+// Most positions one Visible call may list in all (--max-visible-positions): 4Mi positions take
+// ~52 MiB while the answer is built and ~20 MiB on the wire; a scheduler asking about more
+// splits its queries over several calls.
+inline constexpr int64_t kDefaultMaxVisiblePositions = int64_t{1} << 22;
+// Bytes a Visible answer holds per position listed while it is built: the engine's int32, the
+// response's int32 and at most 5 bytes of varint once serialized.
+inline constexpr uint64_t kVisibleBytesPerPosition = 13;
+// Bytes per query of a Visible answer beyond its positions: the engine's vector and the
+// response's Visibility message with their allocations.
+inline constexpr uint64_t kVisibleBytesPerQuery = 128;
 
 class CacheServiceImpl final : public v1::CacheService::CallbackService {
  public:
@@ -56,6 +78,17 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
     // without them serves local operations only and refuses cluster ones (FAILED_PRECONDITION).
     Cluster* cluster = nullptr;
     Executor* cluster_executor = nullptr;
+    // Who callers are (tenants and tokens), not owned; null: development, every caller is an
+    // admin of kDefaultTenant.
+    const Authenticator* auth = nullptr;
+    // Bytes of requests in flight (AppendStream bodies, unary Append payloads, Read payloads,
+    // Visible answers), not owned; null: not bounded (an unlimited budget of the service's own).
+    InflightBudget* inflight = nullptr;
+    // An AppendStream that has sent no message for this long while the node waits for one is
+    // ended with DEADLINE_EXCEEDED and its buffer freed. absl::InfiniteDuration(): never.
+    absl::Duration stream_idle_timeout = absl::Seconds(30);
+    // Most positions one Visible call may list in all (RESOURCE_EXHAUSTED beyond).
+    int64_t max_visible_positions = kDefaultMaxVisiblePositions;
   };
 
   // `registry` and `executor` are not owned and must outlive the service.
@@ -138,21 +171,29 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
   grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context,
                                      absl::AnyInvocable<absl::Status() &&> fn);
 
-  // RunUnary for the RPCs on one cache: on the executor, finds `request->cache()` (FindCache's
-  // errors finish the call) and returns what `fn(Cache&)` returns.
+  // RunUnary for the RPCs on one cache: on the executor, finds `request->cache()` among the
+  // caller's caches (FindCache's errors finish the call) and returns what `fn(Cache&)` or
+  // `fn(Cache&, const Principal& caller)` returns.
   template <typename Request, typename Fn>
   grpc::ServerUnaryReactor* RunOnCache(grpc::CallbackServerContext* context,
                                        const Request* request, Fn fn) {
-    return RunUnary(context, [this, request, fn = std::move(fn)]() mutable -> absl::Status {
-      absl::StatusOr<std::shared_ptr<Cache>> cache = FindCache(request->cache());
+    return RunUnary(context,
+                    [this, context, request, fn = std::move(fn)]() mutable -> absl::Status {
+      Principal caller;
+      absl::StatusOr<std::shared_ptr<Cache>> cache = FindCache(*context, request->cache(), &caller);
       if (!cache.ok()) return cache.status();
-      return fn(**cache);
+      if constexpr (std::is_invocable_v<Fn&, Cache&, const Principal&>) {
+        return fn(**cache, caller);
+      } else {
+        return fn(**cache);
+      }
     });
   }
 
-  // Append with the operation guard of its sequences.
-  absl::Status AppendGuarded(Cache& cache, absl::Span<const Token> tokens,
-                             absl::Span<const uint8_t> payload, bool speculative, const char* what);
+  // Append with the operation guard of its sequences (in `tenant`'s cache).
+  absl::Status AppendGuarded(const std::string& tenant, Cache& cache,
+                             absl::Span<const Token> tokens, absl::Span<const uint8_t> payload,
+                             bool speculative, const char* what);
 
   // Runs `fn` on the cluster executor, as RunUnary; FAILED_PRECONDITION without a cluster.
   grpc::ServerUnaryReactor* RunCluster(grpc::CallbackServerContext* context,
@@ -160,7 +201,8 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
 
   // Marks an operation that changes `seqs` of `cache` (or consumes snapshots) as running, so that
   // a migration of them cannot start meanwhile; ABORTED while one of them is under migration.
-  // A node without a cluster has no migrations: the guard is empty.
+  // A node without a cluster has no migrations: the guard is empty. `cache` is the cache's
+  // Reservations::Key (tenant and name).
   absl::StatusOr<Reservations::Guard> Guard(Reservations::Kind kind, const std::string& cache,
                                             absl::Span<const int64_t> ids, const char* what) const;
   // Guard for one sequence, and for the snapshots `ids`.
@@ -170,8 +212,16 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
                                                      std::initializer_list<uint64_t> ids,
                                                      const char* what) const;
 
-  // The cache named `name`: INVALID_ARGUMENT when empty, NOT_FOUND when unknown.
-  absl::StatusOr<std::shared_ptr<Cache>> FindCache(const std::string& name) const;
+  // The caller of a call (Authenticator::Authenticate; every caller is an admin of
+  // kDefaultTenant on a node without an authenticator).
+  absl::StatusOr<Principal> Caller(const grpc::CallbackServerContext& context) const;
+
+  // The cache named `name` of the call's caller, who is stored in *caller when not null:
+  // the caller's errors, INVALID_ARGUMENT when the name is empty, NOT_FOUND when the caller's
+  // tenant has no such cache.
+  absl::StatusOr<std::shared_ptr<Cache>> FindCache(const grpc::CallbackServerContext& context,
+                                                   const std::string& name,
+                                                   Principal* caller = nullptr) const;
 
   // UNAVAILABLE with the executor's queue bound, for a task the executor refused.
   grpc::Status BusyStatus() const;
@@ -179,6 +229,11 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
   CacheRegistry* const registry_;
   Executor* const executor_;
   const Options options_;
+  // options_.inflight, or an unlimited budget of our own when that is null.
+  std::unique_ptr<InflightBudget> own_inflight_;
+  InflightBudget* const inflight_;
+  // Ends AppendStreams idle for options_.stream_idle_timeout.
+  const std::unique_ptr<IdleReaper> idle_reaper_;
 };
 
 }  // namespace kvmesh

@@ -38,6 +38,8 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
+#include "service/auth.h"
 #include "service/cache_service.h"
 #include "service/cluster/cluster.h"
 #include "service/cluster/leases.h"
@@ -46,6 +48,7 @@
 #include "service/common/flags.h"
 #include "service/common/tls.h"
 #include "service/executor.h"
+#include "service/inflight_budget.h"
 #include "service/peer_service.h"
 #include "transport/grpc_stream_transport.h"
 #ifdef KVMESH_HAVE_NCCL
@@ -103,10 +106,32 @@ ABSL_FLAG(std::string, transport, "auto",
           "NCCL at start-up from $KVMESH_NCCL_LIBRARY, else libnccl.so.2");
 ABSL_FLAG(int64_t, lease_ms, 30000,
           "an export lease that sees no transfer for this long expires and frees its copy");
+ABSL_FLAG(int64_t, max_lease_ms, 120000,
+          "the longest lease time a receiving node may ask for (each unreleased lease pins a copy "
+          "in the snapshot pool until it expires)");
+ABSL_FLAG(int32_t, max_leases_per_receiver, 32,
+          "export leases one receiving node may hold on this node at once");
+ABSL_FLAG(std::string, token_file, "",
+          "tenants and bearer tokens (docs/security.md): each call must carry 'authorization: "
+          "Bearer <token>' of a token listed here (by its SHA-256); reloaded when it changes. "
+          "Empty: development mode, one tenant 'default' and no authentication");
 ABSL_FLAG(int64_t, transfer_timeout_ms, 120000,
           "deadline of a cluster operation (copy, migration) whose caller set none or a later one");
 ABSL_FLAG(int32_t, cluster_threads, 8,
           "threads running cluster operations (they wait on the network, apart from the engine)");
+ABSL_FLAG(kvmesh::ByteSize, inflight_budget, kvmesh::ByteSize{0},
+          "host memory for requests in flight, apart from --memory-budget and --snapshot-budget "
+          "(docs/security.md#bounded-memory): three quarters for what kvmesh buffers (AppendStream "
+          "bodies, unary Append payloads, Read payloads, Visible answers; beyond it calls fail "
+          "with RESOURCE_EXHAUSTED), a quarter for gRPC's own buffers of messages being "
+          "received (its ResourceQuota), which must hold one of --max-message-bytes; "
+          "0 (default): 1GiB, or 4 x --max-message-bytes when that is more");
+ABSL_FLAG(int64_t, stream_idle_timeout_ms, 30000,
+          "an AppendStream that sends no message for this long is ended with DEADLINE_EXCEEDED "
+          "and its buffer freed; 0: never");
+ABSL_FLAG(int64_t, max_visible_positions, kvmesh::kDefaultMaxVisiblePositions,
+          "most positions one Visible call may list in all; larger requests fail with "
+          "RESOURCE_EXHAUSTED before any work");
 ABSL_FLAG(int64_t, testing_chunk_delay_ms, 0,
           "testing only: the grpc-stream and nccl senders wait this long before each chunk "
           "(nccl: piece)");
@@ -125,6 +150,7 @@ constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
 // Threads reading grpc-stream chunks that must be copied (see transfer_reads in Run).
 constexpr int kTransferReadThreads = 2;
 constexpr uint64_t kMinMessageBytes = 64 << 10;
+constexpr uint64_t kDefaultInflightBytes = uint64_t{1} << 30;
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "kvmesh-node: %s\n", message.c_str());
@@ -220,7 +246,8 @@ int Run() {
                  "network, else give --tls-cert, --tls-key and --peer-ca (docs/security.md).\n",
                  peer_listen.c_str());
   }
-  const bool development = !tls && IsLoopbackHost(host);
+  const std::string token_file = absl::GetFlag(FLAGS_token_file);
+  const bool development = !tls && token_file.empty() && IsLoopbackHost(host);
   const bool has_peers = !absl::GetFlag(FLAGS_peers).empty() || !absl::GetFlag(FLAGS_peer_dns).empty();
   if (peer_listen.empty() && !development && has_peers) {
     return Fail(absl::StrCat(
@@ -242,6 +269,29 @@ int Run() {
   }
   const int32_t queue = absl::GetFlag(FLAGS_executor_queue);
   if (queue < 1) return Fail(absl::StrCat("--executor_queue=", queue, " must be at least 1"));
+  uint64_t inflight_bytes = absl::GetFlag(FLAGS_inflight_budget).bytes;
+  if (inflight_bytes == 0) inflight_bytes = std::max(kDefaultInflightBytes, 4 * max_message);
+  // gRPC's share of the in-flight budget, and kvmesh's (InflightBudget). gRPC cancels a call
+  // whose message does not fit its share (RESOURCE_EXHAUSTED, "RST_STREAM with error code 11"),
+  // so the share must hold the largest message the node accepts.
+  const uint64_t grpc_quota_bytes = inflight_bytes / 4;
+  const uint64_t kvmesh_inflight_bytes = inflight_bytes - grpc_quota_bytes;
+  if (grpc_quota_bytes < max_message) {
+    return Fail(absl::StrCat(
+        "--inflight_budget=", inflight_bytes, " is less than 4 x --max_message_bytes=",
+        max_message, ": gRPC's quarter of it must hold a whole message; raise --inflight_budget "
+        "or lower --max_message_bytes"));
+  }
+  const int64_t stream_idle_timeout_ms = absl::GetFlag(FLAGS_stream_idle_timeout_ms);
+  if (stream_idle_timeout_ms < 0) {
+    return Fail(absl::StrCat("--stream_idle_timeout_ms=", stream_idle_timeout_ms,
+                             " is negative (0: never)"));
+  }
+  const int64_t max_visible_positions = absl::GetFlag(FLAGS_max_visible_positions);
+  if (max_visible_positions < 1) {
+    return Fail(
+        absl::StrCat("--max_visible_positions=", max_visible_positions, " must be at least 1"));
+  }
   std::string name = absl::GetFlag(FLAGS_node_name);
   if (name.empty()) name = Hostname();
   const std::string transport_flag = absl::GetFlag(FLAGS_transport);
@@ -361,7 +411,28 @@ int Run() {
     executor.Shutdown();
     return Fail(std::string(membership.status().message()));
   }
-  LeaseTable leases;
+  const int64_t max_lease_ms = absl::GetFlag(FLAGS_max_lease_ms);
+  const int32_t max_leases_per_receiver = absl::GetFlag(FLAGS_max_leases_per_receiver);
+  if (max_lease_ms < lease_ms || max_leases_per_receiver < 1) {
+    executor.Shutdown();
+    return Fail(absl::StrCat("--max_lease_ms=", max_lease_ms, " must be at least --lease_ms=",
+                             lease_ms, ", and --max_leases_per_receiver=", max_leases_per_receiver,
+                             " at least 1"));
+  }
+  Authenticator::Options auth_options;
+  auth_options.token_file = token_file;
+  absl::StatusOr<std::unique_ptr<Authenticator>> auth = Authenticator::Create(auth_options);
+  if (!auth.ok()) {
+    executor.Shutdown();
+    return Fail(absl::StrCat("--token_file: ", auth.status().message()));
+  }
+  if (token_file.empty()) {
+    std::fprintf(stderr,
+                 "kvmesh-node %s: no --token_file: development mode, every caller is an admin of "
+                 "the one tenant '%s' and nothing is authenticated\n",
+                 name.c_str(), kDefaultTenant);
+  }
+  LeaseTable leases(absl::Milliseconds(100), static_cast<size_t>(max_leases_per_receiver));
   Reservations reservations;
   transport::GrpcStreamTransport::Options stream_options;
   stream_options.max_receive_message = static_cast<int32_t>(max_message);
@@ -407,6 +478,7 @@ int Run() {
   cluster_options.backend = backend_name;
   cluster_options.lease_time = absl::Milliseconds(lease_ms);
   cluster_options.requested_lease_time = absl::Milliseconds(lease_ms);
+  cluster_options.max_lease_time = absl::Milliseconds(max_lease_ms);
   cluster_options.transfer_timeout = absl::Milliseconds(transfer_timeout_ms);
   cluster_options.transport = transport_flag;
   Cluster cluster(cluster_options, &registry, members, &leases, &reservations, cluster_transports);
@@ -424,13 +496,22 @@ int Run() {
   // its stream with UNAVAILABLE (retry later), as every call an overloaded node refuses.
   Executor transfer_reads(kTransferReadThreads, static_cast<size_t>(queue));
 
+  InflightBudget inflight(kvmesh_inflight_bytes, "kvmesh's three quarters of --inflight-budget");
   CacheServiceImpl::Options options;
   options.max_send_message_bytes = max_message;
   options.cluster = &cluster;
   options.cluster_executor = &cluster_executor;
+  options.inflight = &inflight;
+  options.stream_idle_timeout = stream_idle_timeout_ms == 0
+                                    ? absl::InfiniteDuration()
+                                    : absl::Milliseconds(stream_idle_timeout_ms);
+  options.max_visible_positions = max_visible_positions;
+  options.auth = auth->get();
   CacheServiceImpl service(&registry, &executor, options);
   PeerServiceImpl::Options peer_options;
   peer_options.name = name;
+  peer_options.membership = members;
+  peer_options.require_member_certificate = tls;
   peer_options.backend = backend_name;
   peer_options.transports = transports;
   peer_options.sender.max_chunk_bytes = static_cast<int>(max_message / 2);
@@ -448,7 +529,13 @@ int Run() {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // Settings both servers share.
-  auto configure = [max_message](grpc::ServerBuilder& builder) {
+  // gRPC's own memory for calls (messages it receives before a handler sees them, its read
+  // buffers) is held to its share of --inflight-budget: under pressure it shrinks flow-control
+  // windows, beyond the quota it cancels streams. One quota for both servers.
+  grpc::ResourceQuota grpc_quota("kvmesh-node");
+  grpc_quota.Resize(static_cast<size_t>(grpc_quota_bytes));
+  auto configure = [max_message, &grpc_quota](grpc::ServerBuilder& builder) {
+    builder.SetResourceQuota(grpc_quota);
     builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
     builder.SetMaxSendMessageSize(static_cast<int>(max_message));
     // gRPC sets SO_REUSEPORT by default: a second node on the same port would start and share

@@ -1,10 +1,15 @@
 #include "service/peer_service.h"
 
 #include <chrono>
+#include <memory>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "service/cluster/membership.h"
 #include "service/common/convert.h"
+#include "service/common/tls.h"
 
 namespace kvmesh {
 
@@ -13,6 +18,41 @@ absl::Time ContextDeadline(const grpc::CallbackServerContext& context) {
   if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
   return absl::FromChrono(deadline);
 }
+
+namespace {
+
+// The host part of a gRPC peer string: "ipv4:10.0.0.7:41234" -> "10.0.0.7", "ipv6:[::1]:5" ->
+// "[::1]"; the whole string for other forms (unix:...).
+std::string PeerHost(const std::string& peer) {
+  std::string host = peer;
+  const size_t scheme = host.find(':');
+  if (scheme != std::string::npos &&
+      (host.compare(0, scheme, "ipv4") == 0 || host.compare(0, scheme, "ipv6") == 0)) {
+    host = host.substr(scheme + 1);
+    const size_t port = host.rfind(':');
+    if (port != std::string::npos) host = host.substr(0, port);
+  }
+  return host;
+}
+
+// The host of a "host:port" member address.
+std::string AddressHost(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  std::string host = colon == std::string::npos ? address : address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host;
+}
+
+// A write reactor that only finishes the call (a Fetch refused before any chunk).
+class RefusedFetch final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  explicit RefusedFetch(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
 
 PeerServiceImpl::PeerServiceImpl(Cluster* cluster, LeaseTable* leases, Executor* engine_executor,
                                  Executor* cluster_executor, Options options)
@@ -34,9 +74,58 @@ grpc::ServerUnaryReactor* PeerServiceImpl::RunOn(Executor* executor,
   return RunUnaryOn(executor, context, std::move(fn), "call cancelled by the peer", busy);
 }
 
+absl::StatusOr<PeerServiceImpl::Caller> PeerServiceImpl::Identify(
+    const grpc::CallbackServerContext& context) const {
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  const std::vector<std::string> names =
+      auth != nullptr ? PeerCertificateNames(*auth) : std::vector<std::string>();
+  if (!options_.require_member_certificate) {
+    return Caller{absl::StrCat("address ", PeerHost(context.peer())), ""};
+  }
+  if (names.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "node '", options_.name,
+        "' serves PeerService to cluster members only, and the caller presented no verified "
+        "certificate"));
+  }
+  const std::vector<MemberAddress> peers = options_.membership->Peers();
+  for (const std::string& name : names) {
+    for (const MemberAddress& peer : peers) {
+      if (name == peer.name || name == AddressHost(peer.address)) {
+        return Caller{absl::StrCat("member ", peer.name), peer.name};
+      }
+    }
+  }
+  std::string listed;
+  for (size_t i = 0; i < names.size() && i < 4; ++i) {
+    absl::StrAppend(&listed, i == 0 ? "" : ", ", "'", names[i].substr(0, 64), "'");
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "node '", options_.name, "' serves PeerService to cluster members only; the caller's "
+      "certificate names ", listed, ", none of which is a member"));
+}
+
+absl::Status PeerServiceImpl::CheckSpeaksForItself(const Caller& caller,
+                                                   const std::string& claimed, const char* field) {
+  if (caller.member.empty() || claimed == caller.member) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(field, " = '", claimed.substr(0, 32),
+                                                  "', but the caller's certificate names member '",
+                                                  caller.member, "': a member speaks for itself only"));
+}
+
+grpc::ServerUnaryReactor* PeerServiceImpl::Refuse(grpc::CallbackServerContext* context,
+                                                  const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* PeerServiceImpl::NodeInfo(grpc::CallbackServerContext* context,
                                                     const v1::NodeInfoRequest* request,
                                                     v1::NodeInfoResponse* response) {
+  if (const absl::StatusOr<Caller> caller = Identify(*context); !caller.ok()) {
+    return Refuse(context, caller.status());
+  }
   response->set_name(options_.name);
   response->set_backend(options_.backend);
   for (const std::string& t : options_.transports) response->add_transports(t);
@@ -48,8 +137,21 @@ grpc::ServerUnaryReactor* PeerServiceImpl::NodeInfo(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* PeerServiceImpl::Export(grpc::CallbackServerContext* context,
                                                   const v1::ExportRequest* request,
                                                   v1::ExportResponse* response) {
-  return RunOn(engine_executor_, context, [this, request, response]() -> absl::Status {
-    absl::StatusOr<v1::ExportResponse> exported = cluster_->Export(*request);
+  absl::StatusOr<Caller> caller = Identify(*context);
+  if (!caller.ok()) return Refuse(context, caller.status());
+  if (absl::Status s = CheckNames({{"cache", request->cache()},
+                                   {"tenant", request->tenant()},
+                                   {"receiver", request->receiver()},
+                                   {"sequence.migration_id", request->sequence().migration_id()}});
+      !s.ok()) {
+    return Refuse(context, s);
+  }
+  if (absl::Status s = CheckSpeaksForItself(*caller, request->receiver(), "receiver"); !s.ok()) {
+    return Refuse(context, s);
+  }
+  return RunOn(engine_executor_, context,
+               [this, request, response, identity = caller->identity]() -> absl::Status {
+    absl::StatusOr<v1::ExportResponse> exported = cluster_->Export(*request, identity);
     if (!exported.ok()) return exported.status();
     *response = *std::move(exported);
     return absl::OkStatus();
@@ -58,6 +160,18 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Export(grpc::CallbackServerContext* c
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* PeerServiceImpl::Fetch(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+  absl::StatusOr<Caller> caller = Identify(*context);
+  if (!caller.ok()) return new RefusedFetch(ToGrpcStatus(caller.status()));
+  // The lease must be the caller's; ServeFetch parses the request again (a few bytes).
+  grpc::ByteBuffer copy(*request);  // Deserialize consumes its buffer; this shares the slices
+  v1::FetchRequest fetch;
+  if (!grpc::SerializationTraits<v1::FetchRequest>::Deserialize(&copy, &fetch).ok()) {
+    return new RefusedFetch(
+        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the FetchRequest does not parse"));
+  }
+  if (absl::Status s = leases_->CheckReceiver(fetch.lease_id(), caller->identity); !s.ok()) {
+    return new RefusedFetch(ToGrpcStatus(s));
+  }
   return transport::ServeFetch(context, request, leases_, options_.sender);
 }
 
@@ -66,14 +180,27 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Release(grpc::CallbackServerContext* 
                                                    v1::ReleaseResponse* response) {
   // Ending a lease frees host memory only (the export reader's pinned data): cheap enough for
   // gRPC's thread.
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(cluster_->Release(*request)));
-  return reactor;
+  absl::StatusOr<Caller> caller = Identify(*context);
+  if (!caller.ok()) return Refuse(context, caller.status());
+  return Refuse(context, cluster_->Release(*request, caller->identity));
 }
 
 grpc::ServerUnaryReactor* PeerServiceImpl::Pull(grpc::CallbackServerContext* context,
                                                 const v1::PullRequest* request,
                                                 v1::PullResponse* response) {
+  absl::StatusOr<Caller> caller = Identify(*context);
+  if (!caller.ok()) return Refuse(context, caller.status());
+  if (absl::Status s = CheckNames({{"cache", request->cache()},
+                                   {"tenant", request->tenant()},
+                                   {"source_node", request->source_node()},
+                                   {"sequence.migration_id", request->sequence().migration_id()}});
+      !s.ok()) {
+    return Refuse(context, s);
+  }
+  if (absl::Status s = CheckSpeaksForItself(*caller, request->source_node(), "source_node");
+      !s.ok()) {
+    return Refuse(context, s);
+  }
   return RunOn(cluster_executor_, context, [this, context, request, response]() -> absl::Status {
     absl::StatusOr<v1::PullResponse> pulled =
         cluster_->Pull(*request, cluster_->Deadline(ContextDeadline(*context)));
@@ -109,6 +236,14 @@ grpc::ServerUnaryReactor* PeerServiceImpl::NoNccl(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* PeerServiceImpl::NcclConnect(grpc::CallbackServerContext* context,
                                                        const v1::NcclConnectRequest* request,
                                                        v1::NcclConnectResponse* response) {
+  absl::StatusOr<Caller> caller = Identify(*context);
+  if (!caller.ok()) return Refuse(context, caller.status());
+  if (absl::Status s = CheckNameLength("from_node", request->from_node()); !s.ok()) {
+    return Refuse(context, s);
+  }
+  if (absl::Status s = CheckSpeaksForItself(*caller, request->from_node(), "from_node"); !s.ok()) {
+    return Refuse(context, s);
+  }
   if (!options_.nccl.connect) {
     return NoNccl(context);
   }
@@ -121,6 +256,17 @@ grpc::ServerUnaryReactor* PeerServiceImpl::NcclConnect(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* PeerServiceImpl::NcclSend(grpc::CallbackServerContext* context,
                                                     const v1::NcclSendRequest* request,
                                                     v1::NcclSendResponse* response) {
+  absl::StatusOr<Caller> caller = Identify(*context);
+  if (!caller.ok()) return Refuse(context, caller.status());
+  if (absl::Status s = CheckNameLength("to_node", request->to_node()); !s.ok()) {
+    return Refuse(context, s);
+  }
+  if (absl::Status s = CheckSpeaksForItself(*caller, request->to_node(), "to_node"); !s.ok()) {
+    return Refuse(context, s);
+  }
+  if (absl::Status s = leases_->CheckReceiver(request->lease_id(), caller->identity); !s.ok()) {
+    return Refuse(context, s);
+  }
   if (!options_.nccl.send) {
     return NoNccl(context);
   }
@@ -128,6 +274,20 @@ grpc::ServerUnaryReactor* PeerServiceImpl::NcclSend(grpc::CallbackServerContext*
     return options_.nccl.send(*request, cluster_->Deadline(ContextDeadline(*context)),
                               CancelledBy(context, "NcclSend"));
   });
+}
+
+grpc::ServerUnaryReactor* PeerServiceImpl::Remove(grpc::CallbackServerContext* context,
+                                                  const v1::PeerRemoveRequest* request,
+                                                  v1::PeerRemoveResponse* response) {
+  absl::StatusOr<Caller> caller = Identify(*context);
+  if (!caller.ok()) return Refuse(context, caller.status());
+  if (absl::Status s = CheckNames({{"remove.cache", request->remove().cache()},
+                                   {"tenant", request->tenant()}});
+      !s.ok()) {
+    return Refuse(context, s);
+  }
+  return RunOn(engine_executor_, context,
+               [this, request]() -> absl::Status { return cluster_->RemoveLocal(*request); });
 }
 
 }  // namespace kvmesh

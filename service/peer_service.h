@@ -1,6 +1,15 @@
 // PeerServiceImpl: kvmesh.v1.PeerService (proto/kvmesh/v1/peer.proto), the node-to-node API of
 // the pull protocol (docs/cluster.md), on gRPC's callback API.
 //
+// Only members may call it. With TLS (Options::require_member_certificate) the caller's verified
+// certificate must name a current member (its node name, or the host of its peer address), and
+// that member is the caller's identity; without TLS the service is reachable only on the peer
+// plane's private address (or loopback in development mode) and the caller's identity is its IP
+// address. Anyone else gets PERMISSION_DENIED before a request is looked at. Leases are granted
+// to the caller's identity: Fetch, NcclSend and Release of a lease by anyone else are NOT_FOUND,
+// as for an unknown lease. A member may speak only for itself: Export's receiver, Pull's
+// source_node and NcclConnect's from_node must be the member its certificate names.
+//
 // Export runs on the engine executor (it snapshots and checksums); Pull, NcclConnect and
 // NcclSend run on the cluster executor (they wait on the network); Fetch is served by the
 // grpc-stream transport's sender (transport::ServeFetch) over the lease table, which reads
@@ -48,6 +57,10 @@ class PeerServiceImpl final
   };
   struct Options {
     std::string name;
+    // Who may call: the cluster's members (required).
+    Membership* membership = nullptr;
+    // TLS is on: every caller must present a certificate that names a member.
+    bool require_member_certificate = false;
     std::string backend;
     std::vector<std::string> transports;
     transport::SenderOptions sender;
@@ -77,8 +90,25 @@ class PeerServiceImpl final
   grpc::ServerUnaryReactor* NcclSend(grpc::CallbackServerContext* context,
                                      const v1::NcclSendRequest* request,
                                      v1::NcclSendResponse* response) override;
+  grpc::ServerUnaryReactor* Remove(grpc::CallbackServerContext* context,
+                                   const v1::PeerRemoveRequest* request,
+                                   v1::PeerRemoveResponse* response) override;
 
  private:
+  // Who is calling (see the class comment).
+  struct Caller {
+    std::string identity;  // what leases are bound to
+    std::string member;    // the member its certificate names; empty without TLS
+  };
+  absl::StatusOr<Caller> Identify(const grpc::CallbackServerContext& context) const;
+  // PERMISSION_DENIED unless `claimed` (named by `field`) is the caller's own member name; OK
+  // without TLS, where a caller has no name to check against.
+  static absl::Status CheckSpeaksForItself(const Caller& caller, const std::string& claimed,
+                                           const char* field);
+  // A unary reactor already finished with `status`.
+  static grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* context,
+                                          const absl::Status& status);
+
   // Finishes the call with FAILED_PRECONDITION: this node has no nccl transport.
   grpc::ServerUnaryReactor* NoNccl(grpc::CallbackServerContext* context) const;
 

@@ -556,7 +556,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     // A copy: once the runner has the read, ReadChunk may finish the call and OnDone delete this
     // reactor (and options_ with it) before the runner returns.
     const ReadRunner run = options_.run_read;
-    const uint64_t lease_id = lease_id_;
+    const std::string lease_id = lease_id_;
     const size_t offset = offset_;
     HandOff(this);  // to ReadChunk, unless the runner refuses it
     const absl::Status queued = run([this] { ReadChunk(); });
@@ -621,7 +621,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   LeaseLookup* const leases_;
   const SenderOptions options_;
-  uint64_t lease_id_ = 0;  // set by the constructor
+  std::string lease_id_;  // set by the constructor
 
   // Owned by the current owner (see the class comment).
   std::shared_ptr<LeasedPayload> payload_;

@@ -36,7 +36,7 @@ inline constexpr char kNccl[] = "nccl";
 struct Lease {
   std::string sender_name;     // the sender's node name
   std::string sender_address;  // host:port of the sender's gRPC server (PeerService)
-  uint64_t id = 0;
+  std::string id;  // ExportResponse.lease_id
   uint64_t payload_bytes = 0;
   // CRC-32C of the whole payload, when Export announced one (it does for nccl; grpc-stream
   // checks every chunk's own and, when has_crc32c, this one too).
@@ -89,7 +89,7 @@ class LeaseLookup {
   virtual ~LeaseLookup() = default;
   // The payload of lease `id`, renewing the lease (its expiry moves to now + its lease time).
   // NOT_FOUND for an unknown, released or expired lease.
-  virtual absl::StatusOr<std::shared_ptr<LeasedPayload>> Touch(uint64_t id) = 0;
+  virtual absl::StatusOr<std::shared_ptr<LeasedPayload>> Touch(const std::string& id) = 0;
 };
 
 }  // namespace transport

@@ -74,9 +74,13 @@ absl::Time Cluster::Deadline(absl::Time requested) const {
   return std::min(requested, absl::Now() + options_.transfer_timeout);
 }
 
-absl::StatusOr<std::shared_ptr<Cache>> Cluster::FindCache(const std::string& name) const {
+absl::StatusOr<std::shared_ptr<Cache>> Cluster::FindCache(const std::string& tenant,
+                                                           const std::string& name) const {
   if (name.empty()) return absl::InvalidArgumentError("cache is empty: name the cache");
-  return registry_->Get(name);
+  if (tenant.empty() || tenant.find('/') != std::string::npos) {
+    return absl::InvalidArgumentError("tenant is empty or malformed: name the cache's tenant");
+  }
+  return registry_->Get(tenant, name);
 }
 
 absl::StatusOr<MemberAddress> Cluster::FindPeer(const std::string& name, const char* field) const {
@@ -127,8 +131,21 @@ v1::ListMembersResponse Cluster::DescribeMembers() const {
 
 // ---- sender side ---------------------------------------------------------------------------
 
-absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& request) {
-  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.cache()));
+absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& request,
+                                                   const std::string& caller) {
+  // The transport first: a lease for a payload nobody can move is a snapshot-pool leak.
+  if (request.transport().empty() || transports_.count(request.transport()) == 0) {
+    std::string have;
+    for (const auto& [name, t] : transports_) absl::StrAppend(&have, have.empty() ? "" : ", ", name);
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport = '", request.transport().substr(0, 32), "' is not a transport of node '",
+                     options_.self_name, "' (it has: ", have, ")"));
+  }
+  // Data goes to members only.
+  if (const absl::Status member = FindPeer(request.receiver(), "receiver").status(); !member.ok()) {
+    return absl::PermissionDeniedError(absl::StrCat("export refused: ", member.message()));
+  }
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.tenant(), request.cache()));
   if (!request.has_spec()) return absl::InvalidArgumentError("spec is missing");
   ASSIGN_OR_RETURN(const CacheSpec spec, SpecFromProto(request.spec()));
   if (!(spec == cache->spec())) {
@@ -154,7 +171,9 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
           absl::StrCat("sequence.length = ", seq.length(), " is negative"));
     }
     if (!seq.migration_id().empty() &&
-        !reservations_->IsReserved(Reservations::Kind::kSequence, request.cache(), seq.seq())) {
+        !reservations_->IsReserved(Reservations::Kind::kSequence,
+                                   Reservations::Key(request.tenant(), request.cache()),
+                                   seq.seq())) {
       return absl::AbortedError(absl::StrCat("sequence ", seq.seq(), " of cache '", request.cache(),
                                              "' is not reserved for migration ", seq.migration_id(),
                                              " on node '", options_.self_name, "'"));
@@ -232,20 +251,35 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
       request.lease_ms() == 0 ? options_.lease_time : absl::Milliseconds(request.lease_ms());
   ttl = std::min(ttl, options_.max_lease_time);
   const size_t bytes = payload->size();
-  const uint64_t id = leases_->Grant(std::move(payload), request.receiver(), ttl, nullptr);
-  response.set_lease_id(id);
+  ASSIGN_OR_RETURN(std::string id, leases_->Grant(std::move(payload), caller, ttl, nullptr));
+  response.set_lease_id(std::move(id));
   response.set_payload_bytes(static_cast<int64_t>(bytes));
   response.set_lease_ms(absl::ToInt64Milliseconds(ttl));
   return response;
 }
 
-absl::Status Cluster::Release(const v1::ReleaseRequest& request) {
+absl::Status Cluster::Release(const v1::ReleaseRequest& request, const std::string& caller) {
+  RETURN_IF_ERROR(leases_->CheckReceiver(request.lease_id(), caller));
   return leases_->Release(request.lease_id());
+}
+
+absl::Status Cluster::RemoveLocal(const v1::PeerRemoveRequest& request) {
+  const v1::RemoveRequest& remove = request.remove();
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.tenant(), remove.cache()));
+  const int64_t seqs[] = {remove.seq()};
+  ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                   reservations_->BeginOperation(Reservations::Kind::kSequence,
+                                                 Reservations::Key(request.tenant(), remove.cache()),
+                                                 seqs, "Remove"));
+  const std::optional<int32_t> end =
+      remove.has_end() ? std::optional<int32_t>(remove.end()) : std::nullopt;
+  return cache->Remove(remove.seq(), remove.begin(), end);
 }
 
 // ---- receiver side -------------------------------------------------------------------------
 
-absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::shared_ptr<Cache>& cache,
+absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
+                                                  const std::shared_ptr<Cache>& cache,
                                                   const std::string& source,
                                                   const v1::ExportRequest& what,
                                                   absl::Time deadline) {
@@ -257,6 +291,7 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::shared_ptr<Cache>& 
 
   v1::ExportRequest request = what;
   request.set_cache(cache->spec().name);
+  request.set_tenant(tenant);
   *request.mutable_spec() = SpecToProto(cache->spec());
   request.set_receiver(options_.self_name);
   request.set_lease_ms(absl::ToInt64Milliseconds(options_.requested_lease_time));
@@ -318,12 +353,14 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::shared_ptr<Cache>& 
   return pulled;
 }
 
-absl::Status Cluster::CommitSequence(const std::shared_ptr<Cache>& cache, const Pulled& pulled,
+absl::Status Cluster::CommitSequence(const std::string& tenant,
+                                     const std::shared_ptr<Cache>& cache, const Pulled& pulled,
                                      int64_t dst_seq, int32_t length, const char* what) {
   const int64_t dst[] = {dst_seq};
-  ASSIGN_OR_RETURN(
-      Reservations::Guard guard,
-      reservations_->BeginOperation(Reservations::Kind::kSequence, cache->spec().name, dst, what));
+  ASSIGN_OR_RETURN(Reservations::Guard guard,
+                   reservations_->BeginOperation(Reservations::Kind::kSequence,
+                                                 Reservations::Key(tenant, cache->spec().name),
+                                                 dst, what));
   if (pulled.empty) return cache->Remove(dst_seq, 0, std::nullopt);
   const int32_t target = length > 0 ? std::min(length, pulled.snapshot.to) : pulled.snapshot.to;
   const absl::Status restored = cache->Restore(dst_seq, pulled.snapshot.id, target);
@@ -331,9 +368,10 @@ absl::Status Cluster::CommitSequence(const std::shared_ptr<Cache>& cache, const 
   return restored;
 }
 
-absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const v1::CopyPrefixRequest& request,
+absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const std::string& tenant,
+                                                          const v1::CopyPrefixRequest& request,
                                                           absl::Time deadline) {
-  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.cache()));
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(tenant, request.cache()));
   if (request.src_seq() < 0 || request.dst_seq() < 0 || request.length() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("src_seq = ", request.src_seq(), ", dst_seq = ", request.dst_seq(),
@@ -348,15 +386,16 @@ absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const v1::CopyPrefixRe
     pulled.empty = true;
     pulled.stats.set_transport(transport::kGrpcStream);
   } else {
-    ASSIGN_OR_RETURN(pulled, PullInto(cache, request.source_node(), what, deadline));
+    ASSIGN_OR_RETURN(pulled, PullInto(tenant, cache, request.source_node(), what, deadline));
   }
-  RETURN_IF_ERROR(CommitSequence(cache, pulled, request.dst_seq(), request.length(), "CopyPrefix"));
+  RETURN_IF_ERROR(
+      CommitSequence(tenant, cache, pulled, request.dst_seq(), request.length(), "CopyPrefix"));
   return pulled.stats;
 }
 
 absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
                                                absl::Time deadline) {
-  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.cache()));
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.tenant(), request.cache()));
   v1::ExportRequest what;
   v1::PullResponse response;
   if (request.has_sequence()) {
@@ -365,13 +404,15 @@ absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
           absl::StrCat("target_seq = ", request.target_seq(), " is negative"));
     }
     *what.mutable_sequence() = request.sequence();
-    ASSIGN_OR_RETURN(const Pulled pulled, PullInto(cache, request.source_node(), what, deadline));
-    RETURN_IF_ERROR(CommitSequence(cache, pulled, request.target_seq(), request.sequence().length(),
-                                   "Migrate"));
+    ASSIGN_OR_RETURN(const Pulled pulled,
+                     PullInto(request.tenant(), cache, request.source_node(), what, deadline));
+    RETURN_IF_ERROR(CommitSequence(request.tenant(), cache, pulled, request.target_seq(),
+                                   request.sequence().length(), "Migrate"));
     *response.mutable_transfer() = pulled.stats;
   } else if (request.what_case() == v1::PullRequest::kSnapshotId) {
     what.set_snapshot_id(request.snapshot_id());
-    ASSIGN_OR_RETURN(const Pulled pulled, PullInto(cache, request.source_node(), what, deadline));
+    ASSIGN_OR_RETURN(const Pulled pulled,
+                     PullInto(request.tenant(), cache, request.source_node(), what, deadline));
     if (pulled.empty) return absl::DataLossError("the sender exported an empty snapshot");
     *response.mutable_snapshot() = SnapshotInfoToProto(pulled.snapshot);
     *response.mutable_transfer() = pulled.stats;
@@ -383,9 +424,10 @@ absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
 
 // ---- migrations ------------------------------------------------------------------------------
 
-absl::StatusOr<v1::MigrateResponse> Cluster::Migrate(const v1::MigrateRequest& request,
+absl::StatusOr<v1::MigrateResponse> Cluster::Migrate(const std::string& tenant,
+                                                     const v1::MigrateRequest& request,
                                                      absl::Time deadline) {
-  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.cache()));
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(tenant, request.cache()));
   if (request.seq() < 0 || request.target_seq() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("seq = ", request.seq(),
                                                    ", target_seq = ", request.target_seq(),
@@ -400,10 +442,12 @@ absl::StatusOr<v1::MigrateResponse> Cluster::Migrate(const v1::MigrateRequest& r
                                             options_.self_name, "'"));
   }
   ASSIGN_OR_RETURN(Reservations::Guard reservation,
-                   reservations_->Reserve(Reservations::Kind::kSequence, request.cache(),
-                                          request.seq(), target.name, deadline));
+                   reservations_->Reserve(Reservations::Kind::kSequence,
+                                          Reservations::Key(tenant, request.cache()), request.seq(),
+                                          target.name, deadline));
   v1::PullRequest pull;
   pull.set_cache(request.cache());
+  pull.set_tenant(tenant);
   pull.set_source_node(options_.self_name);
   pull.mutable_sequence()->set_seq(request.seq());
   pull.mutable_sequence()->set_migration_id(absl::StrCat(options_.self_name, "/", request.cache(),
@@ -432,8 +476,8 @@ absl::StatusOr<v1::PullResponse> Cluster::AskToPull(const MemberAddress& target,
 }
 
 absl::StatusOr<v1::MigrateSnapshotResponse> Cluster::MigrateSnapshot(
-    const v1::MigrateSnapshotRequest& request, absl::Time deadline) {
-  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.cache()));
+    const std::string& tenant, const v1::MigrateSnapshotRequest& request, absl::Time deadline) {
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(tenant, request.cache()));
   ASSIGN_OR_RETURN(const MemberAddress target, FindPeer(request.target_node(), "target_node"));
   bool known = false;
   for (const SnapshotInfo& s : cache->ListSnapshots()) known |= s.id == request.snapshot_id();
@@ -444,10 +488,12 @@ absl::StatusOr<v1::MigrateSnapshotResponse> Cluster::MigrateSnapshot(
   }
   ASSIGN_OR_RETURN(
       Reservations::Guard reservation,
-      reservations_->Reserve(Reservations::Kind::kSnapshot, request.cache(),
+      reservations_->Reserve(Reservations::Kind::kSnapshot,
+                             Reservations::Key(tenant, request.cache()),
                              static_cast<int64_t>(request.snapshot_id()), target.name, deadline));
   v1::PullRequest pull;
   pull.set_cache(request.cache());
+  pull.set_tenant(tenant);
   pull.set_source_node(options_.self_name);
   pull.set_snapshot_id(request.snapshot_id());
   ASSIGN_OR_RETURN(const v1::PullResponse pulled, AskToPull(target, pull, deadline));
@@ -459,20 +505,22 @@ absl::StatusOr<v1::MigrateSnapshotResponse> Cluster::MigrateSnapshot(
 }
 
 absl::StatusOr<v1::RemoveResponse> Cluster::RemoveEverywhere(
-    const v1::RemoveRequest& request, absl::Time deadline,
+    const std::string& tenant, const v1::RemoveRequest& request, absl::Time deadline,
     const std::function<absl::Status()>& local) {
   const std::vector<MemberAddress> peers = membership_->Peers();
   std::vector<std::future<absl::Status>> results;
   results.reserve(peers.size());
   for (const MemberAddress& peer : peers) {
-    results.push_back(std::async(std::launch::async, [this, &request, deadline, peer] {
-      std::unique_ptr<v1::CacheService::Stub> stub =
-          v1::CacheService::NewStub(membership_->Channel(peer));
-      v1::RemoveRequest one = request;
-      one.set_scope(v1::REMOVE_SCOPE_LOCAL);
+    results.push_back(std::async(std::launch::async, [this, &request, &tenant, deadline, peer] {
+      std::unique_ptr<v1::PeerService::Stub> stub =
+          v1::PeerService::NewStub(membership_->Channel(peer));
+      v1::PeerRemoveRequest one;
+      *one.mutable_remove() = request;
+      one.mutable_remove()->set_scope(v1::REMOVE_SCOPE_LOCAL);
+      one.set_tenant(tenant);
       grpc::ClientContext context;
       SetDeadline(&context, deadline);
-      v1::RemoveResponse ignored;
+      v1::PeerRemoveResponse ignored;
       return FromGrpcStatus(stub->Remove(&context, one, &ignored));
     }));
   }

@@ -67,16 +67,21 @@ class Cluster {
   absl::Time Deadline(absl::Time requested) const;
 
   // ---- scheduler-facing operations (this node is the one called) --------------------------
+  // Each acts on the caches of `tenant` (the caller's), here and on the other nodes, which
+  // look the cache up among that tenant's caches.
   // CopyPrefix with source_node naming another member: pulls into dst_seq.
-  absl::StatusOr<v1::TransferStats> CopyPrefixFrom(const v1::CopyPrefixRequest& request,
+  absl::StatusOr<v1::TransferStats> CopyPrefixFrom(const std::string& tenant,
+                                                   const v1::CopyPrefixRequest& request,
                                                    absl::Time deadline);
-  absl::StatusOr<v1::MigrateResponse> Migrate(const v1::MigrateRequest& request,
+  absl::StatusOr<v1::MigrateResponse> Migrate(const std::string& tenant,
+                                              const v1::MigrateRequest& request,
                                               absl::Time deadline);
   absl::StatusOr<v1::MigrateSnapshotResponse> MigrateSnapshot(
-      const v1::MigrateSnapshotRequest& request, absl::Time deadline);
+      const std::string& tenant, const v1::MigrateSnapshotRequest& request, absl::Time deadline);
   // Remove with REMOVE_SCOPE_CLUSTER: every member, this one first. `local` runs the Remove
-  // here (with the same checks as a local Remove RPC).
-  absl::StatusOr<v1::RemoveResponse> RemoveEverywhere(const v1::RemoveRequest& request,
+  // here (with the same checks as a local Remove RPC); the peers run RemoveLocal.
+  absl::StatusOr<v1::RemoveResponse> RemoveEverywhere(const std::string& tenant,
+                                                      const v1::RemoveRequest& request,
                                                       absl::Time deadline,
                                                       const std::function<absl::Status()>& local);
 
@@ -84,9 +89,15 @@ class Cluster {
   v1::ListMembersResponse DescribeMembers() const;
 
   // ---- peer-facing operations ---------------------------------------------------------------
-  absl::StatusOr<v1::ExportResponse> Export(const v1::ExportRequest& request);
-  absl::Status Release(const v1::ReleaseRequest& request);
+  // `caller` is the identity PeerServiceImpl established for the calling node; a lease is
+  // granted to it and usable by it alone. Export refuses a transport this node does not have
+  // (INVALID_ARGUMENT) and a receiver that is not a member.
+  absl::StatusOr<v1::ExportResponse> Export(const v1::ExportRequest& request,
+                                            const std::string& caller);
+  absl::Status Release(const v1::ReleaseRequest& request, const std::string& caller);
   absl::StatusOr<v1::PullResponse> Pull(const v1::PullRequest& request, absl::Time deadline);
+  // The local part of another node's cluster-wide Remove.
+  absl::Status RemoveLocal(const v1::PeerRemoveRequest& request);
 
  private:
   struct Pulled {
@@ -97,18 +108,22 @@ class Cluster {
 
   // Receiver side of the pull protocol: imports `what` of `cache` from member `source` as a
   // new local snapshot.
-  absl::StatusOr<Pulled> PullInto(const std::shared_ptr<Cache>& cache, const std::string& source,
-                                  const v1::ExportRequest& what, absl::Time deadline);
+  absl::StatusOr<Pulled> PullInto(const std::string& tenant, const std::shared_ptr<Cache>& cache,
+                                  const std::string& source, const v1::ExportRequest& what,
+                                  absl::Time deadline);
   // Restores a pulled sequence into dst_seq (or empties it), then drops the pulled snapshot.
-  absl::Status CommitSequence(const std::shared_ptr<Cache>& cache, const Pulled& pulled,
-                              int64_t dst_seq, int32_t length, const char* what);
+  absl::Status CommitSequence(const std::string& tenant, const std::shared_ptr<Cache>& cache,
+                              const Pulled& pulled, int64_t dst_seq, int32_t length,
+                              const char* what);
   // The transport to pull from `source` with.
   // PeerService/Pull on `target` (Migrate, MigrateSnapshot): the target pulls from this node.
   absl::StatusOr<v1::PullResponse> AskToPull(const MemberAddress& target,
                                              const v1::PullRequest& pull, absl::Time deadline);
   absl::StatusOr<transport::Transport*> ChooseTransport(const MemberAddress& source,
                                                         absl::Time deadline);
-  absl::StatusOr<std::shared_ptr<Cache>> FindCache(const std::string& name) const;
+  // The cache `name` of `tenant`: INVALID_ARGUMENT for an empty name or a malformed tenant.
+  absl::StatusOr<std::shared_ptr<Cache>> FindCache(const std::string& tenant,
+                                                   const std::string& name) const;
   absl::StatusOr<MemberAddress> FindPeer(const std::string& name, const char* field) const;
 
   const Options options_;

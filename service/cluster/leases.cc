@@ -1,18 +1,52 @@
 #include "service/cluster/leases.h"
 
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
 namespace kvmesh {
+namespace {
 
-LeaseTable::LeaseTable(absl::Duration tick) : tick_(tick) {
+// 128 bits from the kernel's CSPRNG as 32 hex digits. getrandom blocks only before the kernel's
+// pool is initialized at boot, long before a node serves.
+std::string RandomLeaseId() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      // Without randomness lease ids would be guessable: refuse to go on rather than serve.
+      std::fprintf(stderr, "kvmesh-node: getrandom: %s\n", std::strerror(errno));
+      std::abort();
+    }
+    got += static_cast<size_t>(n);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string id(32, '0');
+  for (size_t i = 0; i < sizeof(bytes); ++i) {
+    id[2 * i] = kHex[bytes[i] >> 4];
+    id[2 * i + 1] = kHex[bytes[i] & 0xf];
+  }
+  return id;
+}
+
+}  // namespace
+
+LeaseTable::LeaseTable(absl::Duration tick, size_t max_per_receiver)
+    : tick_(tick), max_per_receiver_(max_per_receiver) {
   expiry_thread_ = std::thread([this] { ExpiryLoop(); });
 }
 
 LeaseTable::~LeaseTable() {
-  std::map<uint64_t, Lease> remaining;
+  std::map<std::string, Lease> remaining;
   {
     MutexLock lock(&mu_);
     stopping_ = true;
@@ -25,21 +59,34 @@ LeaseTable::~LeaseTable() {
   }
 }
 
-uint64_t LeaseTable::Grant(std::shared_ptr<transport::LeasedPayload> payload, std::string receiver,
-                           absl::Duration ttl, std::function<void()> on_end) {
+absl::StatusOr<std::string> LeaseTable::Grant(std::shared_ptr<transport::LeasedPayload> payload,
+                                              std::string receiver, absl::Duration ttl,
+                                              std::function<void()> on_end) {
   MutexLock lock(&mu_);
-  const uint64_t id = next_id_++;
+  size_t& held = per_receiver_[receiver];
+  if (held >= max_per_receiver_) {
+    if (held == 0) per_receiver_.erase(receiver);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("receiver ", receiver, " holds ", max_per_receiver_,
+                     " export leases on this node already, the most it may (release some, or "
+                     "wait for them to expire)"));
+  }
+  std::string id = RandomLeaseId();
+  while (leases_.count(id) != 0) id = RandomLeaseId();  // 2^-128: never, but never reuse either
+  ++held;
   leases_.emplace(id, Lease{std::move(payload), std::move(receiver), ttl, absl::Now() + ttl,
                             std::move(on_end)});
   return id;
 }
 
-std::string LeaseTable::NotFound(uint64_t id) const {
+std::string LeaseTable::NotFound(const std::string& id) {
   return absl::StrCat("export lease ", id,
-                      " is unknown: never granted, released, or expired after its lease time");
+                      " is unknown: never granted to the caller, released, or expired after its "
+                      "lease time");
 }
 
-absl::StatusOr<std::shared_ptr<transport::LeasedPayload>> LeaseTable::Touch(uint64_t id) {
+absl::StatusOr<std::shared_ptr<transport::LeasedPayload>> LeaseTable::Touch(
+    const std::string& id) {
   MutexLock lock(&mu_);
   auto it = leases_.find(id);
   if (it == leases_.end()) return absl::NotFoundError(NotFound(id));
@@ -47,7 +94,16 @@ absl::StatusOr<std::shared_ptr<transport::LeasedPayload>> LeaseTable::Touch(uint
   return it->second.payload;
 }
 
-absl::Status LeaseTable::Release(uint64_t id) {
+absl::Status LeaseTable::CheckReceiver(const std::string& id, const std::string& receiver) const {
+  MutexLock lock(&mu_);
+  auto it = leases_.find(id);
+  if (it == leases_.end() || it->second.receiver != receiver) {
+    return absl::NotFoundError(NotFound(id));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LeaseTable::Release(const std::string& id) {
   Lease ended;
   {
     MutexLock lock(&mu_);
@@ -55,6 +111,8 @@ absl::Status LeaseTable::Release(uint64_t id) {
     if (it == leases_.end()) return absl::NotFoundError(NotFound(id));
     ended = std::move(it->second);
     leases_.erase(it);
+    auto held = per_receiver_.find(ended.receiver);
+    if (--held->second == 0) per_receiver_.erase(held);
   }
   if (ended.on_end) ended.on_end();
   return absl::OkStatus();
@@ -79,6 +137,8 @@ void LeaseTable::ExpiryLoop() {
       const absl::Time now = absl::Now();
       for (auto it = leases_.begin(); it != leases_.end();) {
         if (it->second.expires <= now) {
+          auto held = per_receiver_.find(it->second.receiver);
+          if (--held->second == 0) per_receiver_.erase(held);
           ended.push_back(std::move(it->second));
           it = leases_.erase(it);
           ++expired_;

@@ -30,23 +30,31 @@ namespace kvmesh {
 
 class LeaseTable final : public transport::LeaseLookup {
  public:
-  // `tick`: how often the expiry thread looks for expired leases.
-  explicit LeaseTable(absl::Duration tick = absl::Milliseconds(100));
+  // `tick`: how often the expiry thread looks for expired leases. `max_per_receiver`: leases one
+  // receiver may hold at once (each pins a copy of its export in the snapshot pool).
+  explicit LeaseTable(absl::Duration tick = absl::Milliseconds(100), size_t max_per_receiver = 32);
   ~LeaseTable() override;
 
   LeaseTable(const LeaseTable&) = delete;
   LeaseTable& operator=(const LeaseTable&) = delete;
 
-  // Registers a lease on `payload` for `receiver` that expires `ttl` after its last touch.
-  // Returns its id (> 0, never reused).
-  uint64_t Grant(std::shared_ptr<transport::LeasedPayload> payload, std::string receiver,
-                 absl::Duration ttl, std::function<void()> on_end);
+  // Registers a lease on `payload` for `receiver` (the identity of the node that will fetch it:
+  // PeerServiceImpl's caller identity) that expires `ttl` after its last touch. Returns its id:
+  // 32 lowercase hex digits, 128 bits from the kernel's CSPRNG (getrandom), never guessable from
+  // earlier ids. RESOURCE_EXHAUSTED when `receiver` holds max_per_receiver leases already.
+  absl::StatusOr<std::string> Grant(std::shared_ptr<transport::LeasedPayload> payload,
+                                    std::string receiver, absl::Duration ttl,
+                                    std::function<void()> on_end);
 
   // transport::LeaseLookup.
-  absl::StatusOr<std::shared_ptr<transport::LeasedPayload>> Touch(uint64_t id) override;
+  absl::StatusOr<std::shared_ptr<transport::LeasedPayload>> Touch(const std::string& id) override;
 
   // Ends lease `id` now. NOT_FOUND for an unknown, released or expired lease.
-  absl::Status Release(uint64_t id);
+  absl::Status Release(const std::string& id);
+
+  // OK when lease `id` exists and was granted to `receiver`; NOT_FOUND worded as for an unknown
+  // lease otherwise, so that another node learns nothing about ids it was not given.
+  absl::Status CheckReceiver(const std::string& id, const std::string& receiver) const;
 
   // Leases alive now.
   size_t size() const;
@@ -63,15 +71,16 @@ class LeaseTable final : public transport::LeaseLookup {
   };
 
   void ExpiryLoop();
-  std::string NotFound(uint64_t id) const;
+  static std::string NotFound(const std::string& id);
 
   const absl::Duration tick_;
+  const size_t max_per_receiver_;
   mutable Mutex mu_;
   std::condition_variable_any stop_cv_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t expired_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Lease> leases_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, size_t> per_receiver_ ABSL_GUARDED_BY(mu_);  // leases held, > 0
   std::thread expiry_thread_;
 };
 

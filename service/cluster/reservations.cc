@@ -33,10 +33,10 @@ absl::StatusOr<Reservations::Guard> Reservations::BeginOperation(Kind kind,
                                                                  const char* what) {
   MutexLock lock(&mu_);
   for (int64_t id : ids) {
-    auto it = entries_.find(Key(static_cast<int>(kind), cache, id));
+    auto it = entries_.find(EntryKey(static_cast<int>(kind), cache, id));
     if (it != entries_.end() && !it->second.migrating_to.empty()) {
       return absl::AbortedError(absl::StrCat(what, " refused: ", Noun(kind), " ", id, " of cache '",
-                                             cache, "' is under migration to node '",
+                                             NameOf(cache), "' is under migration to node '",
                                              it->second.migrating_to, "'; retry after it"));
     }
   }
@@ -45,7 +45,7 @@ absl::StatusOr<Reservations::Guard> Reservations::BeginOperation(Kind kind,
   guard.kind_ = kind;
   guard.cache_ = cache;
   for (int64_t id : ids) {
-    ++entries_[Key(static_cast<int>(kind), cache, id)].operations;
+    ++entries_[EntryKey(static_cast<int>(kind), cache, id)].operations;
     guard.ids_.push_back(id);
   }
   return guard;
@@ -54,12 +54,12 @@ absl::StatusOr<Reservations::Guard> Reservations::BeginOperation(Kind kind,
 absl::StatusOr<Reservations::Guard> Reservations::Reserve(Kind kind, const std::string& cache,
                                                           int64_t id, const std::string& target,
                                                           absl::Time deadline) {
-  const Key key(static_cast<int>(kind), cache, id);
+  const EntryKey key(static_cast<int>(kind), cache, id);
   MutexLock lock(&mu_);
   {
     Entry& entry = entries_[key];
     if (!entry.migrating_to.empty()) {
-      return absl::AbortedError(absl::StrCat(Noun(kind), " ", id, " of cache '", cache,
+      return absl::AbortedError(absl::StrCat(Noun(kind), " ", id, " of cache '", NameOf(cache),
                                              "' is already under migration to node '",
                                              entry.migrating_to, "'"));
     }
@@ -73,7 +73,7 @@ absl::StatusOr<Reservations::Guard> Reservations::Reserve(Kind kind, const std::
       const int running = e.operations;
       e.migrating_to.clear();
       return absl::DeadlineExceededError(absl::StrCat(
-          Noun(kind), " ", id, " of cache '", cache, "' could not be reserved for migration: ",
+          Noun(kind), " ", id, " of cache '", NameOf(cache), "' could not be reserved for migration: ",
           running, " operation(s) on it were still running at the deadline"));
     }
     drained_.wait_until(mu_, absl::ToChronoTime(std::min(deadline, now + absl::Milliseconds(100))));
@@ -89,7 +89,7 @@ absl::StatusOr<Reservations::Guard> Reservations::Reserve(Kind kind, const std::
 
 bool Reservations::IsReserved(Kind kind, const std::string& cache, int64_t id) const {
   MutexLock lock(&mu_);
-  auto it = entries_.find(Key(static_cast<int>(kind), cache, id));
+  auto it = entries_.find(EntryKey(static_cast<int>(kind), cache, id));
   return it != entries_.end() && !it->second.migrating_to.empty();
 }
 
@@ -97,7 +97,7 @@ void Reservations::Drop(Kind kind, const std::string& cache, absl::Span<const in
                         bool reservation) {
   MutexLock lock(&mu_);
   for (int64_t id : ids) {
-    auto it = entries_.find(Key(static_cast<int>(kind), cache, id));
+    auto it = entries_.find(EntryKey(static_cast<int>(kind), cache, id));
     if (it == entries_.end()) continue;
     if (reservation) {
       it->second.migrating_to.clear();

@@ -31,6 +31,13 @@ class Reservations {
  public:
   enum class Kind { kSequence, kSnapshot };
 
+  // The `cache` argument of every call: the cache's tenant and name ("<tenant>/<name>"; a
+  // tenant name has no '/'), since two tenants may each have a cache of one name. Messages name
+  // the cache by its name alone.
+  static std::string Key(const std::string& tenant, const std::string& name) {
+    return tenant + "/" + name;
+  }
+
   // Held by an operation that changes sequences (or consumes snapshots); releases on
   // destruction. Movable.
   class Guard {
@@ -69,18 +76,20 @@ class Reservations {
   bool IsReserved(Kind kind, const std::string& cache, int64_t id) const;
 
  private:
-  using Key = std::tuple<int, std::string, int64_t>;
+  using EntryKey = std::tuple<int, std::string, int64_t>;
   struct Entry {
     int operations = 0;        // running operations
     std::string migrating_to;  // non-empty while reserved
   };
 
   static const char* Noun(Kind kind) { return kind == Kind::kSequence ? "sequence" : "snapshot"; }
+  // The name part of a Key.
+  static std::string NameOf(const std::string& cache) { return cache.substr(cache.find('/') + 1); }
   void Drop(Kind kind, const std::string& cache, absl::Span<const int64_t> ids, bool reservation);
 
   mutable Mutex mu_;
   std::condition_variable_any drained_;  // an operation ended
-  absl::flat_hash_map<Key, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<EntryKey, Entry> entries_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvmesh

@@ -3,6 +3,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "cache/status_macros.h"
 
@@ -385,6 +386,19 @@ absl::StatusOr<std::vector<Query>> QueriesFromProto(
     out.push_back(Query{q.seq(), q.pos(), q.non_causal()});
   }
   return out;
+}
+
+absl::Status CheckNameLength(absl::string_view field, absl::string_view value) {
+  if (value.size() <= kMaxNameBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, " is ", value.size(), " bytes long, more than the limit of ", kMaxNameBytes,
+      " bytes; it begins \"", absl::CHexEscape(value.substr(0, kQuotedNameBytes)), "\"..."));
+}
+
+absl::Status CheckNames(
+    std::initializer_list<std::pair<absl::string_view, absl::string_view>> names) {
+  for (const auto& [field, value] : names) RETURN_IF_ERROR(CheckNameLength(field, value));
+  return absl::OkStatus();
 }
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {

@@ -8,11 +8,15 @@
 #ifndef KVMESH_SERVICE_COMMON_CONVERT_H_
 #define KVMESH_SERVICE_COMMON_CONVERT_H_
 
+#include <cstddef>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "cache/cache.h"
 #include "cache/spec.h"
 #include "google/protobuf/repeated_field.h"
@@ -60,6 +64,22 @@ absl::StatusOr<std::vector<Token>> TokensFromProto(
 // Queries of a Visible. INVALID_ARGUMENT naming the index and value of a negative seq or pos.
 absl::StatusOr<std::vector<Query>> QueriesFromProto(
     const google::protobuf::RepeatedPtrField<v1::Query>& queries);
+
+// The longest name (cache, node, tenant) any RPC takes: the limit CreateCache applies to a
+// cache's name (kvmesh::kMaxNameLength, cache/spec.h).
+inline constexpr size_t kMaxNameBytes = kMaxNameLength;
+// How much of an over-long name an error message quotes.
+inline constexpr size_t kQuotedNameBytes = 32;
+
+// INVALID_ARGUMENT when `value` (the request field named `field`) is longer than kMaxNameBytes.
+// The message gives the length and quotes at most the first kQuotedNameBytes bytes, escaped:
+// an error that echoed a 10 KB name would not fit gRPC's metadata limit and the client would get
+// an unrelated transport error instead. Every RPC that takes a name checks it with this before
+// using it. Empty names are left to the caller (some fields are optional).
+absl::Status CheckNameLength(absl::string_view field, absl::string_view value);
+// CheckNameLength of each (field, value) in order: the first error, or OK.
+absl::Status CheckNames(
+    std::initializer_list<std::pair<absl::string_view, absl::string_view>> names);
 
 // absl and gRPC share the canonical status codes: the code maps 1:1 and the message is kept.
 grpc::Status ToGrpcStatus(const absl::Status& status);

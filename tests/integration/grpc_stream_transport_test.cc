@@ -29,6 +29,7 @@
 #include <sys/resource.h>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -130,7 +131,11 @@ class FakeLeases final : public LeaseLookup {
     return id;
   }
 
-  absl::StatusOr<std::shared_ptr<LeasedPayload>> Touch(uint64_t id) override {
+  absl::StatusOr<std::shared_ptr<LeasedPayload>> Touch(const std::string& text) override {
+    uint64_t id = 0;
+    if (!absl::SimpleAtoi(text, &id)) {
+      return absl::NotFoundError(absl::StrCat("lease ", text, " is unknown, released or expired"));
+    }
     MutexLock lock(&mu_);
     auto it = leases_.find(id);
     if (it == leases_.end()) {
@@ -403,7 +408,7 @@ class GrpcStreamTransportTest : public ::testing::Test {
     Lease lease;
     lease.sender_name = kSenderName;
     lease.sender_address = address_;
-    lease.id = id;
+    lease.id = std::to_string(id);
     const std::shared_ptr<MemoryPayload> payload = leases_.payload(id);
     lease.payload_bytes = payload->size();
     lease.has_crc32c = true;
@@ -455,7 +460,7 @@ class GrpcStreamTransportTest : public ::testing::Test {
     if (server == nullptr) return absl::InternalError("the scripted sender did not start");
     lease.sender_name = kSenderName;
     lease.sender_address = absl::StrCat("127.0.0.1:", port);
-    lease.id = 1;
+    lease.id = "1";
     const absl::Status status = ReceiveAll(*MakeTransport(), lease, got);
     server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
     server->Wait();
@@ -756,7 +761,7 @@ TEST_F(GrpcStreamTransportTest, UnknownLeaseIsNotFound) {
   Lease lease;
   lease.sender_name = kSenderName;
   lease.sender_address = address_;
-  lease.id = 12345;
+  lease.id = "12345";
   lease.payload_bytes = 10;
   std::vector<uint8_t> got;
   const absl::Status status = ReceiveAll(*transport, lease, &got);
@@ -792,7 +797,7 @@ TEST_F(GrpcStreamTransportTest, SenderValidatesRequest) {
   const uint64_t id = leases_.Add(PatternBytes(10000, 11));
   std::vector<std::pair<int64_t, size_t>> chunks;
   v1::FetchRequest request;
-  request.set_lease_id(id);
+  request.set_lease_id(std::to_string(id));
 
   request.set_offset(-1);
   grpc::Status status = RawFetch(request, &chunks);
@@ -831,7 +836,7 @@ TEST_F(GrpcStreamTransportTest, SenderValidatesRequest) {
   EXPECT_EQ(chunks, clamped);
 
   chunks.clear();
-  request.set_lease_id(999);
+  request.set_lease_id("999");
   status = RawFetch(request, &chunks);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
 }

@@ -4,6 +4,8 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -35,9 +37,9 @@ class BytesPayload final : public transport::LeasedPayload {
 TEST(LeaseTableTest, TouchRenewsReleaseEndsAndCallbacksRunOnce) {
   std::atomic<int> ended{0};  // declared first: the table's destructor may still call back
   LeaseTable table(absl::Milliseconds(10));
-  const uint64_t id = table.Grant(std::make_shared<BytesPayload>(5), "node-b",
-                                  absl::Milliseconds(300), [&] { ++ended; });
-  EXPECT_GT(id, 0u);
+  const std::string id = *table.Grant(std::make_shared<BytesPayload>(5), "node-b",
+                                      absl::Milliseconds(300), [&] { ++ended; });
+  EXPECT_EQ(id.size(), 32u);
   EXPECT_EQ(table.size(), 1u);
   // Touching more often than the lease time keeps it alive well past it.
   for (int i = 0; i < 8; ++i) {
@@ -51,7 +53,7 @@ TEST(LeaseTableTest, TouchRenewsReleaseEndsAndCallbacksRunOnce) {
   EXPECT_EQ(table.size(), 0u);
   const absl::Status again = table.Release(id);
   EXPECT_EQ(again.code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(again.message(), HasSubstr(std::to_string(id)));
+  EXPECT_THAT(again.message(), HasSubstr(id));
   EXPECT_EQ(table.Touch(id).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(ended.load(), 1);
   EXPECT_EQ(table.expired(), 0u);
@@ -60,10 +62,10 @@ TEST(LeaseTableTest, TouchRenewsReleaseEndsAndCallbacksRunOnce) {
 TEST(LeaseTableTest, UntouchedLeaseExpiresOnItsOwn) {
   std::atomic<int> ended{0};  // declared first: the table's destructor may still call back
   LeaseTable table(absl::Milliseconds(10));
-  const uint64_t id = table.Grant(std::make_shared<BytesPayload>(1), "node-b",
-                                  absl::Milliseconds(100), [&] { ++ended; });
-  const uint64_t other =
-      table.Grant(std::make_shared<BytesPayload>(1), "node-c", absl::Seconds(60), [&] { ++ended; });
+  const std::string id = *table.Grant(std::make_shared<BytesPayload>(1), "node-b",
+                                      absl::Milliseconds(100), [&] { ++ended; });
+  const std::string other = *table.Grant(std::make_shared<BytesPayload>(1), "node-c",
+                                         absl::Seconds(60), [&] { ++ended; });
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
   while (ended.load() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ(ended.load(), 1);
@@ -78,7 +80,9 @@ TEST(LeaseTableTest, DestructorEndsRemainingLeases) {
   {
     LeaseTable table;
     for (int i = 0; i < 3; ++i) {
-      table.Grant(std::make_shared<BytesPayload>(1), "x", absl::Seconds(60), [&] { ++ended; });
+      ASSERT_TRUE(
+          table.Grant(std::make_shared<BytesPayload>(1), "x", absl::Seconds(60), [&] { ++ended; })
+              .ok());
     }
   }
   EXPECT_EQ(ended.load(), 3);
@@ -91,8 +95,9 @@ TEST(LeaseTableTest, ConcurrentGrantsTouchesAndReleases) {
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&] {
       for (int i = 0; i < 200; ++i) {
-        const uint64_t id = table.Grant(std::make_shared<BytesPayload>(1), "x",
-                                        absl::Milliseconds(i % 3), [&] { ++ended; });
+        // A receiver of its own per thread: 1 lease at a time each, under the cap.
+        const std::string id = *table.Grant(std::make_shared<BytesPayload>(1), "x",
+                                            absl::Milliseconds(i % 3), [&] { ++ended; });
         (void)table.Touch(id);
         (void)table.Release(id);
       }
@@ -103,6 +108,60 @@ TEST(LeaseTableTest, ConcurrentGrantsTouchesAndReleases) {
   while (ended.load() < 800 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
   EXPECT_EQ(ended.load(), 800);  // each lease ended exactly once, by release or expiry
   EXPECT_EQ(table.size(), 0u);
+}
+
+TEST(LeaseTableTest, IdsAreRandomAndBoundToTheirReceiver) {
+  LeaseTable table(absl::Milliseconds(10), /*max_per_receiver=*/1000);
+  std::set<std::string> ids;
+  std::string previous;
+  for (int i = 0; i < 500; ++i) {
+    absl::StatusOr<std::string> id =
+        table.Grant(std::make_shared<BytesPayload>(1), "node-b", absl::Seconds(60), nullptr);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_EQ(id->size(), 32u);
+    EXPECT_EQ(id->find_first_not_of("0123456789abcdef"), std::string::npos) << *id;
+    EXPECT_TRUE(ids.insert(*id).second) << "repeated id " << *id;
+    // Not a counter: consecutive ids share no long prefix.
+    if (!previous.empty()) {
+      EXPECT_NE(id->substr(0, 8), previous.substr(0, 8));
+    }
+    previous = *id;
+  }
+  const std::string id = *ids.begin();
+  EXPECT_TRUE(table.CheckReceiver(id, "node-b").ok());
+  const absl::Status other = table.CheckReceiver(id, "mallory");
+  EXPECT_EQ(other.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(other.message(), HasSubstr("never granted to the caller"));
+  EXPECT_EQ(table.CheckReceiver("00000000000000000000000000000001", "node-b").code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(LeaseTableTest, LeasesPerReceiverAreCapped) {
+  LeaseTable table(absl::Milliseconds(10), /*max_per_receiver=*/2);
+  absl::StatusOr<std::string> a =
+      table.Grant(std::make_shared<BytesPayload>(1), "node-b", absl::Seconds(60), nullptr);
+  absl::StatusOr<std::string> b =
+      table.Grant(std::make_shared<BytesPayload>(1), "node-b", absl::Milliseconds(50), nullptr);
+  ASSERT_TRUE(a.ok() && b.ok());
+  absl::StatusOr<std::string> c =
+      table.Grant(std::make_shared<BytesPayload>(1), "node-b", absl::Seconds(60), nullptr);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(c.status().message(), HasSubstr("node-b holds 2 export leases"));
+  // Another receiver is not affected.
+  EXPECT_TRUE(
+      table.Grant(std::make_shared<BytesPayload>(1), "node-c", absl::Seconds(60), nullptr).ok());
+  // A release frees a place, and so does an expiry.
+  ASSERT_TRUE(table.Release(*a).ok());
+  absl::StatusOr<std::string> d =
+      table.Grant(std::make_shared<BytesPayload>(1), "node-b", absl::Seconds(60), nullptr);
+  EXPECT_TRUE(d.ok()) << d.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  absl::StatusOr<std::string> e = absl::UnknownError("not yet");
+  while (!e.ok() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+    e = table.Grant(std::make_shared<BytesPayload>(1), "node-b", absl::Seconds(60), nullptr);
+  }
+  EXPECT_TRUE(e.ok()) << "lease b expired, but its place was not freed: " << e.status();
 }
 
 using Kind = Reservations::Kind;

@@ -1,0 +1,688 @@
+// Bounded memory for every request (docs/security.md#bounded-memory), against real kvmesh-node
+// processes whose resident memory (VmRSS of /proc/<pid>/status) the tests watch:
+//  - a Visible too large to answer fails fast with RESOURCE_EXHAUSTED naming the numbers, and
+//    the node does not grow (it used to list 20,000 x 16,384 positions for 18 s and 2.5 GiB);
+//  - six unfinished large AppendStreams cannot take the node beyond its in-flight budget: the
+//    streams that do not fit are refused at once, the ones that fit are closed once idle, and
+//    the budget is free again afterwards (six 256 MiB streams used to take a node to 2.4 GiB);
+//  - unary Append and Read payloads count against the same budget;
+//  - a 10 KB name on any RPC is INVALID_ARGUMENT with a short message (it used to be echoed in
+//    full, and the reply failed with "received initial metadata size exceeds limit").
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvmesh/v1/peer.grpc.pb.h"
+#include "tests/integration/client_util.h"
+#include "tests/integration/node_fixture.h"
+#include "tests/testing/node_process.h"
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define KVMESH_LIMITS_ASAN 1
+#endif
+#if __has_feature(thread_sanitizer)
+#define KVMESH_LIMITS_TSAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) && !defined(KVMESH_LIMITS_ASAN)
+#define KVMESH_LIMITS_ASAN 1
+#endif
+#if defined(__SANITIZE_THREAD__) && !defined(KVMESH_LIMITS_TSAN)
+#define KVMESH_LIMITS_TSAN 1
+#endif
+
+namespace kvmesh {
+namespace testutil {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+// The node's resident memory in bytes (VmRSS), 0 when it cannot be read.
+uint64_t RssBytes(pid_t pid) {
+  const std::string path = absl::StrCat("/proc/", pid, "/status");
+  std::FILE* file = std::fopen(path.c_str(), "r");
+  if (file == nullptr) return 0;
+  char line[256];
+  uint64_t kib = 0;
+  while (std::fgets(line, sizeof(line), file) != nullptr) {
+    if (std::sscanf(line, "VmRSS: %lu kB", &kib) == 1) break;
+  }
+  std::fclose(file);
+  return kib * 1024;
+}
+
+// Samples a process's VmRSS every 10 ms on a thread of its own and keeps the peak.
+class RssSampler {
+ public:
+  explicit RssSampler(pid_t pid) : pid_(pid), peak_(RssBytes(pid)) {
+    thread_ = std::thread([this] {
+      while (!stop_.load()) {
+        const uint64_t rss = RssBytes(pid_);
+        uint64_t peak = peak_.load();
+        while (rss > peak && !peak_.compare_exchange_weak(peak, rss)) {
+        }
+        absl::SleepFor(absl::Milliseconds(10));
+      }
+    });
+  }
+  ~RssSampler() { Stop(); }
+
+  uint64_t Stop() {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+    return peak_.load();
+  }
+
+ private:
+  const pid_t pid_;
+  std::atomic<uint64_t> peak_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// Memory a sanitizer adds on top of what the node itself holds: ASan's shadow is an eighth of
+// the memory written; under TSan the shadow is several times the memory written, so the RSS
+// bound is checked only without TSan (every other expectation still runs there).
+#if defined(KVMESH_LIMITS_TSAN)
+constexpr bool kCheckRss = false;
+#else
+constexpr bool kCheckRss = true;
+#endif
+#if defined(KVMESH_LIMITS_ASAN)
+constexpr uint64_t kSanitizerSlack = 64 * kMiB;
+#else
+constexpr uint64_t kSanitizerSlack = 0;
+#endif
+
+// What the node may hold beyond its budgets while it serves the tests' requests: gRPC's read
+// buffers and per-call state, the message being parsed on each stream, allocator slack
+// (docs/security.md#bounded-memory states the overhead measured).
+constexpr uint64_t kOverhead = 64 * kMiB;
+
+// A node for one test. ASan's quarantine would keep up to 256 MiB of freed buffers resident:
+// it is turned off so the RSS seen is what the node holds.
+std::unique_ptr<NodeProcess> StartLimitsNode(std::vector<std::string> args) {
+  NodeProcess::Options options;
+  options.node_name = "limits-node";
+  options.extra_args = std::move(args);
+  const char* asan = std::getenv("ASAN_OPTIONS");
+  options.env.push_back(
+      absl::StrCat("ASAN_OPTIONS=", asan != nullptr ? asan : "", asan != nullptr ? ":" : "",
+                   "quarantine_size_mb=0"));
+  absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
+  EXPECT_TRUE(node.ok()) << node.status();
+  return node.ok() ? *std::move(node) : nullptr;
+}
+
+void StopLimitsNode(std::unique_ptr<NodeProcess> node) {
+  node->ReleaseChannel();
+  const ExitStatus status = node->Stop();
+  EXPECT_TRUE(status.clean()) << "kvmesh-node " << status.ToString() << "; stderr:\n"
+                              << node->ReadStderr();
+}
+
+// Tokens of 32 bytes: 1 layer x 1 head x (4 + 4) x F32.
+v1::CacheSpec SmallTokenSpec(const std::string& name, int32_t capacity, int32_t max_batch) {
+  AttentionOptions a;
+  a.num_layers = 1;
+  a.num_kv_heads = 1;
+  a.head_dim_k = 4;
+  a.head_dim_v = 4;
+  a.rope = v1::ROPE_TYPE_NONE;
+  return SpecProto(name, 1, capacity, max_batch, {AttentionGroupProto(a)});
+}
+
+// Tokens of 8 KiB: 1 layer x 8 heads x (128 + 128) x F32.
+constexpr uint64_t kBigTokenBytes = 8192;
+v1::CacheSpec BigTokenSpec(const std::string& name, int32_t max_sequences, int32_t capacity,
+                           int32_t max_batch) {
+  AttentionOptions a;
+  a.num_layers = 1;
+  a.num_kv_heads = 8;
+  a.head_dim_k = 128;
+  a.head_dim_v = 128;
+  a.rope = v1::ROPE_TYPE_NONE;
+  return SpecProto(name, max_sequences, capacity, max_batch, {AttentionGroupProto(a)});
+}
+
+// Appends positions [0, n) to `seq` in batches of `batch` with payloads of `token_bytes` each.
+void AppendZeros(Stub& stub, const std::string& cache, int64_t seq, int32_t n, int32_t batch,
+                 uint64_t token_bytes) {
+  for (int32_t begin = 0; begin < n; begin += batch) {
+    v1::AppendRequest request;
+    request.set_cache(cache);
+    const int32_t end = std::min(n, begin + batch);
+    for (int32_t pos = begin; pos < end; ++pos) {
+      v1::Token* token = request.add_tokens();
+      token->set_seq(seq);
+      token->set_pos(pos);
+    }
+    request.mutable_payload()->assign(static_cast<size_t>((end - begin) * token_bytes), '\0');
+    KVMESH_ASSERT_OK(Append(stub, request));
+  }
+}
+
+v1::VisibleRequest VisibleOf(const std::string& cache, int queries, int32_t pos) {
+  v1::VisibleRequest request;
+  request.set_cache(cache);
+  request.set_group(0);
+  for (int i = 0; i < queries; ++i) {
+    v1::Query* query = request.add_queries();
+    query->set_seq(0);
+    query->set_pos(pos);
+  }
+  return request;
+}
+
+// ---- Visible ------------------------------------------------------------------------------
+
+TEST(LimitsTest, VisibleTooLargeFailsFastAndTheNodeStaysSmall) {
+  // The tester's request: 20,000 queries against 16,384 stored positions. Here with the limit
+  // lowered to 1,000,000 positions so that a request just within it can be checked too.
+  std::unique_ptr<NodeProcess> node =
+      StartLimitsNode({"--memory-budget=64MiB", "--max-visible-positions=1000000"});
+  ASSERT_NE(node, nullptr);
+  std::unique_ptr<Stub> stub = node->NewStub();
+  KVMESH_ASSERT_OK(CreateCache(*stub, SmallTokenSpec("vis", 16384, 4096)));
+  AppendZeros(*stub, "vis", 0, 16384, 4096, 32);
+
+  const uint64_t rss_before = RssBytes(node->pid());
+  RssSampler sampler(node->pid());
+  v1::VisibleResponse response;
+  const absl::Time start = absl::Now();
+  const grpc::Status huge = Visible(*stub, VisibleOf("vis", 20000, 16383), &response);
+  const absl::Duration took = absl::Now() - start;
+  const uint64_t peak = sampler.Stop();
+  EXPECT_EQ(huge.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(huge);
+  EXPECT_THAT(huge.error_message(),
+              AllOf(HasSubstr("20000 queries"), HasSubstr("327680000 positions"),
+                    HasSubstr("1000000"), HasSubstr("--max-visible-positions"),
+                    HasSubstr("split the queries")));
+  EXPECT_EQ(response.visible_size(), 0);
+  // Refused before any position was listed: no time, no memory.
+  EXPECT_LT(took, absl::Seconds(5));
+  if (kCheckRss) {
+    EXPECT_LT(peak, rss_before + 16 * kMiB) << "RSS before " << rss_before << ", peak " << peak;
+  }
+
+  // 61 x 16,384 = 999,424 positions: within the limit, and every answer complete.
+  KVMESH_ASSERT_OK(Visible(*stub, VisibleOf("vis", 61, 16383), &response));
+  ASSERT_EQ(response.visible_size(), 61);
+  for (const v1::Visibility& v : response.visible()) {
+    ASSERT_EQ(v.positions_size(), 16384);
+    EXPECT_EQ(v.positions(0), 0);
+    EXPECT_EQ(v.positions(16383), 16383);
+  }
+  // 62 x 16,384 = 1,015,808: one query too many.
+  const grpc::Status over = Visible(*stub, VisibleOf("vis", 62, 16383), &response);
+  EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(over);
+  EXPECT_THAT(over.error_message(), HasSubstr("1015808 positions"));
+  // Queries that see little are counted as little: 20,000 queries at position 9 list 10 each.
+  KVMESH_ASSERT_OK(Visible(*stub, VisibleOf("vis", 20000, 9), &response));
+  ASSERT_EQ(response.visible_size(), 20000);
+  EXPECT_EQ(response.visible(19999).positions_size(), 10);
+  stub.reset();
+  StopLimitsNode(std::move(node));
+}
+
+TEST(LimitsTest, VisibleAnswerLargerThanTheMessageLimitIsRefusedBeforeTheWork) {
+  std::unique_ptr<NodeProcess> node =
+      StartLimitsNode({"--memory-budget=64MiB", "--max-message-bytes=1MiB"});
+  ASSERT_NE(node, nullptr);
+  std::unique_ptr<Stub> stub = node->NewStub();
+  KVMESH_ASSERT_OK(CreateCache(*stub, SmallTokenSpec("vis", 16384, 4096)));
+  AppendZeros(*stub, "vis", 0, 16384, 4096, 32);
+  v1::VisibleResponse response;
+  // 100 x 16,384 positions: within --max-visible-positions, but up to 8 MB on the wire.
+  const grpc::Status status = Visible(*stub, VisibleOf("vis", 100, 16383), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(status);
+  EXPECT_THAT(status.error_message(),
+              AllOf(HasSubstr("1638400 positions"), HasSubstr("1048576 bytes"),
+                    HasSubstr("--max-message-bytes"), Not(HasSubstr("Sent message larger"))));
+  // Ten queries fit.
+  KVMESH_EXPECT_OK(Visible(*stub, VisibleOf("vis", 10, 16383), &response));
+  EXPECT_EQ(response.visible_size(), 10);
+  stub.reset();
+  StopLimitsNode(std::move(node));
+}
+
+// ---- AppendStream, Append and Read in flight ------------------------------------------------
+
+// One AppendStream of `n` big tokens (seq `seq`, positions [0, n)) to `cache` whose header
+// claims n x kBigTokenBytes and carries no data; then `send` bytes in chunks of `chunk` bytes.
+// Calls `after_writes` once it has written what it could, then ends the stream (WritesDone)
+// when `finish` is set, and waits for the call's status.
+struct StreamResult {
+  grpc::Status status;
+  uint64_t sent = 0;      // data bytes the client could write
+  absl::Time last_write;  // when the last successful write returned
+  absl::Time finished;    // when the status arrived
+};
+
+StreamResult RunStream(Stub& stub, const std::string& cache, int64_t seq, int32_t n, uint64_t send,
+                       bool finish, uint64_t chunk = kMiB,
+                       const std::function<void()>& after_writes = nullptr) {
+  StreamResult result;
+  grpc::ClientContext context;
+  SetDeadline(&context, absl::Seconds(120));
+  v1::AppendResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::AppendStreamRequest>> writer =
+      stub.AppendStream(&context, &response);
+  v1::AppendStreamRequest header;
+  header.mutable_header()->set_cache(cache);
+  for (int32_t pos = 0; pos < n; ++pos) {
+    v1::Token* token = header.mutable_header()->add_tokens();
+    token->set_seq(seq);
+    token->set_pos(pos);
+  }
+  header.mutable_header()->set_payload_bytes(static_cast<int64_t>(n * kBigTokenBytes));
+  bool ok = writer->Write(header);
+  result.last_write = absl::Now();
+  v1::AppendStreamRequest message;
+  while (ok && result.sent < send) {
+    message.mutable_data()->assign(std::min<uint64_t>(chunk, send - result.sent), '\0');
+    ok = writer->Write(message);
+    if (ok) {
+      result.sent += message.data().size();
+      result.last_write = absl::Now();
+    }
+  }
+  if (after_writes) after_writes();
+  if (finish && ok) writer->WritesDone();
+  result.status = writer->Finish();
+  result.finished = absl::Now();
+  return result;
+}
+
+v1::AppendRequest ZerosRequest(const std::string& cache, int64_t seq, int32_t begin, int32_t end,
+                               uint64_t token_bytes) {
+  v1::AppendRequest request;
+  request.set_cache(cache);
+  for (int32_t pos = begin; pos < end; ++pos) {
+    v1::Token* token = request.add_tokens();
+    token->set_seq(seq);
+    token->set_pos(pos);
+  }
+  request.mutable_payload()->assign(static_cast<size_t>((end - begin) * token_bytes), '\0');
+  return request;
+}
+
+TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAreClosed) {
+  // --inflight-budget=200MiB: 150 MiB for what kvmesh buffers (and 50 MiB for gRPC's buffers,
+  // which must hold a message: --max-message-bytes=48MiB). Each stream claims 64 MiB, so two
+  // fit and the other four are refused at once; the two send all but 1 MiB and stop.
+  constexpr int32_t kTokens = 8192;  // 64 MiB
+  constexpr uint64_t kStreamBytes = kTokens * kBigTokenBytes;
+  constexpr uint64_t kInflight = 200 * kMiB;
+  constexpr int64_t kIdleMs = 4000;
+  std::unique_ptr<NodeProcess> node = StartLimitsNode(
+      {"--memory-budget=160MiB", "--snapshot-budget=16MiB", "--inflight-budget=200MiB",
+       "--max-message-bytes=48MiB", absl::StrCat("--stream-idle-timeout-ms=", kIdleMs)});
+  ASSERT_NE(node, nullptr);
+  std::unique_ptr<Stub> stub = node->NewStub();
+  KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenSpec("big", 2, kTokens, kTokens)));
+  // seq 1 stores 3072 tokens (24 MiB) for the Read below.
+  KVMESH_ASSERT_OK(Append(*stub, ZerosRequest("big", 1, 0, 3072, kBigTokenBytes)));
+
+  const uint64_t rss_before = RssBytes(node->pid());
+  RssSampler sampler(node->pid());
+  std::vector<StreamResult> results(6);
+  std::atomic<int> writers_done{0};
+  absl::Notification all_written;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 6; ++i) {
+    threads.emplace_back([&, i] {
+      // Each stream its own connection, as six clients would.
+      std::unique_ptr<Stub> own = v1::CacheService::NewStub(node->NewChannel());
+      results[i] = RunStream(*own, "big", 0, kTokens, kStreamBytes - kMiB, /*finish=*/false,
+                             kMiB, [&] {
+                               if (++writers_done == 6) all_written.Notify();
+                             });
+    });
+  }
+  // While the two accepted streams sit idle with 63 MiB each (before the idle timeout), the
+  // rest of the budget (22 MiB) takes neither a 32 MiB unary Append nor a 24 MiB Read.
+  ASSERT_TRUE(all_written.WaitForNotificationWithTimeout(absl::Seconds(90)));
+  const uint64_t rss_idle = RssBytes(node->pid());
+  const grpc::Status append = Append(*stub, ZerosRequest("big", 1, 3072, 7168, kBigTokenBytes));
+  ReadOutput read;
+  const grpc::Status read_status = Read(*stub, ReadRequest("big", 1), &read);
+  for (std::thread& t : threads) t.join();
+  const uint64_t peak = sampler.Stop();
+
+  EXPECT_EQ(append.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(append);
+  EXPECT_THAT(append.error_message(),
+              AllOf(HasSubstr("Append of 33554432 payload bytes"), HasSubstr("other requests hold"),
+                    HasSubstr("retry later")));
+  EXPECT_EQ(read_status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << StatusText(read_status);
+  EXPECT_THAT(read_status.error_message(),
+              AllOf(HasSubstr("Read of 25165824 payload bytes"), HasSubstr("other requests hold")));
+  int accepted = 0;
+  for (const StreamResult& r : results) {
+    if (r.status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      EXPECT_THAT(r.status.error_message(),
+                  AllOf(HasSubstr("AppendStream of 67108864 bytes"), HasSubstr("in-flight budget"),
+                        HasSubstr("retry later")));
+      EXPECT_LT(r.sent, kStreamBytes - kMiB) << "a refused stream could send all its data";
+      continue;
+    }
+    ++accepted;
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << StatusText(r.status);
+    EXPECT_THAT(r.status.error_message(),
+                AllOf(HasSubstr("no message for 4000 ms"), HasSubstr("--stream-idle-timeout-ms"),
+                      HasSubstr("66060288 buffered bytes are freed")));
+    EXPECT_EQ(r.sent, kStreamBytes - kMiB);
+    // Closed after the timeout, within the reaper's tick (a quarter of it) and some slack.
+    EXPECT_GE(r.finished - r.last_write, absl::Milliseconds(kIdleMs));
+    EXPECT_LT(r.finished - r.last_write, absl::Milliseconds(kIdleMs) + absl::Seconds(10));
+  }
+  EXPECT_EQ(accepted, 2);
+  if (kCheckRss) {
+    // Six streams would buffer 6 x 63 MiB = 378 MiB; the budget holds them to 2 x 64 MiB.
+    const uint64_t bound = rss_before + kInflight + kOverhead + kSanitizerSlack;
+    EXPECT_LE(peak, bound) << "RSS before " << rss_before << ", peak " << peak << ", while idle "
+                           << rss_idle;
+    EXPECT_GE(rss_idle, rss_before + 2 * (kStreamBytes - kMiB) - 8 * kMiB)
+        << "the two accepted streams' data should be resident while they wait";
+  }
+  std::printf("limits_test: RSS before %lu MiB, while two streams idle %lu MiB, peak %lu MiB\n",
+              static_cast<unsigned long>(rss_before / kMiB),
+              static_cast<unsigned long>(rss_idle / kMiB), static_cast<unsigned long>(peak / kMiB));
+
+  // The budget is whole again: a 64 MiB stream, a 32 MiB unary Append and a 56 MiB Read.
+  StreamResult whole = RunStream(*stub, "big", 0, kTokens, kStreamBytes, /*finish=*/true);
+  KVMESH_EXPECT_OK(whole.status);
+  KVMESH_EXPECT_OK(Append(*stub, ZerosRequest("big", 1, 3072, 7168, kBigTokenBytes)));
+  KVMESH_EXPECT_OK(Read(*stub, ReadRequest("big", 1), &read));
+  EXPECT_EQ(read.payload.size(), 7168 * kBigTokenBytes);
+  stub.reset();
+  StopLimitsNode(std::move(node));
+}
+
+TEST(LimitsTest, RequestsLargerThanTheWholeInflightBudgetAreRefused) {
+  // --inflight-budget=4MiB: 3 MiB for what kvmesh buffers, 1 MiB for gRPC (and so messages of
+  // at most 1 MiB). Tokens of 8 KiB: 384 tokens are 3 MiB, 512 are 4 MiB.
+  std::unique_ptr<NodeProcess> node = StartLimitsNode(
+      {"--memory-budget=64MiB", "--inflight-budget=8MiB", "--max-message-bytes=1MiB"});
+  ASSERT_NE(node, nullptr);
+  std::unique_ptr<Stub> stub = node->NewStub();
+  KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenSpec("small", 1, 1024, 512)));
+  constexpr uint64_t kChunk = 256 << 10;
+
+  StreamResult too_big = RunStream(*stub, "small", 0, 512, 0, /*finish=*/true, kChunk);
+  EXPECT_EQ(too_big.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << StatusText(too_big.status);
+  EXPECT_THAT(too_big.status.error_message(),
+              AllOf(HasSubstr("AppendStream of 4194304 bytes to cache 'small'"),
+                    HasSubstr("more than this node's whole in-flight budget"),
+                    HasSubstr("--inflight-budget = 3145728 bytes"),
+                    HasSubstr("smaller requests")));
+  // 3 MiB, then 1 MiB more: 4 MiB stored by two streams that each fit.
+  KVMESH_ASSERT_OK(RunStream(*stub, "small", 0, 384, 384 * kBigTokenBytes, true, kChunk).status);
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::AppendResponse response;
+    auto writer = stub->AppendStream(&context, &response);
+    v1::AppendStreamRequest header;
+    header.mutable_header()->set_cache("small");
+    for (int32_t pos = 384; pos < 512; ++pos) {
+      v1::Token* token = header.mutable_header()->add_tokens();
+      token->set_seq(0);
+      token->set_pos(pos);
+    }
+    header.mutable_header()->set_payload_bytes(128 * kBigTokenBytes);
+    ASSERT_TRUE(writer->Write(header));
+    v1::AppendStreamRequest data;
+    data.mutable_data()->assign(128 * kBigTokenBytes / 2, '\0');
+    ASSERT_TRUE(writer->Write(data));
+    ASSERT_TRUE(writer->Write(data));
+    writer->WritesDone();
+    KVMESH_ASSERT_OK(writer->Finish());
+  }
+  // A Read of all 4 MiB cannot be held in flight; half of it can.
+  ReadOutput read;
+  const grpc::Status whole = Read(*stub, ReadRequest("small", 0), &read);
+  EXPECT_EQ(whole.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(whole);
+  EXPECT_THAT(whole.error_message(),
+              AllOf(HasSubstr("Read of 4194304 payload bytes"), HasSubstr("whole in-flight")));
+  KVMESH_EXPECT_OK(Read(*stub, ReadRequest("small", 0, 0, 256), &read));
+  EXPECT_EQ(read.payload.size(), 256 * kBigTokenBytes);
+  stub.reset();
+  StopLimitsNode(std::move(node));
+}
+
+// ---- names ----------------------------------------------------------------------------------
+
+struct NameCase {
+  std::string rpc;
+  std::string field;  // the field the message must name
+  std::function<grpc::Status()> call;
+};
+
+template <typename Request, typename Response, typename StubT>
+grpc::Status Call(StubT& stub,
+                  grpc::Status (StubT::*method)(grpc::ClientContext*, const Request&, Response*),
+                  const Request& request) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  Response response;
+  return (stub.*method)(&context, request, &response);
+}
+
+TEST(LimitsTest, LongNamesAreRefusedOnEveryRpcWithAShortMessage) {
+  std::unique_ptr<NodeProcess> node = StartLimitsNode({"--memory-budget=64MiB"});
+  ASSERT_NE(node, nullptr);
+  std::unique_ptr<Stub> stub = node->NewStub();
+  std::unique_ptr<v1::PeerService::Stub> peer = v1::PeerService::NewStub(node->channel());
+  KVMESH_ASSERT_OK(CreateCache(*stub, SmallTokenSpec("ok", 16, 4)));
+  // 10 KB: "NAME" then 'x's, so a message that quotes more than 32 bytes shows.
+  const std::string name = "NAME" + std::string(10 * 1024 - 4, 'x');
+  const std::string quoted = "NAME" + std::string(28, 'x');
+
+  using S = Stub;
+  using P = v1::PeerService::Stub;
+  std::vector<NameCase> cases;
+  {
+    v1::CreateCacheRequest r;
+    *r.mutable_spec() = SmallTokenSpec(name, 16, 4);
+    cases.push_back({"CreateCache", "name", [&, r] { return Call(*stub, &S::CreateCache, r); }});
+  }
+  {
+    v1::GetCacheRequest r;
+    r.set_cache(name);
+    cases.push_back({"GetCache", "cache", [&, r] { return Call(*stub, &S::GetCache, r); }});
+  }
+  {
+    v1::DeleteCacheRequest r;
+    r.set_cache(name);
+    cases.push_back({"DeleteCache", "cache", [&, r] { return Call(*stub, &S::DeleteCache, r); }});
+  }
+  {
+    v1::AppendRequest r;
+    r.set_cache(name);
+    v1::Token* token = r.add_tokens();
+    token->set_seq(0);
+    token->set_pos(0);
+    r.mutable_payload()->assign(32, '\0');
+    cases.push_back({"Append", "cache", [&, r] { return Call(*stub, &S::Append, r); }});
+  }
+  cases.push_back({"AppendStream", "cache", [&] {
+                     v1::AppendStreamRequest m;
+                     m.mutable_header()->set_cache(name);
+                     v1::Token* token = m.mutable_header()->add_tokens();
+                     token->set_seq(0);
+                     token->set_pos(0);
+                     m.mutable_header()->set_payload_bytes(32);
+                     m.mutable_data()->assign(32, '\0');
+                     return AppendStream(*stub, {m});
+                   }});
+  cases.push_back({"Read", "cache", [&] {
+                     ReadOutput out;
+                     return Read(*stub, ReadRequest(name, 0), &out);
+                   }});
+  cases.push_back({"Visible", "cache", [&] {
+                     v1::VisibleResponse out;
+                     return Visible(*stub, VisibleOf(name, 1, 0), &out);
+                   }});
+  {
+    v1::CopyPrefixRequest r;
+    r.set_cache(name);
+    r.set_src_seq(0);
+    r.set_dst_seq(1);
+    r.set_length(1);
+    cases.push_back({"CopyPrefix", "cache", [&, r] { return Call(*stub, &S::CopyPrefix, r); }});
+    r.set_cache("ok");
+    r.set_source_node(name);
+    cases.push_back(
+        {"CopyPrefix from a node", "source_node", [&, r] { return Call(*stub, &S::CopyPrefix, r); }});
+  }
+  {
+    v1::RemoveRequest r;
+    r.set_cache(name);
+    cases.push_back({"Remove", "cache", [&, r] { return Call(*stub, &S::Remove, r); }});
+    r.set_scope(v1::REMOVE_SCOPE_CLUSTER);
+    cases.push_back(
+        {"Remove cluster-wide", "cache", [&, r] { return Call(*stub, &S::Remove, r); }});
+  }
+  {
+    v1::CanResumeRequest r;
+    r.set_cache(name);
+    cases.push_back({"CanResume", "cache", [&, r] { return Call(*stub, &S::CanResume, r); }});
+  }
+  {
+    v1::ListSequencesRequest r;
+    r.set_cache(name);
+    cases.push_back(
+        {"ListSequences", "cache", [&, r] { return Call(*stub, &S::ListSequences, r); }});
+  }
+  {
+    v1::SnapshotRequest r;
+    r.set_cache(name);
+    cases.push_back({"Snapshot", "cache", [&, r] { return Call(*stub, &S::Snapshot, r); }});
+  }
+  {
+    v1::RestoreRequest r;
+    r.set_cache(name);
+    cases.push_back({"Restore", "cache", [&, r] { return Call(*stub, &S::Restore, r); }});
+  }
+  {
+    v1::MergeSnapshotsRequest r;
+    r.set_cache(name);
+    cases.push_back(
+        {"MergeSnapshots", "cache", [&, r] { return Call(*stub, &S::MergeSnapshots, r); }});
+  }
+  {
+    v1::SplitSnapshotRequest r;
+    r.set_cache(name);
+    cases.push_back(
+        {"SplitSnapshot", "cache", [&, r] { return Call(*stub, &S::SplitSnapshot, r); }});
+  }
+  {
+    v1::DropSnapshotRequest r;
+    r.set_cache(name);
+    cases.push_back({"DropSnapshot", "cache", [&, r] { return Call(*stub, &S::DropSnapshot, r); }});
+  }
+  {
+    v1::ListSnapshotsRequest r;
+    r.set_cache(name);
+    cases.push_back(
+        {"ListSnapshots", "cache", [&, r] { return Call(*stub, &S::ListSnapshots, r); }});
+  }
+  {
+    v1::CommitSpeculationRequest r;
+    r.set_cache(name);
+    cases.push_back(
+        {"CommitSpeculation", "cache", [&, r] { return Call(*stub, &S::CommitSpeculation, r); }});
+  }
+  {
+    v1::MigrateRequest r;
+    r.set_cache(name);
+    r.set_target_node("elsewhere");
+    cases.push_back({"Migrate", "cache", [&, r] { return Call(*stub, &S::Migrate, r); }});
+    r.set_cache("ok");
+    r.set_target_node(name);
+    cases.push_back({"Migrate to a node", "target_node",
+                     [&, r] { return Call(*stub, &S::Migrate, r); }});
+  }
+  {
+    v1::MigrateSnapshotRequest r;
+    r.set_cache(name);
+    r.set_target_node("elsewhere");
+    cases.push_back(
+        {"MigrateSnapshot", "cache", [&, r] { return Call(*stub, &S::MigrateSnapshot, r); }});
+    r.set_cache("ok");
+    r.set_target_node(name);
+    cases.push_back({"MigrateSnapshot to a node", "target_node",
+                     [&, r] { return Call(*stub, &S::MigrateSnapshot, r); }});
+  }
+  // PeerService, served on the client port of this development-mode node.
+  {
+    v1::ExportRequest r;
+    r.set_cache(name);
+    r.set_receiver("peer");
+    r.mutable_sequence()->set_seq(0);
+    cases.push_back({"PeerService.Export", "cache", [&, r] { return Call(*peer, &P::Export, r); }});
+    r.set_cache("ok");
+    r.set_receiver(name);
+    cases.push_back(
+        {"PeerService.Export", "receiver", [&, r] { return Call(*peer, &P::Export, r); }});
+  }
+  {
+    v1::PullRequest r;
+    r.set_cache(name);
+    r.set_source_node("peer");
+    r.mutable_sequence()->set_seq(0);
+    cases.push_back({"PeerService.Pull", "cache", [&, r] { return Call(*peer, &P::Pull, r); }});
+    r.set_cache("ok");
+    r.set_source_node(name);
+    cases.push_back(
+        {"PeerService.Pull", "source_node", [&, r] { return Call(*peer, &P::Pull, r); }});
+  }
+
+  for (const NameCase& c : cases) {
+    SCOPED_TRACE(c.rpc);
+    const grpc::Status status = c.call();
+    // The reply arrives (no "metadata size exceeds limit" in its place) and says what is wrong.
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+    EXPECT_LT(status.error_message().size(), 256u) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(c.field));
+    EXPECT_THAT(status.error_message(), HasSubstr("10240"));
+    if (c.rpc != "CreateCache") {  // the spec check names the length, quoting nothing
+      EXPECT_THAT(status.error_message(), AllOf(HasSubstr(quoted), Not(HasSubstr(quoted + "x"))));
+    }
+  }
+  // Nothing was created, and the node is fine.
+  v1::ListCachesResponse list;
+  KVMESH_ASSERT_OK(ListCaches(*stub, &list));
+  EXPECT_EQ(list.caches_size(), 1);
+  stub.reset();
+  peer.reset();
+  StopLimitsNode(std::move(node));
+}
+
+}  // namespace
+}  // namespace testutil
+}  // namespace kvmesh
