@@ -209,6 +209,7 @@ class CacheServiceImpl::AppendStreamReactor final
     // finished_), so its buffer is the reaper's to free.
     const size_t buffered = payload_.size();
     ReleaseMemory();
+    HandOff(this);  // to OnReadDone and OnDone, which gRPC runs after this Finish
     Finish(grpc::Status(
         grpc::StatusCode::DEADLINE_EXCEEDED,
         absl::StrCat("AppendStream sent no message for ", absl::ToInt64Milliseconds(timeout),

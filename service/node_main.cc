@@ -151,6 +151,9 @@ constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
 constexpr int kTransferReadThreads = 2;
 constexpr uint64_t kMinMessageBytes = 64 << 10;
 constexpr uint64_t kDefaultInflightBytes = uint64_t{1} << 30;
+// gRPC needs several MiB for the buffers of a busy connection: with a quarter of 32 MiB (8 MiB)
+// it cancelled a single client's AppendStream of 1 MiB messages, with 16 MiB it served it.
+constexpr uint64_t kMinInflightBytes = uint64_t{64} << 20;
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "kvmesh-node: %s\n", message.c_str());
@@ -276,6 +279,11 @@ int Run() {
   // so the share must hold the largest message the node accepts.
   const uint64_t grpc_quota_bytes = inflight_bytes / 4;
   const uint64_t kvmesh_inflight_bytes = inflight_bytes - grpc_quota_bytes;
+  if (inflight_bytes < kMinInflightBytes) {
+    return Fail(absl::StrCat("--inflight_budget=", inflight_bytes, " is less than ",
+                             kMinInflightBytes, " bytes: gRPC's quarter of it holds its buffers of "
+                             "every connection"));
+  }
   if (grpc_quota_bytes < max_message) {
     return Fail(absl::StrCat(
         "--inflight_budget=", inflight_bytes, " is less than 4 x --max_message_bytes=",

@@ -422,25 +422,24 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
 }
 
 TEST(LimitsTest, RequestsLargerThanTheWholeInflightBudgetAreRefused) {
-  // --inflight-budget=4MiB: 3 MiB for what kvmesh buffers, 1 MiB for gRPC (and so messages of
-  // at most 1 MiB). Tokens of 8 KiB: 384 tokens are 3 MiB, 512 are 4 MiB.
+  // --inflight-budget=64MiB (the least a node takes): 48 MiB for what kvmesh buffers, 16 MiB
+  // for gRPC (and so messages of at most 16 MiB). Tokens of 8 KiB: 6144 tokens are 48 MiB.
   std::unique_ptr<NodeProcess> node = StartLimitsNode(
-      {"--memory-budget=64MiB", "--inflight-budget=8MiB", "--max-message-bytes=1MiB"});
+      {"--memory-budget=96MiB", "--inflight-budget=64MiB", "--max-message-bytes=8MiB"});
   ASSERT_NE(node, nullptr);
   std::unique_ptr<Stub> stub = node->NewStub();
-  KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenSpec("small", 1, 1024, 512)));
-  constexpr uint64_t kChunk = 256 << 10;
+  KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenSpec("small", 1, 8192, 8192)));
 
-  StreamResult too_big = RunStream(*stub, "small", 0, 512, 0, /*finish=*/true, kChunk);
+  StreamResult too_big = RunStream(*stub, "small", 0, 8192, 0, /*finish=*/true);
   EXPECT_EQ(too_big.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << StatusText(too_big.status);
   EXPECT_THAT(too_big.status.error_message(),
-              AllOf(HasSubstr("AppendStream of 4194304 bytes to cache 'small'"),
+              AllOf(HasSubstr("AppendStream of 67108864 bytes to cache 'small'"),
                     HasSubstr("more than this node's whole in-flight budget"),
-                    HasSubstr("--inflight-budget = 3145728 bytes"),
+                    HasSubstr("--inflight-budget = 50331648 bytes"),
                     HasSubstr("smaller requests")));
-  // 3 MiB, then 1 MiB more: 4 MiB stored by two streams that each fit.
-  KVMESH_ASSERT_OK(RunStream(*stub, "small", 0, 384, 384 * kBigTokenBytes, true, kChunk).status);
+  // 48 MiB (the whole budget) in one stream, then 16 MiB more: 64 MiB stored.
+  KVMESH_ASSERT_OK(RunStream(*stub, "small", 0, 6144, 6144 * kBigTokenBytes, true).status);
   {
     grpc::ClientContext context;
     SetDeadline(&context);
@@ -448,28 +447,27 @@ TEST(LimitsTest, RequestsLargerThanTheWholeInflightBudgetAreRefused) {
     auto writer = stub->AppendStream(&context, &response);
     v1::AppendStreamRequest header;
     header.mutable_header()->set_cache("small");
-    for (int32_t pos = 384; pos < 512; ++pos) {
+    for (int32_t pos = 6144; pos < 8192; ++pos) {
       v1::Token* token = header.mutable_header()->add_tokens();
       token->set_seq(0);
       token->set_pos(pos);
     }
-    header.mutable_header()->set_payload_bytes(128 * kBigTokenBytes);
+    header.mutable_header()->set_payload_bytes(2048 * kBigTokenBytes);
     ASSERT_TRUE(writer->Write(header));
     v1::AppendStreamRequest data;
-    data.mutable_data()->assign(128 * kBigTokenBytes / 2, '\0');
-    ASSERT_TRUE(writer->Write(data));
-    ASSERT_TRUE(writer->Write(data));
+    data.mutable_data()->assign(kMiB, '\0');
+    for (int i = 0; i < 16; ++i) ASSERT_TRUE(writer->Write(data));
     writer->WritesDone();
     KVMESH_ASSERT_OK(writer->Finish());
   }
-  // A Read of all 4 MiB cannot be held in flight; half of it can.
+  // A Read of all 64 MiB cannot be held in flight; half of it can.
   ReadOutput read;
   const grpc::Status whole = Read(*stub, ReadRequest("small", 0), &read);
   EXPECT_EQ(whole.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(whole);
   EXPECT_THAT(whole.error_message(),
-              AllOf(HasSubstr("Read of 4194304 payload bytes"), HasSubstr("whole in-flight")));
-  KVMESH_EXPECT_OK(Read(*stub, ReadRequest("small", 0, 0, 256), &read));
-  EXPECT_EQ(read.payload.size(), 256 * kBigTokenBytes);
+              AllOf(HasSubstr("Read of 67108864 payload bytes"), HasSubstr("whole in-flight")));
+  KVMESH_EXPECT_OK(Read(*stub, ReadRequest("small", 0, 0, 4096), &read));
+  EXPECT_EQ(read.payload.size(), 4096 * kBigTokenBytes);
   stub.reset();
   StopLimitsNode(std::move(node));
 }
