@@ -81,7 +81,7 @@ void Client::ChaosAppend(const v1::CacheSpec& spec, int node, int64_t seq, bool 
   const std::string kind =
       absl::StrCat("c:", stream ? "AppendStream" : "Append", speculative ? ".speculative" : "");
   int32_t& hint = Hint(spec.name(), node, seq);
-  const int32_t count = RandIn(1, std::min<int32_t>(8, spec.max_batch()));
+  const int32_t count = RandIn(1, std::min<int32_t>(16, spec.max_batch()));
   std::vector<int32_t> positions;
   for (int32_t i = 0; i < count; ++i) positions.push_back(hint + i);
   const uint64_t seed = NextSeed();
@@ -106,8 +106,8 @@ void Client::ChaosAppend(const v1::CacheSpec& spec, int node, int64_t seq, bool 
             [&](grpc::ClientContext* c) { return cache_[node]->Append(c, request, &response); });
   }
   Expect(kind, s, With(kMutation),
-         absl::StrCat("append [", hint, ", ", hint + count, ") to seq ", seq, " of ",
-                      spec.name(), " on ", Where(node)));
+         absl::StrCat("append [", hint, ", ", hint + count, ") to seq ", seq, " of ", spec.name(),
+                      " on ", Where(node)));
   if (s.ok()) {
     hint += count;
   } else if (s.error_code() == StatusCode::INVALID_ARGUMENT) {
@@ -136,8 +136,7 @@ void Client::ChaosRead(const v1::CacheSpec& spec, int node, int64_t seq) {
     }
     return reader->Finish();
   });
-  const std::string what =
-      absl::StrCat("read seq ", seq, " of ", spec.name(), " on ", Where(node));
+  const std::string what = absl::StrCat("read seq ", seq, " of ", spec.name(), " on ", Where(node));
   if (!Expect(kind, s, With({StatusCode::OK}), what) || !s.ok()) return;
   const std::string diff = CheckReadShape(spec, header, payload);
   if (!diff.empty()) Fail(kind, absl::StrCat(what, ": ", diff));
@@ -185,12 +184,12 @@ void Client::ChaosScratch(int node) {
 
 void Client::Chaos() {
   const bool hybrid = Chance(50);
-  const v1::CacheSpec& spec =
-      hybrid ? shared_->chaos_hybrid_spec : shared_->chaos_attention_spec;
+  const v1::CacheSpec& spec = hybrid ? shared_->chaos_hybrid_spec : shared_->chaos_attention_spec;
   const std::string& cache = spec.name();
   const int n = static_cast<int>(Rand(2));
   const int m = 1 - n;
-  const int64_t seq = static_cast<int64_t>(Rand(kChaosSeqIds));
+  // Mostly a few sequences every client works on, sometimes beyond max_sequences.
+  const int64_t seq = static_cast<int64_t>(Chance(90) ? Rand(6) : Rand(kChaosSeqIds));
   const int draw = static_cast<int>(Rand(1000));
   // A fifth of the mutations run with a deadline of a few milliseconds: cancelled mid-way, or
   // not, they must leave a consistent cache (the Reads and the verified clients would see it).
@@ -226,11 +225,11 @@ void Client::Chaos() {
       return cache_[n]->Visible(c, request, &response);
     });
     const std::string what = absl::StrCat("visible group ", request.group(), " of ", where);
-    if (Expect("c:Visible", s,
-               With({recurrent ? StatusCode::INVALID_ARGUMENT : StatusCode::OK}), what) &&
+    if (Expect("c:Visible", s, With({recurrent ? StatusCode::INVALID_ARGUMENT : StatusCode::OK}),
+               what) &&
         s.ok() && response.visible_size() != queries) {
-      Fail("c:Visible", absl::StrCat(what, ": ", response.visible_size(), " answers to ",
-                                     queries, " queries"));
+      Fail("c:Visible",
+           absl::StrCat(what, ": ", response.visible_size(), " answers to ", queries, " queries"));
     }
     return;
   }
@@ -245,8 +244,7 @@ void Client::Chaos() {
     if (remote) request.set_source_node(shared_->nodes[m].name);
     v1::CopyPrefixResponse response;
     const grpc::Status s = Rpc(
-        kind,
-        [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, request, &response); },
+        kind, [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, request, &response); },
         timeout);
     Expect(kind, s, allowed(remote ? Remote(kMutation) : With(kMutation)),
            absl::StrCat("copy ", request.ShortDebugString(), " on ", Where(n)));
@@ -325,10 +323,14 @@ void Client::Chaos() {
         kind, [&](grpc::ClientContext* c) { return cache_[n]->Snapshot(c, request, &response); },
         timeout);
     Expect(kind, s, allowed(With(kMutation)), absl::StrCat("snapshot seq ", seq, " of ", where));
+    if (s.ok()) snapshot_hints_[{cache, n}] = response.snapshot().id();
     return;
   }
-  // Snapshot ids are per cache and small: guesses hit often.
-  const uint64_t snapshot_id = 1 + Rand(64);
+  // Snapshot ids are per cache and grow: guesses near the last one seen hit often.
+  uint64_t& last_id = snapshot_hints_[{cache, n}];
+  const uint64_t snapshot_id =
+      last_id == 0 ? 1 + Rand(8)
+                   : std::max<int64_t>(1, static_cast<int64_t>(last_id) - 16) + Rand(19);
   if (draw < 760) {
     const std::string kind = absl::StrCat("c:Restore", suffix);
     v1::RestoreRequest request;
@@ -344,7 +346,8 @@ void Client::Chaos() {
     return;
   }
   if (draw < 800) {
-    const int what = static_cast<int>(Rand(4));
+    // Drops outnumber the rest, so that the shared caches' snapshots do not fill the pool.
+    const int what = static_cast<int>(Rand(5));
     grpc::Status s;
     std::string kind;
     if (what == 0) {
@@ -367,7 +370,7 @@ void Client::Chaos() {
       s = Rpc(kind, [&](grpc::ClientContext* c) {
         return cache_[n]->SplitSnapshot(c, request, &response);
       });
-    } else if (what == 2) {
+    } else if (what <= 3) {
       kind = "c:DropSnapshot";
       v1::DropSnapshotRequest request;
       request.set_cache(cache);
@@ -384,6 +387,9 @@ void Client::Chaos() {
       s = Rpc(kind, [&](grpc::ClientContext* c) {
         return cache_[n]->ListSnapshots(c, request, &response);
       });
+      if (s.ok() && response.snapshots_size() > 0) {
+        last_id = response.snapshots(response.snapshots_size() - 1).id();
+      }
     }
     Expect(kind, s, With({StatusCode::OK, StatusCode::INVALID_ARGUMENT, StatusCode::ABORTED}),
            absl::StrCat("snapshot ", snapshot_id, " of ", where));
@@ -398,9 +404,7 @@ void Client::Chaos() {
     v1::CommitSpeculationResponse response;
     const grpc::Status s = Rpc(
         kind,
-        [&](grpc::ClientContext* c) {
-          return cache_[n]->CommitSpeculation(c, request, &response);
-        },
+        [&](grpc::ClientContext* c) { return cache_[n]->CommitSpeculation(c, request, &response); },
         timeout);
     Expect(kind, s, allowed(With(kMutation)), absl::StrCat("commit seq ", seq, " of ", where));
     if (s.ok()) Hint(cache, n, seq) = response.offset();

@@ -17,15 +17,15 @@ namespace soak {
 namespace {
 
 using grpc::StatusCode;
-using testutil::TokenId;
 using testutil::StateId;
+using testutil::TokenId;
 
 // Error messages longer than this are a failure: kvmesh names bad values, but must never echo
 // what a client sent (a 10 KB name would no longer fit in gRPC's metadata).
 constexpr size_t kMaxMessageBytes = 2048;
 
 constexpr int kMaxSnapshots = 6;  // per node of the client's own cache
-constexpr int64_t kSeqIds = 10;    // sequence ids the client uses: more than max_sequences
+constexpr int64_t kSeqIds = 10;   // sequence ids the client uses: more than max_sequences
 
 bool Contains(const Codes& codes, StatusCode code) {
   return std::find(codes.begin(), codes.end(), code) != codes.end();
@@ -228,16 +228,26 @@ void Client::CreateOwn(int node) {
   const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
     return cache_[node]->CreateCache(c, request, &response);
   });
-  if (Ambiguous(s, kind)) return;
+  if (IsAmbiguous(s.error_code())) {
+    // Not a resync (which would create again, and again while a node is down): the next
+    // CreateOwn accepts a cache that exists already.
+    if (s.error_code() == StatusCode::DEADLINE_EXCEEDED) {
+      Fail(kind, absl::StrCat("no answer within ", absl::FormatDuration(kCallTimeout), " from ",
+                              Where(node)));
+    }
+    create_uncertain_[node] = true;
+    return;
+  }
   // The memory budget is shared with the other clients' caches and the scratch caches.
   if (!Expect(kind, s, {StatusCode::OK, StatusCode::RESOURCE_EXHAUSTED},
               absl::StrCat("create ", own_.name, " on ", Where(node)))) {
     return;
   }
   if (s.ok()) {
-    if (!response.created()) {
+    if (!response.created() && !create_uncertain_[node]) {
       Fail(kind, absl::StrCat(own_.name, " on ", Where(node), " existed already"));
     }
+    create_uncertain_[node] = false;
     own_.nodes[node] = NodeModel();
     own_.nodes[node].exists = true;
     max_snapshot_id_[node] = 0;
@@ -254,12 +264,16 @@ void Client::Recreate(const std::string& why) {
     const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
       return cache_[n]->DeleteCache(c, request, &response);
     });
-    // After an ambiguous call the model may be wrong about the cache's existence too.
-    const Codes allowed = why == "resync" ? Codes{StatusCode::OK, StatusCode::NOT_FOUND}
+    // After an ambiguous call the model may be wrong about the cache's existence too; a node
+    // that does not answer is left for the sampler to report.
+    const Codes allowed = why == "resync" || create_uncertain_[n]
+                              ? Codes{StatusCode::OK, StatusCode::NOT_FOUND,
+                                      StatusCode::UNAVAILABLE, StatusCode::DEADLINE_EXCEEDED}
                           : own_.nodes[n].exists ? Codes{StatusCode::OK}
                                                  : Codes{StatusCode::NOT_FOUND};
     Expect(kind, s, allowed, absl::StrCat("delete ", own_.name, " on ", Where(n), " (", why, ")"));
   }
+  create_uncertain_ = {false, false};
   ++generation_;
   own_ = CacheModel();
   own_.name = absl::StrCat("soak-c", index_, "-g", generation_);
@@ -366,14 +380,14 @@ void Client::VAppend(bool stream) {
   const std::vector<int32_t> positions = AppendPositions(model, count);
   const uint64_t seed = NextSeed();
   const v1::AppendRequest request = testutil::MakeAppend(own_.spec, seq, positions, seed);
-  const bool full = model == nullptr &&
-                    static_cast<int32_t>(node.seqs.size()) >= kModelMaxSequences;
+  const bool full =
+      model == nullptr && static_cast<int32_t>(node.seqs.size()) >= kModelMaxSequences;
   v1::AppendResponse response;
   grpc::Status s;
   if (stream) {
     const size_t size = request.payload().size();
-    const std::vector<v1::AppendStreamRequest> messages = testutil::StreamMessages(
-        request, Rand(size + 1), 1 + Rand(std::max<size_t>(1, size / 2)));
+    const std::vector<v1::AppendStreamRequest> messages =
+        testutil::StreamMessages(request, Rand(size + 1), 1 + Rand(std::max<size_t>(1, size / 2)));
     s = Rpc(kind, [&](grpc::ClientContext* c) {
       auto writer = cache_[n]->AppendStream(c, &response);
       for (const v1::AppendStreamRequest& m : messages) {
@@ -386,11 +400,10 @@ void Client::VAppend(bool stream) {
     s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Append(c, request, &response); });
   }
   if (Ambiguous(s, kind)) return;
-  const std::string what = absl::StrCat("append ", positions.size(), " tokens [",
-                                        absl::StrJoin(positions, ","), "] to seq ", seq, " of ",
-                                        own_.name, " on ", Where(n));
-  if (!Expect(kind, s, {full ? StatusCode::RESOURCE_EXHAUSTED : StatusCode::OK}, what) ||
-      !s.ok()) {
+  const std::string what =
+      absl::StrCat("append ", positions.size(), " tokens [", absl::StrJoin(positions, ","),
+                   "] to seq ", seq, " of ", own_.name, " on ", Where(n));
+  if (!Expect(kind, s, {full ? StatusCode::RESOURCE_EXHAUSTED : StatusCode::OK}, what) || !s.ok()) {
     return;
   }
   SeqModel& updated = node.seqs[seq];
@@ -434,9 +447,9 @@ void Client::ReadAndCheck(const std::string& kind, int node, const std::string& 
     return reader->Finish();
   });
   if (kind.rfind("v:", 0) == 0 && &cache_model == &own_ && Ambiguous(s, kind)) return;
-  const std::string what =
-      absl::StrCat("read seq ", seq, " [", begin, ", ", end.has_value() ? absl::StrCat(*end) : "end",
-                   ") of ", cache, " on ", Where(node));
+  const std::string what = absl::StrCat("read seq ", seq, " [", begin, ", ",
+                                        end.has_value() ? absl::StrCat(*end) : "end", ") of ",
+                                        cache, " on ", Where(node));
   if (!Expect(kind, s, {model == nullptr ? StatusCode::NOT_FOUND : StatusCode::OK}, what) ||
       !s.ok()) {
     return;
@@ -496,9 +509,8 @@ void Client::VVisible() {
     models.push_back(model);
   }
   v1::VisibleResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->Visible(c, request, &response);
-  });
+  const grpc::Status s =
+      Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Visible(c, request, &response); });
   const std::string what =
       absl::StrCat("visible group ", group, " of ", own_.name, " on ", Where(n));
   if (!Expect(kind, s, {invalid ? StatusCode::INVALID_ARGUMENT : StatusCode::OK}, what) ||
@@ -564,9 +576,8 @@ void Client::VCopyLocal() {
   request.set_length(length);
   if (Chance(20)) request.set_source_node(shared_->nodes[n].name);  // this node: local
   v1::CopyPrefixResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->CopyPrefix(c, request, &response);
-  });
+  const grpc::Status s = Rpc(
+      kind, [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, request, &response); });
   if (Ambiguous(s, kind)) return;
   const std::string what = absl::StrCat("copy seq ", src, " -> ", dst, " length ", length, " of ",
                                         own_.name, " on ", Where(n));
@@ -588,7 +599,7 @@ void Client::VCopyRemote() {
   auto it = own_.nodes[m].seqs.find(src);
   const SeqModel* model = it == own_.nodes[m].seqs.end() ? nullptr : &it->second;
   const int32_t offset = model == nullptr ? 0 : model->offset();
-  const int32_t length = Chance(5)                          ? 0
+  const int32_t length = Chance(5)                     ? 0
                          : own_.hybrid() && Chance(80) ? RandIn(offset, offset + 2)
                                                        : RandIn(0, offset + 2);
   SeqModel result;
@@ -617,13 +628,11 @@ void Client::VCopyRemote() {
   request.set_length(length);
   request.set_source_node(shared_->nodes[m].name);
   v1::CopyPrefixResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->CopyPrefix(c, request, &response);
-  });
+  const grpc::Status s = Rpc(
+      kind, [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, request, &response); });
   if (Ambiguous(s, kind)) return;
-  const std::string what =
-      absl::StrCat("copy seq ", src, " of ", Where(m), " -> seq ", dst, " of ", Where(n),
-                   " length ", length, " (", own_.name, ")");
+  const std::string what = absl::StrCat("copy seq ", src, " of ", Where(m), " -> seq ", dst, " of ",
+                                        Where(n), " length ", length, " (", own_.name, ")");
   if (!Expect(kind, s, expected, what) || !s.ok()) return;
   if (result.rows.empty()) {
     node.seqs.erase(dst);
@@ -654,9 +663,8 @@ void Client::VRemove(bool middle) {
   request.set_begin(begin);
   if (end.has_value()) request.set_end(*end);
   v1::RemoveResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->Remove(c, request, &response);
-  });
+  const grpc::Status s =
+      Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Remove(c, request, &response); });
   if (Ambiguous(s, kind)) return;
   const std::string what =
       absl::StrCat("remove [", begin, ", ", end.has_value() ? absl::StrCat(*end) : "end",
@@ -686,15 +694,14 @@ void Client::VCanResume() {
   request.set_seq(seq);
   request.set_pos(pos);
   v1::CanResumeResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->CanResume(c, request, &response);
-  });
+  const grpc::Status s = Rpc(
+      kind, [&](grpc::ClientContext* c) { return cache_[n]->CanResume(c, request, &response); });
   const std::string what =
       absl::StrCat("can-resume seq ", seq, " at ", pos, " of ", own_.name, " on ", Where(n));
   if (!Expect(kind, s, {StatusCode::OK}, what)) return;
   if (response.can_resume() != want) {
-    Fail(kind, absl::StrCat(what, ": ", response.can_resume(), ", expected ", want,
-                            " (offset ", offset, ")"));
+    Fail(kind, absl::StrCat(what, ": ", response.can_resume(), ", expected ", want, " (offset ",
+                            offset, ")"));
   }
 }
 
@@ -719,9 +726,8 @@ void Client::VGetCache() {
   v1::GetCacheRequest request;
   request.set_cache(own_.name);
   v1::GetCacheResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->GetCache(c, request, &response);
-  });
+  const grpc::Status s =
+      Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->GetCache(c, request, &response); });
   const std::string what = absl::StrCat("get ", own_.name, " on ", Where(n));
   if (!Expect(kind, s, {StatusCode::OK}, what)) return;
   const v1::CacheUsage& usage = response.cache().usage();
@@ -729,10 +735,10 @@ void Client::VGetCache() {
   if (usage.sequences_live() != static_cast<int32_t>(node.seqs.size()) ||
       usage.snapshots() != static_cast<int32_t>(node.snaps.size()) ||
       testutil::EngineSpec(response.cache().spec()) != own_.engine) {
-    Fail(kind, absl::StrCat(what, ": ", usage.sequences_live(), " live sequences and ",
-                            usage.snapshots(), " snapshots, expected ", node.seqs.size(), " and ",
-                            node.snaps.size(), "; spec ",
-                            Short(response.cache().spec().ShortDebugString())));
+    Fail(kind,
+         absl::StrCat(what, ": ", usage.sequences_live(), " live sequences and ", usage.snapshots(),
+                      " snapshots, expected ", node.seqs.size(), " and ", node.snaps.size(),
+                      "; spec ", Short(response.cache().spec().ShortDebugString())));
   }
 }
 
@@ -774,12 +780,11 @@ void Client::VSnapshot() {
   request.set_seq(seq);
   request.set_from_offset(from);
   v1::SnapshotResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->Snapshot(c, request, &response);
-  });
+  const grpc::Status s =
+      Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Snapshot(c, request, &response); });
   if (Ambiguous(s, kind)) return;
-  const std::string what = absl::StrCat("snapshot seq ", seq, " from ", from, " of ", own_.name,
-                                        " on ", Where(n));
+  const std::string what =
+      absl::StrCat("snapshot seq ", seq, " from ", from, " of ", own_.name, " on ", Where(n));
   if (!Expect(kind, s, expected, what) || !s.ok()) return;
   SnapModel snap;
   snap.seq = seq;
@@ -843,9 +848,8 @@ void Client::VRestore() {
   request.set_snapshot_id(id);
   request.set_target(target);
   v1::RestoreResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->Restore(c, request, &response);
-  });
+  const grpc::Status s =
+      Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Restore(c, request, &response); });
   if (Ambiguous(s, kind)) return;
   const std::string what =
       absl::StrCat("restore snapshot ", id, " [", snap.from, ", ", snap.to, ") into seq ", seq,
@@ -872,14 +876,13 @@ void Client::VRestoreLive() {
   request.set_seq(seq);
   request.set_target(target);
   v1::RestoreResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->Restore(c, request, &response);
-  });
+  const grpc::Status s =
+      Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Restore(c, request, &response); });
   if (Ambiguous(s, kind)) return;
   const std::string what = absl::StrCat("rewind seq ", seq, " (offset ", offset, ") to ", target,
                                         " of ", own_.name, " on ", Where(n));
-  if (!Expect(kind, s, {ok ? StatusCode::OK : StatusCode::FAILED_PRECONDITION}, what) ||
-      !s.ok() || it == node.seqs.end()) {
+  if (!Expect(kind, s, {ok ? StatusCode::OK : StatusCode::FAILED_PRECONDITION}, what) || !s.ok() ||
+      it == node.seqs.end()) {
     return;
   }
   if (!ApplyRemove(own_.flavour, &it->second, target, std::nullopt)) node.seqs.erase(it);
@@ -977,15 +980,15 @@ void Client::VSplit() {
   if (!Expect(kind, s, {StatusCode::OK}, what)) return;
   node.snaps.erase(id);
   if (response.has_parent() != parent.has_value() || response.has_child() != child.has_value()) {
-    Fail(kind, absl::StrCat(what, ": parent ", response.has_parent(), " child ",
-                            response.has_child(), ", expected ", parent.has_value(), " and ",
-                            child.has_value()));
+    Fail(kind,
+         absl::StrCat(what, ": parent ", response.has_parent(), " child ", response.has_child(),
+                      ", expected ", parent.has_value(), " and ", child.has_value()));
     return Resync(kind);
   }
   // Both results get ids above every earlier one, in either order.
   const uint64_t before = max_snapshot_id_[n];
-  for (auto [info, model] : {std::make_pair(&response.parent(), &parent),
-                             std::make_pair(&response.child(), &child)}) {
+  for (auto [info, model] :
+       {std::make_pair(&response.parent(), &parent), std::make_pair(&response.child(), &child)}) {
     if (!model->has_value()) continue;
     if (info->id() <= before || node.snaps.count(info->id()) > 0) {
       Fail(kind, absl::StrCat(what, ": new id ", info->id(), " is not above ", before));
@@ -1013,9 +1016,8 @@ void Client::VDrop() {
   request.set_cache(own_.name);
   request.set_snapshot_id(id);
   v1::DropSnapshotResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->DropSnapshot(c, request, &response);
-  });
+  const grpc::Status s = Rpc(
+      kind, [&](grpc::ClientContext* c) { return cache_[n]->DropSnapshot(c, request, &response); });
   if (Ambiguous(s, kind)) return;
   if (!Expect(kind, s, {known ? StatusCode::OK : StatusCode::NOT_FOUND},
               absl::StrCat("drop snapshot ", id, " of ", own_.name, " on ", Where(n)))) {
@@ -1077,13 +1079,12 @@ void Client::VMigrate() {
   request.set_target_seq(target_seq);
   request.set_keep_source(keep);
   v1::MigrateResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->Migrate(c, request, &response);
-  });
+  const grpc::Status s =
+      Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Migrate(c, request, &response); });
   if (Ambiguous(s, kind)) return;
-  const std::string what = absl::StrCat("migrate seq ", seq, " of ", Where(n), " to seq ",
-                                        target_seq, " of ", Where(m), keep ? " (keep)" : "",
-                                        " (", own_.name, ")");
+  const std::string what =
+      absl::StrCat("migrate seq ", seq, " of ", Where(n), " to seq ", target_seq, " of ", Where(m),
+                   keep ? " (keep)" : "", " (", own_.name, ")");
   if (!Expect(kind, s, expected, what) || !s.ok()) return;
   target.seqs[target_seq] = *model;
   if (!keep) source.seqs.erase(seq);
@@ -1112,8 +1113,8 @@ void Client::VMigrateSnapshot() {
     return cache_[n]->MigrateSnapshot(c, request, &response);
   });
   if (Ambiguous(s, kind)) return;
-  const std::string what = absl::StrCat("migrate snapshot ", id, " of ", Where(n), " to ",
-                                        Where(m), keep ? " (keep)" : "", " (", own_.name, ")");
+  const std::string what = absl::StrCat("migrate snapshot ", id, " of ", Where(n), " to ", Where(m),
+                                        keep ? " (keep)" : "", " (", own_.name, ")");
   if (!Expect(kind, s, {StatusCode::OK, StatusCode::RESOURCE_EXHAUSTED}, what) || !s.ok()) {
     return;
   }
@@ -1146,16 +1147,15 @@ void Client::VSpeculate() {
   const uint64_t seed = NextSeed();
   const v1::AppendRequest request =
       testutil::MakeSpeculativeAppend(own_.spec, seq, positions, seed);
-  const bool full = model == nullptr &&
-                    static_cast<int32_t>(node.seqs.size()) >= kModelMaxSequences;
+  const bool full =
+      model == nullptr && static_cast<int32_t>(node.seqs.size()) >= kModelMaxSequences;
   v1::AppendResponse response;
   grpc::Status s =
       Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Append(c, request, &response); });
   if (Ambiguous(s, kind)) return;
   const std::string what = absl::StrCat("speculate [", absl::StrJoin(positions, ","), "] on seq ",
                                         seq, " of ", own_.name, " on ", Where(n));
-  if (!Expect(kind, s, {full ? StatusCode::RESOURCE_EXHAUSTED : StatusCode::OK}, what) ||
-      !s.ok()) {
+  if (!Expect(kind, s, {full ? StatusCode::RESOURCE_EXHAUSTED : StatusCode::OK}, what) || !s.ok()) {
     return;
   }
   // Pending tokens are read back like stored ones; a Recurrent state is the last token's.
@@ -1192,9 +1192,9 @@ void Client::VSpeculate() {
     return Resync("v:CommitSpeculation");
   }
   if (committed_response.offset() != committed.offset()) {
-    Fail("v:CommitSpeculation", absl::StrCat(what, ", commit ", accepted, ": offset ",
-                                             committed_response.offset(), ", expected ",
-                                             committed.offset()));
+    Fail("v:CommitSpeculation",
+         absl::StrCat(what, ", commit ", accepted, ": offset ", committed_response.offset(),
+                      ", expected ", committed.offset()));
   }
   if (committed.rows.empty()) {
     node.seqs.erase(seq);

@@ -105,7 +105,7 @@ class Client {
   std::string Where(int node) const;
 
   // Random helpers.
-  uint64_t Rand(uint64_t n);  // [0, n)
+  uint64_t Rand(uint64_t n);               // [0, n)
   int32_t RandIn(int32_t lo, int32_t hi);  // [lo, hi]
   bool Chance(int percent);
   uint64_t NextSeed();
@@ -185,6 +185,10 @@ class Client {
 
   // Chaos: the offset each (cache, node, seq) was last seen at.
   std::map<std::tuple<std::string, int, int64_t>, int32_t> hints_;
+  // Chaos: the last snapshot id each (cache, node) was seen to give.
+  std::map<std::pair<std::string, int>, uint64_t> snapshot_hints_;
+  // A CreateCache of the own cache that ended ambiguously (the cache may exist).
+  std::array<bool, 2> create_uncertain_{};
   uint64_t bad_names_ = 0;
 };
 

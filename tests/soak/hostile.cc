@@ -85,29 +85,69 @@ void Client::HMalformedSpec() {
   const int mutation = static_cast<int>(Rand(36));
   bool valid_name = true;
   switch (mutation) {
-    case 0: spec.set_max_sequences(0); break;
-    case 1: spec.set_max_sequences((1 << 20) + 1); break;
-    case 2: spec.set_capacity(0); break;
-    case 3: spec.set_capacity(-5); break;
-    case 4: spec.set_max_batch(0); break;
-    case 5: spec.set_max_batch((1 << 24) + 1); break;
-    case 6: spec.clear_groups(); break;
+    case 0:
+      spec.set_max_sequences(0);
+      break;
+    case 1:
+      spec.set_max_sequences((1 << 20) + 1);
+      break;
+    case 2:
+      spec.set_capacity(0);
+      break;
+    case 3:
+      spec.set_capacity(-5);
+      break;
+    case 4:
+      spec.set_max_batch(0);
+      break;
+    case 5:
+      spec.set_max_batch((1 << 24) + 1);
+      break;
+    case 6:
+      spec.clear_groups();
+      break;
     case 7:
       while (spec.groups_size() <= 64) *spec.add_groups() = spec.groups(0);
       break;
-    case 8: spec.mutable_groups(1)->clear_kind(); break;
-    case 9: attention.set_num_layers(0); break;
-    case 10: attention.set_num_layers(1025); break;
-    case 11: attention.mutable_attention()->set_num_kv_heads(0); break;
-    case 12: attention.mutable_attention()->set_num_kv_heads(4097); break;
-    case 13: attention.mutable_attention()->set_head_dim_k(0); break;
-    case 14: attention.mutable_attention()->set_head_dim_v(8193); break;
-    case 15: rope.set_dims(3); break;
-    case 16: rope.set_dims(attention.attention().head_dim_k() + 2); break;
-    case 17: rope.set_base(0); break;
-    case 18: rope.set_base(std::numeric_limits<float>::quiet_NaN()); break;
-    case 19: rope.set_freq_scale(-1); break;
-    case 20: rope.set_freq_scale(std::numeric_limits<float>::infinity()); break;
+    case 8:
+      spec.mutable_groups(1)->clear_kind();
+      break;
+    case 9:
+      attention.set_num_layers(0);
+      break;
+    case 10:
+      attention.set_num_layers(1025);
+      break;
+    case 11:
+      attention.mutable_attention()->set_num_kv_heads(0);
+      break;
+    case 12:
+      attention.mutable_attention()->set_num_kv_heads(4097);
+      break;
+    case 13:
+      attention.mutable_attention()->set_head_dim_k(0);
+      break;
+    case 14:
+      attention.mutable_attention()->set_head_dim_v(8193);
+      break;
+    case 15:
+      rope.set_dims(3);
+      break;
+    case 16:
+      rope.set_dims(attention.attention().head_dim_k() + 2);
+      break;
+    case 17:
+      rope.set_base(0);
+      break;
+    case 18:
+      rope.set_base(std::numeric_limits<float>::quiet_NaN());
+      break;
+    case 19:
+      rope.set_freq_scale(-1);
+      break;
+    case 20:
+      rope.set_freq_scale(std::numeric_limits<float>::infinity());
+      break;
     case 21:
       spec.mutable_groups(1)->mutable_attention()->mutable_window()->mutable_sliding()->set_window(
           0);
@@ -116,18 +156,45 @@ void Client::HMalformedSpec() {
       spec.mutable_groups(1)->mutable_attention()->mutable_window()->mutable_sliding()->set_memory(
           3);
       break;
-    case 23: attention.mutable_attention()->mutable_window()->mutable_chunked()->set_chunk(0); break;
-    case 24: spec.mutable_groups(2)->mutable_rotating()->set_max_size(0); break;
-    case 25: spec.mutable_groups(2)->mutable_rotating()->set_max_size(spec.capacity() + 1); break;
-    case 26: spec.mutable_groups(3)->mutable_recurrent()->set_conv_tail(0); break;
-    case 27: spec.mutable_groups(3)->mutable_recurrent()->set_conv_dim((1 << 20) + 1); break;
-    case 28: spec.mutable_groups(3)->mutable_recurrent()->set_num_v_heads(0); break;
-    case 29: spec.set_dtype(v1::DTYPE_UNSPECIFIED); break;
-    case 30: spec.set_dtype(static_cast<v1::DType>(99)); break;
-    case 31: rope.set_type(static_cast<v1::RopeType>(7)); break;
-    case 32: spec.set_name(""); valid_name = false; break;
-    case 33: spec.set_name(absl::StrCat("soak bad/", index_)); valid_name = false; break;
-    case 34: spec.set_name(LongName(129, NextSeed())); valid_name = false; break;
+    case 23:
+      attention.mutable_attention()->mutable_window()->mutable_chunked()->set_chunk(0);
+      break;
+    case 24:
+      spec.mutable_groups(2)->mutable_rotating()->set_max_size(0);
+      break;
+    case 25:
+      spec.mutable_groups(2)->mutable_rotating()->set_max_size(spec.capacity() + 1);
+      break;
+    case 26:
+      spec.mutable_groups(3)->mutable_recurrent()->set_conv_tail(0);
+      break;
+    case 27:
+      spec.mutable_groups(3)->mutable_recurrent()->set_conv_dim((1 << 20) + 1);
+      break;
+    case 28:
+      spec.mutable_groups(3)->mutable_recurrent()->set_num_v_heads(0);
+      break;
+    case 29:
+      spec.set_dtype(v1::DTYPE_UNSPECIFIED);
+      break;
+    case 30:
+      spec.set_dtype(static_cast<v1::DType>(99));
+      break;
+    case 31:
+      rope.set_type(static_cast<v1::RopeType>(7));
+      break;
+    case 32:
+      spec.set_name("");
+      valid_name = false;
+      break;
+    case 33:
+      spec.set_name(absl::StrCat("soak bad/", index_));
+      valid_name = false;
+      break;
+    case 34:
+      spec.set_name(LongName(129, NextSeed()));
+      valid_name = false;
+      break;
     default:
       // 2^24 cells per group at most.
       spec.set_max_sequences(1 << 20);
@@ -137,12 +204,10 @@ void Client::HMalformedSpec() {
   v1::CreateCacheRequest request;
   if (!Chance(3)) *request.mutable_spec() = spec;  // else no spec at all
   v1::CreateCacheResponse response;
-  const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    return cache_[n]->CreateCache(c, request, &response);
-  });
-  const std::string what =
-      absl::StrCat("mutation ", mutation, " (", Short(request.ShortDebugString(), 200), ") on ",
-                   Where(n));
+  const grpc::Status s = Rpc(
+      kind, [&](grpc::ClientContext* c) { return cache_[n]->CreateCache(c, request, &response); });
+  const std::string what = absl::StrCat("mutation ", mutation, " (",
+                                        Short(request.ShortDebugString(), 200), ") on ", Where(n));
   if (!Expect(kind, s, kInvalid, what) || !valid_name) return;
   // All-or-nothing: nothing was created.
   v1::GetCacheRequest get;
@@ -161,8 +226,8 @@ void Client::HBadAppend() {
   const int64_t seq = PickSeq(node, 90);
   auto it = node.seqs.find(seq);
   const SeqModel* model = it == node.seqs.end() ? nullptr : &it->second;
-  const bool full = model == nullptr &&
-                    static_cast<int32_t>(node.seqs.size()) >= kModelMaxSequences;
+  const bool full =
+      model == nullptr && static_cast<int32_t>(node.seqs.size()) >= kModelMaxSequences;
   std::vector<int32_t> positions = AppendPositions(model, RandIn(2, 4));
   const int mutation = static_cast<int>(Rand(11));
   std::string label;
@@ -238,8 +303,8 @@ void Client::HBadAppend() {
   Codes allowed = kInvalid;
   if (full) allowed.push_back(StatusCode::RESOURCE_EXHAUSTED);
   Expect(kind, s, allowed,
-         absl::StrCat("append ", Short(request.ShortDebugString(), 160), " to ", own_.name,
-                      " on ", Where(n)));
+         absl::StrCat("append ", Short(request.ShortDebugString(), 160), " to ", own_.name, " on ",
+                      Where(n)));
 }
 
 void Client::HBadStreamInline() {
@@ -249,8 +314,8 @@ void Client::HBadStreamInline() {
   const int64_t seq = PickSeq(node, 90);
   auto it = node.seqs.find(seq);
   const SeqModel* model = it == node.seqs.end() ? nullptr : &it->second;
-  const bool full = model == nullptr &&
-                    static_cast<int32_t>(node.seqs.size()) >= kModelMaxSequences;
+  const bool full =
+      model == nullptr && static_cast<int32_t>(node.seqs.size()) >= kModelMaxSequences;
   const v1::AppendRequest append =
       testutil::MakeAppend(own_.spec, seq, AppendPositions(model, RandIn(1, 4)), NextSeed());
   std::vector<v1::AppendStreamRequest> messages =
@@ -294,8 +359,7 @@ void Client::HBadStreamInline() {
       label = "bytes_mismatch";
       // payload_bytes and the data agree with each other but not with the tokens.
       const int64_t extra = 2 + static_cast<int64_t>(Rand(62));
-      messages[0].mutable_header()->set_payload_bytes(
-          messages[0].header().payload_bytes() + extra);
+      messages[0].mutable_header()->set_payload_bytes(messages[0].header().payload_bytes() + extra);
       messages.emplace_back().set_data(std::string(extra, 'y'));
       break;
     }
@@ -321,8 +385,8 @@ void Client::HBadStreamInline() {
   if (Ambiguous(s, kind)) return;
   Codes allowed = kInvalid;
   if (full && (variant == 1 || variant == 4)) allowed.push_back(StatusCode::RESOURCE_EXHAUSTED);
-  Expect(kind, s, allowed, absl::StrCat("stream to seq ", seq, " of ", own_.name, " on ",
-                                        Where(n)));
+  Expect(kind, s, allowed,
+         absl::StrCat("stream to seq ", seq, " of ", own_.name, " on ", Where(n)));
 }
 
 void Client::HUnknownCache() {
@@ -562,17 +626,20 @@ void Client::HInvalidArguments() {
       } else {
         copy.set_dst_seq(-1);
       }
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, copy, &copied); });
+      s = Rpc(kind,
+              [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, copy, &copied); });
       break;
     case 11:
       kind = "h:CopyPrefix.same_seq";
       copy.set_dst_seq(seq);
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, copy, &copied); });
+      s = Rpc(kind,
+              [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, copy, &copied); });
       break;
     case 12:
       kind = "h:CopyPrefix.not_member";
       copy.set_source_node("mallory");
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, copy, &copied); });
+      s = Rpc(kind,
+              [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, copy, &copied); });
       break;
     case 13: {
       kind = "h:Snapshot.negative";
@@ -624,8 +691,7 @@ void Client::HInvalidArguments() {
       r.set_parent(known_snapshot != 0 ? known_snapshot : 1);
       r.set_child(r.parent());
       v1::MergeSnapshotsResponse out;
-      s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->MergeSnapshots(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->MergeSnapshots(c, r, &out); });
       if (known_snapshot == 0) expected.push_back(StatusCode::NOT_FOUND);
       break;
     }
@@ -680,8 +746,7 @@ void Client::HInvalidArguments() {
       r.set_snapshot_id(known_snapshot != 0 ? known_snapshot : 1);
       r.set_target_node(shared_->nodes[n].name);
       v1::MigrateSnapshotResponse out;
-      s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->MigrateSnapshot(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->MigrateSnapshot(c, r, &out); });
       if (known_snapshot == 0) expected.push_back(StatusCode::NOT_FOUND);
       break;
     }
@@ -934,8 +999,7 @@ void Client::HLongName() {
       r.set_snapshot_id(1);
       r.set_target_node(shared_->nodes[m].name);
       v1::MigrateSnapshotResponse out;
-      s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->MigrateSnapshot(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->MigrateSnapshot(c, r, &out); });
       break;
     }
     case 20:
@@ -966,8 +1030,7 @@ void Client::HLongName() {
   if (s.error_message().size() > 512 ||
       s.error_message().find(name.substr(0, 64)) != std::string::npos) {
     Fail(kind, absl::StrCat(what, ": the message quotes too much of the name (",
-                            s.error_message().size(), " bytes): ",
-                            Short(s.error_message(), 200)));
+                            s.error_message().size(), " bytes): ", Short(s.error_message(), 200)));
   }
 }
 
@@ -1002,8 +1065,8 @@ void Client::HSlowStream() {
   const int n = static_cast<int>(Rand(2));
   const int variant = static_cast<int>(Rand(3));  // 0 idle, 1 unfinished, 2 cancelled
   const int64_t token_bytes = TokenBytes(testutil::EngineSpec(shared_->stream_spec));
-  const int32_t max_tokens = static_cast<int32_t>(
-      std::min<int64_t>(shared_->stream_spec.max_batch(), shared_->options.stream_bytes / token_bytes));
+  const int32_t max_tokens = static_cast<int32_t>(std::min<int64_t>(
+      shared_->stream_spec.max_batch(), shared_->options.stream_bytes / token_bytes));
   // Log-uniform sizes, from one token (16 KiB) to --stream-bytes: small streams fit the
   // in-flight budget and linger, large ones meet it.
   const int32_t tokens = std::max(
@@ -1013,9 +1076,10 @@ void Client::HSlowStream() {
   absl::Duration hold = absl::ZeroDuration();
   const int64_t idle_ms = shared_->options.stream_idle_timeout_ms;
   if (variant == 0) {
-    hold = shared_->support.stream_idle_timeout
-               ? absl::Milliseconds(static_cast<int64_t>(idle_ms * (0.2 + 2.8 * Rand(1000) / 1000.0)))
-               : absl::Milliseconds(1000 + static_cast<int64_t>(Rand(19000)));
+    hold =
+        shared_->support.stream_idle_timeout
+            ? absl::Milliseconds(static_cast<int64_t>(idle_ms * (0.2 + 2.8 * Rand(1000) / 1000.0)))
+            : absl::Milliseconds(1000 + static_cast<int64_t>(Rand(19000)));
   }
   Shared* shared = shared_;
   std::shared_ptr<grpc::Channel> channel = channels_[n];
@@ -1066,10 +1130,10 @@ void Client::HSlowStream() {
       if (!writer->Write(chunk)) {
         const grpc::Status s = writer->Finish();
         check.Record(kind, s, start);
-        check.Expect(kind, s,
-                     {StatusCode::DEADLINE_EXCEEDED, StatusCode::CANCELLED,
-                      StatusCode::RESOURCE_EXHAUSTED},
-                     absl::StrCat(what, ", idle ", absl::FormatDuration(idle)));
+        check.Expect(
+            kind, s,
+            {StatusCode::DEADLINE_EXCEEDED, StatusCode::CANCELLED, StatusCode::RESOURCE_EXHAUSTED},
+            absl::StrCat(what, ", idle ", absl::FormatDuration(idle)));
         return;
       }
       if (shared->support.stream_idle_timeout &&
@@ -1119,8 +1183,8 @@ void Client::HAbandonRead() {
     c->TryCancel();
     return reader->Finish();
   });
-  const std::string what = absl::StrCat("read of the stream fixture on ", Where(n), " after ",
-                                        messages, " messages");
+  const std::string what =
+      absl::StrCat("read of the stream fixture on ", Where(n), " after ", messages, " messages");
   if (!Expect(kind, s, {StatusCode::CANCELLED, StatusCode::OK}, what)) return;
   if (messages > 0 && listed != kStreamFixtureTokens) {
     Fail(kind, absl::StrCat(what, ": the header lists ", listed, " positions, expected ",
@@ -1265,8 +1329,8 @@ void Client::HPeer() {
       });
       expected = {StatusCode::NOT_FOUND};
       if (data > 0) {
-        Fail(kind, absl::StrCat("lease '", request.lease_id(), "' guessed on ", Where(n), ": ", data,
-                                " bytes of another node's export"));
+        Fail(kind, absl::StrCat("lease '", request.lease_id(), "' guessed on ", Where(n), ": ",
+                                data, " bytes of another node's export"));
       }
       break;
     }
@@ -1301,7 +1365,8 @@ void Client::HPeer() {
       request.set_from_node(shared_->nodes[m].name);
       request.set_unique_id(std::string(128, '\0'));
       v1::NcclConnectResponse response;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return peer.NcclConnect(c, request, &response); });
+      s = Rpc(kind,
+              [&](grpc::ClientContext* c) { return peer.NcclConnect(c, request, &response); });
       expected = {StatusCode::FAILED_PRECONDITION};
       break;
     }

@@ -71,8 +71,8 @@ void CheckKRow(const CacheSpec& spec, int group, int layer, int32_t pos, const R
     const size_t tail = (base + dims) * eb;
     const size_t end = (base + a.head_dim_k) * eb;
     if (std::memcmp(want.data() + tail, got + tail, end - tail) != 0) {
-      errors->push_back(absl::StrCat("group ", group, " layer ", layer, " position ", pos,
-                                     " head ", h, ": K bytes past rope dims differ (moved row)"));
+      errors->push_back(absl::StrCat("group ", group, " layer ", layer, " position ", pos, " head ",
+                                     h, ": K bytes past rope dims differ (moved row)"));
       return;
     }
     for (int32_t i = 0; i < half; ++i) {
@@ -89,8 +89,8 @@ void CheckKRow(const CacheSpec& spec, int group, int layer, int32_t pos, const R
       const double norm = std::sqrt(x0 * x0 + x1 * x1);
       if (!(std::fabs(g0 - e0) <= tolerance * norm) || !(std::fabs(g1 - e1) <= tolerance * norm)) {
         errors->push_back(absl::StrCat(
-            "group ", group, " layer ", layer, " position ", pos, " head ", h, " pair ", i,
-            ": K (", g0, ", ", g1, ") but the pattern rotated by ", delta, " is (", e0, ", ", e1,
+            "group ", group, " layer ", layer, " position ", pos, " head ", h, " pair ", i, ": K (",
+            g0, ", ", g1, ") but the pattern rotated by ", delta, " is (", e0, ", ", e1,
             ") (moved ", row.moves, " times, tolerance ", tolerance * norm, ")"));
         return;
       }
@@ -258,8 +258,8 @@ std::string CheckRead(const CacheModel& cache, const SeqModel& seq, int32_t begi
         const std::vector<uint8_t> want =
             testutil::RowBytes(spec, seq.rows.at(pos).id, g, layer, false);
         if (std::memcmp(want.data(), p, v_bytes) != 0) {
-          errors.push_back(absl::StrCat("group ", g, " layer ", layer, " position ", pos,
-                                        ": V bytes differ"));
+          errors.push_back(
+              absl::StrCat("group ", g, " layer ", layer, " position ", pos, ": V bytes differ"));
         }
         p += v_bytes;
       }
@@ -311,9 +311,8 @@ std::string CheckSequences(const CacheModel& cache, const NodeModel& node,
     }
     for (const v1::GroupSequence& g : s.groups()) {
       if (cache.engine.groups[g.group()].kind == GroupKind::kRecurrent) {
-        const v1::StateStatus want_state = model.state == State::kValid
-                                               ? v1::STATE_STATUS_VALID
-                                               : v1::STATE_STATUS_INVALID;
+        const v1::StateStatus want_state =
+            model.state == State::kValid ? v1::STATE_STATUS_VALID : v1::STATE_STATUS_INVALID;
         if (g.state() != want_state) {
           return absl::StrCat("sequence ", s.seq(), " group ", g.group(), ": state ",
                               v1::StateStatus_Name(g.state()), ", expected ",

@@ -44,9 +44,9 @@ inline constexpr int32_t kChunk = 16;  // the kAttention flavour's chunked group
 v1::CacheSpec ModelSpec(const std::string& name, Flavour flavour);
 
 struct Row {
-  uint64_t id = 0;            // pattern id (RowBytes)
-  int32_t appended_pos = 0;   // where it was appended: the K rotation it carries
-  int32_t moves = 0;          // Removes that shifted it
+  uint64_t id = 0;           // pattern id (RowBytes)
+  int32_t appended_pos = 0;  // where it was appended: the K rotation it carries
+  int32_t moves = 0;         // Removes that shifted it
 };
 
 enum class State { kNone, kValid, kInvalid };
@@ -70,7 +70,7 @@ struct SnapModel {
 
 struct NodeModel {
   bool exists = false;
-  std::map<int64_t, SeqModel> seqs;   // live sequences
+  std::map<int64_t, SeqModel> seqs;  // live sequences
   std::map<uint64_t, SnapModel> snaps;
 };
 

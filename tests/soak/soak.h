@@ -50,7 +50,7 @@ struct Options {
   int visible_queries = 20000;
   int32_t long_positions = 16384;
   int64_t stream_bytes = int64_t{256} << 20;  // payload_bytes of the hostile AppendStreams
-  int slow_threads = 6;                        // hostile calls that may linger at once
+  int slow_threads = 6;                       // hostile calls that may linger at once
   absl::Duration progress = absl::Seconds(30);
 };
 
@@ -97,7 +97,7 @@ inline constexpr char kLongCache[] = "soak-long";      // one sequence of long_p
 inline constexpr char kStreamCache[] = "soak-stream";  // hostile streams; a 16 MiB sequence
 inline constexpr char kChaosHybrid[] = "soak-chaos-hybrid";
 inline constexpr char kChaosAttention[] = "soak-chaos-attn";
-inline constexpr int64_t kFixtureSeq = 0;   // the fixtures' sequence nobody changes
+inline constexpr int64_t kFixtureSeq = 0;  // the fixtures' sequence nobody changes
 inline constexpr int32_t kStreamFixtureTokens = 1024;
 
 struct Shared {

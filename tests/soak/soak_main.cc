@@ -60,12 +60,26 @@ namespace kvmesh {
 namespace soak {
 namespace {
 
-constexpr absl::string_view kFlags[] = {
-    "duration",        "clients",         "rate",           "seed",
-    "node-binary",     "memory-budget",   "snapshot-budget", "inflight-budget",
-    "stream-idle-timeout-ms", "max-lease-ms", "max-message-bytes", "overhead",
-    "hostile-percent", "chaos-percent",   "visible-queries", "long-positions",
-    "stream-bytes",    "slow-threads",    "progress",        "help"};
+constexpr absl::string_view kFlags[] = {"duration",
+                                        "clients",
+                                        "rate",
+                                        "seed",
+                                        "node-binary",
+                                        "memory-budget",
+                                        "snapshot-budget",
+                                        "inflight-budget",
+                                        "stream-idle-timeout-ms",
+                                        "max-lease-ms",
+                                        "max-message-bytes",
+                                        "overhead",
+                                        "hostile-percent",
+                                        "chaos-percent",
+                                        "visible-queries",
+                                        "long-positions",
+                                        "stream-bytes",
+                                        "slow-threads",
+                                        "progress",
+                                        "help"};
 
 constexpr char kUsage[] =
     "kvmesh_soak: two kvmesh-node processes under valid, unverifiable and hostile traffic\n"
@@ -127,9 +141,9 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv, bool* help) {
                                                    " must be >= 0 and add up to at most 100"));
   }
   if (queries < 1 || queries > 1000000 || positions < 1 || positions > (1 << 20)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--visible-queries=", queries, " or --long-positions=", positions,
-                     " out of range ([1, 1000000], [1, 1048576])"));
+    return absl::InvalidArgumentError(absl::StrCat("--visible-queries=", queries,
+                                                   " or --long-positions=", positions,
+                                                   " out of range ([1, 1000000], [1, 1048576])"));
   }
   if (slow < 0 || slow > 64) {
     return absl::InvalidArgumentError(absl::StrCat("--slow-threads=", slow, " is not in [0, 64]"));
@@ -166,7 +180,9 @@ absl::StatusOr<NodeSupport> DetectSupport(const std::string& binary) {
     return absl::FailedPreconditionError(
         absl::StrCat(binary, " --helpfull does not list --memory_budget: not a kvmesh-node?"));
   }
-  auto has = [&](const char* flag) { return absl::StrContains(text, absl::StrCat("--", flag, " (")); };
+  auto has = [&](const char* flag) {
+    return absl::StrContains(text, absl::StrCat("--", flag, " ("));
+  };
   NodeSupport s;
   s.inflight_budget = has("inflight_budget");
   s.stream_idle_timeout = has("stream_idle_timeout_ms");
@@ -266,17 +282,16 @@ absl::Status SetUpFixtures(Shared* shared) {
       uint64_t seed;
       int32_t batch;
     };
-    for (const Fill& fill : {Fill{&shared->long_spec, shared->options.long_positions,
-                                  shared->long_seed, 4096},
-                             Fill{&shared->stream_spec, kStreamFixtureTokens, shared->stream_seed,
-                                  256}}) {
+    for (const Fill& fill :
+         {Fill{&shared->long_spec, shared->options.long_positions, shared->long_seed, 4096},
+          Fill{&shared->stream_spec, kStreamFixtureTokens, shared->stream_seed, 256}}) {
       for (int32_t begin = 0; begin < fill.tokens; begin += fill.batch) {
         std::vector<int32_t> positions(std::min(fill.batch, fill.tokens - begin));
         std::iota(positions.begin(), positions.end(), begin);
         const v1::AppendRequest append =
             testutil::MakeAppend(*fill.spec, kFixtureSeq, positions, fill.seed);
-        const grpc::Status s = testutil::AppendStream(
-            *stub, testutil::StreamMessages(append, 1 << 20, 1 << 20));
+        const grpc::Status s =
+            testutil::AppendStream(*stub, testutil::StreamMessages(append, 1 << 20, 1 << 20));
         if (!s.ok()) {
           return absl::InternalError(absl::StrCat("filling ", fill.spec->name(), " on ",
                                                   shared->nodes[n].name, ": ",
@@ -318,8 +333,7 @@ int Main(int argc, char** argv) {
 
   const std::string load_before = LoadAverage();
   if (absl::Status s = StartNodes(shared.get()); !s.ok()) {
-    std::fprintf(stderr, "kvmesh_soak: starting the nodes: %s\n",
-                 std::string(s.message()).c_str());
+    std::fprintf(stderr, "kvmesh_soak: starting the nodes: %s\n", std::string(s.message()).c_str());
     return 2;
   }
   if (absl::Status s = SetUpFixtures(shared.get()); !s.ok()) {
@@ -344,9 +358,9 @@ int Main(int argc, char** argv) {
         testutil::NodeProcess& process = *shared->nodes[n].process;
         if (!process.Running()) {
           const std::string err = process.ReadStderr();
-          shared->failures.Add(absl::StrCat("node ", shared->nodes[n].name, " is not running: ",
-                                            process.Stop().ToString(), "; its stderr ends:\n",
-                                            err.substr(err.size() > 4000 ? err.size() - 4000 : 0)));
+          shared->failures.Add(absl::StrCat(
+              "node ", shared->nodes[n].name, " is not running: ", process.Stop().ToString(),
+              "; its stderr ends:\n", err.substr(err.size() > 4000 ? err.size() - 4000 : 0)));
           shared->stop = true;
           sampling = false;
           return;
@@ -372,9 +386,8 @@ int Main(int argc, char** argv) {
                "(pid %d); RSS bound %s per node\n",
                o.clients, o.rate, absl::FormatDuration(o.duration).c_str(),
                static_cast<unsigned long long>(o.seed), shared->nodes[0].address.c_str(),
-               static_cast<int>(shared->nodes[0].process->pid()),
-               shared->nodes[1].address.c_str(), static_cast<int>(shared->nodes[1].process->pid()),
-               MiB(bound).c_str());
+               static_cast<int>(shared->nodes[0].process->pid()), shared->nodes[1].address.c_str(),
+               static_cast<int>(shared->nodes[1].process->pid()), MiB(bound).c_str());
   std::vector<std::thread> threads;
   for (auto& client : clients) {
     threads.emplace_back([&client, end] { client->Run(end); });
@@ -389,10 +402,9 @@ int Main(int argc, char** argv) {
                  static_cast<long long>(shared->ops_started.load()),
                  static_cast<long long>(shared->failures.count()),
                  static_cast<long long>(shared->resyncs.load()),
-                 static_cast<long long>(shared->slots_missed.load()),
-                 shared->nodes[0].name.c_str(), MiB(rss[0].current).c_str(),
-                 shared->nodes[1].name.c_str(), MiB(rss[1].current).c_str(),
-                 LoadAverage().c_str());
+                 static_cast<long long>(shared->slots_missed.load()), shared->nodes[0].name.c_str(),
+                 MiB(rss[0].current).c_str(), shared->nodes[1].name.c_str(),
+                 MiB(rss[1].current).c_str(), LoadAverage().c_str());
   }
   shared->stop = true;
   for (std::thread& t : threads) t.join();
@@ -408,8 +420,8 @@ int Main(int argc, char** argv) {
     final_client.DeleteAllCaches();
     // Unreleased export leases pin snapshot-pool copies until they expire.
     const absl::Duration settle =
-        absl::Seconds(2) + (shared->support.max_lease ? absl::Milliseconds(o.max_lease_ms)
-                                                      : absl::ZeroDuration());
+        absl::Seconds(2) +
+        (shared->support.max_lease ? absl::Milliseconds(o.max_lease_ms) : absl::ZeroDuration());
     std::fprintf(stderr, "soak: every cache deleted; waiting %s for leases to expire\n",
                  absl::FormatDuration(settle).c_str());
     absl::SleepFor(settle);
@@ -436,8 +448,8 @@ int Main(int argc, char** argv) {
     const testutil::ExitStatus status = shared->nodes[n].process->Stop();
     exits[n] = status.ToString();
     if (!status.clean()) {
-      shared->failures.Add(absl::StrCat("node ", shared->nodes[n].name, " ", status.ToString(),
-                                        " at the end"));
+      shared->failures.Add(
+          absl::StrCat("node ", shared->nodes[n].name, " ", status.ToString(), " at the end"));
     }
   }
   for (int n = 0; n < 2; ++n) {
@@ -451,17 +463,19 @@ int Main(int argc, char** argv) {
     }
   }
 
-  std::printf("kvmesh_soak: %d clients, %.1f ops/s for %s, seed %llu, node %s\n", o.clients,
-              o.rate, absl::FormatDuration(o.duration).c_str(),
-              static_cast<unsigned long long>(o.seed), o.node_binary.c_str());
+  std::printf("kvmesh_soak: %d clients, %.1f ops/s for %s, seed %llu, node %s\n", o.clients, o.rate,
+              absl::FormatDuration(o.duration).c_str(), static_cast<unsigned long long>(o.seed),
+              o.node_binary.c_str());
   std::printf("node flags: --memory-budget=%s --snapshot-budget=%s --max-message-bytes=%s",
               MiB(o.memory_budget).c_str(), MiB(o.snapshot_budget).c_str(),
               MiB(o.max_message_bytes).c_str());
-  if (shared->support.inflight_budget) std::printf(" --inflight-budget=%s", MiB(o.inflight_budget).c_str());
+  if (shared->support.inflight_budget)
+    std::printf(" --inflight-budget=%s", MiB(o.inflight_budget).c_str());
   if (shared->support.stream_idle_timeout) {
     std::printf(" --stream-idle-timeout-ms=%lld", static_cast<long long>(o.stream_idle_timeout_ms));
   }
-  if (shared->support.max_lease) std::printf(" --max-lease-ms=%lld", static_cast<long long>(o.max_lease_ms));
+  if (shared->support.max_lease)
+    std::printf(" --max-lease-ms=%lld", static_cast<long long>(o.max_lease_ms));
   std::printf("\n");
   if (!shared->support.inflight_budget || !shared->support.stream_idle_timeout ||
       !shared->support.max_lease) {
@@ -481,8 +495,8 @@ int Main(int argc, char** argv) {
               MiB(o.overhead).c_str(), MiB(bound).c_str());
   for (int n = 0; n < 2; ++n) {
     std::printf("%s RSS: start %s, peak %s (at %.1f s), after cleanup %s; exit: %s\n",
-                shared->nodes[n].name.c_str(), MiB(rss[n].start).c_str(),
-                MiB(rss[n].peak).c_str(), rss[n].peak_at_ms.load() / 1000.0,
+                shared->nodes[n].name.c_str(), MiB(rss[n].start).c_str(), MiB(rss[n].peak).c_str(),
+                rss[n].peak_at_ms.load() / 1000.0,
                 rss[n].after < 0 ? "(not running)" : MiB(rss[n].after).c_str(), exits[n].c_str());
   }
   const int64_t failures = shared->failures.count();

@@ -12,12 +12,23 @@ namespace kvmesh {
 namespace soak {
 
 std::string CodeName(int code) {
-  static const char* const kNames[kCodes] = {
-      "OK",        "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",    "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",       "DATA_LOSS",
-      "UNAUTHENTICATED"};
+  static const char* const kNames[kCodes] = {"OK",
+                                             "CANCELLED",
+                                             "UNKNOWN",
+                                             "INVALID_ARGUMENT",
+                                             "DEADLINE_EXCEEDED",
+                                             "NOT_FOUND",
+                                             "ALREADY_EXISTS",
+                                             "PERMISSION_DENIED",
+                                             "RESOURCE_EXHAUSTED",
+                                             "FAILED_PRECONDITION",
+                                             "ABORTED",
+                                             "OUT_OF_RANGE",
+                                             "UNIMPLEMENTED",
+                                             "INTERNAL",
+                                             "UNAVAILABLE",
+                                             "DATA_LOSS",
+                                             "UNAUTHENTICATED"};
   if (code >= 0 && code < kCodes) return kNames[code];
   return absl::StrCat("CODE_", code);
 }
@@ -89,8 +100,8 @@ double Percentile(const std::vector<float>& sorted, double p) {
 void PrintReport(const Recorder& all, double seconds, std::FILE* out) {
   std::array<int64_t, kCodes> totals{};
   int64_t other = 0, unexpected = 0, calls = 0;
-  std::fprintf(out, "%-34s %8s %8s %9s %9s %9s %5s  %s\n", "operation", "calls", "OK",
-               "p50 ms", "p99 ms", "max ms", "bad", "other codes");
+  std::fprintf(out, "%-34s %8s %8s %9s %9s %9s %5s  %s\n", "operation", "calls", "OK", "p50 ms",
+               "p99 ms", "max ms", "bad", "other codes");
   for (const auto& [kind, op] : all.ops()) {
     std::vector<float> sorted = op.latencies_us;
     std::sort(sorted.begin(), sorted.end());
