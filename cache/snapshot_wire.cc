@@ -739,8 +739,11 @@ class ImportWriter final : public SnapshotImportWriter {
         gs.segments.push_back(std::move(segment));
       }
       if (spec.kind == GroupKind::kRotating) {
+        // The whole window, never none: a Restore makes the ring hold [lowest, to) and writes
+        // the snapshot's rows there, so rows left out would be served with whatever the ring
+        // held before (another sequence's data).
         const int32_t stored = gs.stored();
-        if (stored != 0 && stored != record.to - lowest) {
+        if (stored != record.to - lowest) {
           return Malformed(absl::StrCat(
               prefix, " holds ", stored, " positions; a rotating window that ends at to = ",
               record.to, " holds positions [", lowest, ", ", record.to, ")"));

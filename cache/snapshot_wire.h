@@ -52,7 +52,8 @@
 // equal to the cache's chunk format; every count fits in what is left of the header before
 // anything is read or allocated for it; Attention positions strictly ascending across the
 // group's segments and within [from, to); Rotating positions strictly ascending and exactly the
-// window [max(0, to - max_size), to) (or none); Recurrent one segment of one row when
+// window [max(0, to - max_size), to) (never none: a Restore serves the whole window, so every row
+// of it must come with the image); Recurrent one segment of one row when
 // has_state, none otherwise; the fields end exactly at header_bytes; the rows' bytes add up to
 // total_bytes - header_bytes. Positions are bounded by the snapshot's range and the image's
 // size, not by capacity: a sequence may hold more positions than capacity (the cell pool is

@@ -4,7 +4,12 @@
 #   tests/run.sh                 RelWithDebInfo build (gcc) in build/, all tests
 #   tests/run.sh --asan          ASan+UBSan build (clang) in build-asan/
 #   tests/run.sh --tsan          TSan build (clang) in build-tsan/
-#   tests/run.sh --all           the three builds one after another
+#   tests/run.sh --fuzz          libFuzzer build (clang, ASan+UBSan) in build-fuzz/: only the
+#                                fuzz targets of tests/fuzz; replays their seeds and regression
+#                                inputs, then fuzzes each for KVMESH_FUZZ_SECONDS (default 60)
+#                                seconds; fails when one finds a crash (the input is left in
+#                                build-fuzz/fuzz-artifacts/, the log in build-fuzz/fuzz-logs/)
+#   tests/run.sh --all           the four builds one after another
 #   tests/run.sh -L unit         only tests with a label (unit, integration); other
 #                                arguments after the mode go to ctest as they are
 #
@@ -21,8 +26,9 @@ while [ $# -gt 0 ]; do
     --asan) modes+=(asan) ;;
     --tsan) modes+=(tsan) ;;
     --default) modes+=(default) ;;
-    --all) modes+=(default asan tsan) ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --fuzz) modes+=(fuzz) ;;
+    --all) modes+=(default asan tsan fuzz) ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) ctest_args+=("$1") ;;
   esac
   shift
@@ -31,6 +37,51 @@ done
 
 "$root/scripts/bootstrap.sh"
 jobs=$(nproc)
+
+# The fuzz targets (tests/fuzz/CMakeLists.txt) and the libFuzzer flags each runs with beyond the
+# common ones. rpc_fuzzer: a session sets off many features, which libFuzzer's entropic schedule
+# spends most of its time weighing (4x fewer runs), and gRPC's threads allocate during every
+# run, which makes libFuzzer look for leaks after each one (half the time); the harness checks
+# every byte comes back after each session instead, and LeakSanitizer still checks the whole run
+# at exit.
+fuzz_targets=(snapshot_import_fuzzer rpc_fuzzer ctl_parse_fuzzer)
+fuzz_flags() {
+  case "$1" in
+    rpc_fuzzer) echo "-entropic=0 -detect_leaks=0 -timeout=120" ;;
+    *) echo "-timeout=30" ;;
+  esac
+}
+
+# Fuzzes each target for KVMESH_FUZZ_SECONDS, from its committed seeds and regression inputs and
+# what earlier runs here found (build-fuzz/fuzz-corpus/, where new inputs go); prints exec/s and
+# coverage per target. Every target runs; the mode fails if any found a crash.
+run_fuzzers() {
+  local dir=$1 seconds=${KVMESH_FUZZ_SECONDS:-60} failed=()
+  mkdir -p "$dir/fuzz-corpus" "$dir/fuzz-artifacts" "$dir/fuzz-logs"
+  for target in "${fuzz_targets[@]}"; do
+    local log="$dir/fuzz-logs/$target.log" rc=0
+    mkdir -p "$dir/fuzz-corpus/$target"
+    echo "== tests/run.sh: fuzzing $target for ${seconds}s"
+    # shellcheck disable=SC2046
+    "$dir/tests/fuzz/$target" -max_total_time="$seconds" -print_final_stats=1 \
+        -artifact_prefix="$dir/fuzz-artifacts/$target-" $(fuzz_flags "$target") \
+        "$dir/fuzz-corpus/$target" "$root/tests/fuzz/corpus/$target" \
+        "$root/tests/fuzz/regressions/$target" >"$log" 2>&1 || rc=$?
+    local done_line execs
+    done_line=$(grep -E '^#[0-9]+ +DONE' "$log" | tail -1 || true)
+    execs=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log")
+    echo "   ${done_line:-no DONE line} (${execs:-?} exec/s on average)"
+    if [ "$rc" -ne 0 ]; then
+      echo "   $target FAILED (exit $rc); the end of $log:"
+      grep -v -E '^#[0-9]+ +(NEW|REDUCE|pulse)' "$log" | tail -40 | sed 's/^/   | /'
+      failed+=("$target")
+    fi
+  done
+  if [ "${#failed[@]}" -gt 0 ]; then
+    echo "== tests/run.sh: fuzzing found crashes in: ${failed[*]} (inputs in $dir/fuzz-artifacts/)"
+    return 1
+  fi
+}
 
 run_mode() {
   local mode=$1 dir cmake_args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVMESH_WERROR=ON)
@@ -43,14 +94,29 @@ run_mode() {
     tsan) dir="$root/build-tsan"
           cmake_args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
                        -DKVMESH_SANITIZE=thread -DKVMESH_CUDA=SIM -DKVMESH_BUILD_BENCH=OFF) ;;
+    # Only what the fuzz targets need: no CUDA, no tests, no benchmarks; -O1 with line tables
+    # (as OSS-Fuzz builds), which compiles in less time than -O2 -g.
+    fuzz) dir="$root/build-fuzz"
+          cmake_args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
+                       "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only -DNDEBUG"
+                       "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only -DNDEBUG"
+                       -DKVMESH_SANITIZE=address -DKVMESH_FUZZ=ON -DKVMESH_CUDA=OFF
+                       -DKVMESH_BUILD_TESTS=OFF -DKVMESH_BUILD_BENCH=OFF) ;;
   esac
   echo "== tests/run.sh: $mode build in ${dir#$root/}"
   cmake -S "$root" -B "$dir" "${cmake_args[@]}" >/dev/null
-  cmake --build "$dir" -j"$jobs"
+  if [ "$mode" = fuzz ]; then
+    cmake --build "$dir" -j"$jobs" --target "${fuzz_targets[@]}"
+  else
+    cmake --build "$dir" -j"$jobs"
+  fi
   export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
   export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp}
   ctest --test-dir "$dir" --output-on-failure -j"$jobs" "${ctest_args[@]}"
+  if [ "$mode" = fuzz ]; then
+    run_fuzzers "$dir"
+  fi
 }
 
 for mode in "${modes[@]}"; do

@@ -237,11 +237,20 @@ absl::StatusOr<v1::LayerGroup> ParseGroup(absl::string_view text) {
 
 absl::StatusOr<std::vector<int32_t>> ParsePositions(absl::string_view text) {
   std::vector<int32_t> out;
+  // Checked before a range is expanded: "0:2000000000" would otherwise take 8 GB here.
+  auto too_many = [&out](absl::string_view item, int64_t more) {
+    return static_cast<int64_t>(out.size()) + more > kMaxPositions
+               ? Bad(absl::StrCat("position list has more than ", kMaxPositions,
+                                  " positions (no Append takes more)"),
+                     item)
+               : absl::OkStatus();
+  };
   for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
     std::vector<absl::string_view> range = absl::StrSplit(item, ':');
     if (range.size() == 1) {
       auto p = ParseInt("position", range[0]);
       if (!p.ok()) return p.status();
+      if (absl::Status s = too_many(item, 1); !s.ok()) return s;
       out.push_back(*p);
     } else if (range.size() == 2) {
       auto b = ParseInt("range begin", range[0]);
@@ -249,6 +258,7 @@ absl::StatusOr<std::vector<int32_t>> ParsePositions(absl::string_view text) {
       auto e = ParseInt("range end", range[1]);
       if (!e.ok()) return e.status();
       if (*b < 0 || *b >= *e) return Bad("range must be BEGIN:END with 0 <= BEGIN < END", item);
+      if (absl::Status s = too_many(item, int64_t{*e} - *b); !s.ok()) return s;
       for (int32_t p = *b; p < *e; ++p) out.push_back(p);
     } else {
       return Bad("position list items are P or BEGIN:END", item);

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "cache/spec.h"
 #include "kvmesh/v1/kvmesh.pb.h"
 
 namespace kvmesh {
@@ -33,8 +34,13 @@ absl::StatusOr<v1::DType> ParseDType(absl::string_view text);
 // INVALID_ARGUMENT names the key and the value that do not parse (ranges are the server's).
 absl::StatusOr<v1::LayerGroup> ParseGroup(absl::string_view text);
 
+// The most positions a position list may name: the largest max_batch a spec may have, so no
+// Append can take more.
+inline constexpr int64_t kMaxPositions = kMaxCellsPerGroup;
+
 // A position list: comma-separated items, each a position "P" or a half-open range "B:E"
-// (B < E). The result is in the order written. INVALID_ARGUMENT for anything else.
+// (B < E). The result is in the order written. INVALID_ARGUMENT for anything else, and for a
+// list of more than kMaxPositions positions (refused before a range is expanded).
 absl::StatusOr<std::vector<int32_t>> ParsePositions(absl::string_view text);
 
 // Ascending positions as compact ranges, e.g. "0-15,144-511" (inclusive ends); "-" when empty.

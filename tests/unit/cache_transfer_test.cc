@@ -836,6 +836,45 @@ TEST(TransferRefusalTest, RotatingAndRecurrentFields) {
   ASSERT_TRUE(Transfer(*src.cache, snap->id, *dst.cache, &id));
 }
 
+// Found by tests/fuzz/snapshot_import_fuzzer (regressions/snapshot_import_fuzzer/
+// rotating-window-without-rows): an image whose Rotating group held no rows at all was accepted,
+// and restoring it gave a sequence the whole window [to - max_size, to) with whatever bytes the
+// ring it was given held before (an earlier sequence's). A Rotating group carries its whole
+// window or the image is refused.
+TEST(TransferRefusalTest, RotatingGroupWithoutItsWindow) {
+  const CacheSpec spec = Spec(DType::kF16, 2, 16, 8, {RotatingGroup(4)});
+  TestCache src(spec);
+  TestCache dst(spec);
+  ASSERT_NE(src.cache, nullptr);
+  ASSERT_NE(dst.cache, nullptr);
+  ASSERT_TRUE(AppendRange(*src.cache, 0, 0, 6).ok());
+  absl::StatusOr<SnapshotInfo> snap = src.cache->Snapshot(0, 0);  // window [2, 6)
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  absl::StatusOr<Image> image = ExportImage(*src.cache, snap->id);
+  ASSERT_TRUE(image.ok()) << image.status();
+  ASSERT_EQ(Load32(*image, kNumSegmentsAt), 1u);
+  ASSERT_EQ(Load32(*image, kRowsAt), 4u);
+  // The same header with no segment, and no data.
+  Image empty(image->begin(), image->begin() + kRowsAt);
+  Store32(&empty, kNumSegmentsAt, 0);
+  Store32(&empty, 12, static_cast<uint32_t>(empty.size()));  // header_bytes
+  Store32(&empty, 16, static_cast<uint32_t>(empty.size()));  // total_bytes (low half)
+  EXPECT_TRUE(ImportFails(dst, empty, absl::StatusCode::kInvalidArgument,
+                          {"groups[0]", "holds 0 positions", "[2, 6)"}));
+  // Sequence 1 of the destination once used a ring, so a restore that wrote no rows would show
+  // its bytes; with the window the image carries, the restored sequence reads the source's rows.
+  ASSERT_TRUE(AppendRange(*dst.cache, 1, 0, 3).ok());
+  ASSERT_TRUE(dst.cache->Remove(1, 0, std::nullopt).ok());
+  uint64_t id = 0;
+  ASSERT_TRUE(Transfer(*src.cache, snap->id, *dst.cache, &id));
+  ASSERT_TRUE(dst.cache->Restore(1, id, 6).ok());
+  absl::StatusOr<ReadResult> want = src.cache->Read(0, 0, std::nullopt);
+  absl::StatusOr<ReadResult> got = dst.cache->Read(1, 0, std::nullopt);
+  ASSERT_TRUE(want.ok() && got.ok());
+  EXPECT_EQ(got->positions, want->positions);
+  EXPECT_EQ(got->payload, want->payload);
+}
+
 TEST(TransferRefusalTest, SpecMismatchIsFailedPrecondition) {
   const CacheSpec spec = SmallSpec();
   TestCache src(spec);

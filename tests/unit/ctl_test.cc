@@ -176,6 +176,25 @@ TEST(ParsePositionsTest, RangesAndLists) {
   }
 }
 
+// Found by tests/fuzz/ctl_parse_fuzzer (regressions/ctl_parse_fuzzer/positions-beyond-max-batch):
+// "5:25572557" expanded to 25 million positions, and "0:2000000000" would have taken 8 GB before
+// the server refused the batch. A list is refused, before any range is expanded, once it names
+// more positions than the largest max_batch.
+TEST(ParsePositionsTest, NoMorePositionsThanAnAppendTakes) {
+  EXPECT_EQ(kMaxPositions, kMaxCellsPerGroup);
+  auto refused = ParsePositions("5:25572557");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("more than 16777216 positions"));
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("'5:25572557'"));
+  EXPECT_EQ(ParsePositions("0:2147483647").status().code(), absl::StatusCode::kInvalidArgument);
+  // Counted over the whole list: 2 + 16777215 is one too many.
+  auto total = ParsePositions("1,2,0:16777215");
+  EXPECT_EQ(total.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(total.status().message()), ::testing::HasSubstr("'0:16777215'"));
+  EXPECT_THAT(*ParsePositions("1,0:16"), ::testing::SizeIs(17));
+}
+
 TEST(FormatPositionsTest, Ranges) {
   EXPECT_EQ(FormatPositions({}), "-");
   EXPECT_EQ(FormatPositions({0, 1, 2, 5, 7, 8}), "0-2,5,7-8");

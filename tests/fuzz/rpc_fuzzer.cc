@@ -1,0 +1,836 @@
+// Fuzz target: every RPC of kvmesh.v1.CacheService and kvmesh.v1.PeerService, with requests
+// built from the input (rpc_format.h), through the real services of two nodes that run in this
+// process (node "a", called; node "b", its peer: CopyPrefix from b, Migrate to b, Pull and
+// Export between them move real payloads over loopback), so that validation, the conversions of
+// service/common/convert.cc, the cluster machinery and the engine all see them.
+//
+// Every session starts from the same state (rpc_format.h, BaselineSpecs). After each call:
+//  - no INTERNAL, UNKNOWN, DATA_LOSS, UNIMPLEMENTED or DEADLINE_EXCEEDED (the harness allows a
+//    minute per call: nothing here takes that long), and every error has a message of at most
+//    kMaxErrorMessage bytes (an echoed request field must be cut);
+//  - a refused call changed nothing on either node (CacheDigest of every cache), except where the
+//    contract allows it (an Append refused for lack of cells may have pruned a sliding window);
+//    a successful one changed node b only if it was a cluster operation that goes there;
+//  - a successful call's response is well-formed and agrees with the engine: specs convert
+//    back, lists are sorted, Read returns exactly the engine's header and bytes in chunks within
+//    max_chunk_bytes, Visible the engine's answer, Fetch contiguous chunks whose CRC-32C match,
+//    usage and snapshot and sequence listings what the engine reports.
+// After each session: every lease granted is released and no other is left, and once the
+// caches are deleted every device byte and every in-flight byte is back.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cache/cache.h"
+#include "cache/cache_registry.h"
+#include "cache/device/host_device.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
+#include "google/protobuf/stubs/logging.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kvmesh/v1/kvmesh.grpc.pb.h"
+#include "kvmesh/v1/peer.grpc.pb.h"
+#include "service/cache_service.h"
+#include "service/cluster/cluster.h"
+#include "service/cluster/leases.h"
+#include "service/cluster/membership.h"
+#include "service/cluster/reservations.h"
+#include "service/common/convert.h"
+#include "service/executor.h"
+#include "service/inflight_budget.h"
+#include "service/peer_service.h"
+#include "tests/fuzz/fuzz_support.h"
+#include "tests/fuzz/rpc_format.h"
+#include "transport/checksum.h"
+#include "transport/grpc_stream_transport.h"
+
+namespace kvmesh {
+namespace fuzz {
+namespace {
+
+using google::protobuf::Message;
+using google::protobuf::util::MessageDifferencer;
+
+constexpr int kMaxMessage = 4 << 20;
+constexpr absl::Duration kCallDeadline = absl::Seconds(60);
+// The longest error message accepted: enough for any message about one field, too little for
+// one that echoes a long name or payload whole.
+constexpr size_t kMaxErrorMessage = 1024;
+
+// A free TCP port on 127.0.0.1 (bound and released; the node binds it right after).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) Fail("socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(fd);
+    Fail("cannot bind a port on 127.0.0.1");
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// One kvmesh node, wired as kvmesh-node wires it (service/node_main.cc) in development mode:
+// CacheService and PeerService on one plaintext loopback server, no token file.
+class Node {
+ public:
+  Node(std::string name, int port, std::string peer_name, int peer_port)
+      : name_(std::move(name)),
+        address_(absl::StrCat("127.0.0.1:", port)),
+        device_(16 << 20, 8 << 20),
+        registry_(&device_),
+        executor_(2, 64),
+        cluster_executor_(2, 64),
+        transfer_reads_(1, 64),
+        inflight_(8 << 20, "--inflight-budget") {
+    Membership::Options m;
+    m.self_name = name_;
+    m.self_address = address_;
+    m.transports = {transport::kGrpcStream};
+    m.peers = {MemberAddress{peer_name, absl::StrCat("127.0.0.1:", peer_port)}};
+    m.health_timeout = absl::Seconds(5);
+    m.max_message_bytes = kMaxMessage;
+    absl::StatusOr<std::unique_ptr<Membership>> membership = Membership::Create(std::move(m));
+    KVMESH_FUZZ_CHECK(membership.ok(), membership.status().ToString());
+    membership_ = *std::move(membership);
+    transport::GrpcStreamTransport::Options stream;
+    stream.max_receive_message = kMaxMessage;
+    Membership* const members = membership_.get();
+    grpc_stream_ = std::make_unique<transport::GrpcStreamTransport>(
+        [members](const std::string& address) {
+          return members->Channel(MemberAddress{address, address});
+        },
+        stream);
+    Cluster::Options c;
+    c.self_name = name_;
+    cluster_ = std::make_unique<Cluster>(
+        c, &registry_, membership_.get(), &leases_, &reservations_,
+        std::map<std::string, transport::Transport*>{{transport::kGrpcStream, grpc_stream_.get()}});
+    CacheServiceImpl::Options s;
+    s.max_send_message_bytes = kMaxMessage;
+    s.cluster = cluster_.get();
+    s.cluster_executor = &cluster_executor_;
+    s.inflight = &inflight_;
+    service_ = std::make_unique<CacheServiceImpl>(&registry_, &executor_, s);
+    PeerServiceImpl::Options p;
+    p.name = name_;
+    p.membership = membership_.get();
+    p.backend = device_.name();
+    p.transports = {transport::kGrpcStream};
+    p.sender.max_chunk_bytes = kMaxMessage / 2;
+    p.sender.run_read = [this](std::function<void()> read) {
+      if (transfer_reads_.Submit(std::move(read))) return absl::OkStatus();
+      return absl::UnavailableError("the transfer read queue is full");
+    };
+    peer_service_ = std::make_unique<PeerServiceImpl>(cluster_.get(), &leases_, &executor_,
+                                                      &cluster_executor_, p);
+  }
+
+  void Start() {
+    grpc::ServerBuilder builder;
+    builder.SetMaxReceiveMessageSize(kMaxMessage);
+    builder.SetMaxSendMessageSize(kMaxMessage);
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    int bound = 0;
+    builder.AddListeningPort(address_, grpc::InsecureServerCredentials(), &bound);
+    builder.RegisterService(service_.get());
+    builder.RegisterService(peer_service_.get());
+    server_ = builder.BuildAndStart();
+    KVMESH_FUZZ_CHECK(server_ != nullptr && bound != 0,
+                      absl::StrCat("cannot listen on ", address_));
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(kMaxMessage);
+    args.SetMaxSendMessageSize(kMaxMessage);
+    stub_ = v1::CacheService::NewStub(server_->InProcessChannel(args));
+    // The peer plane is called over the network, from 127.0.0.1, as the other node calls it.
+    peer_stub_ = v1::PeerService::NewStub(
+        grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args));
+  }
+
+  // Stops serving and joins every thread the node started.
+  void Stop() {
+    stub_.reset();
+    peer_stub_.reset();
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    executor_.Shutdown();
+    cluster_executor_.Shutdown();
+    transfer_reads_.Shutdown();
+    server_->Wait();
+  }
+
+  const std::string& name() const { return name_; }
+  CacheRegistry& registry() { return registry_; }
+  HostDevice& device() { return device_; }
+  LeaseTable& leases() { return leases_; }
+  InflightBudget& inflight() { return inflight_; }
+  v1::CacheService::Stub& stub() { return *stub_; }
+  v1::PeerService::Stub& peer_stub() { return *peer_stub_; }
+
+  // Every cache of every tenant, as text: equal digests, equal nodes.
+  std::string Digest() const {
+    std::string out;
+    for (const CacheRegistry::Entry& e : registry_.ListAll()) {
+      absl::StrAppend(&out, "== ", e.tenant, "/", e.cache->spec().name, "\n", CacheDigest(*e.cache),
+                      "\n");
+    }
+    return out;
+  }
+
+  // Deletes every cache and waits until the device has every byte back.
+  void Clear() {
+    for (const CacheRegistry::Entry& e : registry_.ListAll()) {
+      const absl::Status deleted = registry_.Delete(e.tenant, e.cache->spec().name);
+      KVMESH_FUZZ_CHECK(deleted.ok(), deleted.ToString());
+    }
+    // An executor task may still hold a cache for a moment after its call finished.
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (device_.used_bytes(MemoryPool::kCache) != 0 ||
+           device_.used_bytes(MemoryPool::kSnapshot) != 0 || inflight_.held() != 0) {
+      KVMESH_FUZZ_CHECK(
+          absl::Now() < deadline,
+          absl::StrCat("node ", name_, " keeps ", device_.used_bytes(MemoryPool::kCache),
+                       " cache and ", device_.used_bytes(MemoryPool::kSnapshot),
+                       " snapshot bytes and ", inflight_.held(),
+                       " in-flight bytes with no cache and no lease"));
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  }
+
+  // The caches and data of rpc_format.h's baseline.
+  void Populate() {
+    for (const v1::CacheSpec& proto : BaselineSpecs()) {
+      absl::StatusOr<CacheSpec> spec = SpecFromProto(proto);
+      KVMESH_FUZZ_CHECK(spec.ok(), spec.status().ToString());
+      absl::StatusOr<CacheRegistry::CreateResult> created = registry_.Create(*spec);
+      KVMESH_FUZZ_CHECK(created.ok(), created.status().ToString());
+    }
+    for (const BaselineSequence& s : BaselineSequences()) {
+      absl::StatusOr<std::shared_ptr<Cache>> cache = registry_.Get(s.cache);
+      KVMESH_FUZZ_CHECK(cache.ok(), cache.status().ToString());
+      std::vector<Token> tokens;
+      for (int32_t p = s.begin; p < s.end; ++p) tokens.push_back(Token{s.seq, p});
+      const std::string payload = PrefillPayload(
+          (*cache)->spec(), static_cast<int32_t>(tokens.size()), static_cast<uint8_t>(s.seq + 1));
+      const absl::Status appended = (*cache)->Append(
+          tokens,
+          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()));
+      KVMESH_FUZZ_CHECK(appended.ok(), appended.ToString());
+      if (s.seq == 0) {
+        const absl::Status snapshot = (*cache)->Snapshot(0, 0).status();
+        KVMESH_FUZZ_CHECK(snapshot.ok(), snapshot.ToString());
+      }
+    }
+  }
+
+ private:
+  const std::string name_;
+  const std::string address_;
+  // Declared in the order node_main.cc gives them, so they are destroyed in the reverse order.
+  HostDevice device_;
+  CacheRegistry registry_;
+  Executor executor_;
+  Executor cluster_executor_;
+  Executor transfer_reads_;
+  InflightBudget inflight_;
+  std::unique_ptr<Membership> membership_;
+  LeaseTable leases_;
+  Reservations reservations_;
+  std::unique_ptr<transport::GrpcStreamTransport> grpc_stream_;
+  std::unique_ptr<Cluster> cluster_;
+  std::unique_ptr<CacheServiceImpl> service_;
+  std::unique_ptr<PeerServiceImpl> peer_service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::CacheService::Stub> stub_;
+  std::unique_ptr<v1::PeerService::Stub> peer_stub_;
+};
+
+bool IsBug(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::INTERNAL:
+    case grpc::StatusCode::UNKNOWN:
+    case grpc::StatusCode::DATA_LOSS:
+    case grpc::StatusCode::UNIMPLEMENTED:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::string Show(const Message& m) {
+  std::string text = m.ShortDebugString();
+  if (text.size() > 2000) text = absl::StrCat(text.substr(0, 2000), "...");
+  return text;
+}
+
+// The lease_id field of a message (a string since lease ids became random; read through
+// reflection so that this harness does not depend on its type).
+std::string LeaseIdOf(const Message& m) {
+  const google::protobuf::FieldDescriptor* f = m.GetDescriptor()->FindFieldByName("lease_id");
+  if (f == nullptr) return "";
+  const google::protobuf::Reflection* r = m.GetReflection();
+  if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_STRING) return r->GetString(m, f);
+  if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT64) {
+    const uint64_t v = r->GetUInt64(m, f);
+    return v == 0 ? "" : absl::StrCat(v);
+  }
+  return "";
+}
+
+void SetLeaseId(Message* m, const std::string& id) {
+  const google::protobuf::FieldDescriptor* f = m->GetDescriptor()->FindFieldByName("lease_id");
+  if (f == nullptr) return;
+  const google::protobuf::Reflection* r = m->GetReflection();
+  if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_STRING) {
+    r->SetString(m, f, id);
+  } else if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT64) {
+    uint64_t v = 0;
+    if (absl::SimpleAtoi(id, &v)) r->SetUInt64(m, f, v);
+  }
+}
+
+class Harness {
+ public:
+  static Harness& Get() {
+    static Harness* const harness = [] {
+      // Bytes that are not UTF-8 in a string field fail to parse (the session ends there, as a
+      // server refuses them); protobuf would log every one of them.
+      google::protobuf::SetLogHandler(nullptr);
+      grpc::EnableDefaultHealthCheckService(true);
+      auto* h = new Harness();
+      // Stopped before the static objects of gRPC and Abseil go, which the nodes' threads use.
+      std::atexit([] { Get().Stop(); });
+      return h;
+    }();
+    return *harness;
+  }
+
+  void RunSession(const uint8_t* data, size_t size) {
+    a_->Clear();
+    b_->Clear();
+    a_->Populate();
+    b_->Populate();
+    leases_.clear();
+    size_t at = 0;
+    for (size_t record = 0; record < kMaxRecords && at < size; ++record) {
+      const Rpc rpc = static_cast<Rpc>(data[at++] % kRpcCount);
+      size_t length = 0;
+      if (at < size) length = data[at++];
+      if (at < size) length |= size_t{data[at++]} << 8;
+      length = std::min(length, size - at);
+      const std::string bytes(reinterpret_cast<const char*>(data + at), length);
+      at += length;
+      if (!Call(rpc, bytes)) break;
+    }
+    EndSession();
+  }
+
+ private:
+  Harness() {
+    const int port_a = FreePort();
+    const int port_b = FreePort();
+    a_ = std::make_unique<Node>(kNodeA, port_a, kNodeB, port_b);
+    b_ = std::make_unique<Node>(kNodeB, port_b, kNodeA, port_a);
+    a_->Start();
+    b_->Start();
+  }
+
+  void Stop() {
+    a_->Stop();
+    b_->Stop();
+    a_.reset();
+    b_.reset();
+  }
+
+  // Releases the leases the session was granted; then no lease may be left on either node.
+  void EndSession() {
+    for (const std::string& id : leases_) {
+      v1::ReleaseRequest request;
+      SetLeaseId(&request, id);
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+      v1::ReleaseResponse response;
+      const grpc::Status status = a_->peer_stub().Release(&context, request, &response);
+      KVMESH_FUZZ_CHECK(status.ok() || status.error_code() == grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("Release of lease ", id, ": ", status.error_message()));
+    }
+    leases_.clear();
+    KVMESH_FUZZ_CHECK(a_->leases().size() == 0 && b_->leases().size() == 0,
+                      absl::StrCat(a_->leases().size(), " leases left on a, ", b_->leases().size(),
+                                   " on b, none of them granted to this session"));
+  }
+
+  // The lease ids of a Fetch, Release or NcclSend: an id of at most two bytes stands for the
+  // index of one of the leases granted in this session, so that the fuzzer reaches leases it
+  // could never guess (they are 128-bit random).
+  void MapLease(Message* request) {
+    const std::string id = LeaseIdOf(*request);
+    if (leases_.empty() || id.size() > 2) return;
+    size_t index = 0;
+    for (char c : id) index = index * 256 + static_cast<uint8_t>(c);
+    SetLeaseId(request, leases_[index % leases_.size()]);
+  }
+
+  void CheckStatus(Rpc rpc, const Message& request, const grpc::Status& status) {
+    KVMESH_FUZZ_CHECK(!IsBug(status.error_code()),
+                      absl::StrCat(RpcName(rpc), "(", Show(request), ") answered ",
+                                   status.error_code(), ": ", status.error_message()));
+    if (status.ok()) return;
+    KVMESH_FUZZ_CHECK(
+        !status.error_message().empty(),
+        absl::StrCat(RpcName(rpc), " failed with code ", status.error_code(), " and no message"));
+    KVMESH_FUZZ_CHECK(status.error_message().size() <= kMaxErrorMessage,
+                      absl::StrCat(RpcName(rpc), "(", Show(request), ") failed with a ",
+                                   status.error_message().size(), "-byte message: ",
+                                   status.error_message().substr(0, 300), "..."));
+  }
+
+  // Whether a refused call may still have changed node a: an Append refused for lack of cells
+  // may have pruned sliding windows to look for them (README, "Decisions").
+  static bool MayChangeWhenRefused(Rpc rpc, grpc::StatusCode code) {
+    return (rpc == Rpc::kAppend || rpc == Rpc::kAppendStream) &&
+           code == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  }
+
+  // Whether a successful call may change node b.
+  static bool ChangesPeer(Rpc rpc, const Message& request) {
+    if (rpc == Rpc::kMigrate || rpc == Rpc::kMigrateSnapshot) return true;
+    if (rpc == Rpc::kRemove) {
+      return static_cast<const v1::RemoveRequest&>(request).scope() == v1::REMOVE_SCOPE_CLUSTER;
+    }
+    return false;
+  }
+
+  // Calls `call` (which sends `request` and checks a successful response) with the checks
+  // every call gets.
+  template <typename Request>
+  bool Checked(Rpc rpc, Request& request, const std::function<grpc::Status()>& call) {
+    const std::string before_a = a_->Digest();
+    const std::string before_b = b_->Digest();
+    const grpc::Status status = call();
+    if (verbose_) {
+      std::fprintf(stderr, "%s(%s) -> %d %s\n", RpcName(rpc), Show(request).c_str(),
+                   static_cast<int>(status.error_code()), status.error_message().c_str());
+    }
+    CheckStatus(rpc, request, status);
+    const std::string after_a = a_->Digest();
+    const std::string after_b = b_->Digest();
+    if (!status.ok() && !MayChangeWhenRefused(rpc, status.error_code())) {
+      KVMESH_FUZZ_CHECK(
+          after_a == before_a,
+          absl::StrCat(RpcName(rpc), "(", Show(request), ") failed (", status.error_code(), ": ",
+                       status.error_message(), ") but changed node a:\n--- before\n", before_a,
+                       "\n--- after\n", after_a));
+    }
+    if (!status.ok() || !ChangesPeer(rpc, request)) {
+      KVMESH_FUZZ_CHECK(
+          after_b == before_b,
+          absl::StrCat(RpcName(rpc), "(", Show(request), ") ended ", status.error_code(), " (",
+                       status.error_message(), ") and changed node b:\n--- before\n", before_b,
+                       "\n--- after\n", after_b));
+    }
+    return true;
+  }
+
+  template <typename Request, typename Response, typename Stub>
+  bool Unary(Rpc rpc, const std::string& bytes, Stub& stub,
+             grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+             const std::function<void(const Request&, const Response&)>& check) {
+    Request request;
+    if (!request.ParseFromString(bytes)) return false;
+    MapLease(&request);
+    return Checked(rpc, request, [&] {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+      Response response;
+      const grpc::Status status = (stub.*method)(&context, request, &response);
+      if (status.ok() && check) check(request, response);
+      return status;
+    });
+  }
+
+  std::shared_ptr<Cache> CacheOf(Node& node, const std::string& name) {
+    absl::StatusOr<std::shared_ptr<Cache>> cache = node.registry().Get(name);
+    KVMESH_FUZZ_CHECK(
+        cache.ok(),
+        absl::StrCat("cache '", name, "' after a successful call: ", cache.status().ToString()));
+    return *cache;
+  }
+
+  void CheckSpec(const v1::CacheSpec& spec) {
+    const absl::Status valid = SpecFromProto(spec).status();
+    KVMESH_FUZZ_CHECK(valid.ok(), absl::StrCat("a spec in a response: ", valid.ToString()));
+  }
+
+  void CheckSnapshotListed(Node& node, const std::string& cache, const v1::SnapshotInfo& info,
+                           bool listed) {
+    bool found = false;
+    for (const SnapshotInfo& s : CacheOf(node, cache)->ListSnapshots()) {
+      if (s.id != info.id()) continue;
+      found = true;
+      KVMESH_FUZZ_CHECK(MessageDifferencer::Equals(SnapshotInfoToProto(s), info),
+                        absl::StrCat(Show(SnapshotInfoToProto(s)), " vs ", Show(info)));
+    }
+    KVMESH_FUZZ_CHECK(found == listed, absl::StrCat("snapshot ", info.id(), " of '", cache, "' on ",
+                                                    node.name(), " listed: ", found));
+  }
+
+  void CheckRead(const v1::ReadRequest& request, const std::vector<v1::ReadResponse>& messages) {
+    KVMESH_FUZZ_CHECK(!messages.empty() && messages[0].has_header(), "Read without a header");
+    const int64_t limit = request.max_chunk_bytes() > 0 ? request.max_chunk_bytes() : 1 << 20;
+    std::string data;
+    for (size_t i = 0; i < messages.size(); ++i) {
+      KVMESH_FUZZ_CHECK(i == 0 || !messages[i].has_header(), absl::StrCat("header in message ", i));
+      KVMESH_FUZZ_CHECK(static_cast<int64_t>(messages[i].data().size()) <= limit,
+                        absl::StrCat(messages[i].data().size(), "-byte chunk, limit ", limit));
+      data += messages[i].data();
+    }
+    const v1::ReadHeader& header = messages[0].header();
+    KVMESH_FUZZ_CHECK(header.payload_bytes() == static_cast<int64_t>(data.size()),
+                      absl::StrCat(header.payload_bytes(), " announced, ", data.size(), " sent"));
+    std::optional<int32_t> end;
+    if (request.has_end()) end = request.end();
+    absl::StatusOr<ReadResult> expected =
+        CacheOf(*a_, request.cache())->Read(request.seq(), request.begin(), end);
+    KVMESH_FUZZ_CHECK(expected.ok(), expected.status().ToString());
+    KVMESH_FUZZ_CHECK(
+        MessageDifferencer::Equals(ReadHeaderToProto(*expected), header),
+        absl::StrCat(Show(header), " vs the engine's ", Show(ReadHeaderToProto(*expected))));
+    KVMESH_FUZZ_CHECK(expected->payload == data, "Read's bytes differ from the engine's");
+  }
+
+  bool Call(Rpc rpc, const std::string& bytes) {
+    v1::CacheService::Stub& s = a_->stub();
+    v1::PeerService::Stub& p = a_->peer_stub();
+    using S = v1::CacheService::Stub;
+    using P = v1::PeerService::Stub;
+    switch (rpc) {
+      case Rpc::kCreateCache:
+        return Unary<v1::CreateCacheRequest, v1::CreateCacheResponse>(
+            rpc, bytes, s, &S::CreateCache,
+            [&](const v1::CreateCacheRequest& q, const v1::CreateCacheResponse& r) {
+              CheckSpec(r.cache().spec());
+              absl::StatusOr<CacheSpec> asked = SpecFromProto(q.spec());
+              absl::StatusOr<CacheSpec> got = SpecFromProto(r.cache().spec());
+              KVMESH_FUZZ_CHECK(
+                  asked.ok() && got.ok() && *asked == *got,
+                  absl::StrCat(Show(q.spec()), " created as ", Show(r.cache().spec())));
+              CacheOf(*a_, q.spec().name());
+            });
+      case Rpc::kDeleteCache:
+        return Unary<v1::DeleteCacheRequest, v1::DeleteCacheResponse>(
+            rpc, bytes, s, &S::DeleteCache,
+            [&](const v1::DeleteCacheRequest& q, const v1::DeleteCacheResponse&) {
+              KVMESH_FUZZ_CHECK(!a_->registry().Get(q.cache()).ok(), q.cache());
+            });
+      case Rpc::kGetCache:
+        return Unary<v1::GetCacheRequest, v1::GetCacheResponse>(
+            rpc, bytes, s, &S::GetCache,
+            [&](const v1::GetCacheRequest& q, const v1::GetCacheResponse& r) {
+              CheckSpec(r.cache().spec());
+              KVMESH_FUZZ_CHECK(r.cache().spec().name() == q.cache(), Show(r));
+              KVMESH_FUZZ_CHECK(
+                  MessageDifferencer::Equals(r.cache().usage(),
+                                             UsageToProto(CacheOf(*a_, q.cache())->Usage())),
+                  Show(r));
+            });
+      case Rpc::kListCaches:
+        return Unary<v1::ListCachesRequest, v1::ListCachesResponse>(
+            rpc, bytes, s, &S::ListCaches,
+            [&](const v1::ListCachesRequest&, const v1::ListCachesResponse& r) {
+              KVMESH_FUZZ_CHECK(
+                  static_cast<size_t>(r.caches_size()) == a_->registry().List().size(), Show(r));
+              for (int i = 0; i < r.caches_size(); ++i) {
+                CheckSpec(r.caches(i).spec());
+                KVMESH_FUZZ_CHECK(
+                    i == 0 || r.caches(i - 1).spec().name() < r.caches(i).spec().name(), Show(r));
+              }
+            });
+      case Rpc::kAppend:
+        return Unary<v1::AppendRequest, v1::AppendResponse>(
+            rpc, bytes, s, &S::Append,
+            [&](const v1::AppendRequest& q, const v1::AppendResponse& r) {
+              KVMESH_FUZZ_CHECK(MessageDifferencer::Equals(
+                                    r.usage(), UsageToProto(CacheOf(*a_, q.cache())->Usage())),
+                                Show(r));
+            });
+      case Rpc::kAppendStream: {
+        // The stream's messages, each [2 bytes: length][AppendStreamRequest].
+        std::vector<v1::AppendStreamRequest> stream;
+        size_t at = 0;
+        while (at < bytes.size()) {
+          size_t n = static_cast<uint8_t>(bytes[at++]);
+          if (at < bytes.size()) n |= size_t{static_cast<uint8_t>(bytes[at++])} << 8;
+          n = std::min(n, bytes.size() - at);
+          v1::AppendStreamRequest m;
+          if (!m.ParseFromArray(bytes.data() + at, static_cast<int>(n))) return false;
+          at += n;
+          stream.push_back(std::move(m));
+        }
+        v1::AppendStreamRequest shown;  // for messages: the header
+        if (!stream.empty()) shown = stream[0];
+        shown.clear_data();
+        return Checked(rpc, shown, [&] {
+          grpc::ClientContext context;
+          context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+          v1::AppendResponse response;
+          std::unique_ptr<grpc::ClientWriter<v1::AppendStreamRequest>> writer =
+              s.AppendStream(&context, &response);
+          for (const v1::AppendStreamRequest& m : stream) {
+            if (!writer->Write(m)) break;  // the server ended the call; Finish says why
+          }
+          writer->WritesDone();
+          const grpc::Status status = writer->Finish();
+          if (status.ok()) {
+            KVMESH_FUZZ_CHECK(!stream.empty() && stream[0].has_header(), "AppendStream accepted");
+            KVMESH_FUZZ_CHECK(MessageDifferencer::Equals(
+                                  response.usage(),
+                                  UsageToProto(CacheOf(*a_, stream[0].header().cache())->Usage())),
+                              Show(response));
+          }
+          return status;
+        });
+      }
+      case Rpc::kRead: {
+        v1::ReadRequest request;
+        if (!request.ParseFromString(bytes)) return false;
+        return Checked(rpc, request, [&] {
+          grpc::ClientContext context;
+          context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+          std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader = s.Read(&context, request);
+          std::vector<v1::ReadResponse> messages;
+          v1::ReadResponse m;
+          while (reader->Read(&m)) messages.push_back(std::move(m));
+          const grpc::Status status = reader->Finish();
+          if (status.ok()) CheckRead(request, messages);
+          return status;
+        });
+      }
+      case Rpc::kVisible:
+        return Unary<v1::VisibleRequest, v1::VisibleResponse>(
+            rpc, bytes, s, &S::Visible,
+            [&](const v1::VisibleRequest& q, const v1::VisibleResponse& r) {
+              absl::StatusOr<std::vector<Query>> queries = QueriesFromProto(q.queries());
+              KVMESH_FUZZ_CHECK(queries.ok(), queries.status().ToString());
+              absl::StatusOr<std::vector<std::vector<int32_t>>> expected =
+                  CacheOf(*a_, q.cache())->Visible(q.group(), *queries);
+              KVMESH_FUZZ_CHECK(expected.ok(), expected.status().ToString());
+              KVMESH_FUZZ_CHECK(static_cast<size_t>(r.visible_size()) == expected->size(),
+                                r.visible_size());
+              for (int i = 0; i < r.visible_size(); ++i) {
+                const auto& got = r.visible(i).positions();
+                KVMESH_FUZZ_CHECK(std::vector<int32_t>(got.begin(), got.end()) == (*expected)[i],
+                                  absl::StrCat("query ", i, ": ", Show(r.visible(i))));
+              }
+            });
+      case Rpc::kCopyPrefix:
+        return Unary<v1::CopyPrefixRequest, v1::CopyPrefixResponse>(rpc, bytes, s, &S::CopyPrefix,
+                                                                    nullptr);
+      case Rpc::kRemove:
+        return Unary<v1::RemoveRequest, v1::RemoveResponse>(
+            rpc, bytes, s, &S::Remove,
+            [&](const v1::RemoveRequest& q, const v1::RemoveResponse& r) {
+              if (q.scope() != v1::REMOVE_SCOPE_CLUSTER) return;
+              KVMESH_FUZZ_CHECK(
+                  r.nodes_size() == 2 && r.nodes(0).node() == kNodeA && r.nodes(1).node() == kNodeB,
+                  Show(r));
+              for (const v1::NodeResult& n : r.nodes()) {
+                KVMESH_FUZZ_CHECK(!IsBug(static_cast<grpc::StatusCode>(n.code())), Show(r));
+              }
+            });
+      case Rpc::kCanResume:
+        return Unary<v1::CanResumeRequest, v1::CanResumeResponse>(rpc, bytes, s, &S::CanResume,
+                                                                  nullptr);
+      case Rpc::kListSequences:
+        return Unary<v1::ListSequencesRequest, v1::ListSequencesResponse>(
+            rpc, bytes, s, &S::ListSequences,
+            [&](const v1::ListSequencesRequest& q, const v1::ListSequencesResponse& r) {
+              const std::vector<SequenceInfo> expected = CacheOf(*a_, q.cache())->ListSequences();
+              KVMESH_FUZZ_CHECK(static_cast<size_t>(r.sequences_size()) == expected.size(),
+                                Show(r));
+              for (int i = 0; i < r.sequences_size(); ++i) {
+                KVMESH_FUZZ_CHECK(
+                    MessageDifferencer::Equals(r.sequences(i), SequenceInfoToProto(expected[i])),
+                    Show(r));
+              }
+            });
+      case Rpc::kSnapshot:
+        return Unary<v1::SnapshotRequest, v1::SnapshotResponse>(
+            rpc, bytes, s, &S::Snapshot,
+            [&](const v1::SnapshotRequest& q, const v1::SnapshotResponse& r) {
+              KVMESH_FUZZ_CHECK(
+                  r.snapshot().id() > 0 && r.snapshot().from_offset() < r.snapshot().to_offset(),
+                  Show(r));
+              CheckSnapshotListed(*a_, q.cache(), r.snapshot(), true);
+            });
+      case Rpc::kRestore:
+        return Unary<v1::RestoreRequest, v1::RestoreResponse>(rpc, bytes, s, &S::Restore, nullptr);
+      case Rpc::kMergeSnapshots:
+        return Unary<v1::MergeSnapshotsRequest, v1::MergeSnapshotsResponse>(
+            rpc, bytes, s, &S::MergeSnapshots,
+            [&](const v1::MergeSnapshotsRequest& q, const v1::MergeSnapshotsResponse& r) {
+              CheckSnapshotListed(*a_, q.cache(), r.snapshot(), true);
+              v1::SnapshotInfo gone;
+              gone.set_id(q.parent());
+              CheckSnapshotListed(*a_, q.cache(), gone, false);
+              gone.set_id(q.child());
+              CheckSnapshotListed(*a_, q.cache(), gone, false);
+            });
+      case Rpc::kSplitSnapshot:
+        return Unary<v1::SplitSnapshotRequest, v1::SplitSnapshotResponse>(
+            rpc, bytes, s, &S::SplitSnapshot,
+            [&](const v1::SplitSnapshotRequest& q, const v1::SplitSnapshotResponse& r) {
+              if (r.has_parent()) CheckSnapshotListed(*a_, q.cache(), r.parent(), true);
+              if (r.has_child()) CheckSnapshotListed(*a_, q.cache(), r.child(), true);
+              v1::SnapshotInfo gone;
+              gone.set_id(q.snapshot_id());
+              CheckSnapshotListed(*a_, q.cache(), gone, false);
+            });
+      case Rpc::kDropSnapshot:
+        return Unary<v1::DropSnapshotRequest, v1::DropSnapshotResponse>(
+            rpc, bytes, s, &S::DropSnapshot,
+            [&](const v1::DropSnapshotRequest& q, const v1::DropSnapshotResponse&) {
+              v1::SnapshotInfo gone;
+              gone.set_id(q.snapshot_id());
+              CheckSnapshotListed(*a_, q.cache(), gone, false);
+            });
+      case Rpc::kListSnapshots:
+        return Unary<v1::ListSnapshotsRequest, v1::ListSnapshotsResponse>(
+            rpc, bytes, s, &S::ListSnapshots,
+            [&](const v1::ListSnapshotsRequest& q, const v1::ListSnapshotsResponse& r) {
+              const std::vector<SnapshotInfo> expected = CacheOf(*a_, q.cache())->ListSnapshots();
+              KVMESH_FUZZ_CHECK(static_cast<size_t>(r.snapshots_size()) == expected.size(),
+                                Show(r));
+              for (int i = 0; i < r.snapshots_size(); ++i) {
+                KVMESH_FUZZ_CHECK(
+                    MessageDifferencer::Equals(r.snapshots(i), SnapshotInfoToProto(expected[i])),
+                    Show(r));
+              }
+            });
+      case Rpc::kCommitSpeculation:
+        return Unary<v1::CommitSpeculationRequest, v1::CommitSpeculationResponse>(
+            rpc, bytes, s, &S::CommitSpeculation,
+            [&](const v1::CommitSpeculationRequest& q, const v1::CommitSpeculationResponse& r) {
+              int32_t offset = 0;
+              for (const SequenceInfo& info : CacheOf(*a_, q.cache())->ListSequences()) {
+                if (info.seq == q.seq()) offset = info.offset;
+              }
+              KVMESH_FUZZ_CHECK(r.offset() == offset, absl::StrCat(Show(r), " vs ", offset));
+            });
+      case Rpc::kMigrate:
+        return Unary<v1::MigrateRequest, v1::MigrateResponse>(rpc, bytes, s, &S::Migrate, nullptr);
+      case Rpc::kMigrateSnapshot:
+        return Unary<v1::MigrateSnapshotRequest, v1::MigrateSnapshotResponse>(
+            rpc, bytes, s, &S::MigrateSnapshot,
+            [&](const v1::MigrateSnapshotRequest& q, const v1::MigrateSnapshotResponse& r) {
+              CheckSnapshotListed(*b_, q.cache(), r.snapshot(), true);
+            });
+      case Rpc::kListMembers:
+        return Unary<v1::ListMembersRequest, v1::ListMembersResponse>(
+            rpc, bytes, s, &S::ListMembers,
+            [&](const v1::ListMembersRequest&, const v1::ListMembersResponse& r) {
+              KVMESH_FUZZ_CHECK(r.members_size() == 2 && r.members(0).self() &&
+                                    r.members(0).name() == kNodeA && r.members(1).name() == kNodeB,
+                                Show(r));
+            });
+      case Rpc::kNodeInfo:
+        return Unary<v1::NodeInfoRequest, v1::NodeInfoResponse>(
+            rpc, bytes, p, &P::NodeInfo,
+            [&](const v1::NodeInfoRequest&, const v1::NodeInfoResponse& r) {
+              KVMESH_FUZZ_CHECK(r.name() == kNodeA, Show(r));
+            });
+      case Rpc::kExport:
+        return Unary<v1::ExportRequest, v1::ExportResponse>(
+            rpc, bytes, p, &P::Export, [&](const v1::ExportRequest&, const v1::ExportResponse& r) {
+              const std::string id = LeaseIdOf(r);
+              KVMESH_FUZZ_CHECK(r.empty() == id.empty(), Show(r));
+              if (r.empty()) return;
+              KVMESH_FUZZ_CHECK(r.payload_bytes() > 0, Show(r));
+              leases_.push_back(id);
+            });
+      case Rpc::kFetch: {
+        v1::FetchRequest request;
+        if (!request.ParseFromString(bytes)) return false;
+        MapLease(&request);
+        return Checked(rpc, request, [&] {
+          grpc::ClientContext context;
+          context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+          std::unique_ptr<grpc::ClientReader<v1::Chunk>> reader = p.Fetch(&context, request);
+          int64_t next = request.offset();
+          v1::Chunk chunk;
+          while (reader->Read(&chunk)) {
+            KVMESH_FUZZ_CHECK(chunk.offset() == next,
+                              absl::StrCat("chunk at ", chunk.offset(), ", expected ", next));
+            KVMESH_FUZZ_CHECK(chunk.has_crc32c(), "chunk without a CRC-32C");
+            const std::string& data = chunk.data();
+            KVMESH_FUZZ_CHECK(
+                chunk.crc32c() == transport::Crc32c(absl::MakeConstSpan(
+                                      reinterpret_cast<const uint8_t*>(data.data()), data.size())),
+                absl::StrCat("chunk at ", chunk.offset(), " fails its CRC-32C"));
+            next += static_cast<int64_t>(data.size());
+          }
+          return reader->Finish();
+        });
+      }
+      case Rpc::kRelease:
+        return Unary<v1::ReleaseRequest, v1::ReleaseResponse>(rpc, bytes, p, &P::Release, nullptr);
+      case Rpc::kPull:
+        return Unary<v1::PullRequest, v1::PullResponse>(
+            rpc, bytes, p, &P::Pull, [&](const v1::PullRequest& q, const v1::PullResponse& r) {
+              if (q.what_case() == v1::PullRequest::kSnapshotId) {
+                CheckSnapshotListed(*a_, q.cache(), r.snapshot(), true);
+              }
+            });
+      case Rpc::kNcclConnect:
+        return Unary<v1::NcclConnectRequest, v1::NcclConnectResponse>(rpc, bytes, p,
+                                                                      &P::NcclConnect, nullptr);
+      case Rpc::kNcclSend:
+        return Unary<v1::NcclSendRequest, v1::NcclSendResponse>(rpc, bytes, p, &P::NcclSend,
+                                                                nullptr);
+      case Rpc::kPeerRemove:
+        return Unary<v1::PeerRemoveRequest, v1::PeerRemoveResponse>(rpc, bytes, p, &P::Remove,
+                                                                    nullptr);
+    }
+    return false;
+  }
+
+  // KVMESH_FUZZ_VERBOSE=1: print every call and its status (to see what an input does).
+  const bool verbose_ = std::getenv("KVMESH_FUZZ_VERBOSE") != nullptr;
+  std::unique_ptr<Node> a_;
+  std::unique_ptr<Node> b_;
+  std::vector<std::string> leases_;  // granted by a's Export in this session
+};
+
+}  // namespace
+}  // namespace fuzz
+}  // namespace kvmesh
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  kvmesh::fuzz::Harness::Get().RunSession(data, size);
+  return 0;
+}
