@@ -111,6 +111,8 @@ struct Shared {
   std::atomic<int64_t> ops_started{0};
   std::atomic<int64_t> resyncs{0};
   std::atomic<int64_t> slots_missed{0};
+  std::atomic<int64_t> inflight_refusals{0};  // calls refused by a full in-flight budget
+  std::atomic<int64_t> ambiguous_notes{0};
   v1::CacheSpec long_spec, stream_spec, chaos_hybrid_spec, chaos_attention_spec;
   uint64_t long_seed = 0, stream_seed = 0;  // pattern seeds of the fixture sequences
 };

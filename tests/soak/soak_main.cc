@@ -396,15 +396,16 @@ int Main(int argc, char** argv) {
     absl::SleepFor(std::min(o.progress, std::max(absl::Milliseconds(1), end - absl::Now())));
     if (absl::Now() >= end || shared->stop.load()) break;
     std::fprintf(stderr,
-                 "soak: %3.0fs %8lld ops, %lld failures, %lld resyncs, %lld slots missed; "
-                 "RSS %s %s / %s %s; load %s\n",
+                 "soak: %3.0fs %8lld ops, %lld failures, %lld resyncs, %lld slots missed, "
+                 "%lld in-flight refusals; RSS %s %s / %s %s; load %s\n",
                  absl::ToDoubleSeconds(absl::Now() - begin),
                  static_cast<long long>(shared->ops_started.load()),
                  static_cast<long long>(shared->failures.count()),
                  static_cast<long long>(shared->resyncs.load()),
-                 static_cast<long long>(shared->slots_missed.load()), shared->nodes[0].name.c_str(),
-                 MiB(rss[0].current).c_str(), shared->nodes[1].name.c_str(),
-                 MiB(rss[1].current).c_str(), LoadAverage().c_str());
+                 static_cast<long long>(shared->slots_missed.load()),
+                 static_cast<long long>(shared->inflight_refusals.load()),
+                 shared->nodes[0].name.c_str(), MiB(rss[0].current).c_str(),
+                 shared->nodes[1].name.c_str(), MiB(rss[1].current).c_str(), LoadAverage().c_str());
   }
   shared->stop = true;
   for (std::thread& t : threads) t.join();
@@ -484,10 +485,12 @@ int Main(int argc, char** argv) {
                 shared->support.stream_idle_timeout ? "" : " --stream-idle-timeout-ms",
                 shared->support.max_lease ? "" : " --max-lease-ms");
   }
-  std::printf("load average before %s, after %s; %lld resyncs, %lld slots missed\n\n",
-              load_before.c_str(), load_after.c_str(),
-              static_cast<long long>(shared->resyncs.load()),
-              static_cast<long long>(shared->slots_missed.load()));
+  std::printf(
+      "load average before %s, after %s; %lld resyncs, %lld slots missed, %lld calls refused "
+      "by a full in-flight budget\n\n",
+      load_before.c_str(), load_after.c_str(), static_cast<long long>(shared->resyncs.load()),
+      static_cast<long long>(shared->slots_missed.load()),
+      static_cast<long long>(shared->inflight_refusals.load()));
   PrintReport(all, seconds, stdout);
   std::printf("\nRSS bound per node: memory %s + snapshot %s + in-flight %s + overhead %s = %s\n",
               MiB(o.memory_budget).c_str(), MiB(o.snapshot_budget).c_str(),
