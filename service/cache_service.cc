@@ -760,7 +760,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* 
     });
   }
   if (request->scope() != v1::REMOVE_SCOPE_LOCAL) {
-    return RunUnary(context, [request]() -> absl::Status {
+    return RunUnary(context, [this, context, request]() -> absl::Status {
+      RETURN_IF_ERROR(Caller(*context).status());  // who asks comes first
       return absl::InvalidArgumentError(
           absl::StrCat("scope = ", request->scope(), " is not a RemoveScope"));
     });

@@ -403,6 +403,12 @@ absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
       return absl::InvalidArgumentError(
           absl::StrCat("target_seq = ", request.target_seq(), " is negative"));
     }
+    // Only Migrate asks a node to pull a sequence, and always for a migration the sender has
+    // reserved; a Pull without one would let a caller overwrite any sequence here.
+    if (request.sequence().migration_id().empty()) {
+      return absl::InvalidArgumentError(
+          "sequence.migration_id is empty: a Pull of a sequence belongs to a migration");
+    }
     *what.mutable_sequence() = request.sequence();
     ASSIGN_OR_RETURN(const Pulled pulled,
                      PullInto(request.tenant(), cache, request.source_node(), what, deadline));

@@ -151,7 +151,9 @@ const Command kGetCommand = {
     "get", kCacheFlags, R"(  get           --cache=CACHE                  spec and usage)", &Get};
 
 const Command kListCommand = {
-    "list", {}, R"(  list                                         every cache on the node)", &List};
+    "list", {},
+    R"(  list                                         the caller's caches (an admin: all))",
+    &List};
 
 const Command kUsageCommand = {
     "usage", kCacheFlags,

@@ -462,6 +462,30 @@ TEST_F(PeerPlaneTest, ExportsGoOnlyToMembersOverTransportsTheNodeHas) {
   EXPECT_EQ(got.cache().usage().export_bytes(), 0);
 }
 
+TEST_F(PeerPlaneTest, APullOfASequenceOutsideAMigrationIsRefused) {
+  AliceCacheOnBoth();
+  std::unique_ptr<Stub> alice1 = StubFor(nodes_[1]->address(), kAlice);
+  ASSERT_OK(Append(*alice1, MakeAppend(SmallSpec("m"), 5, {0, 1}, 11)));
+  ReadOutput before;
+  ASSERT_OK(Read(*alice1, ReadRequest("m", 5), &before));
+  // Node 1 asked to overwrite its seq 5 with node 0's seq 0, with no migration behind it.
+  v1::PullRequest pull;
+  pull.set_cache("m");
+  pull.set_tenant("team-a");
+  pull.set_source_node("p0");
+  pull.mutable_sequence()->set_seq(0);
+  pull.set_target_seq(5);
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::PullResponse pulled;
+  const grpc::Status status = PeerStub(1)->Pull(&context, pull, &pulled);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("migration_id is empty"));
+  ReadOutput after;
+  ASSERT_OK(Read(*alice1, ReadRequest("m", 5), &after));
+  EXPECT_EQ(after.payload, before.payload);
+}
+
 TEST_F(PeerPlaneTest, LeaseIdsCannotBeGuessedAndLeasesAreCappedAndClamped) {
   AliceCacheOnBoth();
   v1::ExportRequest request = ExportOf("team-a", "p1", "grpc-stream");
