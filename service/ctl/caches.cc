@@ -103,12 +103,12 @@ absl::Status List(const Client& client, const Args&) {
   RETURN_IF_ERROR(
       client.Call(&v1::CacheService::Stub::ListCaches, v1::ListCachesRequest(), &response));
   if (client.json()) return PrintJson(response);
-  std::printf("%-24s %-5s %6s %10s %9s %9s %12s\n", "NAME", "DTYPE", "GROUPS", "SEQUENCES",
-              "CAPACITY", "MAX_BATCH", "HELD");
+  std::printf("%-24s %-16s %-5s %6s %10s %9s %9s %12s\n", "NAME", "TENANT", "DTYPE", "GROUPS",
+              "SEQUENCES", "CAPACITY", "MAX_BATCH", "HELD");
   for (const v1::CacheInfo& info : response.caches()) {
     const v1::CacheSpec& s = info.spec();
-    std::printf("%-24s %-5s %6d %10s %9d %9d %12s\n", s.name().c_str(),
-                DTypeText(s.dtype()).c_str(), s.groups_size(),
+    std::printf("%-24s %-16s %-5s %6d %10s %9d %9d %12s\n", s.name().c_str(),
+                info.tenant().c_str(), DTypeText(s.dtype()).c_str(), s.groups_size(),
                 absl::StrCat(info.usage().sequences_live(), "/", s.max_sequences()).c_str(),
                 s.capacity(), s.max_batch(), Mib(info.usage().bytes_held()).c_str());
   }
