@@ -151,9 +151,10 @@ constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
 constexpr int kTransferReadThreads = 2;
 constexpr uint64_t kMinMessageBytes = 64 << 10;
 constexpr uint64_t kDefaultInflightBytes = uint64_t{1} << 30;
-// gRPC needs several MiB for the buffers of a busy connection: with a quarter of 32 MiB (8 MiB)
-// it cancelled a single client's AppendStream of 1 MiB messages, with 16 MiB it served it.
-constexpr uint64_t kMinInflightBytes = uint64_t{64} << 20;
+// gRPC needs several MiB for the buffers of a busy connection: a single client's AppendStream
+// of 1 MiB messages was cancelled with a quarter of 32 MiB (8 MiB), and with 16 MiB in one of
+// five tries on a loaded machine; with 32 MiB it went through every time.
+constexpr uint64_t kMinInflightBytes = uint64_t{128} << 20;
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "kvmesh-node: %s\n", message.c_str());

@@ -1838,7 +1838,22 @@ class Episode {
     for (const Query& q : queries) valid = valid && q.seq >= 0 && q.pos >= 0;
     const std::string what = "Visible(group " + std::to_string(group) + ", " +
                              std::to_string(queries.size()) + " queries)";
-    absl::StatusOr<std::vector<std::vector<int32_t>>> got = cache_->Visible(group, queries);
+    // Through the admission check, whose bound must cover what is listed (the node refuses
+    // requests by it before any work).
+    int64_t bound = -1;
+    absl::StatusOr<std::vector<std::vector<int32_t>>> got =
+        cache_->Visible(group, queries, [&bound](int64_t b) {
+          bound = b;
+          return absl::OkStatus();
+        });
+    if (got.ok()) {
+      int64_t listed = 0;
+      for (const std::vector<int32_t>& v : *got) listed += static_cast<int64_t>(v.size());
+      if (listed > bound) {
+        return ::testing::AssertionFailure()
+               << what << " listed " << listed << " positions, more than its bound " << bound;
+      }
+    }
     Codes want = valid ? kOk : kInvalid;
     // A Recurrent group has no positions; the documents do not say whether Visible on one is an
     // empty answer or INVALID_ARGUMENT.

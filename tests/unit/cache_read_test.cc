@@ -2,6 +2,7 @@
 // and its errors.
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "cache/cache.h"
@@ -62,6 +63,23 @@ TEST_F(ReadTest, HalfOpenRanges) {
   ExpectRead(0, 8, std::nullopt, {8, 9});
   ExpectRead(0, 0, 100, Range(0, 10));
   ExpectRead(0, 9, 10, {9});
+}
+
+// The admission check sees the payload's size before it is allocated; its error is the Read's.
+TEST_F(ReadTest, AdmitSeesThePayloadSizeFirst) {
+  size_t admitted = 0;
+  absl::StatusOr<ReadResult> read = cache().Read(0, 3, 7, [&](size_t bytes) {
+    admitted = bytes;
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(admitted, read->payload.size());
+  EXPECT_GT(admitted, 0u);
+  read = cache().Read(0, 0, std::nullopt, [](size_t bytes) {
+    return absl::ResourceExhaustedError(std::to_string(bytes));
+  });
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(read.status().message(), std::to_string(10 * admitted / 4));
 }
 
 // A live sequence with nothing in the range reads as an empty result, not an error.

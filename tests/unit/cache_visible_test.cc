@@ -3,6 +3,8 @@
 #include <optional>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "cache/cache.h"
 #include "gtest/gtest.h"
 #include "tests/unit/cache_test_util.h"
@@ -110,6 +112,70 @@ TEST_F(VisibleTest, Errors) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(cache().Visible(kFull, {Query{0, -1, false}}).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The bound Visible hands to its admission check before it lists anything: exact for sequences
+// stored without gaps, an upper bound otherwise (seq 2 stores 1, 5, 9).
+TEST_F(VisibleTest, AdmitSeesAnUpperBoundOfThePositionsListed) {
+  const std::vector<Query> queries = {Query{0, 5, false}, Query{1, 7, false},
+                                      Query{2, 6, false}, Query{9, 3, false}};
+  int64_t bound = -1;
+  absl::StatusOr<Lists> v = cache().Visible(kFull, queries, [&](int64_t b) {
+    bound = b;
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, (Lists{Range(0, 6), Range(0, 5), {1, 5}, {}}));
+  // 6 + 5 exactly; seq 2 between its stored 1 and 5: at most 5 - 1 + 1 = 5, but it stores 3.
+  EXPECT_EQ(bound, 6 + 5 + 3);
+  // Sliding (window 3) and chunked (chunk 4) narrow the range before counting.
+  v = cache().Visible(kSliding, {Query{0, 5, false}, Query{0, 5, true}}, [&](int64_t b) {
+    bound = b;
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(bound, 4 + 8);
+  v = cache().Visible(kChunked, {Query{0, 5, false}}, [&](int64_t b) {
+    bound = b;
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(bound, 2);
+}
+
+TEST_F(VisibleTest, AdmitErrorIsReturnedAsItIs) {
+  int calls = 0;
+  absl::StatusOr<Lists> v = cache().Visible(kFull, {Query{0, 9, false}}, [&](int64_t b) {
+    ++calls;
+    return absl::ResourceExhaustedError(absl::StrCat("bound ", b));
+  });
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(v.status(), absl::ResourceExhaustedError("bound 10"));
+  // Bad requests are refused before admission.
+  v = cache().Visible(kFull, {Query{0, -1, false}}, [&](int64_t) {
+    ++calls;
+    return absl::OkStatus();
+  });
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(calls, 1);
+}
+
+TEST(VisibleBoundTest, RotatingBoundIsExact) {
+  // Rotating max_size 4: seq 0 stores 0..9, its ring keeps 6..9.
+  const CacheSpec spec = Spec(DType::kF32, 2, 64, 16, {testutil::RotatingGroup(4)});
+  TestCache tc(spec);
+  ASSERT_NE(tc.cache, nullptr);
+  ASSERT_TRUE(AppendRange(*tc.cache, 0, 0, 10).ok());
+  for (const Query& q : {Query{0, 9, false}, Query{0, 7, false}, Query{0, 3, true},
+                         Query{0, 12, false}, Query{1, 0, false}}) {
+    int64_t bound = -1;
+    absl::StatusOr<Lists> v = tc.cache->Visible(0, {q}, [&](int64_t b) {
+      bound = b;
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_EQ(bound, static_cast<int64_t>((*v)[0].size())) << "pos " << q.pos;
+  }
 }
 
 TEST(VisiblePruneTest, PrunedPositionsAreNotVisible) {
