@@ -104,19 +104,31 @@ std::vector<v1::CacheSpec> BaselineSpecs() {
   return specs;
 }
 
-std::vector<BaselineSequence> BaselineSequences() {
-  return {{"attn", 0, 0, 6}, {"attn", 1, 0, 3}, {"hybrid", 0, 0, 5}};
+std::vector<BaselineCache> BaselineCaches() {
+  return {{"default", "attn"}, {"default", "hybrid"}, {"t1", "attn"}};
 }
 
-void AppendRecord(std::string* input, Rpc rpc, const google::protobuf::Message& request) {
-  input->push_back(static_cast<char>(rpc));
+std::vector<BaselineSequence> BaselineSequences() {
+  return {{"default", "attn", 0, 0, 6},
+          {"default", "attn", 1, 0, 3},
+          {"default", "hybrid", 0, 0, 5},
+          {"t1", "attn", 0, 0, 6},
+          {"t1", "attn", 1, 0, 3}};
+}
+
+void AppendRecord(std::string* input, Rpc rpc, const google::protobuf::Message& request,
+                  Principal principal) {
+  input->push_back(
+      static_cast<char>(static_cast<int>(rpc) + kRpcCount * static_cast<int>(principal)));
   AppendBytes(input, request.SerializeAsString());
 }
 
-void AppendStreamRecord(std::string* input, const std::vector<v1::AppendStreamRequest>& stream) {
+void AppendStreamRecord(std::string* input, const std::vector<v1::AppendStreamRequest>& stream,
+                        Principal principal) {
   std::string body;
   for (const v1::AppendStreamRequest& m : stream) AppendBytes(&body, m.SerializeAsString());
-  input->push_back(static_cast<char>(Rpc::kAppendStream));
+  input->push_back(static_cast<char>(static_cast<int>(Rpc::kAppendStream) +
+                                     kRpcCount * static_cast<int>(principal)));
   AppendBytes(input, body);
 }
 

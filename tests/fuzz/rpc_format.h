@@ -7,8 +7,8 @@
 // message end the session (libFuzzer's mutations then keep to inputs that parse). A record cut
 // short by the end of the input is sent with the bytes there are.
 //
-// The calls go to node "a" (CacheService and PeerService on one server), whose peer is node
-// "b"; both start every session with the caches of BaselineSpecs() holding BaselineSequences().
+// The calls go to node "a", whose peer is node "b"; both start every session with
+// BaselineCaches() holding BaselineSequences().
 #ifndef KVMESH_TESTS_FUZZ_RPC_FORMAT_H_
 #define KVMESH_TESTS_FUZZ_RPC_FORMAT_H_
 
@@ -63,17 +63,42 @@ inline constexpr size_t kMaxRecords = 24;
 // The method's name, e.g. "CreateCache".
 const char* RpcName(Rpc rpc);
 
+// Who makes a CacheService call: the record's first byte is rpc + kRpcCount * principal
+// (principal modulo kPrincipalCount), so a plain Rpc byte is the admin. The nodes run with a
+// token file (rpc_fuzzer.cc) listing an admin of tenant "default" and tenants "t1" and "t2"
+// (t2 with a quota of one cache). PeerService calls carry no token: the peer plane knows its
+// callers by their address.
+enum class Principal : uint8_t {
+  kAdmin,           // the admin's token: tenant "default"
+  kTenant1,         // t1's token
+  kTenant2,         // t2's token
+  kAnonymous,       // no authorization metadata: UNAUTHENTICATED
+  kUnknownToken,    // a token the file does not list: UNAUTHENTICATED
+  kTenant1AsOther,  // t1's token naming tenant "default" in kvmesh-tenant: PERMISSION_DENIED
+  kAdminAsTenant1,  // the admin's token acting for t1
+};
+inline constexpr int kPrincipalCount = static_cast<int>(Principal::kAdminAsTenant1) + 1;
+static_assert(kRpcCount * kPrincipalCount <= 256, "a record's first byte holds both");
+
 // The names of the two nodes.
 inline constexpr char kNodeA[] = "a";
 inline constexpr char kNodeB[] = "b";
 
-// The caches both nodes hold at the start of a session: "attn" (full attention, NEOX rope, F16)
-// and "hybrid" (sliding attention, a rotating ring and a recurrent group with a delta state,
-// BF16).
+// The specs of the caches both nodes hold at the start of a session: "attn" (full attention,
+// NEOX rope, F16) and "hybrid" (sliding attention, a rotating ring and a recurrent group with a
+// delta state, BF16).
 std::vector<v1::CacheSpec> BaselineSpecs();
-// What each baseline cache holds: sequence 0 at [0, 6) and sequence 1 at [0, 3) of "attn",
-// sequence 0 at [0, 5) of "hybrid", with a snapshot (id 1) of each cache's sequence 0.
+// The caches themselves: "attn" and "hybrid" of tenant "default", and an "attn" of tenant "t1"
+// (names are per tenant).
+struct BaselineCache {
+  std::string tenant;
+  std::string name;
+};
+std::vector<BaselineCache> BaselineCaches();
+// What they hold: sequence 0 at [0, 6) and sequence 1 at [0, 3) of each "attn", sequence 0 at
+// [0, 5) of "hybrid", with a snapshot (id 1) of each cache's sequence 0.
 struct BaselineSequence {
+  std::string tenant;
   std::string cache;
   int64_t seq;
   int32_t begin;
@@ -82,8 +107,10 @@ struct BaselineSequence {
 std::vector<BaselineSequence> BaselineSequences();
 
 // Appends one record.
-void AppendRecord(std::string* input, Rpc rpc, const google::protobuf::Message& request);
-void AppendStreamRecord(std::string* input, const std::vector<v1::AppendStreamRequest>& stream);
+void AppendRecord(std::string* input, Rpc rpc, const google::protobuf::Message& request,
+                  Principal principal = Principal::kAdmin);
+void AppendStreamRecord(std::string* input, const std::vector<v1::AppendStreamRequest>& stream,
+                        Principal principal = Principal::kAdmin);
 
 }  // namespace fuzz
 }  // namespace kvmesh

@@ -1,22 +1,30 @@
 // Fuzz target: every RPC of kvmesh.v1.CacheService and kvmesh.v1.PeerService, with requests
 // built from the input (rpc_format.h), through the real services of two nodes that run in this
 // process (node "a", called; node "b", its peer: CopyPrefix from b, Migrate to b, Pull and
-// Export between them move real payloads over loopback), so that validation, the conversions of
-// service/common/convert.cc, the cluster machinery and the engine all see them.
+// Export between them move real payloads over loopback), so that authentication, validation,
+// the conversions of service/common/convert.cc, the cluster machinery and the engine all see
+// them. Each CacheService call is made by one of several principals (rpc_format.h, Principal):
+// the admin, tenants t1 and t2, and callers who must be refused.
 //
-// Every session starts from the same state (rpc_format.h, BaselineSpecs). After each call:
+// Every session starts from the same state (rpc_format.h, BaselineCaches). After each call:
 //  - no INTERNAL, UNKNOWN, DATA_LOSS, UNIMPLEMENTED or DEADLINE_EXCEEDED (the harness allows a
 //    minute per call: nothing here takes that long), and every error has a message of at most
 //    kMaxErrorMessage bytes (an echoed request field must be cut);
-//  - a refused call changed nothing on either node (CacheDigest of every cache), except where the
-//    contract allows it (an Append refused for lack of cells may have pruned a sliding window);
-//    a successful one changed node b only if it was a cluster operation that goes there;
+//  - a caller without a valid token is UNAUTHENTICATED, a tenant naming another tenant is
+//    PERMISSION_DENIED, whatever the request;
+//  - no call changes the caches of a tenant other than the one it acts for, on either node;
+//  - a refused call changed nothing, except where the contract allows it (an Append refused for
+//    lack of cells may have pruned a sliding window); a successful one changed node b only if it
+//    was a cluster operation that goes there;
 //  - a successful call's response is well-formed and agrees with the engine: specs convert
-//    back, lists are sorted, Read returns exactly the engine's header and bytes in chunks within
-//    max_chunk_bytes, Visible the engine's answer, Fetch contiguous chunks whose CRC-32C match,
-//    usage and snapshot and sequence listings what the engine reports.
+//    back, lists hold the caller's caches only and are sorted, Read returns exactly the engine's
+//    header and bytes in chunks within max_chunk_bytes, Visible the engine's answer, Fetch
+//    contiguous chunks whose CRC-32C match, usage and snapshot and sequence listings what the
+//    engine reports, ListMembers hides the operators' details from tenants.
 // After each session: every lease granted is released and no other is left, and once the
 // caches are deleted every device byte and every in-flight byte is back.
+//
+// KVMESH_FUZZ_VERBOSE=1 prints every call and its status.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -26,23 +34,23 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cache/cache.h"
 #include "cache/cache_registry.h"
 #include "cache/device/host_device.h"
-#include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/stubs/logging.h"
 #include "google/protobuf/util/message_differencer.h"
@@ -50,6 +58,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
+#include "service/auth.h"
 #include "service/cache_service.h"
 #include "service/cluster/cluster.h"
 #include "service/cluster/leases.h"
@@ -77,6 +86,37 @@ constexpr absl::Duration kCallDeadline = absl::Seconds(60);
 // one that echoes a long name or payload whole.
 constexpr size_t kMaxErrorMessage = 1024;
 
+// The tenants of the token file, and the tokens (random enough for a test: the file holds only
+// their SHA-256).
+constexpr const char* kTenants[] = {"default", "t1", "t2"};
+constexpr char kAdminToken[] = "fuzz-admin-9b1c3e0f5a7d4e2b8c6a1f0e3d5b7a9c";
+constexpr char kTenant1Token[] = "fuzz-t1-4f2e8d6c0b9a7e5d3c1b0a9f8e7d6c5b";
+constexpr char kTenant2Token[] = "fuzz-t2-1a3c5e7f9b0d2f4a6c8e0b2d4f6a8c0e";
+
+struct Caller {
+  const char* name;
+  const char* token;   // null: no authorization metadata
+  const char* act_as;  // kvmesh-tenant, or null
+  const char* tenant;  // the tenant the calls act for; null: every call must be refused
+  bool admin;
+  grpc::StatusCode refusal;  // the code of every call when tenant is null
+};
+// Indexed by Principal.
+constexpr Caller kCallers[kPrincipalCount] = {
+    {"admin", kAdminToken, nullptr, "default", true, grpc::StatusCode::OK},
+    {"t1", kTenant1Token, nullptr, "t1", false, grpc::StatusCode::OK},
+    {"t2", kTenant2Token, nullptr, "t2", false, grpc::StatusCode::OK},
+    {"anonymous", nullptr, nullptr, nullptr, false, grpc::StatusCode::UNAUTHENTICATED},
+    {"unknown token", "fuzz-not-a-listed-token", nullptr, nullptr, false,
+     grpc::StatusCode::UNAUTHENTICATED},
+    {"t1 as default", kTenant1Token, "default", nullptr, false,
+     grpc::StatusCode::PERMISSION_DENIED},
+    {"admin as t1", kAdminToken, "t1", "t1", true, grpc::StatusCode::OK},
+};
+// PeerService calls come from node b, which sends no token: the peer plane knows its callers by
+// their address (their certificate with TLS), and each request names its tenant.
+constexpr Caller kPeerCaller = {"node b", nullptr, nullptr, "default", true, grpc::StatusCode::OK};
+
 // A free TCP port on 127.0.0.1 (bound and released; the node binds it right after).
 int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -95,11 +135,13 @@ int FreePort() {
   return ntohs(addr.sin_port);
 }
 
-// One kvmesh node, wired as kvmesh-node wires it (service/node_main.cc) in development mode:
-// CacheService and PeerService on one plaintext loopback server, no token file.
+// One kvmesh node, wired as kvmesh-node wires it (service/node_main.cc) with a token file and a
+// peer plane of its own (--peer-listen, plaintext on loopback): CacheService on a server that
+// the harness reaches in-process, PeerService on 127.0.0.1:port, the address the other node
+// knows it by.
 class Node {
  public:
-  Node(std::string name, int port, std::string peer_name, int peer_port)
+  Node(std::string name, int port, std::string peer_name, int peer_port, const Authenticator* auth)
       : name_(std::move(name)),
         address_(absl::StrCat("127.0.0.1:", port)),
         device_(16 << 20, 8 << 20),
@@ -135,6 +177,7 @@ class Node {
     s.max_send_message_bytes = kMaxMessage;
     s.cluster = cluster_.get();
     s.cluster_executor = &cluster_executor_;
+    s.auth = auth;
     s.inflight = &inflight_;
     service_ = std::make_unique<CacheServiceImpl>(&registry_, &executor_, s);
     PeerServiceImpl::Options p;
@@ -152,16 +195,23 @@ class Node {
   }
 
   void Start() {
+    auto configure = [](grpc::ServerBuilder& builder) {
+      builder.SetMaxReceiveMessageSize(kMaxMessage);
+      builder.SetMaxSendMessageSize(kMaxMessage);
+      builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    };
     grpc::ServerBuilder builder;
-    builder.SetMaxReceiveMessageSize(kMaxMessage);
-    builder.SetMaxSendMessageSize(kMaxMessage);
-    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    int bound = 0;
-    builder.AddListeningPort(address_, grpc::InsecureServerCredentials(), &bound);
+    configure(builder);
     builder.RegisterService(service_.get());
-    builder.RegisterService(peer_service_.get());
     server_ = builder.BuildAndStart();
-    KVMESH_FUZZ_CHECK(server_ != nullptr && bound != 0,
+    KVMESH_FUZZ_CHECK(server_ != nullptr, "cannot start the client server");
+    grpc::ServerBuilder peer_builder;
+    configure(peer_builder);
+    int bound = 0;
+    peer_builder.AddListeningPort(address_, grpc::InsecureServerCredentials(), &bound);
+    peer_builder.RegisterService(peer_service_.get());
+    peer_server_ = peer_builder.BuildAndStart();
+    KVMESH_FUZZ_CHECK(peer_server_ != nullptr && bound != 0,
                       absl::StrCat("cannot listen on ", address_));
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(kMaxMessage);
@@ -176,38 +226,41 @@ class Node {
   void Stop() {
     stub_.reset();
     peer_stub_.reset();
-    server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    const auto deadline = absl::ToChronoTime(absl::Now() + absl::Seconds(5));
+    server_->Shutdown(deadline);
+    peer_server_->Shutdown(deadline);
     executor_.Shutdown();
     cluster_executor_.Shutdown();
     transfer_reads_.Shutdown();
     server_->Wait();
+    peer_server_->Wait();
   }
 
   const std::string& name() const { return name_; }
   CacheRegistry& registry() { return registry_; }
-  HostDevice& device() { return device_; }
   LeaseTable& leases() { return leases_; }
-  InflightBudget& inflight() { return inflight_; }
   v1::CacheService::Stub& stub() { return *stub_; }
   v1::PeerService::Stub& peer_stub() { return *peer_stub_; }
 
-  // Every cache of every tenant, as text: equal digests, equal nodes.
-  std::string Digest() const {
+  // The caches of `tenant` as text: equal digests, equal caches.
+  std::string Digest(absl::string_view tenant) const {
     std::string out;
-    for (const CacheRegistry::Entry& e : registry_.ListAll()) {
-      absl::StrAppend(&out, "== ", e.tenant, "/", e.cache->spec().name, "\n", CacheDigest(*e.cache),
+    for (const std::shared_ptr<Cache>& cache : registry_.List(tenant)) {
+      absl::StrAppend(&out, "== ", tenant, "/", cache->spec().name, "\n", CacheDigest(*cache),
                       "\n");
     }
     return out;
   }
 
-  // Deletes every cache and waits until the device has every byte back.
+  // Deletes every cache and waits until the device and the in-flight budget have every byte
+  // back.
   void Clear() {
     for (const CacheRegistry::Entry& e : registry_.ListAll()) {
       const absl::Status deleted = registry_.Delete(e.tenant, e.cache->spec().name);
       KVMESH_FUZZ_CHECK(deleted.ok(), deleted.ToString());
     }
-    // An executor task may still hold a cache for a moment after its call finished.
+    // An executor task (or the sender's side of a finished Fetch) may still hold a cache's
+    // data for a moment after its call has ended.
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (device_.used_bytes(MemoryPool::kCache) != 0 ||
            device_.used_bytes(MemoryPool::kSnapshot) != 0 || inflight_.held() != 0) {
@@ -223,19 +276,23 @@ class Node {
 
   // The caches and data of rpc_format.h's baseline.
   void Populate() {
-    for (const v1::CacheSpec& proto : BaselineSpecs()) {
-      absl::StatusOr<CacheSpec> spec = SpecFromProto(proto);
+    std::map<std::string, v1::CacheSpec> specs;
+    for (const v1::CacheSpec& s : BaselineSpecs()) specs[s.name()] = s;
+    for (const BaselineCache& c : BaselineCaches()) {
+      absl::StatusOr<CacheSpec> spec = SpecFromProto(specs.at(c.name));
       KVMESH_FUZZ_CHECK(spec.ok(), spec.status().ToString());
-      absl::StatusOr<CacheRegistry::CreateResult> created = registry_.Create(*spec);
+      absl::StatusOr<CacheRegistry::CreateResult> created =
+          registry_.Create(c.tenant, *spec, TenantQuota());
       KVMESH_FUZZ_CHECK(created.ok(), created.status().ToString());
     }
     for (const BaselineSequence& s : BaselineSequences()) {
-      absl::StatusOr<std::shared_ptr<Cache>> cache = registry_.Get(s.cache);
+      absl::StatusOr<std::shared_ptr<Cache>> cache = registry_.Get(s.tenant, s.cache);
       KVMESH_FUZZ_CHECK(cache.ok(), cache.status().ToString());
       std::vector<Token> tokens;
       for (int32_t p = s.begin; p < s.end; ++p) tokens.push_back(Token{s.seq, p});
-      const std::string payload = PrefillPayload(
-          (*cache)->spec(), static_cast<int32_t>(tokens.size()), static_cast<uint8_t>(s.seq + 1));
+      const std::string payload =
+          PrefillPayload((*cache)->spec(), static_cast<int32_t>(tokens.size()),
+                         static_cast<uint8_t>(s.seq + 1 + 16 * (s.tenant != "default")));
       const absl::Status appended = (*cache)->Append(
           tokens,
           absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()));
@@ -265,6 +322,7 @@ class Node {
   std::unique_ptr<CacheServiceImpl> service_;
   std::unique_ptr<PeerServiceImpl> peer_service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> peer_server_;
   std::unique_ptr<v1::CacheService::Stub> stub_;
   std::unique_ptr<v1::PeerService::Stub> peer_stub_;
 };
@@ -282,36 +340,19 @@ bool IsBug(grpc::StatusCode code) {
   }
 }
 
+bool IsPeerRpc(Rpc rpc) { return static_cast<int>(rpc) >= static_cast<int>(Rpc::kNodeInfo); }
+
 std::string Show(const Message& m) {
   std::string text = m.ShortDebugString();
   if (text.size() > 2000) text = absl::StrCat(text.substr(0, 2000), "...");
   return text;
 }
 
-// The lease_id field of a message (a string since lease ids became random; read through
-// reflection so that this harness does not depend on its type).
-std::string LeaseIdOf(const Message& m) {
-  const google::protobuf::FieldDescriptor* f = m.GetDescriptor()->FindFieldByName("lease_id");
-  if (f == nullptr) return "";
-  const google::protobuf::Reflection* r = m.GetReflection();
-  if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_STRING) return r->GetString(m, f);
-  if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT64) {
-    const uint64_t v = r->GetUInt64(m, f);
-    return v == 0 ? "" : absl::StrCat(v);
-  }
-  return "";
-}
-
-void SetLeaseId(Message* m, const std::string& id) {
-  const google::protobuf::FieldDescriptor* f = m->GetDescriptor()->FindFieldByName("lease_id");
-  if (f == nullptr) return;
-  const google::protobuf::Reflection* r = m->GetReflection();
-  if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_STRING) {
-    r->SetString(m, f, id);
-  } else if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT64) {
-    uint64_t v = 0;
-    if (absl::SimpleAtoi(id, &v)) r->SetUInt64(m, f, v);
-  }
+// Each of the node's tenants' digests.
+std::map<std::string, std::string> Digests(const Node& node) {
+  std::map<std::string, std::string> out;
+  for (const char* tenant : kTenants) out[tenant] = node.Digest(tenant);
+  return out;
 }
 
 class Harness {
@@ -338,24 +379,46 @@ class Harness {
     leases_.clear();
     size_t at = 0;
     for (size_t record = 0; record < kMaxRecords && at < size; ++record) {
-      const Rpc rpc = static_cast<Rpc>(data[at++] % kRpcCount);
+      const uint8_t first = data[at++];
+      const Rpc rpc = static_cast<Rpc>(first % kRpcCount);
+      const Caller& caller = kCallers[(first / kRpcCount) % kPrincipalCount];
       size_t length = 0;
       if (at < size) length = data[at++];
       if (at < size) length |= size_t{data[at++]} << 8;
       length = std::min(length, size - at);
       const std::string bytes(reinterpret_cast<const char*>(data + at), length);
       at += length;
-      if (!Call(rpc, bytes)) break;
+      if (!Call(rpc, IsPeerRpc(rpc) ? kPeerCaller : caller, bytes)) break;
     }
     EndSession();
   }
 
  private:
   Harness() {
+    // The token file both nodes read.
+    char path[] = "/tmp/kvmesh-fuzz-tokens-XXXXXX";
+    const int fd = mkstemp(path);
+    KVMESH_FUZZ_CHECK(fd >= 0, "mkstemp");
+    close(fd);
+    token_file_ = path;
+    {
+      std::ofstream file(token_file_, std::ios::trunc);
+      file << "token sha256:" << Sha256Hex(kAdminToken) << " default admin\n"
+           << "token sha256:" << Sha256Hex(kTenant1Token) << " t1 tenant\n"
+           << "token sha256:" << Sha256Hex(kTenant2Token) << " t2 tenant\n"
+           << "quota t2 caches=1 bytes=64KiB\n";
+      KVMESH_FUZZ_CHECK(file.good(), token_file_);
+    }
+    Authenticator::Options options;
+    options.token_file = token_file_;
+    options.reload_interval = absl::Hours(1);
+    absl::StatusOr<std::unique_ptr<Authenticator>> auth = Authenticator::Create(options);
+    KVMESH_FUZZ_CHECK(auth.ok(), auth.status().ToString());
+    auth_ = *std::move(auth);
     const int port_a = FreePort();
     const int port_b = FreePort();
-    a_ = std::make_unique<Node>(kNodeA, port_a, kNodeB, port_b);
-    b_ = std::make_unique<Node>(kNodeB, port_b, kNodeA, port_a);
+    a_ = std::make_unique<Node>(kNodeA, port_a, kNodeB, port_b, auth_.get());
+    b_ = std::make_unique<Node>(kNodeB, port_b, kNodeA, port_a, auth_.get());
     a_->Start();
     b_->Start();
   }
@@ -365,13 +428,15 @@ class Harness {
     b_->Stop();
     a_.reset();
     b_.reset();
+    auth_.reset();
+    std::remove(token_file_.c_str());
   }
 
   // Releases the leases the session was granted; then no lease may be left on either node.
   void EndSession() {
     for (const std::string& id : leases_) {
       v1::ReleaseRequest request;
-      SetLeaseId(&request, id);
+      request.set_lease_id(id);
       grpc::ClientContext context;
       context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
       v1::ReleaseResponse response;
@@ -385,33 +450,58 @@ class Harness {
                                    " on b, none of them granted to this session"));
   }
 
-  // The lease ids of a Fetch, Release or NcclSend: an id of at most two bytes stands for the
+  // The lease id of a Fetch, Release or NcclSend: an id of at most two bytes stands for the
   // index of one of the leases granted in this session, so that the fuzzer reaches leases it
   // could never guess (they are 128-bit random).
-  void MapLease(Message* request) {
-    const std::string id = LeaseIdOf(*request);
+  template <typename Request>
+  void MapLease(Request* request) {
+    const std::string& id = request->lease_id();
     if (leases_.empty() || id.size() > 2) return;
     size_t index = 0;
     for (char c : id) index = index * 256 + static_cast<uint8_t>(c);
-    SetLeaseId(request, leases_[index % leases_.size()]);
+    request->set_lease_id(leases_[index % leases_.size()]);
   }
 
-  void CheckStatus(Rpc rpc, const Message& request, const grpc::Status& status) {
-    KVMESH_FUZZ_CHECK(!IsBug(status.error_code()),
-                      absl::StrCat(RpcName(rpc), "(", Show(request), ") answered ",
-                                   status.error_code(), ": ", status.error_message()));
+  static void Authorize(const Caller& caller, grpc::ClientContext* context) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+    if (caller.token != nullptr) {
+      context->AddMetadata(kAuthorizationMetadata, absl::StrCat("Bearer ", caller.token));
+    }
+    if (caller.act_as != nullptr) context->AddMetadata(kTenantMetadata, caller.act_as);
+  }
+
+  void CheckStatus(Rpc rpc, const Caller& caller, const Message& request,
+                   const grpc::Status& status) {
+    const std::string call = absl::StrCat(RpcName(rpc), "(", Show(request), ") by ", caller.name);
+    KVMESH_FUZZ_CHECK(
+        !IsBug(status.error_code()),
+        absl::StrCat(call, " answered ", status.error_code(), ": ", status.error_message()));
+    // AppendStream looks at the caller only once its first message has passed the checks that
+    // need no cache (a header, payload_bytes >= 0, the in-flight budget for the message's data):
+    // an empty or malformed stream is refused for what it is, whoever sends it. Nothing is
+    // stored and the reservation ends with the call, which the checks after every call and
+    // session still hold it to.
+    const bool stream_refused_first =
+        rpc == Rpc::kAppendStream && (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT ||
+                                      status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    if (caller.tenant == nullptr && !stream_refused_first) {
+      KVMESH_FUZZ_CHECK(status.error_code() == caller.refusal,
+                        absl::StrCat(call, " answered ", status.error_code(), " (",
+                                     status.error_message(), "), not ", caller.refusal));
+    }
     if (status.ok()) return;
     KVMESH_FUZZ_CHECK(
         !status.error_message().empty(),
-        absl::StrCat(RpcName(rpc), " failed with code ", status.error_code(), " and no message"));
-    KVMESH_FUZZ_CHECK(status.error_message().size() <= kMaxErrorMessage,
-                      absl::StrCat(RpcName(rpc), "(", Show(request), ") failed with a ",
-                                   status.error_message().size(), "-byte message: ",
-                                   status.error_message().substr(0, 300), "..."));
+        absl::StrCat(call, " failed with code ", status.error_code(), " and no message"));
+    KVMESH_FUZZ_CHECK(
+        status.error_message().size() <= kMaxErrorMessage,
+        absl::StrCat(call, " failed with a ", status.error_message().size(),
+                     "-byte message: ", status.error_message().substr(0, 300), "..."));
   }
 
-  // Whether a refused call may still have changed node a: an Append refused for lack of cells
-  // may have pruned sliding windows to look for them (README, "Decisions").
+  // Whether a refused call may still have changed its tenant's caches on node a: an Append
+  // refused for lack of cells may have pruned sliding windows to look for them (README,
+  // "Decisions").
   static bool MayChangeWhenRefused(Rpc rpc, grpc::StatusCode code) {
     return (rpc == Rpc::kAppend || rpc == Rpc::kAppendStream) &&
            code == grpc::StatusCode::RESOURCE_EXHAUSTED;
@@ -426,47 +516,67 @@ class Harness {
     return false;
   }
 
+  // The tenant a peer-plane request names (a PeerService call acts for the tenant it carries).
+  static std::string PeerTenant(Rpc rpc, const Message& request) {
+    const google::protobuf::FieldDescriptor* f = request.GetDescriptor()->FindFieldByName("tenant");
+    std::string tenant = f == nullptr ? "" : request.GetReflection()->GetString(request, f);
+    return tenant.empty() ? kDefaultTenant : tenant;
+  }
+
   // Calls `call` (which sends `request` and checks a successful response) with the checks
   // every call gets.
-  template <typename Request>
-  bool Checked(Rpc rpc, Request& request, const std::function<grpc::Status()>& call) {
-    const std::string before_a = a_->Digest();
-    const std::string before_b = b_->Digest();
+  bool Checked(Rpc rpc, const Caller& caller, const Message& request,
+               const std::function<grpc::Status()>& call) {
+    const std::map<std::string, std::string> before_a = Digests(*a_);
+    const std::map<std::string, std::string> before_b = Digests(*b_);
     const grpc::Status status = call();
     if (verbose_) {
-      std::fprintf(stderr, "%s(%s) -> %d %s\n", RpcName(rpc), Show(request).c_str(),
-                   static_cast<int>(status.error_code()), status.error_message().c_str());
+      std::fprintf(stderr, "%s(%s) by %s -> %d %s\n", RpcName(rpc), Show(request).c_str(),
+                   caller.name, static_cast<int>(status.error_code()),
+                   status.error_message().c_str());
     }
-    CheckStatus(rpc, request, status);
-    const std::string after_a = a_->Digest();
-    const std::string after_b = b_->Digest();
-    if (!status.ok() && !MayChangeWhenRefused(rpc, status.error_code())) {
-      KVMESH_FUZZ_CHECK(
-          after_a == before_a,
-          absl::StrCat(RpcName(rpc), "(", Show(request), ") failed (", status.error_code(), ": ",
-                       status.error_message(), ") but changed node a:\n--- before\n", before_a,
-                       "\n--- after\n", after_a));
-    }
-    if (!status.ok() || !ChangesPeer(rpc, request)) {
-      KVMESH_FUZZ_CHECK(
-          after_b == before_b,
-          absl::StrCat(RpcName(rpc), "(", Show(request), ") ended ", status.error_code(), " (",
-                       status.error_message(), ") and changed node b:\n--- before\n", before_b,
-                       "\n--- after\n", after_b));
+    CheckStatus(rpc, caller, request, status);
+    // The tenant whose caches the call may change.
+    std::string acting = caller.tenant == nullptr ? "" : caller.tenant;
+    if (IsPeerRpc(rpc)) acting = PeerTenant(rpc, request);
+    const std::map<std::string, std::string> after_a = Digests(*a_);
+    const std::map<std::string, std::string> after_b = Digests(*b_);
+    for (const char* tenant : kTenants) {
+      const bool own = tenant == acting;
+      const bool a_may_change =
+          own && (status.ok() || MayChangeWhenRefused(rpc, status.error_code()));
+      const bool b_may_change = own && status.ok() && ChangesPeer(rpc, request);
+      const std::string call = absl::StrCat(
+          RpcName(rpc), "(", Show(request), ") by ", caller.name, " ended ", status.error_code(),
+          " (", status.error_message(), ") and changed tenant ", tenant, "'s caches on node ");
+      if (!a_may_change) {
+        KVMESH_FUZZ_CHECK(after_a.at(tenant) == before_a.at(tenant),
+                          absl::StrCat(call, "a:\n--- before\n", before_a.at(tenant), "--- after\n",
+                                       after_a.at(tenant)));
+      }
+      if (!b_may_change) {
+        KVMESH_FUZZ_CHECK(after_b.at(tenant) == before_b.at(tenant),
+                          absl::StrCat(call, "b:\n--- before\n", before_b.at(tenant), "--- after\n",
+                                       after_b.at(tenant)));
+      }
     }
     return true;
   }
 
   template <typename Request, typename Response, typename Stub>
-  bool Unary(Rpc rpc, const std::string& bytes, Stub& stub,
+  bool Unary(Rpc rpc, const Caller& caller, const std::string& bytes, Stub& stub,
              grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
              const std::function<void(const Request&, const Response&)>& check) {
     Request request;
     if (!request.ParseFromString(bytes)) return false;
-    MapLease(&request);
-    return Checked(rpc, request, [&] {
+    if constexpr (std::is_same_v<Request, v1::FetchRequest> ||
+                  std::is_same_v<Request, v1::ReleaseRequest> ||
+                  std::is_same_v<Request, v1::NcclSendRequest>) {
+      MapLease(&request);
+    }
+    return Checked(rpc, caller, request, [&] {
       grpc::ClientContext context;
-      context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+      Authorize(caller, &context);
       Response response;
       const grpc::Status status = (stub.*method)(&context, request, &response);
       if (status.ok() && check) check(request, response);
@@ -474,11 +584,11 @@ class Harness {
     });
   }
 
-  std::shared_ptr<Cache> CacheOf(Node& node, const std::string& name) {
-    absl::StatusOr<std::shared_ptr<Cache>> cache = node.registry().Get(name);
-    KVMESH_FUZZ_CHECK(
-        cache.ok(),
-        absl::StrCat("cache '", name, "' after a successful call: ", cache.status().ToString()));
+  std::shared_ptr<Cache> CacheOf(Node& node, const std::string& tenant, const std::string& name) {
+    absl::StatusOr<std::shared_ptr<Cache>> cache = node.registry().Get(tenant, name);
+    KVMESH_FUZZ_CHECK(cache.ok(),
+                      absl::StrCat("cache '", name, "' of ", tenant,
+                                   " after a successful call: ", cache.status().ToString()));
     return *cache;
   }
 
@@ -487,10 +597,10 @@ class Harness {
     KVMESH_FUZZ_CHECK(valid.ok(), absl::StrCat("a spec in a response: ", valid.ToString()));
   }
 
-  void CheckSnapshotListed(Node& node, const std::string& cache, const v1::SnapshotInfo& info,
-                           bool listed) {
+  void CheckSnapshotListed(Node& node, const std::string& tenant, const std::string& cache,
+                           const v1::SnapshotInfo& info, bool listed) {
     bool found = false;
-    for (const SnapshotInfo& s : CacheOf(node, cache)->ListSnapshots()) {
+    for (const SnapshotInfo& s : CacheOf(node, tenant, cache)->ListSnapshots()) {
       if (s.id != info.id()) continue;
       found = true;
       KVMESH_FUZZ_CHECK(MessageDifferencer::Equals(SnapshotInfoToProto(s), info),
@@ -500,7 +610,8 @@ class Harness {
                                                     node.name(), " listed: ", found));
   }
 
-  void CheckRead(const v1::ReadRequest& request, const std::vector<v1::ReadResponse>& messages) {
+  void CheckRead(const std::string& tenant, const v1::ReadRequest& request,
+                 const std::vector<v1::ReadResponse>& messages) {
     KVMESH_FUZZ_CHECK(!messages.empty() && messages[0].has_header(), "Read without a header");
     const int64_t limit = request.max_chunk_bytes() > 0 ? request.max_chunk_bytes() : 1 << 20;
     std::string data;
@@ -516,7 +627,7 @@ class Harness {
     std::optional<int32_t> end;
     if (request.has_end()) end = request.end();
     absl::StatusOr<ReadResult> expected =
-        CacheOf(*a_, request.cache())->Read(request.seq(), request.begin(), end);
+        CacheOf(*a_, tenant, request.cache())->Read(request.seq(), request.begin(), end);
     KVMESH_FUZZ_CHECK(expected.ok(), expected.status().ToString());
     KVMESH_FUZZ_CHECK(
         MessageDifferencer::Equals(ReadHeaderToProto(*expected), header),
@@ -524,15 +635,17 @@ class Harness {
     KVMESH_FUZZ_CHECK(expected->payload == data, "Read's bytes differ from the engine's");
   }
 
-  bool Call(Rpc rpc, const std::string& bytes) {
+  bool Call(Rpc rpc, const Caller& caller, const std::string& bytes) {
     v1::CacheService::Stub& s = a_->stub();
     v1::PeerService::Stub& p = a_->peer_stub();
     using S = v1::CacheService::Stub;
     using P = v1::PeerService::Stub;
+    // The tenant a successful CacheService call acted for.
+    const std::string t = caller.tenant == nullptr ? "" : caller.tenant;
     switch (rpc) {
       case Rpc::kCreateCache:
         return Unary<v1::CreateCacheRequest, v1::CreateCacheResponse>(
-            rpc, bytes, s, &S::CreateCache,
+            rpc, caller, bytes, s, &S::CreateCache,
             [&](const v1::CreateCacheRequest& q, const v1::CreateCacheResponse& r) {
               CheckSpec(r.cache().spec());
               absl::StatusOr<CacheSpec> asked = SpecFromProto(q.spec());
@@ -540,43 +653,56 @@ class Harness {
               KVMESH_FUZZ_CHECK(
                   asked.ok() && got.ok() && *asked == *got,
                   absl::StrCat(Show(q.spec()), " created as ", Show(r.cache().spec())));
-              CacheOf(*a_, q.spec().name());
+              KVMESH_FUZZ_CHECK(r.cache().tenant() == t, Show(r));
+              CacheOf(*a_, t, q.spec().name());
             });
       case Rpc::kDeleteCache:
         return Unary<v1::DeleteCacheRequest, v1::DeleteCacheResponse>(
-            rpc, bytes, s, &S::DeleteCache,
+            rpc, caller, bytes, s, &S::DeleteCache,
             [&](const v1::DeleteCacheRequest& q, const v1::DeleteCacheResponse&) {
-              KVMESH_FUZZ_CHECK(!a_->registry().Get(q.cache()).ok(), q.cache());
+              KVMESH_FUZZ_CHECK(!a_->registry().Get(t, q.cache()).ok(), q.cache());
             });
       case Rpc::kGetCache:
         return Unary<v1::GetCacheRequest, v1::GetCacheResponse>(
-            rpc, bytes, s, &S::GetCache,
+            rpc, caller, bytes, s, &S::GetCache,
             [&](const v1::GetCacheRequest& q, const v1::GetCacheResponse& r) {
               CheckSpec(r.cache().spec());
-              KVMESH_FUZZ_CHECK(r.cache().spec().name() == q.cache(), Show(r));
+              KVMESH_FUZZ_CHECK(r.cache().spec().name() == q.cache() && r.cache().tenant() == t,
+                                Show(r));
               KVMESH_FUZZ_CHECK(
                   MessageDifferencer::Equals(r.cache().usage(),
-                                             UsageToProto(CacheOf(*a_, q.cache())->Usage())),
+                                             UsageToProto(CacheOf(*a_, t, q.cache())->Usage())),
                   Show(r));
             });
       case Rpc::kListCaches:
         return Unary<v1::ListCachesRequest, v1::ListCachesResponse>(
-            rpc, bytes, s, &S::ListCaches,
+            rpc, caller, bytes, s, &S::ListCaches,
             [&](const v1::ListCachesRequest&, const v1::ListCachesResponse& r) {
-              KVMESH_FUZZ_CHECK(
-                  static_cast<size_t>(r.caches_size()) == a_->registry().List().size(), Show(r));
-              for (int i = 0; i < r.caches_size(); ++i) {
-                CheckSpec(r.caches(i).spec());
-                KVMESH_FUZZ_CHECK(
-                    i == 0 || r.caches(i - 1).spec().name() < r.caches(i).spec().name(), Show(r));
+              // A tenant's caches; an admin naming no tenant lists every tenant's (docs/api.md),
+              // ordered by tenant, then name.
+              std::vector<std::pair<std::string, std::string>> expected;
+              if (caller.admin && caller.act_as == nullptr) {
+                for (const CacheRegistry::Entry& e : a_->registry().ListAll()) {
+                  expected.emplace_back(e.tenant, e.cache->spec().name);
+                }
+              } else {
+                for (const std::shared_ptr<Cache>& c : a_->registry().List(t)) {
+                  expected.emplace_back(t, c->spec().name);
+                }
               }
+              std::vector<std::pair<std::string, std::string>> listed;
+              for (const v1::CacheInfo& info : r.caches()) {
+                CheckSpec(info.spec());
+                listed.emplace_back(info.tenant(), info.spec().name());
+              }
+              KVMESH_FUZZ_CHECK(listed == expected, absl::StrCat(Show(r), " for ", caller.name));
             });
       case Rpc::kAppend:
         return Unary<v1::AppendRequest, v1::AppendResponse>(
-            rpc, bytes, s, &S::Append,
+            rpc, caller, bytes, s, &S::Append,
             [&](const v1::AppendRequest& q, const v1::AppendResponse& r) {
               KVMESH_FUZZ_CHECK(MessageDifferencer::Equals(
-                                    r.usage(), UsageToProto(CacheOf(*a_, q.cache())->Usage())),
+                                    r.usage(), UsageToProto(CacheOf(*a_, t, q.cache())->Usage())),
                                 Show(r));
             });
       case Rpc::kAppendStream: {
@@ -595,9 +721,9 @@ class Harness {
         v1::AppendStreamRequest shown;  // for messages: the header
         if (!stream.empty()) shown = stream[0];
         shown.clear_data();
-        return Checked(rpc, shown, [&] {
+        return Checked(rpc, caller, shown, [&] {
           grpc::ClientContext context;
-          context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+          Authorize(caller, &context);
           v1::AppendResponse response;
           std::unique_ptr<grpc::ClientWriter<v1::AppendStreamRequest>> writer =
               s.AppendStream(&context, &response);
@@ -608,10 +734,11 @@ class Harness {
           const grpc::Status status = writer->Finish();
           if (status.ok()) {
             KVMESH_FUZZ_CHECK(!stream.empty() && stream[0].has_header(), "AppendStream accepted");
-            KVMESH_FUZZ_CHECK(MessageDifferencer::Equals(
-                                  response.usage(),
-                                  UsageToProto(CacheOf(*a_, stream[0].header().cache())->Usage())),
-                              Show(response));
+            KVMESH_FUZZ_CHECK(
+                MessageDifferencer::Equals(
+                    response.usage(),
+                    UsageToProto(CacheOf(*a_, t, stream[0].header().cache())->Usage())),
+                Show(response));
           }
           return status;
         });
@@ -619,26 +746,26 @@ class Harness {
       case Rpc::kRead: {
         v1::ReadRequest request;
         if (!request.ParseFromString(bytes)) return false;
-        return Checked(rpc, request, [&] {
+        return Checked(rpc, caller, request, [&] {
           grpc::ClientContext context;
-          context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+          Authorize(caller, &context);
           std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader = s.Read(&context, request);
           std::vector<v1::ReadResponse> messages;
           v1::ReadResponse m;
           while (reader->Read(&m)) messages.push_back(std::move(m));
           const grpc::Status status = reader->Finish();
-          if (status.ok()) CheckRead(request, messages);
+          if (status.ok()) CheckRead(t, request, messages);
           return status;
         });
       }
       case Rpc::kVisible:
         return Unary<v1::VisibleRequest, v1::VisibleResponse>(
-            rpc, bytes, s, &S::Visible,
+            rpc, caller, bytes, s, &S::Visible,
             [&](const v1::VisibleRequest& q, const v1::VisibleResponse& r) {
               absl::StatusOr<std::vector<Query>> queries = QueriesFromProto(q.queries());
               KVMESH_FUZZ_CHECK(queries.ok(), queries.status().ToString());
               absl::StatusOr<std::vector<std::vector<int32_t>>> expected =
-                  CacheOf(*a_, q.cache())->Visible(q.group(), *queries);
+                  CacheOf(*a_, t, q.cache())->Visible(q.group(), *queries);
               KVMESH_FUZZ_CHECK(expected.ok(), expected.status().ToString());
               KVMESH_FUZZ_CHECK(static_cast<size_t>(r.visible_size()) == expected->size(),
                                 r.visible_size());
@@ -649,11 +776,11 @@ class Harness {
               }
             });
       case Rpc::kCopyPrefix:
-        return Unary<v1::CopyPrefixRequest, v1::CopyPrefixResponse>(rpc, bytes, s, &S::CopyPrefix,
-                                                                    nullptr);
+        return Unary<v1::CopyPrefixRequest, v1::CopyPrefixResponse>(rpc, caller, bytes, s,
+                                                                    &S::CopyPrefix, nullptr);
       case Rpc::kRemove:
         return Unary<v1::RemoveRequest, v1::RemoveResponse>(
-            rpc, bytes, s, &S::Remove,
+            rpc, caller, bytes, s, &S::Remove,
             [&](const v1::RemoveRequest& q, const v1::RemoveResponse& r) {
               if (q.scope() != v1::REMOVE_SCOPE_CLUSTER) return;
               KVMESH_FUZZ_CHECK(
@@ -664,13 +791,14 @@ class Harness {
               }
             });
       case Rpc::kCanResume:
-        return Unary<v1::CanResumeRequest, v1::CanResumeResponse>(rpc, bytes, s, &S::CanResume,
-                                                                  nullptr);
+        return Unary<v1::CanResumeRequest, v1::CanResumeResponse>(rpc, caller, bytes, s,
+                                                                  &S::CanResume, nullptr);
       case Rpc::kListSequences:
         return Unary<v1::ListSequencesRequest, v1::ListSequencesResponse>(
-            rpc, bytes, s, &S::ListSequences,
+            rpc, caller, bytes, s, &S::ListSequences,
             [&](const v1::ListSequencesRequest& q, const v1::ListSequencesResponse& r) {
-              const std::vector<SequenceInfo> expected = CacheOf(*a_, q.cache())->ListSequences();
+              const std::vector<SequenceInfo> expected =
+                  CacheOf(*a_, t, q.cache())->ListSequences();
               KVMESH_FUZZ_CHECK(static_cast<size_t>(r.sequences_size()) == expected.size(),
                                 Show(r));
               for (int i = 0; i < r.sequences_size(); ++i) {
@@ -681,49 +809,51 @@ class Harness {
             });
       case Rpc::kSnapshot:
         return Unary<v1::SnapshotRequest, v1::SnapshotResponse>(
-            rpc, bytes, s, &S::Snapshot,
+            rpc, caller, bytes, s, &S::Snapshot,
             [&](const v1::SnapshotRequest& q, const v1::SnapshotResponse& r) {
               KVMESH_FUZZ_CHECK(
                   r.snapshot().id() > 0 && r.snapshot().from_offset() < r.snapshot().to_offset(),
                   Show(r));
-              CheckSnapshotListed(*a_, q.cache(), r.snapshot(), true);
+              CheckSnapshotListed(*a_, t, q.cache(), r.snapshot(), true);
             });
       case Rpc::kRestore:
-        return Unary<v1::RestoreRequest, v1::RestoreResponse>(rpc, bytes, s, &S::Restore, nullptr);
+        return Unary<v1::RestoreRequest, v1::RestoreResponse>(rpc, caller, bytes, s, &S::Restore,
+                                                              nullptr);
       case Rpc::kMergeSnapshots:
         return Unary<v1::MergeSnapshotsRequest, v1::MergeSnapshotsResponse>(
-            rpc, bytes, s, &S::MergeSnapshots,
+            rpc, caller, bytes, s, &S::MergeSnapshots,
             [&](const v1::MergeSnapshotsRequest& q, const v1::MergeSnapshotsResponse& r) {
-              CheckSnapshotListed(*a_, q.cache(), r.snapshot(), true);
+              CheckSnapshotListed(*a_, t, q.cache(), r.snapshot(), true);
               v1::SnapshotInfo gone;
               gone.set_id(q.parent());
-              CheckSnapshotListed(*a_, q.cache(), gone, false);
+              CheckSnapshotListed(*a_, t, q.cache(), gone, false);
               gone.set_id(q.child());
-              CheckSnapshotListed(*a_, q.cache(), gone, false);
+              CheckSnapshotListed(*a_, t, q.cache(), gone, false);
             });
       case Rpc::kSplitSnapshot:
         return Unary<v1::SplitSnapshotRequest, v1::SplitSnapshotResponse>(
-            rpc, bytes, s, &S::SplitSnapshot,
+            rpc, caller, bytes, s, &S::SplitSnapshot,
             [&](const v1::SplitSnapshotRequest& q, const v1::SplitSnapshotResponse& r) {
-              if (r.has_parent()) CheckSnapshotListed(*a_, q.cache(), r.parent(), true);
-              if (r.has_child()) CheckSnapshotListed(*a_, q.cache(), r.child(), true);
+              if (r.has_parent()) CheckSnapshotListed(*a_, t, q.cache(), r.parent(), true);
+              if (r.has_child()) CheckSnapshotListed(*a_, t, q.cache(), r.child(), true);
               v1::SnapshotInfo gone;
               gone.set_id(q.snapshot_id());
-              CheckSnapshotListed(*a_, q.cache(), gone, false);
+              CheckSnapshotListed(*a_, t, q.cache(), gone, false);
             });
       case Rpc::kDropSnapshot:
         return Unary<v1::DropSnapshotRequest, v1::DropSnapshotResponse>(
-            rpc, bytes, s, &S::DropSnapshot,
+            rpc, caller, bytes, s, &S::DropSnapshot,
             [&](const v1::DropSnapshotRequest& q, const v1::DropSnapshotResponse&) {
               v1::SnapshotInfo gone;
               gone.set_id(q.snapshot_id());
-              CheckSnapshotListed(*a_, q.cache(), gone, false);
+              CheckSnapshotListed(*a_, t, q.cache(), gone, false);
             });
       case Rpc::kListSnapshots:
         return Unary<v1::ListSnapshotsRequest, v1::ListSnapshotsResponse>(
-            rpc, bytes, s, &S::ListSnapshots,
+            rpc, caller, bytes, s, &S::ListSnapshots,
             [&](const v1::ListSnapshotsRequest& q, const v1::ListSnapshotsResponse& r) {
-              const std::vector<SnapshotInfo> expected = CacheOf(*a_, q.cache())->ListSnapshots();
+              const std::vector<SnapshotInfo> expected =
+                  CacheOf(*a_, t, q.cache())->ListSnapshots();
               KVMESH_FUZZ_CHECK(static_cast<size_t>(r.snapshots_size()) == expected.size(),
                                 Show(r));
               for (int i = 0; i < r.snapshots_size(); ++i) {
@@ -734,50 +864,58 @@ class Harness {
             });
       case Rpc::kCommitSpeculation:
         return Unary<v1::CommitSpeculationRequest, v1::CommitSpeculationResponse>(
-            rpc, bytes, s, &S::CommitSpeculation,
+            rpc, caller, bytes, s, &S::CommitSpeculation,
             [&](const v1::CommitSpeculationRequest& q, const v1::CommitSpeculationResponse& r) {
               int32_t offset = 0;
-              for (const SequenceInfo& info : CacheOf(*a_, q.cache())->ListSequences()) {
+              for (const SequenceInfo& info : CacheOf(*a_, t, q.cache())->ListSequences()) {
                 if (info.seq == q.seq()) offset = info.offset;
               }
               KVMESH_FUZZ_CHECK(r.offset() == offset, absl::StrCat(Show(r), " vs ", offset));
             });
       case Rpc::kMigrate:
-        return Unary<v1::MigrateRequest, v1::MigrateResponse>(rpc, bytes, s, &S::Migrate, nullptr);
+        return Unary<v1::MigrateRequest, v1::MigrateResponse>(rpc, caller, bytes, s, &S::Migrate,
+                                                              nullptr);
       case Rpc::kMigrateSnapshot:
         return Unary<v1::MigrateSnapshotRequest, v1::MigrateSnapshotResponse>(
-            rpc, bytes, s, &S::MigrateSnapshot,
+            rpc, caller, bytes, s, &S::MigrateSnapshot,
             [&](const v1::MigrateSnapshotRequest& q, const v1::MigrateSnapshotResponse& r) {
-              CheckSnapshotListed(*b_, q.cache(), r.snapshot(), true);
+              CheckSnapshotListed(*b_, t, q.cache(), r.snapshot(), true);
             });
       case Rpc::kListMembers:
         return Unary<v1::ListMembersRequest, v1::ListMembersResponse>(
-            rpc, bytes, s, &S::ListMembers,
+            rpc, caller, bytes, s, &S::ListMembers,
             [&](const v1::ListMembersRequest&, const v1::ListMembersResponse& r) {
               KVMESH_FUZZ_CHECK(r.members_size() == 2 && r.members(0).self() &&
                                     r.members(0).name() == kNodeA && r.members(1).name() == kNodeB,
                                 Show(r));
+              if (caller.admin) return;
+              // Where nodes are and what they run on are the operators' details.
+              for (const v1::Member& m : r.members()) {
+                KVMESH_FUZZ_CHECK(m.address().empty() && m.backend().empty() &&
+                                      m.transports().empty() && m.detail().empty(),
+                                  absl::StrCat(Show(r), " for tenant ", t));
+              }
             });
       case Rpc::kNodeInfo:
         return Unary<v1::NodeInfoRequest, v1::NodeInfoResponse>(
-            rpc, bytes, p, &P::NodeInfo,
+            rpc, caller, bytes, p, &P::NodeInfo,
             [&](const v1::NodeInfoRequest&, const v1::NodeInfoResponse& r) {
               KVMESH_FUZZ_CHECK(r.name() == kNodeA, Show(r));
             });
       case Rpc::kExport:
         return Unary<v1::ExportRequest, v1::ExportResponse>(
-            rpc, bytes, p, &P::Export, [&](const v1::ExportRequest&, const v1::ExportResponse& r) {
-              const std::string id = LeaseIdOf(r);
-              KVMESH_FUZZ_CHECK(r.empty() == id.empty(), Show(r));
+            rpc, caller, bytes, p, &P::Export,
+            [&](const v1::ExportRequest&, const v1::ExportResponse& r) {
+              KVMESH_FUZZ_CHECK(r.empty() == r.lease_id().empty(), Show(r));
               if (r.empty()) return;
               KVMESH_FUZZ_CHECK(r.payload_bytes() > 0, Show(r));
-              leases_.push_back(id);
+              leases_.push_back(r.lease_id());
             });
       case Rpc::kFetch: {
         v1::FetchRequest request;
         if (!request.ParseFromString(bytes)) return false;
         MapLease(&request);
-        return Checked(rpc, request, [&] {
+        return Checked(rpc, caller, request, [&] {
           grpc::ClientContext context;
           context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
           std::unique_ptr<grpc::ClientReader<v1::Chunk>> reader = p.Fetch(&context, request);
@@ -798,29 +936,33 @@ class Harness {
         });
       }
       case Rpc::kRelease:
-        return Unary<v1::ReleaseRequest, v1::ReleaseResponse>(rpc, bytes, p, &P::Release, nullptr);
+        return Unary<v1::ReleaseRequest, v1::ReleaseResponse>(rpc, caller, bytes, p, &P::Release,
+                                                              nullptr);
       case Rpc::kPull:
         return Unary<v1::PullRequest, v1::PullResponse>(
-            rpc, bytes, p, &P::Pull, [&](const v1::PullRequest& q, const v1::PullResponse& r) {
+            rpc, caller, bytes, p, &P::Pull,
+            [&](const v1::PullRequest& q, const v1::PullResponse& r) {
               if (q.what_case() == v1::PullRequest::kSnapshotId) {
-                CheckSnapshotListed(*a_, q.cache(), r.snapshot(), true);
+                CheckSnapshotListed(*a_, PeerTenant(rpc, q), q.cache(), r.snapshot(), true);
               }
             });
       case Rpc::kNcclConnect:
-        return Unary<v1::NcclConnectRequest, v1::NcclConnectResponse>(rpc, bytes, p,
+        return Unary<v1::NcclConnectRequest, v1::NcclConnectResponse>(rpc, caller, bytes, p,
                                                                       &P::NcclConnect, nullptr);
       case Rpc::kNcclSend:
-        return Unary<v1::NcclSendRequest, v1::NcclSendResponse>(rpc, bytes, p, &P::NcclSend,
+        return Unary<v1::NcclSendRequest, v1::NcclSendResponse>(rpc, caller, bytes, p, &P::NcclSend,
                                                                 nullptr);
       case Rpc::kPeerRemove:
-        return Unary<v1::PeerRemoveRequest, v1::PeerRemoveResponse>(rpc, bytes, p, &P::Remove,
-                                                                    nullptr);
+        return Unary<v1::PeerRemoveRequest, v1::PeerRemoveResponse>(rpc, caller, bytes, p,
+                                                                    &P::Remove, nullptr);
     }
     return false;
   }
 
   // KVMESH_FUZZ_VERBOSE=1: print every call and its status (to see what an input does).
   const bool verbose_ = std::getenv("KVMESH_FUZZ_VERBOSE") != nullptr;
+  std::string token_file_;
+  std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<Node> a_;
   std::unique_ptr<Node> b_;
   std::vector<std::string> leases_;  // granted by a's Export in this session

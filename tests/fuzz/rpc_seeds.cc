@@ -243,6 +243,31 @@ absl::Status RpcSeeds(std::vector<Seed>* out) {
     AppendRecord(&in, Rpc::kNcclConnect, connect);
     add("peer-export", in);
   }
+  {  // Tenants: each sees its own caches; the refused callers change nothing.
+    std::string in;
+    AppendRecord(&in, Rpc::kListCaches, v1::ListCachesRequest(), Principal::kTenant1);
+    ASSIGN_OR_RETURN(v1::AppendRequest append, MakeAppend(attn, 1, 3, 5, false));
+    AppendRecord(&in, Rpc::kAppend, append, Principal::kTenant1);
+    AppendRecord(&in, Rpc::kRead, WithCache<v1::ReadRequest>("attn"), Principal::kTenant2);
+    v1::CreateCacheRequest create;
+    *create.mutable_spec() = hybrid;
+    AppendRecord(&in, Rpc::kCreateCache, create, Principal::kTenant2);
+    create.mutable_spec()->set_name("second");
+    AppendRecord(&in, Rpc::kCreateCache, create, Principal::kTenant2);  // over t2's quota
+    AppendRecord(&in, Rpc::kDeleteCache, WithCache<v1::DeleteCacheRequest>("attn"),
+                 Principal::kAnonymous);
+    AppendRecord(&in, Rpc::kGetCache, WithCache<v1::GetCacheRequest>("attn"),
+                 Principal::kUnknownToken);
+    AppendRecord(&in, Rpc::kListSequences, WithCache<v1::ListSequencesRequest>("attn"),
+                 Principal::kTenant1AsOther);
+    v1::CopyPrefixRequest copy = WithCache<v1::CopyPrefixRequest>("attn");
+    copy.set_dst_seq(2);
+    copy.set_length(4);
+    copy.set_source_node(kNodeB);
+    AppendRecord(&in, Rpc::kCopyPrefix, copy, Principal::kAdminAsTenant1);
+    AppendRecord(&in, Rpc::kListMembers, v1::ListMembersRequest(), Principal::kTenant1);
+    add("tenants", in);
+  }
   {  // Node b asks a to pull from it (the target side of Migrate and MigrateSnapshot).
     std::string in;
     v1::PullRequest pull;
@@ -259,7 +284,7 @@ absl::Status RpcSeeds(std::vector<Seed>* out) {
     remove.mutable_remove()->set_cache("attn");
     remove.mutable_remove()->set_seq(1);
     remove.mutable_remove()->set_begin(1);
-    remove.set_tenant("default");
+    remove.set_tenant("t1");
     AppendRecord(&in, Rpc::kPeerRemove, remove);
     add("peer-pull", in);
   }
