@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "service/common/convert.h"
 
 namespace kvmesh {
 namespace {
@@ -80,7 +81,8 @@ absl::StatusOr<std::string> LeaseTable::Grant(std::shared_ptr<transport::LeasedP
 }
 
 std::string LeaseTable::NotFound(const std::string& id) {
-  return absl::StrCat("export lease ", id,
+  // A client may send any string as a lease id: never echo a long one whole.
+  return absl::StrCat("export lease ", QuoteBounded(id),
                       " is unknown: never granted to the caller, released, or expired after its "
                       "lease time");
 }

@@ -395,6 +395,12 @@ absl::Status CheckNameLength(absl::string_view field, absl::string_view value) {
       " bytes; it begins \"", absl::CHexEscape(value.substr(0, kQuotedNameBytes)), "\"..."));
 }
 
+std::string QuoteBounded(absl::string_view value) {
+  if (value.size() <= kMaxNameBytes) return std::string(value);
+  return absl::StrCat(value.size(), " bytes beginning \"",
+                      absl::CHexEscape(value.substr(0, kQuotedNameBytes)), "\"...");
+}
+
 absl::Status CheckNames(
     std::initializer_list<std::pair<absl::string_view, absl::string_view>> names) {
   for (const auto& [field, value] : names) RETURN_IF_ERROR(CheckNameLength(field, value));

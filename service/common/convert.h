@@ -77,6 +77,10 @@ inline constexpr size_t kQuotedNameBytes = 32;
 // an unrelated transport error instead. Every RPC that takes a name checks it with this before
 // using it. Empty names are left to the caller (some fields are optional).
 absl::Status CheckNameLength(absl::string_view field, absl::string_view value);
+// `value` for an error message: itself when it is at most kMaxNameBytes long, else its length
+// and its first kQuotedNameBytes bytes, escaped ("10240 bytes beginning \"abc\"..."). For
+// values that are not names but must not be echoed whole either (lease ids).
+std::string QuoteBounded(absl::string_view value);
 // CheckNameLength of each (field, value) in order: the first error, or OK.
 absl::Status CheckNames(
     std::initializer_list<std::pair<absl::string_view, absl::string_view>> names);

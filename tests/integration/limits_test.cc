@@ -740,6 +740,22 @@ TEST(LimitsTest, LongNamesAreRefusedOnEveryRpcWithAShortMessage) {
       EXPECT_THAT(status.error_message(), AllOf(HasSubstr(quoted), Not(HasSubstr(quoted + "x"))));
     }
   }
+  // Lease ids are no names, but a client may send any string as one: a 10 KB one is unknown
+  // (NOT_FOUND) and not echoed whole either.
+  {
+    v1::ReleaseRequest release;
+    release.set_lease_id(name);
+    v1::NcclSendRequest send;
+    send.set_lease_id(name);
+    send.set_to_node("limits-node");
+    for (const grpc::Status& status :
+         {Call(*peer, &P::Release, release), Call(*peer, &P::NcclSend, send)}) {
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << StatusText(status);
+      EXPECT_LT(status.error_message().size(), 256u) << status.error_message();
+      EXPECT_THAT(status.error_message(),
+                  AllOf(HasSubstr("10240 bytes"), HasSubstr(quoted), Not(HasSubstr(quoted + "x"))));
+    }
+  }
   // Nothing was created, and the node is fine.
   v1::ListCachesResponse list;
   KVMESH_ASSERT_OK(ListCaches(*stub, &list));
