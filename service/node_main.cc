@@ -27,7 +27,6 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -161,12 +160,6 @@ int Fail(const std::string& message) {
   return EXIT_FAILURE;
 }
 
-// Whether `host` (of a host:port) is a loopback address: only processes of this machine can
-// reach a server there.
-bool IsLoopbackHost(const std::string& host) {
-  return host == "localhost" || host == "::1" || host == "[::1]" || absl::StartsWith(host, "127.");
-}
-
 // Splits "host:port" at its last ':' (host may be a bracketed IPv6 address); false when there
 // is no ':' or nothing before it.
 bool SplitHostPort(const std::string& address, std::string* host) {
@@ -251,7 +244,7 @@ int Run() {
                  peer_listen.c_str());
   }
   const std::string token_file = absl::GetFlag(FLAGS_token_file);
-  const bool development = !tls && token_file.empty() && IsLoopbackHost(host);
+  const bool development = !tls && token_file.empty() && IsLoopbackListenAddress(listen);
   const bool has_peers = !absl::GetFlag(FLAGS_peers).empty() || !absl::GetFlag(FLAGS_peer_dns).empty();
   if (peer_listen.empty() && !development && has_peers) {
     return Fail(absl::StrCat(
