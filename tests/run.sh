@@ -67,13 +67,22 @@ run_fuzzers() {
         -artifact_prefix="$dir/fuzz-artifacts/$target-" $(fuzz_flags "$target") \
         "$dir/fuzz-corpus/$target" "$root/tests/fuzz/corpus/$target" \
         "$root/tests/fuzz/regressions/$target" >"$log" 2>&1 || rc=$?
-    local done_line execs
-    done_line=$(grep -E '^#[0-9]+ +DONE' "$log" | tail -1 || true)
+    # "#N INITED cov: C ft: F corp: K/..." after the seeds, "#N DONE ..." at the end.
+    local inited done_line execs
+    inited=$(grep -E '^#[0-9]+[[:space:]]+INITED' "$log" | head -1 || true)
+    done_line=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -1 || true)
     execs=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log")
-    echo "   ${done_line:-no DONE line} (${execs:-?} exec/s on average)"
+    if [ -n "$inited" ] && [ -n "$done_line" ]; then
+      local a b
+      read -r -a a <<<"$inited"
+      read -r -a b <<<"$done_line"
+      echo "   ${b[0]#\#} runs, ${execs:-?} exec/s; coverage ${a[3]} -> ${b[3]} edges," \
+           "${b[5]} features; corpus ${a[7]%%/*} -> ${b[7]%%/*} inputs"
+    fi
     if [ "$rc" -ne 0 ]; then
       echo "   $target FAILED (exit $rc); the end of $log:"
-      grep -v -E '^#[0-9]+ +(NEW|REDUCE|pulse)' "$log" | tail -40 | sed 's/^/   | /'
+      { grep -v -E '^#[0-9]+[[:space:]]+(NEW|REDUCE|pulse)' "$log" || true; } | tail -40 |
+        sed 's/^/   | /'
       failed+=("$target")
     fi
   done
@@ -106,7 +115,7 @@ run_mode() {
   echo "== tests/run.sh: $mode build in ${dir#$root/}"
   cmake -S "$root" -B "$dir" "${cmake_args[@]}" >/dev/null
   if [ "$mode" = fuzz ]; then
-    cmake --build "$dir" -j"$jobs" --target "${fuzz_targets[@]}"
+    cmake --build "$dir" -j"$jobs" --target "${fuzz_targets[@]}" kvmesh_fuzz_seeds
   else
     cmake --build "$dir" -j"$jobs"
   fi
