@@ -72,6 +72,15 @@ grpc::Status InvalidArgument(std::string message) {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::move(message));
 }
 
+// Heap bytes a parsed request holds for `n` elements of a repeated message field (one allocated
+// message each, with malloc's header, and a pointer to it), plus the engine's copy of `n`
+// `Engine` values: a request of many small tokens or queries parses to several times its size
+// on the wire, so the in-flight budget counts this, not the wire size.
+template <typename Proto, typename Engine>
+uint64_t ParsedBytes(int n) {
+  return static_cast<uint64_t>(n) * (sizeof(Proto) + 16 + sizeof(void*) + sizeof(Engine));
+}
+
 // Finishes a unary call at once with `status`, for a request refused before any work.
 grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* context,
                                     const absl::Status& status) {
@@ -260,9 +269,13 @@ class CacheServiceImpl::AppendStreamReactor final
           InvalidArgument(absl::StrCat("header.payload_bytes = ", payload_bytes_, " is negative")));
       return;
     }
-    // The message's data is here already: count it before anything else can pile up behind it.
+    // The message is here already (its data and its parsed tokens, which the stream keeps):
+    // count it before anything else can pile up behind it.
+    tokens_bytes_ = ParsedBytes<v1::Token, Token>(header_.tokens_size());
     absl::StatusOr<InflightBudget::Reservation> reservation = service_->inflight_->Reserve(
-        payload_.size(), absl::StrCat("AppendStream message 0 of ", payload_.size(), " bytes"));
+        payload_.size() + tokens_bytes_,
+        absl::StrCat("AppendStream message 0 of ", payload_.size(), " bytes and ",
+                     header_.tokens_size(), " tokens"));
     if (!reservation.ok()) {
       Done(ToGrpcStatus(reservation.status()));
       return;
@@ -307,7 +320,7 @@ class CacheServiceImpl::AppendStreamReactor final
                        ": message 0 brings it to ", payload_.size(), " bytes"));
     }
     RETURN_IF_ERROR(reservation_.Resize(
-        static_cast<uint64_t>(payload_bytes_),
+        static_cast<uint64_t>(payload_bytes_) + tokens_bytes_,
         absl::StrCat("AppendStream of ", payload_bytes_, " bytes to cache '", spec.name, "'")));
     // The whole payload is reserved, so the buffer can be too: it then never reallocates (which
     // would hold the old and the new buffer at once). Pages are touched only as data arrives.
@@ -360,7 +373,8 @@ class CacheServiceImpl::AppendStreamReactor final
   std::shared_ptr<Cache> cache_;
   std::vector<Token> tokens_;
   std::string payload_;
-  InflightBudget::Reservation reservation_;  // payload_'s bytes in the in-flight budget
+  uint64_t tokens_bytes_ = 0;  // ParsedBytes of header_'s tokens (and tokens_)
+  InflightBudget::Reservation reservation_;  // payload_'s and the tokens' bytes in flight
 
   // Between the owner of the reactor and the idle reaper.
   Mutex mu_;
@@ -655,11 +669,12 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListCaches(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* context,
                                                    const v1::AppendRequest* request,
                                                    v1::AppendResponse* response) {
-  // gRPC has assembled the payload already: count it until the call is done, and refuse it at
-  // once when it does not fit rather than queue it for the engine.
+  // gRPC has assembled and parsed the request already: count it until the call is done, and
+  // refuse it at once when it does not fit rather than queue it for the engine.
   absl::StatusOr<InflightBudget::Reservation> reservation = inflight_->Reserve(
-      request->payload().size(),
-      absl::StrCat("Append of ", request->payload().size(), " payload bytes"));
+      request->payload().size() + ParsedBytes<v1::Token, Token>(request->tokens_size()),
+      absl::StrCat("Append of ", request->payload().size(), " payload bytes and ",
+                   request->tokens_size(), " tokens"));
   if (!reservation.ok()) return FinishNow(context, reservation.status());
   return RunOnCache(context, request,
                     [this, request, response, reservation = *std::move(reservation)](
@@ -687,11 +702,16 @@ grpc::ServerWriteReactor<v1::ReadResponse>* CacheServiceImpl::Read(
 grpc::ServerUnaryReactor* CacheServiceImpl::Visible(grpc::CallbackServerContext* context,
                                                     const v1::VisibleRequest* request,
                                                     v1::VisibleResponse* response) {
-  // The answer's size is bounded before the engine lists anything (AdmitVisible). The
-  // reservation is a capture, not a local: it lives until the call's task is gone, after
-  // Finish has serialized the answer.
+  // The parsed queries count at once, as an Append's payload does; the answer's size is bounded
+  // before the engine lists anything (AdmitVisible). The reservations are captures, not
+  // locals: they live until the call's task is gone, after Finish has serialized the answer.
+  absl::StatusOr<InflightBudget::Reservation> queries_reservation =
+      inflight_->Reserve(ParsedBytes<v1::Query, Query>(request->queries_size()),
+                         absl::StrCat("Visible of ", request->queries_size(), " queries"));
+  if (!queries_reservation.ok()) return FinishNow(context, queries_reservation.status());
   return RunOnCache(context, request,
-                    [this, request, response, reservation = InflightBudget::Reservation()](
+                    [this, request, response, queries_reservation = *std::move(queries_reservation),
+                     reservation = InflightBudget::Reservation()](
                         Cache& cache) mutable -> absl::Status {
     ASSIGN_OR_RETURN(const std::vector<Query> queries, QueriesFromProto(request->queries()));
     ASSIGN_OR_RETURN(const std::vector<std::vector<int32_t>> visible,
