@@ -543,6 +543,35 @@ TEST(LimitsTest, RequestsLargerThanTheWholeInflightBudgetAreRefused) {
   StopLimitsNode(std::move(node));
 }
 
+// ---- start-up ---------------------------------------------------------------------------------
+
+TEST(LimitsTest, StartupRefusesLimitsThatCannotWork) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--inflight-budget=64MiB"}, "--inflight_budget=67108864 is less than 134217728 bytes"},
+      {{"--inflight-budget=256MiB", "--max-message-bytes=128MiB"},
+       "--inflight_budget=268435456 is less than 4 x --max_message_bytes=134217728"},
+      {{"--stream-idle-timeout-ms=-1"}, "--stream_idle_timeout_ms=-1 is negative"},
+      {{"--max-visible-positions=0"}, "--max_visible_positions=0 must be at least 1"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = {"--listen=127.0.0.1:0"};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    absl::StatusOr<NodeRun> run = RunNodeToExit(args);
+    ASSERT_TRUE(run.ok()) << run.status();
+    EXPECT_TRUE(run->status.exited && run->status.code == 1)
+        << c.message << ": " << run->status.ToString();
+    EXPECT_THAT(run->stderr_text, HasSubstr(c.message));
+  }
+  // The default in-flight budget grows with --max-message-bytes: 512 MiB messages start.
+  std::unique_ptr<NodeProcess> node = StartLimitsNode({"--max-message-bytes=512MiB"});
+  ASSERT_NE(node, nullptr);
+  StopLimitsNode(std::move(node));
+}
+
 // ---- names ----------------------------------------------------------------------------------
 
 struct NameCase {
