@@ -200,8 +200,9 @@ class Cache {
   absl::StatusOr<ReadResult> Read(int64_t seq, int32_t begin, std::optional<int32_t> end) const;
   // The same, after `admit` has accepted the payload's size in bytes: it runs under the cache's
   // lock before the payload is allocated, and an error from it is returned as it is.
-  absl::StatusOr<ReadResult> Read(int64_t seq, int32_t begin, std::optional<int32_t> end,
-                                  absl::FunctionRef<absl::Status(size_t payload_bytes)> admit) const;
+  absl::StatusOr<ReadResult> Read(
+      int64_t seq, int32_t begin, std::optional<int32_t> end,
+      absl::FunctionRef<absl::Status(size_t payload_bytes)> admit) const;
 
   // For each query, the stored positions of its sequence in group `group` that it attends to,
   // ascending. An unknown sequence sees nothing. INVALID_ARGUMENT for a bad group index or

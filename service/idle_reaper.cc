@@ -36,8 +36,7 @@ void IdleReaper::Remove(Stream* stream) {
 }
 
 void IdleReaper::Loop() {
-  const absl::Duration tick =
-      std::clamp(timeout_ / 4, absl::Milliseconds(10), absl::Seconds(1));
+  const absl::Duration tick = std::clamp(timeout_ / 4, absl::Milliseconds(10), absl::Seconds(1));
   std::vector<Stream*> expired;
   for (;;) {
     {

@@ -53,10 +53,9 @@ absl::StatusOr<InflightBudget::Reservation> InflightBudget::Reserve(uint64_t byt
 
 absl::Status InflightBudget::Take(uint64_t bytes, absl::string_view what) {
   if (bytes > capacity_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(what, " needs ", bytes, " bytes in flight, more than this node's whole ",
-                     "in-flight budget (", flag_, " = ", capacity_,
-                     " bytes); send it in smaller requests"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, " needs ", bytes, " bytes in flight, more than this node's whole ",
+        "in-flight budget (", flag_, " = ", capacity_, " bytes); send it in smaller requests"));
   }
   uint64_t held = held_.load(std::memory_order_relaxed);
   do {

@@ -124,9 +124,8 @@ std::unique_ptr<NodeProcess> StartLimitsNode(std::vector<std::string> args) {
   options.node_name = "limits-node";
   options.extra_args = std::move(args);
   const char* asan = std::getenv("ASAN_OPTIONS");
-  options.env.push_back(
-      absl::StrCat("ASAN_OPTIONS=", asan != nullptr ? asan : "", asan != nullptr ? ":" : "",
-                   "quarantine_size_mb=0"));
+  options.env.push_back(absl::StrCat("ASAN_OPTIONS=", asan != nullptr ? asan : "",
+                                     asan != nullptr ? ":" : "", "quarantine_size_mb=0"));
   absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
   EXPECT_TRUE(node.ok()) << node.status();
   return node.ok() ? *std::move(node) : nullptr;
@@ -212,15 +211,16 @@ TEST(LimitsTest, VisibleTooLargeFailsFastAndTheNodeStaysSmall) {
   const absl::Duration took = absl::Now() - start;
   const uint64_t peak = sampler.Stop();
   EXPECT_EQ(huge.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(huge);
-  EXPECT_THAT(huge.error_message(),
-              AllOf(HasSubstr("20000 queries"), HasSubstr("327680000 positions"),
-                    HasSubstr("1000000"), HasSubstr("--max-visible-positions"),
-                    HasSubstr("split the queries")));
+  EXPECT_THAT(
+      huge.error_message(),
+      AllOf(HasSubstr("20000 queries"), HasSubstr("327680000 positions"), HasSubstr("1000000"),
+            HasSubstr("--max-visible-positions"), HasSubstr("split the queries")));
   EXPECT_EQ(response.visible_size(), 0);
-  std::printf("limits_test: Visible of 20000 x 16384 positions refused in %s; RSS before %lu KiB, "
-              "peak %lu KiB\n",
-              absl::FormatDuration(took).c_str(), static_cast<unsigned long>(rss_before / 1024),
-              static_cast<unsigned long>(peak / 1024));
+  std::printf(
+      "limits_test: Visible of 20000 x 16384 positions refused in %s; RSS before %lu KiB, "
+      "peak %lu KiB\n",
+      absl::FormatDuration(took).c_str(), static_cast<unsigned long>(rss_before / 1024),
+      static_cast<unsigned long>(peak / 1024));
   // Refused before any position was listed: no time, no memory.
   EXPECT_LT(took, absl::Seconds(5));
   if (kCheckRss) {
@@ -363,10 +363,10 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
   std::unique_ptr<Stub> streams = v1::CacheService::NewStub(node->NewChannel());
   for (int i = 0; i < 6; ++i) {
     threads.emplace_back([&, i] {
-      results[i] = RunStream(*streams, "big", 0, kTokens, kStreamBytes - kMiB, /*finish=*/false,
-                             kMiB, [&] {
-                               if (++writers_done == 6) all_written.Notify();
-                             });
+      results[i] =
+          RunStream(*streams, "big", 0, kTokens, kStreamBytes - kMiB, /*finish=*/false, kMiB, [&] {
+            if (++writers_done == 6) all_written.Notify();
+          });
     });
   }
   // While the two accepted streams sit idle with 63 MiB each (before the idle timeout), the
@@ -416,11 +416,11 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
     EXPECT_GE(rss_idle, rss_before + 2 * (kStreamBytes - kMiB) - 8 * kMiB)
         << "the two accepted streams' data should be resident while they wait";
   }
-  std::printf("limits_test: RSS before %lu MiB, while two streams idle %lu MiB, peak %lu MiB; "
-              "the unary Append meanwhile: %s\n",
-              static_cast<unsigned long>(rss_before / kMiB),
-              static_cast<unsigned long>(rss_idle / kMiB), static_cast<unsigned long>(peak / kMiB),
-              append.error_message().c_str());
+  std::printf(
+      "limits_test: RSS before %lu MiB, while two streams idle %lu MiB, peak %lu MiB; "
+      "the unary Append meanwhile: %s\n",
+      static_cast<unsigned long>(rss_before / kMiB), static_cast<unsigned long>(rss_idle / kMiB),
+      static_cast<unsigned long>(peak / kMiB), append.error_message().c_str());
 
   // The budget is whole again: a 64 MiB stream, a 24 MiB unary Append and a 48 MiB Read.
   StreamResult whole = RunStream(*stub, "big", 0, kTokens, kStreamBytes, /*finish=*/true);
@@ -435,8 +435,8 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
 
 // The tester's case at full scale: six unfinished 256 MiB AppendStreams on a node with a
 // 600 MiB memory budget and the default in-flight budget (1 GiB: 768 MiB for kvmesh, so two
-// streams fit: 256 MiB and 2.3 MiB of parsed tokens each). 1.5 GiB through loopback: run on demand (KVMESH_LIMITS_FULL_SCALE=1), the
-// numbers are in docs/security.md#bounded-memory.
+// streams fit: 256 MiB and 2.3 MiB of parsed tokens each). 1.5 GiB through loopback: run on demand
+// (KVMESH_LIMITS_FULL_SCALE=1), the numbers are in docs/security.md#bounded-memory.
 TEST(LimitsTest, SixUnfinished256MiBStreamsAtFullScale) {
   if (std::getenv("KVMESH_LIMITS_FULL_SCALE") == nullptr) {
     GTEST_SKIP() << "set KVMESH_LIMITS_FULL_SCALE=1 to run";
@@ -446,8 +446,8 @@ TEST(LimitsTest, SixUnfinished256MiBStreamsAtFullScale) {
   constexpr uint64_t kMemoryBudget = 600 * kMiB;
   constexpr uint64_t kSnapshotBudget = 2048 * kMiB;  // the default; nothing here uses it
   constexpr uint64_t kInflight = 1024 * kMiB;        // the default
-  std::unique_ptr<NodeProcess> node = StartLimitsNode(
-      {"--memory-budget=600MiB", "--stream-idle-timeout-ms=5000"});
+  std::unique_ptr<NodeProcess> node =
+      StartLimitsNode({"--memory-budget=600MiB", "--stream-idle-timeout-ms=5000"});
   ASSERT_NE(node, nullptr);
   std::unique_ptr<Stub> stub = node->NewStub();
   KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenSpec("big", 2, kTokens, kTokens)));
@@ -459,8 +459,8 @@ TEST(LimitsTest, SixUnfinished256MiBStreamsAtFullScale) {
   for (int i = 0; i < 6; ++i) {
     threads.emplace_back([&, i] {
       std::unique_ptr<Stub> own = v1::CacheService::NewStub(node->NewChannel());
-      results[i] = RunStream(*own, "big", 0, kTokens, kStreamBytes - kMiB, /*finish=*/false,
-                             4 * kMiB);
+      results[i] =
+          RunStream(*own, "big", 0, kTokens, kStreamBytes - kMiB, /*finish=*/false, 4 * kMiB);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -503,11 +503,11 @@ TEST(LimitsTest, RequestsLargerThanTheWholeInflightBudgetAreRefused) {
   StreamResult too_big = RunStream(*stub, "small", 0, 13312, 0, /*finish=*/true);
   EXPECT_EQ(too_big.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << StatusText(too_big.status);
-  EXPECT_THAT(too_big.status.error_message(),
-              AllOf(HasSubstr("AppendStream of 109051904 bytes to cache 'small'"),
-                    HasSubstr("more than this node's whole in-flight budget"),
-                    HasSubstr("--inflight-budget = 100663296 bytes"),
-                    HasSubstr("smaller requests")));
+  EXPECT_THAT(
+      too_big.status.error_message(),
+      AllOf(HasSubstr("AppendStream of 109051904 bytes to cache 'small'"),
+            HasSubstr("more than this node's whole in-flight budget"),
+            HasSubstr("--inflight-budget = 100663296 bytes"), HasSubstr("smaller requests")));
   // Nearly the whole budget in one stream (93.75 MiB and its tokens' ~0.8 MiB), then 10.25 MiB
   // more: 104 MiB stored.
   KVMESH_ASSERT_OK(RunStream(*stub, "small", 0, 12000, 12000 * kBigTokenBytes, true).status);
@@ -654,8 +654,8 @@ TEST(LimitsTest, LongNamesAreRefusedOnEveryRpcWithAShortMessage) {
     cases.push_back({"CopyPrefix", "cache", [&, r] { return Call(*stub, &S::CopyPrefix, r); }});
     r.set_cache("ok");
     r.set_source_node(name);
-    cases.push_back(
-        {"CopyPrefix from a node", "source_node", [&, r] { return Call(*stub, &S::CopyPrefix, r); }});
+    cases.push_back({"CopyPrefix from a node", "source_node",
+                     [&, r] { return Call(*stub, &S::CopyPrefix, r); }});
   }
   {
     v1::RemoveRequest r;
@@ -722,8 +722,8 @@ TEST(LimitsTest, LongNamesAreRefusedOnEveryRpcWithAShortMessage) {
     cases.push_back({"Migrate", "cache", [&, r] { return Call(*stub, &S::Migrate, r); }});
     r.set_cache("ok");
     r.set_target_node(name);
-    cases.push_back({"Migrate to a node", "target_node",
-                     [&, r] { return Call(*stub, &S::Migrate, r); }});
+    cases.push_back(
+        {"Migrate to a node", "target_node", [&, r] { return Call(*stub, &S::Migrate, r); }});
   }
   {
     v1::MigrateSnapshotRequest r;

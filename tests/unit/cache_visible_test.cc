@@ -117,8 +117,8 @@ TEST_F(VisibleTest, Errors) {
 // The bound Visible hands to its admission check before it lists anything: exact for sequences
 // stored without gaps, an upper bound otherwise (seq 2 stores 1, 5, 9).
 TEST_F(VisibleTest, AdmitSeesAnUpperBoundOfThePositionsListed) {
-  const std::vector<Query> queries = {Query{0, 5, false}, Query{1, 7, false},
-                                      Query{2, 6, false}, Query{9, 3, false}};
+  const std::vector<Query> queries = {Query{0, 5, false}, Query{1, 7, false}, Query{2, 6, false},
+                                      Query{9, 3, false}};
   int64_t bound = -1;
   absl::StatusOr<Lists> v = cache().Visible(kFull, queries, [&](int64_t b) {
     bound = b;
