@@ -91,9 +91,12 @@ Client::Client(Shared* shared, int index)
       rng_(shared->options.seed * 1000003 + static_cast<uint64_t>(index)),
       check_(shared, &recorder_, index) {
   for (int n = 0; n < 2; ++n) {
-    channels_[n] = NewChannel(shared->nodes[n].address, index * 2 + n);
+    channels_[n] = NewChannel(shared->nodes[n].address, index * 4 + n);
     cache_[n] = v1::CacheService::NewStub(channels_[n]);
     peer_[n] = v1::PeerService::NewStub(channels_[n]);
+    hostile_channels_[n] = NewChannel(shared->nodes[n].address, index * 4 + 2 + n);
+    hcache_[n] = v1::CacheService::NewStub(hostile_channels_[n]);
+    hpeer_[n] = v1::PeerService::NewStub(hostile_channels_[n]);
   }
 }
 
@@ -122,6 +125,11 @@ bool InflightRefusal(const grpc::Status& status) {
 
 bool Checker::Expect(const std::string& kind, const grpc::Status& status, const Codes& allowed,
                      const std::string& what) {
+  if (client_ == shared_->options.trace_client) {
+    std::fprintf(stderr, "soak: trace [client %d] %s: %s -> %s %s\n", client_, kind.c_str(),
+                 what.c_str(), CodeName(status.error_code()).c_str(),
+                 Short(status.error_message(), 200).c_str());
+  }
   if (Contains(allowed, status.error_code())) return true;
   if (InflightRefusal(status)) {
     // Hostile streams may hold the node's in-flight budget: any request that carries or returns
@@ -141,6 +149,20 @@ bool Checker::Expect(const std::string& kind, const grpc::Status& status, const 
 void Checker::Fail(const std::string& kind, const std::string& what) {
   recorder_->CountUnexpected(kind);
   shared_->failures.Add(absl::StrCat("[client ", client_, "] ", kind, ": ", what));
+}
+
+bool Client::Expect(const std::string& kind, const grpc::Status& status, const Codes& allowed,
+                    const std::string& what) {
+  if (in_hostile_ && status.error_code() == StatusCode::UNAVAILABLE &&
+      std::find(allowed.begin(), allowed.end(), StatusCode::UNAVAILABLE) == allowed.end()) {
+    // The node (its gRPC) closed the attacker's connection: an acceptable end for a hostile call.
+    shared_->hostile_drops.fetch_add(1);
+    return false;
+  }
+  if (!in_hostile_ && status.error_code() == StatusCode::UNAVAILABLE) {
+    shared_->honest_unavailable.fetch_add(1);
+  }
+  return check_.Expect(kind, status, allowed, what);
 }
 
 grpc::Status Client::Rpc(const std::string& kind,
@@ -226,7 +248,9 @@ void Client::Run(absl::Time end) {
     shared_->ops_started.fetch_add(1);
     const int draw = static_cast<int>(Rand(100));
     if (draw < o.hostile_percent) {
+      in_hostile_ = true;
       Hostile();
+      in_hostile_ = false;
     } else if (draw < o.hostile_percent + o.chaos_percent) {
       Chaos();
     } else {
@@ -310,6 +334,15 @@ void Client::Resync(const std::string& why) {
 
 bool Client::Ambiguous(const grpc::Status& status, const std::string& kind) {
   if (!IsAmbiguous(status.error_code())) return false;
+  if (status.error_code() == StatusCode::UNAVAILABLE) {
+    (in_hostile_ ? shared_->hostile_drops : shared_->honest_unavailable).fetch_add(1);
+    // Honest calls have connections of their own (hostile ones use others), the node is up (the
+    // sampler watches it) and far from its executor queue's limit: nothing should refuse them.
+    if (!in_hostile_) {
+      Fail(kind, absl::StrCat("UNAVAILABLE from a running node: ", Short(status.error_message()),
+                              " (", own_.name, ")"));
+    }
+  }
   if (shared_->ambiguous_notes.fetch_add(1) < 20) {
     std::fprintf(stderr, "soak: note: [client %d] %s on %s ended %s: %s; recreating the cache\n",
                  index_, kind.c_str(), own_.name.c_str(), CodeName(status.error_code()).c_str(),
@@ -604,7 +637,11 @@ void Client::VCopyLocal() {
   if (Ambiguous(s, kind)) return;
   const std::string what = absl::StrCat("copy seq ", src, " -> ", dst, " length ", length, " of ",
                                         own_.name, " on ", Where(n));
-  if (!Expect(kind, s, expected, what) || !s.ok()) return;
+  if (!Expect(kind, s, expected, what) || !s.ok()) {
+    // Refused: nothing may have changed.
+    for (int node : {n}) CheckUnchanged(node, kind, what);
+    return;
+  }
   if (result.rows.empty()) {
     node.seqs.erase(dst);
   } else {
@@ -659,7 +696,11 @@ void Client::VCopyRemote() {
   if (Ambiguous(s, kind)) return;
   const std::string what = absl::StrCat("copy seq ", src, " of ", Where(m), " -> seq ", dst, " of ",
                                         Where(n), " length ", length, " (", own_.name, ")");
-  if (!Expect(kind, s, expected, what) || !s.ok()) return;
+  if (!Expect(kind, s, expected, what) || !s.ok()) {
+    // Refused: nothing may have changed.
+    for (int node : {n, m}) CheckUnchanged(node, kind, what);
+    return;
+  }
   if (result.rows.empty()) {
     node.seqs.erase(dst);
   } else {
@@ -811,7 +852,11 @@ void Client::VSnapshot() {
   if (Ambiguous(s, kind)) return;
   const std::string what =
       absl::StrCat("snapshot seq ", seq, " from ", from, " of ", own_.name, " on ", Where(n));
-  if (!Expect(kind, s, expected, what) || !s.ok()) return;
+  if (!Expect(kind, s, expected, what) || !s.ok()) {
+    // Refused: nothing may have changed.
+    for (int node : {n}) CheckUnchanged(node, kind, what);
+    return;
+  }
   SnapModel snap;
   snap.seq = seq;
   snap.from = from;
@@ -880,7 +925,11 @@ void Client::VRestore() {
   const std::string what =
       absl::StrCat("restore snapshot ", id, " [", snap.from, ", ", snap.to, ") into seq ", seq,
                    " (offset ", offset, ") target ", target, " of ", own_.name, " on ", Where(n));
-  if (!Expect(kind, s, expected, what) || !s.ok()) return;
+  if (!Expect(kind, s, expected, what) || !s.ok()) {
+    // Refused: nothing may have changed.
+    for (int node : {n}) CheckUnchanged(node, kind, what);
+    return;
+  }
   if (result.rows.empty()) {
     node.seqs.erase(seq);
   } else {
@@ -1111,7 +1160,11 @@ void Client::VMigrate() {
   const std::string what =
       absl::StrCat("migrate seq ", seq, " of ", Where(n), " to seq ", target_seq, " of ", Where(m),
                    keep ? " (keep)" : "", " (", own_.name, ")");
-  if (!Expect(kind, s, expected, what) || !s.ok()) return;
+  if (!Expect(kind, s, expected, what) || !s.ok()) {
+    // Refused: nothing may have changed.
+    for (int node : {n, m}) CheckUnchanged(node, kind, what);
+    return;
+  }
   target.seqs[target_seq] = *model;
   if (!keep) source.seqs.erase(seq);
   if (response.transfer().transport() != "grpc-stream" || response.transfer().bytes() <= 0) {
@@ -1142,6 +1195,8 @@ void Client::VMigrateSnapshot() {
   const std::string what = absl::StrCat("migrate snapshot ", id, " of ", Where(n), " to ", Where(m),
                                         keep ? " (keep)" : "", " (", own_.name, ")");
   if (!Expect(kind, s, {StatusCode::OK, StatusCode::RESOURCE_EXHAUSTED}, what) || !s.ok()) {
+    // Refused: nothing may have changed on either node.
+    for (int node : {n, m}) CheckUnchanged(node, kind, what);
     return;
   }
   SnapModel copy = it->second;

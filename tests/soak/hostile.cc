@@ -205,7 +205,7 @@ void Client::HMalformedSpec() {
   if (!Chance(3)) *request.mutable_spec() = spec;  // else no spec at all
   v1::CreateCacheResponse response;
   const grpc::Status s = Rpc(
-      kind, [&](grpc::ClientContext* c) { return cache_[n]->CreateCache(c, request, &response); });
+      kind, [&](grpc::ClientContext* c) { return hcache_[n]->CreateCache(c, request, &response); });
   const std::string what = absl::StrCat("mutation ", mutation, " (",
                                         Short(request.ShortDebugString(), 200), ") on ", Where(n));
   if (!Expect(kind, s, kInvalid, what) || !valid_name) return;
@@ -214,9 +214,29 @@ void Client::HMalformedSpec() {
   get.set_cache(name);
   v1::GetCacheResponse got;
   const grpc::Status g = Rpc("h:GetCache.after_malformed", [&](grpc::ClientContext* c) {
-    return cache_[n]->GetCache(c, get, &got);
+    return hcache_[n]->GetCache(c, get, &got);
   });
   Expect("h:GetCache.after_malformed", g, {StatusCode::NOT_FOUND}, what);
+}
+
+void Client::CheckUnchanged(int node, const std::string& kind, const std::string& what) {
+  // Refused calls change nothing (docs/api.md#all-or-nothing): the own cache's sequences are
+  // still those of the model, right after the call that could have changed them.
+  if (!own_.nodes[node].exists) return;
+  const std::string list = absl::StrCat(kind.substr(0, 2), "ListSequences.after");
+  v1::ListSequencesRequest request;
+  request.set_cache(own_.name);
+  v1::ListSequencesResponse response;
+  const grpc::Status s = Rpc(list, [&](grpc::ClientContext* c) {
+    return cache_[node]->ListSequences(c, request, &response);
+  });
+  if (Ambiguous(s, list) || !Expect(list, s, {StatusCode::OK}, what)) return;
+  const std::string diff = CheckSequences(own_, own_.nodes[node], response);
+  if (!diff.empty()) {
+    Fail(kind,
+         absl::StrCat(what, ": the refused call changed the cache on ", Where(node), ": ", diff));
+    Resync(kind);
+  }
 }
 
 void Client::HBadAppend() {
@@ -297,14 +317,15 @@ void Client::HBadAppend() {
   const std::string kind = absl::StrCat("h:Append.", label);
   v1::AppendResponse response;
   const grpc::Status s =
-      Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Append(c, request, &response); });
+      Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Append(c, request, &response); });
   if (Ambiguous(s, kind)) return;
   // A new sequence beyond max_sequences may be refused for that first.
   Codes allowed = kInvalid;
   if (full) allowed.push_back(StatusCode::RESOURCE_EXHAUSTED);
-  Expect(kind, s, allowed,
-         absl::StrCat("append ", Short(request.ShortDebugString(), 160), " to ", own_.name, " on ",
-                      Where(n)));
+  const std::string what = absl::StrCat("append ", Short(request.ShortDebugString(), 160), " to ",
+                                        own_.name, " on ", Where(n));
+  Expect(kind, s, allowed, what);
+  CheckUnchanged(n, kind, what);
 }
 
 void Client::HBadStreamInline() {
@@ -375,7 +396,7 @@ void Client::HBadStreamInline() {
   const std::string kind = absl::StrCat("h:AppendStream.", label);
   v1::AppendResponse response;
   const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    auto writer = cache_[n]->AppendStream(c, &response);
+    auto writer = hcache_[n]->AppendStream(c, &response);
     for (const v1::AppendStreamRequest& m : messages) {
       if (!writer->Write(m)) break;
     }
@@ -385,8 +406,13 @@ void Client::HBadStreamInline() {
   if (Ambiguous(s, kind)) return;
   Codes allowed = kInvalid;
   if (full && (variant == 1 || variant == 4)) allowed.push_back(StatusCode::RESOURCE_EXHAUSTED);
-  Expect(kind, s, allowed,
-         absl::StrCat("stream to seq ", seq, " of ", own_.name, " on ", Where(n)));
+  std::string what = absl::StrCat("stream to seq ", seq, " of ", own_.name, " on ", Where(n), ":");
+  for (const v1::AppendStreamRequest& m : messages) {
+    absl::StrAppend(&what, " [", m.has_header() ? Short(m.header().ShortDebugString(), 120) : "",
+                    m.has_header() ? " + " : "", m.data().size(), " bytes]");
+  }
+  Expect(kind, s, allowed, what);
+  CheckUnchanged(n, kind, what);
 }
 
 void Client::HUnknownCache() {
@@ -401,7 +427,7 @@ void Client::HUnknownCache() {
       v1::GetCacheRequest r;
       r.set_cache(cache);
       v1::GetCacheResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->GetCache(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->GetCache(c, r, &out); });
       break;
     }
     case 1: {
@@ -409,14 +435,14 @@ void Client::HUnknownCache() {
       v1::DeleteCacheRequest r;
       r.set_cache(cache);
       v1::DeleteCacheResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->DeleteCache(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->DeleteCache(c, r, &out); });
       break;
     }
     case 2: {
       kind = "h:Append.unknown";
       v1::AppendRequest r = testutil::MakeAppend(ModelSpec(cache, Flavour::kAttention), 0, {0, 1});
       v1::AppendResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Append(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Append(c, r, &out); });
       break;
     }
     case 3: {
@@ -424,7 +450,7 @@ void Client::HUnknownCache() {
       v1::ReadRequest r;
       r.set_cache(cache);
       s = Rpc(kind, [&](grpc::ClientContext* c) {
-        auto reader = cache_[n]->Read(c, r);
+        auto reader = hcache_[n]->Read(c, r);
         v1::ReadResponse m;
         while (reader->Read(&m)) {
         }
@@ -438,7 +464,7 @@ void Client::HUnknownCache() {
       r.set_cache(cache);
       r.add_queries()->set_pos(3);
       v1::VisibleResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Visible(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Visible(c, r, &out); });
       break;
     }
     case 5: {
@@ -449,7 +475,7 @@ void Client::HUnknownCache() {
       r.set_length(4);
       if (Chance(50)) r.set_source_node(shared_->nodes[1 - n].name);
       v1::CopyPrefixResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->CopyPrefix(c, r, &out); });
       break;
     }
     case 6: {
@@ -457,7 +483,7 @@ void Client::HUnknownCache() {
       v1::RemoveRequest r;
       r.set_cache(cache);
       v1::RemoveResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Remove(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Remove(c, r, &out); });
       break;
     }
     case 7: {
@@ -465,7 +491,7 @@ void Client::HUnknownCache() {
       v1::SnapshotRequest r;
       r.set_cache(cache);
       v1::SnapshotResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Snapshot(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Snapshot(c, r, &out); });
       break;
     }
     case 8: {
@@ -474,7 +500,7 @@ void Client::HUnknownCache() {
       r.set_cache(cache);
       r.set_target_node(shared_->nodes[1 - n].name);
       v1::MigrateResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Migrate(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Migrate(c, r, &out); });
       break;
     }
     case 9: {
@@ -482,7 +508,7 @@ void Client::HUnknownCache() {
       v1::ListSequencesRequest r;
       r.set_cache(cache);
       v1::ListSequencesResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->ListSequences(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->ListSequences(c, r, &out); });
       break;
     }
     case 10: {
@@ -490,7 +516,7 @@ void Client::HUnknownCache() {
       v1::CanResumeRequest r;
       r.set_cache(cache);
       v1::CanResumeResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->CanResume(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->CanResume(c, r, &out); });
       break;
     }
     default: {
@@ -524,7 +550,7 @@ void Client::HInvalidArguments() {
   Codes expected = kInvalid;
   auto read = [&](const v1::ReadRequest& r) {
     return Rpc(kind, [&](grpc::ClientContext* c) {
-      auto reader = cache_[n]->Read(c, r);
+      auto reader = hcache_[n]->Read(c, r);
       v1::ReadResponse message;
       while (reader->Read(&message)) {
       }
@@ -580,18 +606,21 @@ void Client::HInvalidArguments() {
     case 4:
       kind = "h:Remove.negative_begin";
       remove.set_begin(-5);
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Remove(c, remove, &removed); });
+      s = Rpc(kind,
+              [&](grpc::ClientContext* c) { return hcache_[n]->Remove(c, remove, &removed); });
       break;
     case 5:
       kind = "h:Remove.end_before_begin";
       remove.set_begin(6);
       remove.set_end(2);
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Remove(c, remove, &removed); });
+      s = Rpc(kind,
+              [&](grpc::ClientContext* c) { return hcache_[n]->Remove(c, remove, &removed); });
       break;
     case 6:
       kind = "h:Remove.bad_scope";
       remove.set_scope(static_cast<v1::RemoveScope>(7));
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Remove(c, remove, &removed); });
+      s = Rpc(kind,
+              [&](grpc::ClientContext* c) { return hcache_[n]->Remove(c, remove, &removed); });
       break;
     case 7: {
       kind = "h:CanResume.negative";
@@ -600,7 +629,7 @@ void Client::HInvalidArguments() {
       r.set_seq(Chance(50) ? -1 : seq);
       r.set_pos(r.seq() < 0 ? 0 : -1);
       v1::CanResumeResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->CanResume(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->CanResume(c, r, &out); });
       break;
     }
     case 8:
@@ -610,12 +639,12 @@ void Client::HInvalidArguments() {
       } else {
         query->set_seq(-1);
       }
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Visible(c, visible, &seen); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Visible(c, visible, &seen); });
       break;
     case 9:
       kind = "h:Visible.bad_group";
       visible.set_group(Chance(50) ? -1 : own_.spec.groups_size() + static_cast<int32_t>(Rand(5)));
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Visible(c, visible, &seen); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Visible(c, visible, &seen); });
       break;
     case 10:
       kind = "h:CopyPrefix.negative";
@@ -627,19 +656,19 @@ void Client::HInvalidArguments() {
         copy.set_dst_seq(-1);
       }
       s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, copy, &copied); });
+              [&](grpc::ClientContext* c) { return hcache_[n]->CopyPrefix(c, copy, &copied); });
       break;
     case 11:
       kind = "h:CopyPrefix.same_seq";
       copy.set_dst_seq(seq);
       s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, copy, &copied); });
+              [&](grpc::ClientContext* c) { return hcache_[n]->CopyPrefix(c, copy, &copied); });
       break;
     case 12:
       kind = "h:CopyPrefix.not_member";
       copy.set_source_node("mallory");
       s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, copy, &copied); });
+              [&](grpc::ClientContext* c) { return hcache_[n]->CopyPrefix(c, copy, &copied); });
       break;
     case 13: {
       kind = "h:Snapshot.negative";
@@ -648,7 +677,7 @@ void Client::HInvalidArguments() {
       r.set_seq(Chance(50) ? -1 : seq);
       r.set_from_offset(r.seq() < 0 ? 0 : -1);
       v1::SnapshotResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Snapshot(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Snapshot(c, r, &out); });
       break;
     }
     case 14: {
@@ -658,7 +687,7 @@ void Client::HInvalidArguments() {
       r.set_seq(Chance(50) ? -1 : seq);
       r.set_target(r.seq() < 0 ? 0 : -1);
       v1::RestoreResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Restore(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Restore(c, r, &out); });
       break;
     }
     case 15: {
@@ -669,7 +698,7 @@ void Client::HInvalidArguments() {
       r.set_snapshot_id(max_snapshot_id_[n] + 1000 + Rand(1000));
       r.set_target(0);
       v1::RestoreResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Restore(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Restore(c, r, &out); });
       expected = {StatusCode::NOT_FOUND};
       break;
     }
@@ -680,7 +709,7 @@ void Client::HInvalidArguments() {
       r.set_snapshot_id(known_snapshot != 0 ? known_snapshot : 1);
       r.set_at(-1);
       v1::SplitSnapshotResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->SplitSnapshot(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->SplitSnapshot(c, r, &out); });
       if (known_snapshot == 0) expected.push_back(StatusCode::NOT_FOUND);
       break;
     }
@@ -691,7 +720,7 @@ void Client::HInvalidArguments() {
       r.set_parent(known_snapshot != 0 ? known_snapshot : 1);
       r.set_child(r.parent());
       v1::MergeSnapshotsResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->MergeSnapshots(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->MergeSnapshots(c, r, &out); });
       if (known_snapshot == 0) expected.push_back(StatusCode::NOT_FOUND);
       break;
     }
@@ -703,7 +732,7 @@ void Client::HInvalidArguments() {
       r.set_accepted(-1);
       v1::CommitSpeculationResponse out;
       s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->CommitSpeculation(c, r, &out); });
+              [&](grpc::ClientContext* c) { return hcache_[n]->CommitSpeculation(c, r, &out); });
       break;
     }
     case 19: {
@@ -713,7 +742,7 @@ void Client::HInvalidArguments() {
       r.set_seq(seq);
       v1::CommitSpeculationResponse out;
       s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->CommitSpeculation(c, r, &out); });
+              [&](grpc::ClientContext* c) { return hcache_[n]->CommitSpeculation(c, r, &out); });
       expected = {StatusCode::FAILED_PRECONDITION};
       break;
     }
@@ -721,13 +750,13 @@ void Client::HInvalidArguments() {
       kind = "h:Migrate.to_self";
       migrate.set_target_node(shared_->nodes[n].name);
       s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->Migrate(c, migrate, &migrated); });
+              [&](grpc::ClientContext* c) { return hcache_[n]->Migrate(c, migrate, &migrated); });
       break;
     case 21:
       kind = "h:Migrate.not_member";
       migrate.set_target_node(Chance(50) ? "mallory" : "");
       s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->Migrate(c, migrate, &migrated); });
+              [&](grpc::ClientContext* c) { return hcache_[n]->Migrate(c, migrate, &migrated); });
       break;
     case 22:
       kind = "h:Migrate.negative";
@@ -737,7 +766,7 @@ void Client::HInvalidArguments() {
         migrate.set_target_seq(-1);
       }
       s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->Migrate(c, migrate, &migrated); });
+              [&](grpc::ClientContext* c) { return hcache_[n]->Migrate(c, migrate, &migrated); });
       break;
     case 23: {
       kind = "h:MigrateSnapshot.to_self";
@@ -746,7 +775,8 @@ void Client::HInvalidArguments() {
       r.set_snapshot_id(known_snapshot != 0 ? known_snapshot : 1);
       r.set_target_node(shared_->nodes[n].name);
       v1::MigrateSnapshotResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->MigrateSnapshot(c, r, &out); });
+      s = Rpc(kind,
+              [&](grpc::ClientContext* c) { return hcache_[n]->MigrateSnapshot(c, r, &out); });
       if (known_snapshot == 0) expected.push_back(StatusCode::NOT_FOUND);
       break;
     }
@@ -754,7 +784,7 @@ void Client::HInvalidArguments() {
       kind = "h:GetCache.empty_name";
       v1::GetCacheRequest r;
       v1::GetCacheResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->GetCache(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->GetCache(c, r, &out); });
       break;
     }
     case 25:
@@ -768,7 +798,7 @@ void Client::HInvalidArguments() {
       r.set_cache(cache);
       r.set_snapshot_id(max_snapshot_id_[n] + 1000 + Rand(1000));
       v1::DropSnapshotResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->DropSnapshot(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->DropSnapshot(c, r, &out); });
       expected = {StatusCode::NOT_FOUND};
       break;
     }
@@ -782,7 +812,7 @@ void Client::HInvalidArguments() {
         many->set_seq(static_cast<int64_t>(Rand(10)));
         many->set_pos(static_cast<int32_t>(Rand(300)));
       }
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Visible(c, visible, &seen); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Visible(c, visible, &seen); });
       expected = {StatusCode::OK, StatusCode::RESOURCE_EXHAUSTED, StatusCode::INVALID_ARGUMENT};
       if (s.ok() && seen.visible_size() != 2000) {
         Fail(kind, absl::StrCat(seen.visible_size(), " answers to 2000 queries"));
@@ -793,7 +823,7 @@ void Client::HInvalidArguments() {
       kind = "h:ListSequences.empty_name";
       v1::ListSequencesRequest r;
       v1::ListSequencesResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->ListSequences(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->ListSequences(c, r, &out); });
       break;
     }
     default: {
@@ -804,12 +834,14 @@ void Client::HInvalidArguments() {
       r.set_target(-3);
       v1::RestoreResponse out;
       kind = "h:Restore.negative_target";
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Restore(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Restore(c, r, &out); });
       break;
     }
   }
   if (Ambiguous(s, kind)) return;
-  Expect(kind, s, expected, absl::StrCat("seq ", seq, " of ", cache, " on ", Where(n)));
+  const std::string what = absl::StrCat("seq ", seq, " of ", cache, " on ", Where(n));
+  Expect(kind, s, expected, what);
+  CheckUnchanged(n, kind, what);
 }
 
 void Client::HLongName() {
@@ -828,7 +860,7 @@ void Client::HLongName() {
       v1::CreateCacheRequest r;
       *r.mutable_spec() = ModelSpec(name, Flavour::kAttention);
       v1::CreateCacheResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->CreateCache(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->CreateCache(c, r, &out); });
       break;
     }
     case 1: {
@@ -836,7 +868,7 @@ void Client::HLongName() {
       v1::GetCacheRequest r;
       r.set_cache(name);
       v1::GetCacheResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->GetCache(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->GetCache(c, r, &out); });
       break;
     }
     case 2: {
@@ -844,14 +876,14 @@ void Client::HLongName() {
       v1::DeleteCacheRequest r;
       r.set_cache(name);
       v1::DeleteCacheResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->DeleteCache(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->DeleteCache(c, r, &out); });
       break;
     }
     case 3: {
       label("Append");
       v1::AppendRequest r = testutil::MakeAppend(ModelSpec(name, Flavour::kAttention), 0, {0});
       v1::AppendResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Append(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Append(c, r, &out); });
       break;
     }
     case 4: {
@@ -860,7 +892,7 @@ void Client::HLongName() {
           testutil::MakeAppend(ModelSpec(name, Flavour::kAttention), 0, {0}), 100, 1000);
       v1::AppendResponse out;
       s = Rpc(kind, [&](grpc::ClientContext* c) {
-        auto writer = cache_[n]->AppendStream(c, &out);
+        auto writer = hcache_[n]->AppendStream(c, &out);
         for (const auto& message : messages) {
           if (!writer->Write(message)) break;
         }
@@ -874,7 +906,7 @@ void Client::HLongName() {
       v1::ReadRequest r;
       r.set_cache(name);
       s = Rpc(kind, [&](grpc::ClientContext* c) {
-        auto reader = cache_[n]->Read(c, r);
+        auto reader = hcache_[n]->Read(c, r);
         v1::ReadResponse message;
         while (reader->Read(&message)) {
         }
@@ -888,7 +920,7 @@ void Client::HLongName() {
       r.set_cache(name);
       r.add_queries()->set_pos(1);
       v1::VisibleResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Visible(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Visible(c, r, &out); });
       break;
     }
     case 7:
@@ -905,7 +937,7 @@ void Client::HLongName() {
         r.set_source_node(name);
       }
       v1::CopyPrefixResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->CopyPrefix(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->CopyPrefix(c, r, &out); });
       break;
     }
     case 9: {
@@ -914,7 +946,7 @@ void Client::HLongName() {
       r.set_cache(name);
       if (Chance(50)) r.set_scope(v1::REMOVE_SCOPE_CLUSTER);
       v1::RemoveResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Remove(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Remove(c, r, &out); });
       break;
     }
     case 10: {
@@ -922,7 +954,7 @@ void Client::HLongName() {
       v1::CanResumeRequest r;
       r.set_cache(name);
       v1::CanResumeResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->CanResume(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->CanResume(c, r, &out); });
       break;
     }
     case 11: {
@@ -930,7 +962,7 @@ void Client::HLongName() {
       v1::ListSequencesRequest r;
       r.set_cache(name);
       v1::ListSequencesResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->ListSequences(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->ListSequences(c, r, &out); });
       break;
     }
     case 12: {
@@ -938,7 +970,7 @@ void Client::HLongName() {
       v1::SnapshotRequest r;
       r.set_cache(name);
       v1::SnapshotResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Snapshot(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Snapshot(c, r, &out); });
       break;
     }
     case 13: {
@@ -947,7 +979,7 @@ void Client::HLongName() {
       r.set_cache(name);
       r.set_snapshot_id(1);
       v1::RestoreResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Restore(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Restore(c, r, &out); });
       break;
     }
     case 14: {
@@ -956,7 +988,7 @@ void Client::HLongName() {
       r.set_cache(name);
       r.set_snapshot_id(1);
       v1::DropSnapshotResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->DropSnapshot(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->DropSnapshot(c, r, &out); });
       break;
     }
     case 15: {
@@ -964,7 +996,7 @@ void Client::HLongName() {
       v1::ListSnapshotsRequest r;
       r.set_cache(name);
       v1::ListSnapshotsResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->ListSnapshots(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->ListSnapshots(c, r, &out); });
       break;
     }
     case 16: {
@@ -973,7 +1005,7 @@ void Client::HLongName() {
       r.set_cache(name);
       v1::CommitSpeculationResponse out;
       s = Rpc(kind,
-              [&](grpc::ClientContext* c) { return cache_[n]->CommitSpeculation(c, r, &out); });
+              [&](grpc::ClientContext* c) { return hcache_[n]->CommitSpeculation(c, r, &out); });
       break;
     }
     case 17:
@@ -989,7 +1021,7 @@ void Client::HLongName() {
         r.set_target_node(name);
       }
       v1::MigrateResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Migrate(c, r, &out); });
+      s = Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Migrate(c, r, &out); });
       break;
     }
     case 19: {
@@ -999,7 +1031,8 @@ void Client::HLongName() {
       r.set_snapshot_id(1);
       r.set_target_node(shared_->nodes[m].name);
       v1::MigrateSnapshotResponse out;
-      s = Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->MigrateSnapshot(c, r, &out); });
+      s = Rpc(kind,
+              [&](grpc::ClientContext* c) { return hcache_[n]->MigrateSnapshot(c, r, &out); });
       break;
     }
     case 20:
@@ -1025,6 +1058,8 @@ void Client::HLongName() {
     }
   }
   const std::string what = absl::StrCat("a ", length, "-byte name on ", Where(n));
+  // The node-name variants name the own cache: it must come out unchanged.
+  if (own_.nodes[n].exists && (op == 8 || op == 18)) CheckUnchanged(n, kind, what);
   if (!Expect(kind, s, kInvalid, what)) return;
   // The message may quote the start of the name, never the whole of it.
   if (s.error_message().size() > 512 ||
@@ -1052,7 +1087,7 @@ void Client::HHugeVisible() {
   }
   v1::VisibleResponse response;
   const grpc::Status s = Rpc(
-      kind, [&](grpc::ClientContext* c) { return cache_[n]->Visible(c, request, &response); },
+      kind, [&](grpc::ClientContext* c) { return hcache_[n]->Visible(c, request, &response); },
       absl::Seconds(120));
   shared_->huge_visible_in_flight.fetch_sub(1);
   // Refused before any work: queries x positions is far beyond any sane answer.
@@ -1082,14 +1117,17 @@ void Client::HSlowStream() {
             : absl::Milliseconds(1000 + static_cast<int64_t>(Rand(19000)));
   }
   Shared* shared = shared_;
-  std::shared_ptr<grpc::Channel> channel = channels_[n];
+  // A connection of its own, as an attacker's would be: whatever the node does to it must not
+  // be blamed on (or spare) the honest calls of this client.
+  const std::string address = shared_->nodes[n].address;
+  const int salt = 100000 + index_ * 1000 + static_cast<int>(Rand(1000));
   const int client = index_;
   const std::string where = Where(n);
   const bool submitted = shared_->slow->TrySubmit([=](Recorder* recorder) {
     Checker check(shared, recorder, client);
     static const char* const kLabels[] = {"idle", "unfinished", "cancelled"};
     const std::string kind = absl::StrCat("h:AppendStream.", kLabels[variant]);
-    auto stub = v1::CacheService::NewStub(channel);
+    auto stub = v1::CacheService::NewStub(NewChannel(address, salt));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + hold + absl::Seconds(90)));
     v1::AppendResponse response;
@@ -1130,10 +1168,11 @@ void Client::HSlowStream() {
       if (!writer->Write(chunk)) {
         const grpc::Status s = writer->Finish();
         check.Record(kind, s, start);
-        check.Expect(
-            kind, s,
-            {StatusCode::DEADLINE_EXCEEDED, StatusCode::CANCELLED, StatusCode::RESOURCE_EXHAUSTED},
-            absl::StrCat(what, ", idle ", absl::FormatDuration(idle)));
+        // UNAVAILABLE: the node's gRPC reclaimed the connection's memory and closed it.
+        check.Expect(kind, s,
+                     {StatusCode::DEADLINE_EXCEEDED, StatusCode::CANCELLED,
+                      StatusCode::RESOURCE_EXHAUSTED, StatusCode::UNAVAILABLE},
+                     absl::StrCat(what, ", idle ", absl::FormatDuration(idle)));
         return;
       }
       if (shared->support.stream_idle_timeout &&
@@ -1145,20 +1184,25 @@ void Client::HSlowStream() {
       context.TryCancel();
       const grpc::Status s = writer->Finish();
       check.Record(kind, s, start);
-      check.Expect(kind, s, {StatusCode::CANCELLED, StatusCode::DEADLINE_EXCEEDED}, what);
+      check.Expect(kind, s,
+                   {StatusCode::CANCELLED, StatusCode::DEADLINE_EXCEEDED, StatusCode::UNAVAILABLE},
+                   what);
       return;
     }
     if (variant == 1) {
       writer->WritesDone();
       const grpc::Status s = writer->Finish();
       check.Record(kind, s, start);
-      check.Expect(kind, s, {StatusCode::INVALID_ARGUMENT, StatusCode::RESOURCE_EXHAUSTED}, what);
+      check.Expect(
+          kind, s,
+          {StatusCode::INVALID_ARGUMENT, StatusCode::RESOURCE_EXHAUSTED, StatusCode::UNAVAILABLE},
+          what);
       return;
     }
     context.TryCancel();
     const grpc::Status s = writer->Finish();
     check.Record(kind, s, start);
-    check.Expect(kind, s, {StatusCode::CANCELLED}, what);
+    check.Expect(kind, s, {StatusCode::CANCELLED, StatusCode::UNAVAILABLE}, what);
   });
   if (!submitted) HBadStreamInline();
 }
@@ -1173,7 +1217,7 @@ void Client::HAbandonRead() {
   int messages = 0;
   int32_t listed = 0;
   const grpc::Status s = Rpc(kind, [&](grpc::ClientContext* c) {
-    auto reader = cache_[n]->Read(c, request);
+    auto reader = hcache_[n]->Read(c, request);
     v1::ReadResponse message;
     const int keep = RandIn(1, 8);
     while (messages < keep && reader->Read(&message)) {
@@ -1195,13 +1239,16 @@ void Client::HAbandonRead() {
 void Client::HStalledRead() {
   const int n = static_cast<int>(Rand(2));
   Shared* shared = shared_;
-  std::shared_ptr<grpc::Channel> channel = channels_[n];
+  // A connection of its own, as an attacker's would be: whatever the node does to it must not
+  // be blamed on (or spare) the honest calls of this client.
+  const std::string address = shared_->nodes[n].address;
+  const int salt = 100000 + index_ * 1000 + static_cast<int>(Rand(1000));
   const int client = index_;
   const std::string where = Where(n);
   const bool submitted = shared_->slow->TrySubmit([=](Recorder* recorder) {
     Checker check(shared, recorder, client);
     const std::string kind = "h:Read.stalled";
-    auto stub = v1::CacheService::NewStub(channel);
+    auto stub = v1::CacheService::NewStub(NewChannel(address, salt));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
     v1::ReadRequest request;
@@ -1216,7 +1263,7 @@ void Client::HStalledRead() {
     absl::SleepFor(absl::Seconds(3));
     const grpc::Status s = reader->Finish();
     check.Record(kind, s, start);
-    check.Expect(kind, s, {StatusCode::DEADLINE_EXCEEDED, StatusCode::OK},
+    check.Expect(kind, s, {StatusCode::DEADLINE_EXCEEDED, StatusCode::OK, StatusCode::UNAVAILABLE},
                  absl::StrCat("stalled read of the stream fixture on ", where));
   });
   if (!submitted) HAbandonRead();
@@ -1234,7 +1281,7 @@ void Client::HOversizedMessage() {
       static_cast<size_t>(shared_->options.max_message_bytes + (1 << 20)), 'z');
   v1::AppendResponse response;
   const grpc::Status s =
-      Rpc(kind, [&](grpc::ClientContext* c) { return cache_[n]->Append(c, request, &response); });
+      Rpc(kind, [&](grpc::ClientContext* c) { return hcache_[n]->Append(c, request, &response); });
   // gRPC refuses a message above --max-message-bytes (docs/api.md).
   Expect(kind, s, {StatusCode::RESOURCE_EXHAUSTED},
          absl::StrCat(request.payload().size(), "-byte Append on ", Where(n)));
@@ -1243,7 +1290,7 @@ void Client::HOversizedMessage() {
 void Client::HPeer() {
   const int n = static_cast<int>(Rand(2));
   const int m = 1 - n;
-  v1::PeerService::Stub& peer = *peer_[n];
+  v1::PeerService::Stub& peer = *hpeer_[n];
   // Without a token file every caller is the tenant "default" (development mode).
   v1::ExportRequest exp;
   exp.set_cache(kStreamCache);
@@ -1372,6 +1419,8 @@ void Client::HPeer() {
     }
   }
   Expect(kind, s, expected, absl::StrCat("peer call on ", Where(n)));
+  // A Pull names the own cache: it must come out unchanged.
+  if (op == 8 && own_.nodes[n].exists) CheckUnchanged(n, kind, "pull from a non-member");
 }
 
 }  // namespace soak

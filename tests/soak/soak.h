@@ -52,6 +52,8 @@ struct Options {
   int64_t stream_bytes = int64_t{256} << 20;  // payload_bytes of the hostile AppendStreams
   int slow_threads = 6;                       // hostile calls that may linger at once
   absl::Duration progress = absl::Seconds(30);
+  // >= 0: every checked call of this client is printed to stderr (reproducing a failure).
+  int trace_client = -1;
 };
 
 // Which of the bounded-memory flags the node binary knows (read from its --helpfull).
@@ -113,6 +115,8 @@ struct Shared {
   std::atomic<int64_t> slots_missed{0};
   std::atomic<int64_t> inflight_refusals{0};  // calls refused by a full in-flight budget
   std::atomic<int64_t> ambiguous_notes{0};
+  std::atomic<int64_t> hostile_drops{0};       // hostile calls ended by a closed connection
+  std::atomic<int64_t> honest_unavailable{0};  // verified and chaos calls that got UNAVAILABLE
   v1::CacheSpec long_spec, stream_spec, chaos_hybrid_spec, chaos_attention_spec;
   uint64_t long_seed = 0, stream_seed = 0;  // pattern seeds of the fixture sequences
 };

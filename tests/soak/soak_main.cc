@@ -79,6 +79,7 @@ constexpr absl::string_view kFlags[] = {"duration",
                                         "stream-bytes",
                                         "slow-threads",
                                         "progress",
+                                        "trace-client",
                                         "help"};
 
 constexpr char kUsage[] =
@@ -97,7 +98,8 @@ constexpr char kUsage[] =
     "  --visible-queries=20000 --long-positions=16384   the huge Visible\n"
     "  --stream-bytes=256MiB   announced size of the hostile AppendStreams\n"
     "  --slow-threads=6        hostile calls that may linger at once (idle streams...)\n"
-    "  --progress=30s          interval of the progress lines on stderr\n";
+    "  --progress=30s          interval of the progress lines on stderr\n"
+    "  --trace-client=N        print every checked call of client N (to reproduce a failure)\n";
 
 std::string MiB(int64_t bytes) { return absl::StrFormat("%.1f MiB", bytes / 1048576.0); }
 
@@ -129,6 +131,8 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv, bool* help) {
   ASSIGN_OR_RETURN(o.stream_bytes, args.GetBytes("stream-bytes", o.stream_bytes));
   ASSIGN_OR_RETURN(int64_t slow, args.GetInt("slow-threads", o.slow_threads));
   ASSIGN_OR_RETURN(o.progress, args.GetDuration("progress", o.progress));
+  ASSIGN_OR_RETURN(int64_t trace, args.GetInt("trace-client", o.trace_client));
+  o.trace_client = static_cast<int>(trace);
   if (clients < 1 || clients > 256) {
     return absl::InvalidArgumentError(absl::StrCat("--clients=", clients, " is not in [1, 256]"));
   }
@@ -397,13 +401,14 @@ int Main(int argc, char** argv) {
     if (absl::Now() >= end || shared->stop.load()) break;
     std::fprintf(stderr,
                  "soak: %3.0fs %8lld ops, %lld failures, %lld resyncs, %lld slots missed, "
-                 "%lld in-flight refusals; RSS %s %s / %s %s; load %s\n",
+                 "%lld in-flight refusals, %lld honest UNAVAILABLE; RSS %s %s / %s %s; load %s\n",
                  absl::ToDoubleSeconds(absl::Now() - begin),
                  static_cast<long long>(shared->ops_started.load()),
                  static_cast<long long>(shared->failures.count()),
                  static_cast<long long>(shared->resyncs.load()),
                  static_cast<long long>(shared->slots_missed.load()),
                  static_cast<long long>(shared->inflight_refusals.load()),
+                 static_cast<long long>(shared->honest_unavailable.load()),
                  shared->nodes[0].name.c_str(), MiB(rss[0].current).c_str(),
                  shared->nodes[1].name.c_str(), MiB(rss[1].current).c_str(), LoadAverage().c_str());
   }
@@ -487,10 +492,13 @@ int Main(int argc, char** argv) {
   }
   std::printf(
       "load average before %s, after %s; %lld resyncs, %lld slots missed, %lld calls refused "
-      "by a full in-flight budget\n\n",
+      "by a full in-flight budget, %lld verified or chaos calls UNAVAILABLE, %lld hostile calls "
+      "ended by a closed connection\n\n",
       load_before.c_str(), load_after.c_str(), static_cast<long long>(shared->resyncs.load()),
       static_cast<long long>(shared->slots_missed.load()),
-      static_cast<long long>(shared->inflight_refusals.load()));
+      static_cast<long long>(shared->inflight_refusals.load()),
+      static_cast<long long>(shared->honest_unavailable.load()),
+      static_cast<long long>(shared->hostile_drops.load()));
   PrintReport(all, seconds, stdout);
   std::printf("\nRSS bound per node: memory %s + snapshot %s + in-flight %s + overhead %s = %s\n",
               MiB(o.memory_budget).c_str(), MiB(o.snapshot_budget).c_str(),
