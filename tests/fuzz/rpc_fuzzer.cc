@@ -592,6 +592,48 @@ class Harness {
     return *cache;
   }
 
+  // A Read of `seq` of cache `name` up to `end` as text (header and bytes), or nullopt when the
+  // cache is not there, has other than Attention groups (whose copies and moves carry exactly
+  // the positions below the length; rings and states follow rules of their own), or the
+  // sequence has pending tokens (which a Read shows and a copy does not take).
+  std::optional<std::string> ReadText(Node& node, const std::string& tenant,
+                                      const std::string& name, int64_t seq,
+                                      std::optional<int32_t> end) {
+    absl::StatusOr<std::shared_ptr<Cache>> cache = node.registry().Get(tenant, name);
+    if (!cache.ok()) return std::nullopt;
+    for (const GroupSpec& g : (*cache)->spec().groups) {
+      if (g.kind != GroupKind::kAttention) return std::nullopt;
+    }
+    for (const SequenceInfo& info : (*cache)->ListSequences()) {
+      if (info.seq == seq && info.pending > 0) return std::nullopt;
+    }
+    if (seq < 0 || (end.has_value() && *end < 0)) return std::nullopt;
+    absl::StatusOr<ReadResult> read = (*cache)->Read(seq, 0, end);
+    if (!read.ok()) {
+      return absl::StrCat("no data (", absl::StatusCodeToString(read.status().code()), ")");
+    }
+    std::string out = ReadHeaderToProto(*read).SerializeAsString();
+    // A sequence that stores nothing below `end` reads as one that stores nothing at all.
+    bool empty = true;
+    for (const auto& p : read->positions) empty &= p.empty();
+    if (empty && read->payload.empty()) return std::string("no data (NOT_FOUND)");
+    return absl::StrCat(out.size(), ":", out, read->payload);
+  }
+
+  // The wire image of snapshot `id` of cache `name`, or nullopt.
+  std::optional<std::string> ExportImage(Node& node, const std::string& tenant,
+                                         const std::string& name, uint64_t id) {
+    absl::StatusOr<std::shared_ptr<Cache>> cache = node.registry().Get(tenant, name);
+    if (!cache.ok()) return std::nullopt;
+    absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader = (*cache)->OpenSnapshotExport(id);
+    if (!reader.ok()) return std::nullopt;
+    std::string image((*reader)->size(), '\0');
+    const absl::Status read = (*reader)->ReadAt(
+        0, absl::MakeSpan(reinterpret_cast<uint8_t*>(image.data()), image.size()));
+    KVMESH_FUZZ_CHECK(read.ok(), read.ToString());
+    return image;
+  }
+
   void CheckSpec(const v1::CacheSpec& spec) {
     const absl::Status valid = SpecFromProto(spec).status();
     KVMESH_FUZZ_CHECK(valid.ok(), absl::StrCat("a spec in a response: ", valid.ToString()));
@@ -776,8 +818,18 @@ class Harness {
               }
             });
       case Rpc::kCopyPrefix:
-        return Unary<v1::CopyPrefixRequest, v1::CopyPrefixResponse>(rpc, caller, bytes, s,
-                                                                    &S::CopyPrefix, nullptr);
+        return Unary<v1::CopyPrefixRequest, v1::CopyPrefixResponse>(
+            rpc, caller, bytes, s, &S::CopyPrefix,
+            [&](const v1::CopyPrefixRequest& q, const v1::CopyPrefixResponse&) {
+              // dst holds src's positions below length, with their bytes, whichever node src
+              // is on.
+              Node& source = q.source_node() == kNodeB ? *b_ : *a_;
+              const std::optional<std::string> want =
+                  ReadText(source, t, q.cache(), q.src_seq(), q.length());
+              if (!want.has_value()) return;
+              KVMESH_FUZZ_CHECK(ReadText(*a_, t, q.cache(), q.dst_seq(), std::nullopt) == want,
+                                absl::StrCat(Show(q), ": dst differs from src's prefix"));
+            });
       case Rpc::kRemove:
         return Unary<v1::RemoveRequest, v1::RemoveResponse>(
             rpc, caller, bytes, s, &S::Remove,
@@ -872,15 +924,47 @@ class Harness {
               }
               KVMESH_FUZZ_CHECK(r.offset() == offset, absl::StrCat(Show(r), " vs ", offset));
             });
-      case Rpc::kMigrate:
-        return Unary<v1::MigrateRequest, v1::MigrateResponse>(rpc, caller, bytes, s, &S::Migrate,
-                                                              nullptr);
-      case Rpc::kMigrateSnapshot:
+      case Rpc::kMigrate: {
+        // What the sequence holds before it moves, to compare with what arrives.
+        v1::MigrateRequest peek;
+        std::optional<std::string> before;
+        if (peek.ParseFromString(bytes) && caller.tenant != nullptr) {
+          before = ReadText(*a_, t, peek.cache(), peek.seq(), std::nullopt);
+        }
+        return Unary<v1::MigrateRequest, v1::MigrateResponse>(
+            rpc, caller, bytes, s, &S::Migrate,
+            [&](const v1::MigrateRequest& q, const v1::MigrateResponse&) {
+              if (!before.has_value()) return;
+              KVMESH_FUZZ_CHECK(ReadText(*b_, t, q.cache(), q.target_seq(), std::nullopt) == before,
+                                absl::StrCat(Show(q),
+                                             ": the target sequence differs from the "
+                                             "migrated one"));
+              if (!q.keep_source()) {
+                KVMESH_FUZZ_CHECK(!CacheOf(*a_, t, q.cache())->Read(q.seq(), 0, std::nullopt).ok(),
+                                  absl::StrCat(Show(q), ": the source still holds the sequence"));
+              }
+            });
+      }
+      case Rpc::kMigrateSnapshot: {
+        // The snapshot's wire image before it moves: the target's copy has the same one.
+        v1::MigrateSnapshotRequest peek;
+        std::optional<std::string> before;
+        if (peek.ParseFromString(bytes) && caller.tenant != nullptr) {
+          before = ExportImage(*a_, t, peek.cache(), peek.snapshot_id());
+        }
         return Unary<v1::MigrateSnapshotRequest, v1::MigrateSnapshotResponse>(
             rpc, caller, bytes, s, &S::MigrateSnapshot,
             [&](const v1::MigrateSnapshotRequest& q, const v1::MigrateSnapshotResponse& r) {
               CheckSnapshotListed(*b_, t, q.cache(), r.snapshot(), true);
+              KVMESH_FUZZ_CHECK(
+                  before.has_value() && ExportImage(*b_, t, q.cache(), r.snapshot().id()) == before,
+                  absl::StrCat(Show(q), ": the target's snapshot ", r.snapshot().id(),
+                               " is not the source's"));
+              v1::SnapshotInfo source;
+              source.set_id(q.snapshot_id());
+              if (!q.keep_source()) CheckSnapshotListed(*a_, t, q.cache(), source, false);
             });
+      }
       case Rpc::kListMembers:
         return Unary<v1::ListMembersRequest, v1::ListMembersResponse>(
             rpc, caller, bytes, s, &S::ListMembers,
