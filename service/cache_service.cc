@@ -161,6 +161,12 @@ class CacheServiceImpl::AppendStreamReactor final
                       v1::AppendResponse* response)
       : service_(service), context_(context), response_(response) {
     service_->idle_reaper_->Add(this);
+    // Who calls comes before anything the stream sends: a caller without a valid token learns
+    // UNAUTHENTICATED, never how its messages would have been judged.
+    if (const absl::StatusOr<Principal> caller = service_->Caller(*context_); !caller.ok()) {
+      Done(ToGrpcStatus(caller.status()));
+      return;
+    }
     ReadNext();
   }
 
@@ -392,6 +398,10 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
   ReadReactor(CacheServiceImpl* service, grpc::CallbackServerContext* context,
               const v1::ReadRequest* request)
       : service_(service), context_(context), request_(request) {
+    if (const absl::StatusOr<Principal> caller = service_->Caller(*context_); !caller.ok()) {
+      Done(ToGrpcStatus(caller.status()));  // who calls comes first, as in every RPC
+      return;
+    }
     const int32_t requested = request->max_chunk_bytes();
     if (requested < 0 || requested > kMaxReadChunkBytes) {
       Done(

@@ -140,6 +140,17 @@ TEST_F(TenantsTest, CallsWithoutAKnownTokenAreUnauthenticated) {
   ASSERT_OK(ListCaches(*root_, &list));
   EXPECT_EQ(list.caches_size(), 0);
 
+  // Streams too, whatever they send: a header-less AppendStream and an out-of-range Read.
+  v1::AppendStreamRequest headerless;
+  headerless.set_data("x");
+  status = AppendStream(*anonymous, {headerless});
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << StatusText(status);
+  v1::ReadRequest bad_read = ReadRequest("m", 0);
+  bad_read.set_max_chunk_bytes(-1);
+  ReadOutput ignored;
+  status = Read(*anonymous, bad_read, &ignored);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << StatusText(status);
+
   // Health and reflection stay open.
   int serving = 0;
   EXPECT_TRUE(HealthCheck(node_->channel(), "", &serving).ok());
