@@ -476,15 +476,8 @@ class Harness {
     KVMESH_FUZZ_CHECK(
         !IsBug(status.error_code()),
         absl::StrCat(call, " answered ", status.error_code(), ": ", status.error_message()));
-    // AppendStream looks at the caller only once its first message has passed the checks that
-    // need no cache (a header, payload_bytes >= 0, the in-flight budget for the message's data):
-    // an empty or malformed stream is refused for what it is, whoever sends it. Nothing is
-    // stored and the reservation ends with the call, which the checks after every call and
-    // session still hold it to.
-    const bool stream_refused_first =
-        rpc == Rpc::kAppendStream && (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT ||
-                                      status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
-    if (caller.tenant == nullptr && !stream_refused_first) {
+    // Every RPC, the streams included, judges its caller before anything the caller sent.
+    if (caller.tenant == nullptr) {
       KVMESH_FUZZ_CHECK(status.error_code() == caller.refusal,
                         absl::StrCat(call, " answered ", status.error_code(), " (",
                                      status.error_message(), "), not ", caller.refusal));
