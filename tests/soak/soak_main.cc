@@ -458,6 +458,17 @@ int Main(int argc, char** argv) {
           absl::StrCat("node ", shared->nodes[n].name, " ", status.ToString(), " at the end"));
     }
   }
+  // A failed run keeps the nodes' logs (NodeProcess removes them), for whoever looks into it.
+  std::array<std::string, 2> logs;
+  if (shared->failures.count() > 0) {
+    const char* tmpdir = std::getenv("TEST_TMPDIR");
+    for (int n = 0; n < 2; ++n) {
+      logs[n] =
+          absl::StrCat(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp", "/kvmesh-soak-",
+                       shared->nodes[n].name, "-", shared->nodes[n].process->pid(), ".log");
+      std::ofstream(logs[n]) << shared->nodes[n].process->ReadStderr();
+    }
+  }
   for (int n = 0; n < 2; ++n) {
     if (rss[n].peak > bound) {
       shared->failures.Add(absl::StrCat("node ", shared->nodes[n].name, " peak RSS ",
@@ -509,6 +520,7 @@ int Main(int argc, char** argv) {
                 shared->nodes[n].name.c_str(), MiB(rss[n].start).c_str(), MiB(rss[n].peak).c_str(),
                 rss[n].peak_at_ms.load() / 1000.0,
                 rss[n].after < 0 ? "(not running)" : MiB(rss[n].after).c_str(), exits[n].c_str());
+    if (!logs[n].empty()) std::printf("  its stderr: %s\n", logs[n].c_str());
   }
   const int64_t failures = shared->failures.count();
   std::printf("\n%lld failures\n", static_cast<long long>(failures));
