@@ -27,6 +27,12 @@ constexpr size_t kMaxMessageBytes = 2048;
 constexpr int kMaxSnapshots = 6;  // per node of the client's own cache
 constexpr int64_t kSeqIds = 10;   // sequence ids the client uses: more than max_sequences
 
+// `what` with the status that refused it, for failures found after the refusal.
+std::string Refused(const std::string& what, const grpc::Status& status) {
+  return absl::StrCat(what, " -> ", CodeName(status.error_code()), ": ",
+                      Short(status.error_message(), 300));
+}
+
 bool Contains(const Codes& codes, StatusCode code) {
   return std::find(codes.begin(), codes.end(), code) != codes.end();
 }
@@ -153,6 +159,9 @@ void Checker::Fail(const std::string& kind, const std::string& what) {
 
 bool Client::Expect(const std::string& kind, const grpc::Status& status, const Codes& allowed,
                     const std::string& what) {
+  if (shared_->options.check_every_op && !in_hostile_ && op_calls_.size() < 6) {
+    op_calls_.push_back(Refused(absl::StrCat(kind, " ", what), status));
+  }
   if (in_hostile_ && status.error_code() == StatusCode::UNAVAILABLE &&
       std::find(allowed.begin(), allowed.end(), StatusCode::UNAVAILABLE) == allowed.end()) {
     // The node (its gRPC) closed the attacker's connection: an acceptable end for a hostile call.
@@ -161,6 +170,20 @@ bool Client::Expect(const std::string& kind, const grpc::Status& status, const C
   }
   if (!in_hostile_ && status.error_code() == StatusCode::UNAVAILABLE) {
     shared_->honest_unavailable.fetch_add(1);
+  }
+  if (!in_hostile_ && kind.rfind("v:", 0) == 0 && status.error_code() != StatusCode::OK &&
+      status.error_message().find("RST_STREAM") != std::string::npos &&
+      !Contains(allowed, status.error_code())) {
+    // gRPC's quota cancels calls itself, and nothing says it does so before the handler has
+    // run: the caches must be as the model says, as after any refusal.
+    shared_->quota_cancels.fetch_add(1);
+    check_.Expect(kind, status, allowed, what);  // counts the refusal
+    for (int node = 0; node < 2; ++node) {
+      CheckUnchanged(
+          node, kind,
+          absl::StrCat(what, " (cancelled by gRPC: ", Short(status.error_message(), 80), ")"));
+    }
+    return false;
   }
   return check_.Expect(kind, status, allowed, what);
 }
@@ -246,6 +269,12 @@ void Client::Run(absl::Time end) {
       next = now;
     }
     shared_->ops_started.fetch_add(1);
+    if (needs_resync_) {
+      needs_resync_ = false;
+      Recreate("resync");
+      next += interval;
+      continue;
+    }
     const int draw = static_cast<int>(Rand(100));
     if (draw < o.hostile_percent) {
       in_hostile_ = true;
@@ -327,9 +356,12 @@ void Client::Recreate(const std::string& why) {
 }
 
 void Client::Resync(const std::string& why) {
-  shared_->resyncs.fetch_add(1);
+  // Deferred to the rate loop: a resync can be found deep inside an operation (a check after a
+  // refusal, a call of Recreate itself), and recreating there would pull the cache from under
+  // the callers.
+  if (!needs_resync_) shared_->resyncs.fetch_add(1);
+  needs_resync_ = true;
   (void)why;
-  Recreate("resync");
 }
 
 bool Client::Ambiguous(const grpc::Status& status, const std::string& kind) {
@@ -394,6 +426,16 @@ void Client::Verified() {
       return;
     }
   }
+  op_calls_.clear();
+  VerifiedOp();
+  if (shared_->options.check_every_op && !op_calls_.empty()) {
+    // Pins a divergence on the operation that caused it, at the cost of four calls.
+    const std::string op = absl::StrJoin(op_calls_, "; ");
+    for (int n = 0; n < 2; ++n) CheckUnchanged(n, "v:check_every_op", op);
+  }
+}
+
+void Client::VerifiedOp() {
   const int draw = static_cast<int>(Rand(1000));
   // Weights in per mille.
   if (draw < 120) return VAppend(false);
@@ -639,7 +681,7 @@ void Client::VCopyLocal() {
                                         own_.name, " on ", Where(n));
   if (!Expect(kind, s, expected, what) || !s.ok()) {
     // Refused: nothing may have changed.
-    for (int node : {n}) CheckUnchanged(node, kind, what);
+    for (int node : {n}) CheckUnchanged(node, kind, Refused(what, s));
     return;
   }
   if (result.rows.empty()) {
@@ -698,7 +740,7 @@ void Client::VCopyRemote() {
                                         Where(n), " length ", length, " (", own_.name, ")");
   if (!Expect(kind, s, expected, what) || !s.ok()) {
     // Refused: nothing may have changed.
-    for (int node : {n, m}) CheckUnchanged(node, kind, what);
+    for (int node : {n, m}) CheckUnchanged(node, kind, Refused(what, s));
     return;
   }
   if (result.rows.empty()) {
@@ -854,7 +896,7 @@ void Client::VSnapshot() {
       absl::StrCat("snapshot seq ", seq, " from ", from, " of ", own_.name, " on ", Where(n));
   if (!Expect(kind, s, expected, what) || !s.ok()) {
     // Refused: nothing may have changed.
-    for (int node : {n}) CheckUnchanged(node, kind, what);
+    for (int node : {n}) CheckUnchanged(node, kind, Refused(what, s));
     return;
   }
   SnapModel snap;
@@ -927,7 +969,7 @@ void Client::VRestore() {
                    " (offset ", offset, ") target ", target, " of ", own_.name, " on ", Where(n));
   if (!Expect(kind, s, expected, what) || !s.ok()) {
     // Refused: nothing may have changed.
-    for (int node : {n}) CheckUnchanged(node, kind, what);
+    for (int node : {n}) CheckUnchanged(node, kind, Refused(what, s));
     return;
   }
   if (result.rows.empty()) {
@@ -1161,8 +1203,13 @@ void Client::VMigrate() {
       absl::StrCat("migrate seq ", seq, " of ", Where(n), " to seq ", target_seq, " of ", Where(m),
                    keep ? " (keep)" : "", " (", own_.name, ")");
   if (!Expect(kind, s, expected, what) || !s.ok()) {
-    // Refused: nothing may have changed.
-    for (int node : {n, m}) CheckUnchanged(node, kind, what);
+    // docs/api.md, "Failure behaviour": after a Migrate error the target may have committed (a
+    // lost reply), and then the source may have removed its copy too; never neither.
+    if (model != nullptr && s.error_code() != StatusCode::NOT_FOUND &&
+        s.error_code() != StatusCode::FAILED_PRECONDITION) {
+      return ReconcileMigrate(kind, Refused(what, s), n, seq, target_seq, keep);
+    }
+    for (int node : {n, m}) CheckUnchanged(node, kind, Refused(what, s));
     return;
   }
   target.seqs[target_seq] = *model;
@@ -1195,9 +1242,8 @@ void Client::VMigrateSnapshot() {
   const std::string what = absl::StrCat("migrate snapshot ", id, " of ", Where(n), " to ", Where(m),
                                         keep ? " (keep)" : "", " (", own_.name, ")");
   if (!Expect(kind, s, {StatusCode::OK, StatusCode::RESOURCE_EXHAUSTED}, what) || !s.ok()) {
-    // Refused: nothing may have changed on either node.
-    for (int node : {n, m}) CheckUnchanged(node, kind, what);
-    return;
+    // As for Migrate: the target may hold the snapshot after an error.
+    return ReconcileMigrateSnapshot(kind, Refused(what, s), n, id, keep);
   }
   SnapModel copy = it->second;
   if (!keep) source.snaps.erase(it);
@@ -1206,6 +1252,96 @@ void Client::VMigrateSnapshot() {
   const std::string diff = CheckSnapshotInfo(own_, copy, info);
   if (!diff.empty()) Fail(kind, absl::StrCat(what, ": ", diff));
   own_.nodes[m].snaps[info.id()] = std::move(copy);
+}
+
+bool Client::List(int node, const std::string& kind, const std::string& what,
+                  v1::ListSequencesResponse* sequences, v1::ListSnapshotsResponse* snapshots) {
+  v1::ListSequencesRequest list;
+  list.set_cache(own_.name);
+  grpc::Status s = Rpc(kind + ".sequences", [&](grpc::ClientContext* c) {
+    return cache_[node]->ListSequences(c, list, sequences);
+  });
+  if (Ambiguous(s, kind) || !Expect(kind + ".sequences", s, {StatusCode::OK}, what)) return false;
+  v1::ListSnapshotsRequest list_snapshots;
+  list_snapshots.set_cache(own_.name);
+  s = Rpc(kind + ".snapshots", [&](grpc::ClientContext* c) {
+    return cache_[node]->ListSnapshots(c, list_snapshots, snapshots);
+  });
+  return !Ambiguous(s, kind) && Expect(kind + ".snapshots", s, {StatusCode::OK}, what);
+}
+
+void Client::ReconcileMigrate(const std::string& kind, const std::string& what, int n, int64_t seq,
+                              int64_t target_seq, bool keep) {
+  const int m = 1 - n;
+  v1::ListSequencesResponse source_list, target_list;
+  v1::ListSnapshotsResponse ignored;
+  if (!List(n, "v:Reconcile", what, &source_list, &ignored) ||
+      !List(m, "v:Reconcile", what, &target_list, &ignored)) {
+    return;
+  }
+  NodeModel committed = own_.nodes[m];
+  committed.seqs[target_seq] = own_.nodes[n].seqs.at(seq);
+  NodeModel removed = own_.nodes[n];
+  removed.seqs.erase(seq);
+  const bool target_same = CheckSequences(own_, own_.nodes[m], target_list).empty();
+  const bool target_committed = CheckSequences(own_, committed, target_list).empty();
+  const bool source_same = CheckSequences(own_, own_.nodes[n], source_list).empty();
+  const bool source_removed = !keep && CheckSequences(own_, removed, source_list).empty();
+  if (source_same && target_same) return;  // nothing happened
+  if (target_committed && (source_same || source_removed)) {
+    shared_->migrations_after_error.fetch_add(1);
+    own_.nodes[m] = std::move(committed);
+    if (!source_same) own_.nodes[n] = std::move(removed);
+    return;
+  }
+  Fail(kind, absl::StrCat(what, ": after the error, ", Where(n), " lists ",
+                          Short(source_list.ShortDebugString(), 300), " and ", Where(m), " ",
+                          Short(target_list.ShortDebugString(), 300),
+                          ": neither unchanged nor committed on the target"));
+  Resync(kind);
+}
+
+void Client::ReconcileMigrateSnapshot(const std::string& kind, const std::string& what, int n,
+                                      uint64_t id, bool keep) {
+  const int m = 1 - n;
+  v1::ListSequencesResponse ignored;
+  v1::ListSnapshotsResponse source_list, target_list;
+  if (!List(n, "v:Reconcile", what, &ignored, &source_list) ||
+      !List(m, "v:Reconcile", what, &ignored, &target_list)) {
+    return;
+  }
+  const SnapModel snap = own_.nodes[n].snaps.at(id);
+  std::vector<uint64_t> source_ids, target_new;
+  for (const v1::SnapshotInfo& info : source_list.snapshots()) source_ids.push_back(info.id());
+  for (const v1::SnapshotInfo& info : target_list.snapshots()) {
+    if (own_.nodes[m].snaps.count(info.id()) == 0) target_new.push_back(info.id());
+  }
+  std::vector<uint64_t> source_want;
+  for (const auto& [known, model] : own_.nodes[n].snaps) source_want.push_back(known);
+  std::vector<uint64_t> source_dropped = source_want;
+  source_dropped.erase(std::find(source_dropped.begin(), source_dropped.end(), id));
+  const bool source_same = source_ids == source_want;
+  const bool dropped = !keep && source_ids == source_dropped;
+  if (target_new.empty() && source_same) return;  // nothing happened
+  if (target_new.size() == 1 && (source_same || dropped)) {
+    const v1::SnapshotInfo* info = nullptr;
+    for (const v1::SnapshotInfo& i : target_list.snapshots()) {
+      if (i.id() == target_new[0]) info = &i;
+    }
+    if (info != nullptr && CheckSnapshotInfo(own_, snap, *info).empty() &&
+        info->id() > max_snapshot_id_[m]) {
+      shared_->migrations_after_error.fetch_add(1);
+      max_snapshot_id_[m] = info->id();
+      own_.nodes[m].snaps[info->id()] = snap;
+      if (dropped) own_.nodes[n].snaps.erase(id);
+      return;
+    }
+  }
+  Fail(kind, absl::StrCat(what, ": after the error, ", Where(n), " has snapshots [",
+                          absl::StrJoin(source_ids, ","), "] and ", Where(m), " new ones [",
+                          absl::StrJoin(target_new, ","),
+                          "]: neither unchanged nor committed on the target"));
+  Resync(kind);
 }
 
 void Client::VSpeculate() {
@@ -1246,9 +1382,8 @@ void Client::VSpeculate() {
     pending.state = State::kValid;
     pending.state_id = StateId(seq, positions.back(), seed);
   }
-  const std::string name = own_.name;
   ReadAndCheck("v:Read.pending", n, own_.name, seq, own_, &pending, 0, std::nullopt);
-  if (own_.name != name) return;  // the Read resynced
+  if (needs_resync_) return;  // the Read's outcome was ambiguous
 
   const int32_t accepted = RandIn(0, count);
   SeqModel committed = model == nullptr ? SeqModel() : *model;

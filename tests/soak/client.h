@@ -110,6 +110,7 @@ class Client {
 
   // ---- verified: the client's own cache ----
   void Verified();
+  void VerifiedOp();
   void CreateOwn(int node);
   void Recreate(const std::string& why);
   void Resync(const std::string& why);
@@ -136,6 +137,15 @@ class Client {
   void VListSnapshots();
   void VMigrate();
   void VMigrateSnapshot();
+  // ListSequences and ListSnapshots of the own cache on `node`; false when a call failed.
+  bool List(int node, const std::string& kind, const std::string& what,
+            v1::ListSequencesResponse* sequences, v1::ListSnapshotsResponse* snapshots);
+  // After a Migrate or MigrateSnapshot error: either nothing happened or the target committed
+  // (and the source may have let go, unless keep); the model follows, anything else fails.
+  void ReconcileMigrate(const std::string& kind, const std::string& what, int n, int64_t seq,
+                        int64_t target_seq, bool keep);
+  void ReconcileMigrateSnapshot(const std::string& kind, const std::string& what, int n,
+                                uint64_t id, bool keep);
   void VSpeculate();
   // A Read of `seq` on `node` checked against `model` (null: must be NOT_FOUND).
   void ReadAndCheck(const std::string& kind, int node, const std::string& cache, int64_t seq,
@@ -184,7 +194,9 @@ class Client {
   std::array<std::shared_ptr<grpc::Channel>, 2> hostile_channels_;
   std::array<std::unique_ptr<v1::CacheService::Stub>, 2> hcache_;
   std::array<std::unique_ptr<v1::PeerService::Stub>, 2> hpeer_;
-  bool in_hostile_ = false;  // Hostile() is running: a dropped connection is no failure
+  bool in_hostile_ = false;    // Hostile() is running: a dropped connection is no failure
+  bool needs_resync_ = false;  // the model may be wrong: recreate the cache before the next op
+  std::vector<std::string> op_calls_;  // the current operation's checked calls (--check-every-op)
 
   CacheModel own_;
   int generation_ = 0;

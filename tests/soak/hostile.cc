@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "tests/integration/client_util.h"
 #include "tests/soak/client.h"
@@ -222,7 +223,7 @@ void Client::HMalformedSpec() {
 void Client::CheckUnchanged(int node, const std::string& kind, const std::string& what) {
   // Refused calls change nothing (docs/api.md#all-or-nothing): the own cache's sequences are
   // still those of the model, right after the call that could have changed them.
-  if (!own_.nodes[node].exists) return;
+  if (!own_.nodes[node].exists || needs_resync_) return;
   const std::string list = absl::StrCat(kind.substr(0, 2), "ListSequences.after");
   v1::ListSequencesRequest request;
   request.set_cache(own_.name);
@@ -231,7 +232,25 @@ void Client::CheckUnchanged(int node, const std::string& kind, const std::string
     return cache_[node]->ListSequences(c, request, &response);
   });
   if (Ambiguous(s, list) || !Expect(list, s, {StatusCode::OK}, what)) return;
-  const std::string diff = CheckSequences(own_, own_.nodes[node], response);
+  std::string diff = CheckSequences(own_, own_.nodes[node], response);
+  if (diff.empty()) {
+    // And its snapshots: cross-node calls import into the snapshot pool before they commit.
+    const std::string snaps = absl::StrCat(kind.substr(0, 2), "ListSnapshots.after");
+    v1::ListSnapshotsRequest list_snapshots;
+    list_snapshots.set_cache(own_.name);
+    v1::ListSnapshotsResponse listed;
+    const grpc::Status t = Rpc(snaps, [&](grpc::ClientContext* c) {
+      return cache_[node]->ListSnapshots(c, list_snapshots, &listed);
+    });
+    if (Ambiguous(t, snaps) || !Expect(snaps, t, {StatusCode::OK}, what)) return;
+    std::vector<uint64_t> got, want;
+    for (const v1::SnapshotInfo& info : listed.snapshots()) got.push_back(info.id());
+    for (const auto& [id, snap] : own_.nodes[node].snaps) want.push_back(id);
+    if (got != want) {
+      diff = absl::StrCat("snapshots [", absl::StrJoin(got, ","), "], expected [",
+                          absl::StrJoin(want, ","), "]");
+    }
+  }
   if (!diff.empty()) {
     Fail(kind,
          absl::StrCat(what, ": the refused call changed the cache on ", Where(node), ": ", diff));

@@ -54,6 +54,8 @@ struct Options {
   absl::Duration progress = absl::Seconds(30);
   // >= 0: every checked call of this client is printed to stderr (reproducing a failure).
   int trace_client = -1;
+  // After every verified operation, both nodes' sequences and snapshots must match the model.
+  bool check_every_op = false;
 };
 
 // Which of the bounded-memory flags the node binary knows (read from its --helpfull).
@@ -115,8 +117,10 @@ struct Shared {
   std::atomic<int64_t> slots_missed{0};
   std::atomic<int64_t> inflight_refusals{0};  // calls refused by a full in-flight budget
   std::atomic<int64_t> ambiguous_notes{0};
-  std::atomic<int64_t> hostile_drops{0};       // hostile calls ended by a closed connection
-  std::atomic<int64_t> honest_unavailable{0};  // verified and chaos calls that got UNAVAILABLE
+  std::atomic<int64_t> hostile_drops{0};           // hostile calls ended by a closed connection
+  std::atomic<int64_t> honest_unavailable{0};      // verified and chaos calls that got UNAVAILABLE
+  std::atomic<int64_t> migrations_after_error{0};  // committed on the target despite an error
+  std::atomic<int64_t> quota_cancels{0};  // verified calls cancelled by gRPC's quota (RST_STREAM)
   v1::CacheSpec long_spec, stream_spec, chaos_hybrid_spec, chaos_attention_spec;
   uint64_t long_seed = 0, stream_seed = 0;  // pattern seeds of the fixture sequences
 };

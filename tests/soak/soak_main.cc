@@ -80,6 +80,7 @@ constexpr absl::string_view kFlags[] = {"duration",
                                         "slow-threads",
                                         "progress",
                                         "trace-client",
+                                        "check-every-op",
                                         "help"};
 
 constexpr char kUsage[] =
@@ -99,12 +100,14 @@ constexpr char kUsage[] =
     "  --stream-bytes=256MiB   announced size of the hostile AppendStreams\n"
     "  --slow-threads=6        hostile calls that may linger at once (idle streams...)\n"
     "  --progress=30s          interval of the progress lines on stderr\n"
-    "  --trace-client=N        print every checked call of client N (to reproduce a failure)\n";
+    "  --trace-client=N        print every checked call of client N (to reproduce a failure)\n"
+    "  --check-every-op        after every verified operation, compare both nodes' sequences\n"
+    "                          and snapshots with the model (pins a divergence on its cause)\n";
 
 std::string MiB(int64_t bytes) { return absl::StrFormat("%.1f MiB", bytes / 1048576.0); }
 
 absl::StatusOr<Options> ParseOptions(int argc, char** argv, bool* help) {
-  ASSIGN_OR_RETURN(ctl::Args args, ctl::Args::Parse(argc, argv, {"help"}));
+  ASSIGN_OR_RETURN(ctl::Args args, ctl::Args::Parse(argc, argv, {"help", "check-every-op"}));
   RETURN_IF_ERROR(args.CheckAllowed(kFlags));
   if (!args.command().empty()) {
     return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", args.command(), "'"));
@@ -133,6 +136,7 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv, bool* help) {
   ASSIGN_OR_RETURN(o.progress, args.GetDuration("progress", o.progress));
   ASSIGN_OR_RETURN(int64_t trace, args.GetInt("trace-client", o.trace_client));
   o.trace_client = static_cast<int>(trace);
+  ASSIGN_OR_RETURN(o.check_every_op, args.GetBool("check-every-op"));
   if (clients < 1 || clients > 256) {
     return absl::InvalidArgumentError(absl::StrCat("--clients=", clients, " is not in [1, 256]"));
   }
@@ -503,13 +507,16 @@ int Main(int argc, char** argv) {
   }
   std::printf(
       "load average before %s, after %s; %lld resyncs, %lld slots missed, %lld calls refused "
-      "by a full in-flight budget, %lld verified or chaos calls UNAVAILABLE, %lld hostile calls "
-      "ended by a closed connection\n\n",
+      "by a full in-flight budget (%lld verified ones by gRPC's quota), %lld verified or chaos "
+      "calls UNAVAILABLE, %lld hostile calls ended by a closed connection, %lld migrations "
+      "committed on the target despite an error\n\n",
       load_before.c_str(), load_after.c_str(), static_cast<long long>(shared->resyncs.load()),
       static_cast<long long>(shared->slots_missed.load()),
       static_cast<long long>(shared->inflight_refusals.load()),
+      static_cast<long long>(shared->quota_cancels.load()),
       static_cast<long long>(shared->honest_unavailable.load()),
-      static_cast<long long>(shared->hostile_drops.load()));
+      static_cast<long long>(shared->hostile_drops.load()),
+      static_cast<long long>(shared->migrations_after_error.load()));
   PrintReport(all, seconds, stdout);
   std::printf("\nRSS bound per node: memory %s + snapshot %s + in-flight %s + overhead %s = %s\n",
               MiB(o.memory_budget).c_str(), MiB(o.snapshot_budget).c_str(),
