@@ -413,7 +413,10 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
     const uint64_t bound = rss_before + kInflight + kOverhead + kSanitizerSlack;
     EXPECT_LE(peak, bound) << "RSS before " << rss_before << ", peak " << peak << ", while idle "
                            << rss_idle;
-    EXPECT_GE(rss_idle, rss_before + 2 * (kStreamBytes - kMiB) - 8 * kMiB)
+    // Resident while they wait: more than one stream's 63 MiB. Not the full 126 MiB: the
+    // streams may reuse heap that the 24 MiB Append above freed but that was still counted in
+    // rss_before (CI saw 105 MiB of growth on the simulated-CUDA node).
+    EXPECT_GE(rss_idle, rss_before + 2 * (kStreamBytes - kMiB) - 48 * kMiB)
         << "the two accepted streams' data should be resident while they wait";
   }
   std::printf(
