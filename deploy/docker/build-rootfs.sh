@@ -164,6 +164,7 @@ if [ ! -d "$base" ]; then
   rm -rf "$base.tmp"
   unshare --mount --propagation private -- debootstrap --variant=minbase --arch="$arch" --keyring="$keyring" "$suite" "$base.tmp" "$mirror" \
     >"$cache/debootstrap.log" 2>&1 || { tail -20 "$cache/debootstrap.log" >&2; die "debootstrap failed (log: $cache/debootstrap.log)"; }
+  rm -f "$base.tmp/var/cache/apt/archives/"*.deb
   mv "$base.tmp" "$base"
 fi
 
@@ -240,7 +241,10 @@ umoci init --layout "$oci"
 umoci new --image "$oci:$tag"
 # One layer holding the whole tree (umoci insert SOURCE at /), gzip-compressed.
 umoci insert --image "$oci:$tag" --history.created_by "deploy/docker/build-rootfs.sh" "$rootfs" /
+# The binaries come from a build folder, not from a commit this script knows: the labels say
+# which tree packed the image and which kvmesh-node it holds.
 revision=$(git -C "$root_dir" rev-parse --short HEAD 2>/dev/null || echo unknown)
+node_sha=$(sha256sum "$rootfs/usr/local/bin/kvmesh-node" | cut -c1-16)
 umoci config --image "$oci:$tag" --os linux --architecture "$arch" \
   --config.user "$uid:$uid" \
   --config.entrypoint /usr/local/bin/kvmesh-node \
@@ -248,7 +252,8 @@ umoci config --image "$oci:$tag" --os linux --architecture "$arch" \
   --config.env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   --config.exposedports 7700/tcp --config.exposedports 7701/tcp --config.exposedports 7702/tcp \
   --config.label org.opencontainers.image.title=kvmesh-node \
-  --config.label "org.opencontainers.image.revision=$revision" \
+  --config.label "io.kvmesh.packed-by=deploy/docker/build-rootfs.sh at $revision" \
+  --config.label "io.kvmesh.kvmesh-node.sha256=$node_sha" \
   --config.label org.opencontainers.image.base.name=debian:bookworm-minbase \
   --history.created_by "umoci config (entrypoint, user $uid, ports 7700 7701 7702)"
 umoci gc --layout "$oci"
