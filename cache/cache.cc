@@ -120,6 +120,11 @@ absl::Status Cache::FailLocked(absl::Status status) {
   return status;
 }
 
+bool Cache::IsLive(int64_t seq) const {
+  ReaderMutexLock lock(&mu_);
+  return IsLiveLocked(seq);
+}
+
 bool Cache::IsLiveLocked(int64_t seq) const {
   for (const auto& group : groups_) {
     if (group->Has(seq)) return true;

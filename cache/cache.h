@@ -235,6 +235,8 @@ class Cache {
 
   // Live sequences in ascending id order.
   std::vector<SequenceInfo> ListSequences() const;
+  // Whether `seq` stores anything (positions, a state or pending tokens) in any group.
+  bool IsLive(int64_t seq) const;
 
   CacheUsage Usage() const;
 

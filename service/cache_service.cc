@@ -569,7 +569,14 @@ absl::Status CacheServiceImpl::AppendGuarded(const std::string& tenant, Cache& c
   ASSIGN_OR_RETURN(const Reservations::Guard guard,
                    Guard(Reservations::Kind::kSequence, Reservations::Key(tenant, cache.spec().name),
                          seqs, what));
+  ASSIGN_OR_RETURN(const DrainGate::Ticket admitted, AdmitSequences(cache, seqs, what));
   return cache.Append(tokens, payload, speculative);
+}
+
+absl::StatusOr<DrainGate::Ticket> CacheServiceImpl::AdmitSequences(
+    const Cache& cache, absl::Span<const int64_t> seqs, const char* what) const {
+  if (options_.gate == nullptr) return DrainGate::Ticket();
+  return options_.gate->AdmitSequences(cache, seqs, what);
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::RunCluster(grpc::CallbackServerContext* context,
@@ -615,6 +622,12 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CreateCache(grpc::CallbackServerCont
     ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     if (!request->has_spec()) return absl::InvalidArgumentError("spec is missing");
     ASSIGN_OR_RETURN(const CacheSpec spec, SpecFromProto(request->spec()));
+    // A draining node creates no cache; asking for one it has stays idempotent.
+    DrainGate::Ticket admitted;
+    if (options_.gate != nullptr && !registry_->Get(caller.tenant, spec.name).ok()) {
+      ASSIGN_OR_RETURN(admitted,
+                       options_.gate->Admit(absl::StrCat("new cache '", spec.name, "'")));
+    }
     const TenantQuota quota =
         options_.auth != nullptr ? options_.auth->Quota(caller.tenant) : TenantQuota();
     ASSIGN_OR_RETURN(const CacheRegistry::CreateResult result,
@@ -760,6 +773,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerConte
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
                      GuardSequence(Reservations::Key(caller.tenant, request->cache()),
                                    request->dst_seq(), "CopyPrefix"));
+    const int64_t dst[] = {request->dst_seq()};
+    ASSIGN_OR_RETURN(const DrainGate::Ticket admitted, AdmitSequences(cache, dst, "CopyPrefix"));
     return cache.CopyPrefix(request->src_seq(), request->dst_seq(), request->length());
   });
 }
@@ -846,6 +861,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Restore(grpc::CallbackServerContext*
         request->has_snapshot_id() ? std::optional<uint64_t>(request->snapshot_id()) : std::nullopt;
     ASSIGN_OR_RETURN(const Reservations::Guard guard,
                      GuardSequence(Reservations::Key(caller.tenant, request->cache()), request->seq(), "Restore"));
+    const int64_t seq[] = {request->seq()};
+    ASSIGN_OR_RETURN(const DrainGate::Ticket admitted, AdmitSequences(cache, seq, "Restore"));
     return cache.Restore(request->seq(), snapshot_id, request->target());
   });
 }
@@ -978,6 +995,36 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListMembers(grpc::CallbackServerCont
         member.clear_detail();
       }
     }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Drain(grpc::CallbackServerContext* context,
+                                                  const v1::DrainRequest* request,
+                                                  v1::DrainResponse* response) {
+  return RunCluster(context, [this, context, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
+    if (!caller.admin()) {
+      return absl::PermissionDeniedError(
+          "Drain moves every tenant's data: only an admin token may call it");
+    }
+    if (options_.drainer == nullptr) {
+      return absl::FailedPreconditionError("this node cannot drain (it has no drainer)");
+    }
+    if (request->timeout_ms() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("timeout_ms = ", request->timeout_ms(), " is negative"));
+    }
+    if (request->resume()) {
+      *response = options_.drainer->Resume();
+      return absl::OkStatus();
+    }
+    // --drain-timeout-ms=0 turns the drain on SIGTERM off, not the RPC's default.
+    const absl::Duration timeout =
+        request->timeout_ms() > 0 ? absl::Milliseconds(request->timeout_ms())
+        : options_.drain_timeout > absl::ZeroDuration() ? options_.drain_timeout
+                                                        : kDefaultDrainTimeout;
+    *response = options_.drainer->Drain(std::min(ContextDeadline(*context), absl::Now() + timeout));
     return absl::OkStatus();
   });
 }

@@ -45,6 +45,8 @@
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
 #include "service/auth.h"
+#include "service/cluster/drain.h"
+#include "service/cluster/drain_gate.h"
 #include "service/cluster/reservations.h"
 #include "service/executor.h"
 #include "service/idle_reaper.h"
@@ -69,6 +71,9 @@ inline constexpr uint64_t kVisibleBytesPerPosition = 13;
 // response's Visibility message with their allocations.
 inline constexpr uint64_t kVisibleBytesPerQuery = 128;
 
+// The Drain RPC's timeout when neither the request nor Options::drain_timeout gives one.
+inline constexpr absl::Duration kDefaultDrainTimeout = absl::Seconds(60);
+
 class CacheServiceImpl final : public v1::CacheService::CallbackService {
  public:
   struct Options {
@@ -89,6 +94,12 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
     absl::Duration stream_idle_timeout = absl::Seconds(30);
     // Most positions one Visible call may list in all (RESOURCE_EXHAUSTED beyond).
     int64_t max_visible_positions = kDefaultMaxVisiblePositions;
+    // Whether the node takes new caches and sequences (not owned; null: always), and what
+    // empties it for the Drain RPC (not owned; null: Drain is FAILED_PRECONDITION), which runs
+    // for drain_timeout when the request names no timeout.
+    DrainGate* gate = nullptr;
+    Drainer* drainer = nullptr;
+    absl::Duration drain_timeout = absl::Seconds(60);
   };
 
   // `registry` and `executor` are not owned and must outlive the service.
@@ -161,6 +172,9 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
   grpc::ServerUnaryReactor* ListMembers(grpc::CallbackServerContext* context,
                                         const v1::ListMembersRequest* request,
                                         v1::ListMembersResponse* response) override;
+  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* context,
+                                  const v1::DrainRequest* request,
+                                  v1::DrainResponse* response) override;
 
  private:
   class AppendStreamReactor;
@@ -189,6 +203,12 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
       }
     });
   }
+
+  // A DrainGate ticket for an operation that writes `seqs` (an empty one without a gate, or
+  // when every one of them stores something already).
+  absl::StatusOr<DrainGate::Ticket> AdmitSequences(const Cache& cache,
+                                                   absl::Span<const int64_t> seqs,
+                                                   const char* what) const;
 
   // Append with the operation guard of its sequences (in `tenant`'s cache).
   absl::Status AppendGuarded(const std::string& tenant, Cache& cache,

@@ -1,15 +1,20 @@
 // kvmesh-node: one node of kvmesh. Serves kvmesh.v1.CacheService, grpc.health.v1.Health and
-// server reflection on --listen until SIGTERM or SIGINT, then shuts down cleanly: the health
-// status turns NOT_SERVING, in-flight calls get a grace period, and the executor drains.
+// server reflection on --listen (PeerService on --peer-listen, health alone on --health-listen)
+// until SIGTERM or SIGINT. Then it drains (docs/api.md#drain: readiness NOT_SERVING, no new
+// caches or sequences, its sequences and snapshots moved to peers, for up to
+// --drain-timeout-ms), and shuts down cleanly: the health status turns NOT_SERVING, in-flight
+// calls get a grace period, and the executors drain.
 //
 // Once it listens it prints exactly one line to stdout, which scripts and tests parse:
 //   kvmesh-node <name> listening on <host>:<port> backend=<host|cuda> peers=<number of peers>
+//   [peer-plane=<host>:<port>] [health=<host>:<port>]
 #include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -33,6 +38,7 @@
 #include "cache/cache_registry.h"
 #include "cache/device/cuda_device.h"
 #include "cache/device/host_device.h"
+#include "cache/mutex.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -41,6 +47,8 @@
 #include "service/auth.h"
 #include "service/cache_service.h"
 #include "service/cluster/cluster.h"
+#include "service/cluster/drain.h"
+#include "service/cluster/drain_gate.h"
 #include "service/cluster/leases.h"
 #include "service/cluster/membership.h"
 #include "service/cluster/reservations.h"
@@ -64,6 +72,16 @@ ABSL_FLAG(std::string, peer_listen, "",
           "grpc.health.v1.Health), host:port, port 0 picks one; meant for a private network. "
           "Empty: PeerService is served on --listen in development mode (plaintext, no "
           "--token-file, loopback --listen) and nowhere otherwise (docs/security.md)");
+ABSL_FLAG(std::string, health_listen, "",
+          "address of a plaintext server of grpc.health.v1.Health alone, host:port (port 0 "
+          "picks one), for probes that cannot speak TLS (Kubernetes' gRPC probes): service '' is "
+          "SERVING from start-up until shutdown (liveness), 'kvmesh.v1.CacheService' while the "
+          "node takes work, NOT_SERVING while it drains or shuts down (readiness). Empty: none");
+ABSL_FLAG(int64_t, drain_timeout_ms, 60000,
+          "on SIGTERM the node drains first (docs/api.md#drain): it takes no new caches or "
+          "sequences and moves its sequences and snapshots to peers for up to this long, then "
+          "shuts down (5 s more for calls in flight); also the Drain RPC's default timeout. "
+          "0: SIGTERM shuts down at once");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate (chain) of this node: TLS on --listen and mTLS on the peer plane; "
           "re-read when the file changes (docs/security.md)");
@@ -204,6 +222,15 @@ int Run() {
   std::string host;
   if (!SplitHostPort(listen, &host)) {
     return Fail(absl::StrCat("--listen=", listen, " is not host:port"));
+  }
+  const std::string health_listen = absl::GetFlag(FLAGS_health_listen);
+  std::string health_host;
+  if (!health_listen.empty() && !SplitHostPort(health_listen, &health_host)) {
+    return Fail(absl::StrCat("--health_listen=", health_listen, " is not host:port"));
+  }
+  const int64_t drain_timeout_ms = absl::GetFlag(FLAGS_drain_timeout_ms);
+  if (drain_timeout_ms < 0) {
+    return Fail(absl::StrCat("--drain_timeout_ms=", drain_timeout_ms, " is negative (0: none)"));
   }
   const std::string peer_listen = absl::GetFlag(FLAGS_peer_listen);
   std::string peer_host;
@@ -483,7 +510,21 @@ int Run() {
   cluster_options.max_lease_time = absl::Milliseconds(max_lease_ms);
   cluster_options.transfer_timeout = absl::Milliseconds(transfer_timeout_ms);
   cluster_options.transport = transport_flag;
+  // Whether the node takes new caches and sequences; readiness follows it (the listener is set
+  // once the servers run).
+  DrainGate gate(name);
+  cluster_options.gate = &gate;
+  const Authenticator* const authenticator = auth->get();
+  cluster_options.quota = [authenticator](const std::string& tenant) {
+    return authenticator->Quota(tenant);
+  };
   Cluster cluster(cluster_options, &registry, members, &leases, &reservations, cluster_transports);
+  Drainer::Options drainer_options;
+  drainer_options.self_name = name;
+  drainer_options.log = [name](const std::string& line) {
+    std::fprintf(stderr, "kvmesh-node %s: %s\n", name.c_str(), line.c_str());
+  };
+  Drainer drainer(drainer_options, &registry, members, &cluster, &gate);
   Executor cluster_executor(cluster_threads, static_cast<size_t>(queue));
   // The grpc-stream sender's reads of chunks that must be copied: a payload without a host view
   // (a CUDA export: each chunk is a Gather through pinned staging that waits for the device) is
@@ -509,6 +550,9 @@ int Run() {
                                     : absl::Milliseconds(stream_idle_timeout_ms);
   options.max_visible_positions = max_visible_positions;
   options.auth = auth->get();
+  options.gate = &gate;
+  options.drainer = &drainer;
+  options.drain_timeout = absl::Milliseconds(drain_timeout_ms);
   CacheServiceImpl service(&registry, &executor, options);
   PeerServiceImpl::Options peer_options;
   peer_options.name = name;
@@ -580,8 +624,35 @@ int Run() {
                  "node can copy from it or move data to it\n",
                  name.c_str());
   }
+  // The probes' server: health alone, plaintext (kubelet's gRPC probes have no TLS).
+  std::unique_ptr<grpc::Server> health_server;
+  int health_port = 0;
+  if (!health_listen.empty()) {
+    grpc::ServerBuilder health_builder;
+    health_builder.AddListeningPort(health_listen, grpc::InsecureServerCredentials(),
+                                    &health_port);
+    health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr || health_port == 0) {
+      if (peer_server != nullptr) peer_server->Shutdown();
+      server->Shutdown();
+      return fail_to_listen("health_listen", health_listen);
+    }
+  }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  health->SetServingStatus(v1::CacheService::service_full_name(), true);
+  grpc::HealthCheckServiceInterface* probe_health =
+      health_server != nullptr ? health_server->GetHealthCheckService() : nullptr;
+  // Readiness: CacheService is SERVING while the node takes work.
+  Mutex readiness_mu;
+  auto set_ready = [&](bool ready) {
+    MutexLock lock(&readiness_mu);
+    health->SetServingStatus(v1::CacheService::service_full_name(), ready);
+    if (probe_health != nullptr) {
+      probe_health->SetServingStatus(v1::CacheService::service_full_name(), ready);
+    }
+  };
+  set_ready(!gate.draining());
+  gate.set_listener([&](bool draining) { set_ready(!draining); });
   if (peer_plane_on_client_port) {
     health->SetServingStatus(v1::PeerService::service_full_name(), true);
   }
@@ -603,16 +674,45 @@ int Run() {
   }
   const std::string peer_plane =
       peer_server != nullptr ? absl::StrCat(" peer-plane=", peer_host, ":", peer_port) : "";
-  std::printf("kvmesh-node %s listening on %s:%d backend=%s peers=%zu%s\n", name.c_str(),
-              host.c_str(), port, backend.c_str(), members->Peers().size(), peer_plane.c_str());
+  const std::string health_plane =
+      health_server != nullptr ? absl::StrCat(" health=", health_host, ":", health_port) : "";
+  std::printf("kvmesh-node %s listening on %s:%d backend=%s peers=%zu%s%s\n", name.c_str(),
+              host.c_str(), port, backend.c_str(), members->Peers().size(), peer_plane.c_str(),
+              health_plane.c_str());
   std::fflush(stdout);
 
   int signal = 0;
   if (const int err = sigwait(&signals, &signal); err != 0) {
     return Fail(absl::StrCat("sigwait: ", std::strerror(err)));
   }
+  if (drain_timeout_ms > 0) {
+    // A pod being deleted: hand everything to the peers first. Termination signals that come
+    // meanwhile (a second SIGTERM, Ctrl-C twice) do not cut the drain short; SIGKILL does.
+    std::fprintf(stderr, "kvmesh-node %s: %s, draining for up to %lld ms before shutting down\n",
+                 name.c_str(), strsignal(signal), static_cast<long long>(drain_timeout_ms));
+    std::atomic<bool> drained{false};
+    std::thread repeat_signals([&] {
+      const timespec poll = {0, 100 * 1000 * 1000};
+      while (!drained.load()) {
+        const int again = sigtimedwait(&signals, nullptr, &poll);
+        if (again > 0) {
+          std::fprintf(stderr,
+                       "kvmesh-node %s: %s while draining: the drain goes on (SIGKILL stops the "
+                       "node at once, losing what it still holds)\n",
+                       name.c_str(), strsignal(again));
+        }
+      }
+    });
+    (void)drainer.Drain(absl::Now() + absl::Milliseconds(drain_timeout_ms));
+    drained.store(true);
+    repeat_signals.join();
+  }
   std::fprintf(stderr, "kvmesh-node %s: %s, shutting down\n", name.c_str(), strsignal(signal));
-  health->SetServingStatus(false);
+  {
+    MutexLock lock(&readiness_mu);
+    health->SetServingStatus(false);
+    if (probe_health != nullptr) probe_health->SetServingStatus(false);
+  }
   if (peer_health != nullptr) peer_health->SetServingStatus(false);
   // Calls still running get the grace period, then are cancelled. The executors keep running
   // meanwhile: queued tasks are what finish those calls (a Fetch stream whose chunk read is
@@ -620,15 +720,19 @@ int Run() {
   const absl::Time grace_end = absl::Now() + kShutdownGrace;
   if (peer_server != nullptr) peer_server->Shutdown(absl::ToChronoTime(grace_end));
   server->Shutdown(absl::ToChronoTime(grace_end));
+  if (health_server != nullptr) health_server->Shutdown(absl::ToChronoTime(grace_end));
   cluster_executor.Shutdown();
   executor.Shutdown();
   transfer_reads.Shutdown();
   server->Wait();
   if (peer_server != nullptr) peer_server->Wait();
+  if (health_server != nullptr) health_server->Wait();
   // gRPC may still hold slices of grpc-stream chunks that point into exports; they must be gone
   // before the caches and the device that their memory comes from.
+  gate.set_listener(nullptr);
   server.reset();
   peer_server.reset();
+  health_server.reset();
   if (!transport::AwaitPayloadSlicesReleased(absl::Now() + kShutdownGrace)) {
     std::fprintf(stderr,
                  "kvmesh-node %s: gRPC still holds %lld chunk slices of exports; exiting without "

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cache/status_macros.h"
 #include "service/cluster/membership.h"
 #include "service/common/convert.h"
 #include "service/common/tls.h"
@@ -288,6 +289,22 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Remove(grpc::CallbackServerContext* c
   }
   return RunOn(engine_executor_, context,
                [this, request]() -> absl::Status { return cluster_->RemoveLocal(*request); });
+}
+
+grpc::ServerUnaryReactor* PeerServiceImpl::Place(grpc::CallbackServerContext* context,
+                                                 const v1::PlaceRequest* request,
+                                                 v1::PlaceResponse* response) {
+  absl::StatusOr<Caller> caller = Identify(*context);
+  if (!caller.ok()) return Refuse(context, caller.status());
+  if (absl::Status s = CheckNames({{"spec.name", request->spec().name()},
+                                   {"tenant", request->tenant()}});
+      !s.ok()) {
+    return Refuse(context, s);
+  }
+  return RunOn(engine_executor_, context, [this, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(*response, cluster_->Place(*request));
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace kvmesh

@@ -93,6 +93,9 @@ class PeerServiceImpl final
   grpc::ServerUnaryReactor* Remove(grpc::CallbackServerContext* context,
                                    const v1::PeerRemoveRequest* request,
                                    v1::PeerRemoveResponse* response) override;
+  grpc::ServerUnaryReactor* Place(grpc::CallbackServerContext* context,
+                                  const v1::PlaceRequest* request,
+                                  v1::PlaceResponse* response) override;
 
  private:
   // Who is calling (see the class comment).

@@ -276,6 +276,61 @@ absl::Status Cluster::RemoveLocal(const v1::PeerRemoveRequest& request) {
   return cache->Remove(remove.seq(), remove.begin(), end);
 }
 
+absl::StatusOr<v1::PlaceResponse> Cluster::Place(const v1::PlaceRequest& request) {
+  if (request.tenant().empty() || request.tenant().find('/') != std::string::npos) {
+    return absl::InvalidArgumentError("tenant is empty or malformed: name the cache's tenant");
+  }
+  if (!request.has_spec()) return absl::InvalidArgumentError("spec is missing");
+  ASSIGN_OR_RETURN(const CacheSpec spec, SpecFromProto(request.spec()));
+  v1::PlaceResponse response;
+  if (options_.gate != nullptr && options_.gate->draining()) {
+    response.set_draining(true);
+    return response;
+  }
+  absl::StatusOr<std::shared_ptr<Cache>> cache = registry_->Get(request.tenant(), spec.name);
+  if (!cache.ok() && cache.status().code() != absl::StatusCode::kNotFound) return cache.status();
+  if (!cache.ok() && request.create()) {
+    DrainGate::Ticket admitted;
+    if (options_.gate != nullptr) {
+      ASSIGN_OR_RETURN(admitted,
+                       options_.gate->Admit(absl::StrCat("new cache '", spec.name, "'")));
+    }
+    const TenantQuota quota = options_.quota ? options_.quota(request.tenant()) : TenantQuota();
+    ASSIGN_OR_RETURN(const CacheRegistry::CreateResult created,
+                     registry_->Create(request.tenant(), spec, quota));
+    response.set_created(created.created);
+    cache = created.cache;
+  }
+  if (!cache.ok()) return response;  // neither here nor created
+  if (!(spec == (*cache)->spec())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cache '", spec.name, "' has another spec on node '", options_.self_name,
+                     "': ", DescribeSpecDifference((*cache)->spec(), spec)));
+  }
+  response.set_exists(true);
+  int64_t free_cells = -1;
+  for (const GroupUsage& group : (*cache)->Usage().groups) {
+    const int64_t free = group.cells_total - group.cells_used;
+    if (free_cells < 0 || free < free_cells) free_cells = free;
+  }
+  response.set_free_cells(std::max<int64_t>(free_cells, 0));
+  for (const SequenceInfo& s : (*cache)->ListSequences()) response.add_seqs(s.seq);
+  return response;
+}
+
+absl::StatusOr<v1::PlaceResponse> Cluster::AskToPlace(const MemberAddress& target,
+                                                      const v1::PlaceRequest& request,
+                                                      absl::Time deadline) {
+  std::unique_ptr<v1::PeerService::Stub> stub =
+      v1::PeerService::NewStub(membership_->Channel(target));
+  grpc::ClientContext context;
+  SetDeadline(&context, std::min(deadline, absl::Now() + options_.control_timeout));
+  v1::PlaceResponse response;
+  const grpc::Status status = stub->Place(&context, request, &response);
+  if (!status.ok()) return PeerError(status, target.name, "Place");
+  return response;
+}
+
 // ---- receiver side -------------------------------------------------------------------------
 
 absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
@@ -355,12 +410,15 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
 
 absl::Status Cluster::CommitSequence(const std::string& tenant,
                                      const std::shared_ptr<Cache>& cache, const Pulled& pulled,
-                                     int64_t dst_seq, int32_t length, const char* what) {
+                                     int64_t dst_seq, int32_t length, bool must_be_unused,
+                                     const char* what) {
   const int64_t dst[] = {dst_seq};
   ASSIGN_OR_RETURN(Reservations::Guard guard,
                    reservations_->BeginOperation(Reservations::Kind::kSequence,
                                                  Reservations::Key(tenant, cache->spec().name),
                                                  dst, what));
+  // Checked again under the guard: the sequence may have started while the payload moved.
+  if (must_be_unused) RETURN_IF_ERROR(CheckUnused(*cache, dst_seq));
   if (pulled.empty) return cache->Remove(dst_seq, 0, std::nullopt);
   const int32_t target = length > 0 ? std::min(length, pulled.snapshot.to) : pulled.snapshot.to;
   const absl::Status restored = cache->Restore(dst_seq, pulled.snapshot.id, target);
@@ -377,6 +435,12 @@ absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const std::string& ten
         absl::StrCat("src_seq = ", request.src_seq(), ", dst_seq = ", request.dst_seq(),
                      ", length = ", request.length(), ": none may be negative"));
   }
+  // A new dst_seq is a new sequence here, which a draining node does not take.
+  DrainGate::Ticket admitted;
+  if (options_.gate != nullptr) {
+    const int64_t dst[] = {request.dst_seq()};
+    ASSIGN_OR_RETURN(admitted, options_.gate->AdmitSequences(*cache, dst, "CopyPrefix"));
+  }
   v1::ExportRequest what;
   what.mutable_sequence()->set_seq(request.src_seq());
   what.mutable_sequence()->set_length(request.length());
@@ -388,13 +452,28 @@ absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const std::string& ten
   } else {
     ASSIGN_OR_RETURN(pulled, PullInto(tenant, cache, request.source_node(), what, deadline));
   }
-  RETURN_IF_ERROR(
-      CommitSequence(tenant, cache, pulled, request.dst_seq(), request.length(), "CopyPrefix"));
+  RETURN_IF_ERROR(CommitSequence(tenant, cache, pulled, request.dst_seq(), request.length(),
+                                 /*must_be_unused=*/false, "CopyPrefix"));
   return pulled.stats;
+}
+
+absl::Status Cluster::CheckUnused(const Cache& cache, int64_t seq) const {
+  if (!cache.IsLive(seq)) return absl::OkStatus();
+  return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " of cache '", cache.spec().name,
+                                               "' already stores data on node '",
+                                               options_.self_name, "'"));
 }
 
 absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
                                                absl::Time deadline) {
+  // A draining node takes no data; the ticket makes a drain that starts meanwhile wait for
+  // this pull, and then move what it brought.
+  DrainGate::Ticket admitted;
+  if (options_.gate != nullptr) {
+    ASSIGN_OR_RETURN(admitted, options_.gate->Admit(absl::StrCat(
+                                   "migrated data (a Pull from node '",
+                                   request.source_node().substr(0, 64), "')")));
+  }
   ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.tenant(), request.cache()));
   v1::ExportRequest what;
   v1::PullResponse response;
@@ -409,11 +488,13 @@ absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
       return absl::InvalidArgumentError(
           "sequence.migration_id is empty: a Pull of a sequence belongs to a migration");
     }
+    if (request.target_seq_unused()) RETURN_IF_ERROR(CheckUnused(*cache, request.target_seq()));
     *what.mutable_sequence() = request.sequence();
     ASSIGN_OR_RETURN(const Pulled pulled,
                      PullInto(request.tenant(), cache, request.source_node(), what, deadline));
     RETURN_IF_ERROR(CommitSequence(request.tenant(), cache, pulled, request.target_seq(),
-                                   request.sequence().length(), "Migrate"));
+                                   request.sequence().length(), request.target_seq_unused(),
+                                   "Migrate"));
     *response.mutable_transfer() = pulled.stats;
   } else if (request.what_case() == v1::PullRequest::kSnapshotId) {
     what.set_snapshot_id(request.snapshot_id());
@@ -432,7 +513,7 @@ absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
 
 absl::StatusOr<v1::MigrateResponse> Cluster::Migrate(const std::string& tenant,
                                                      const v1::MigrateRequest& request,
-                                                     absl::Time deadline) {
+                                                     absl::Time deadline, bool target_seq_unused) {
   ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(tenant, request.cache()));
   if (request.seq() < 0 || request.target_seq() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("seq = ", request.seq(),
@@ -460,6 +541,7 @@ absl::StatusOr<v1::MigrateResponse> Cluster::Migrate(const std::string& tenant,
                                                          "/", request.seq(), "@",
                                                          absl::ToUnixNanos(absl::Now())));
   pull.set_target_seq(request.target_seq());
+  pull.set_target_seq_unused(target_seq_unused);
   ASSIGN_OR_RETURN(const v1::PullResponse pulled, AskToPull(target, pull, deadline));
   // The target has committed: the sequence now lives there.
   if (!request.keep_source()) RETURN_IF_ERROR(cache->Remove(request.seq(), 0, std::nullopt));

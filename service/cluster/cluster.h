@@ -16,6 +16,7 @@
 #ifndef KVMESH_SERVICE_CLUSTER_CLUSTER_H_
 #define KVMESH_SERVICE_CLUSTER_CLUSTER_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -26,6 +27,7 @@
 #include "cache/cache_registry.h"
 #include "kvmesh/v1/kvmesh.pb.h"
 #include "kvmesh/v1/peer.pb.h"
+#include "service/cluster/drain_gate.h"
 #include "service/cluster/leases.h"
 #include "service/cluster/membership.h"
 #include "service/cluster/reservations.h"
@@ -49,6 +51,11 @@ class Cluster {
     absl::Duration control_timeout = absl::Seconds(10);
     // "auto", "grpc-stream" or "nccl".
     std::string transport = "auto";
+    // Whether this node takes new caches and sequences (not owned; null: always). A draining
+    // node refuses Pull and Place(create), and CopyPrefix from a peer into a new sequence.
+    DrainGate* gate = nullptr;
+    // A tenant's quota, for Place(create) (null: unlimited).
+    std::function<TenantQuota(const std::string& tenant)> quota;
   };
 
   // `transports` maps transport names (transport::kGrpcStream, transport::kNccl) to the
@@ -73,9 +80,11 @@ class Cluster {
   absl::StatusOr<v1::TransferStats> CopyPrefixFrom(const std::string& tenant,
                                                    const v1::CopyPrefixRequest& request,
                                                    absl::Time deadline);
+  // With target_seq_unused (a drain), the target refuses to replace a sequence that stores
+  // something there (ALREADY_EXISTS).
   absl::StatusOr<v1::MigrateResponse> Migrate(const std::string& tenant,
                                               const v1::MigrateRequest& request,
-                                              absl::Time deadline);
+                                              absl::Time deadline, bool target_seq_unused = false);
   absl::StatusOr<v1::MigrateSnapshotResponse> MigrateSnapshot(
       const std::string& tenant, const v1::MigrateSnapshotRequest& request, absl::Time deadline);
   // Remove with REMOVE_SCOPE_CLUSTER: every member, this one first. `local` runs the Remove
@@ -84,6 +93,11 @@ class Cluster {
                                                       const v1::RemoveRequest& request,
                                                       absl::Time deadline,
                                                       const std::function<absl::Status()>& local);
+
+  // PeerService/Place on `target`: whether it can take `request.spec`'s cache (a drain).
+  absl::StatusOr<v1::PlaceResponse> AskToPlace(const MemberAddress& target,
+                                               const v1::PlaceRequest& request,
+                                               absl::Time deadline);
 
   // ListMembers: this node and its peers, each peer checked now.
   v1::ListMembersResponse DescribeMembers() const;
@@ -98,6 +112,10 @@ class Cluster {
   absl::StatusOr<v1::PullResponse> Pull(const v1::PullRequest& request, absl::Time deadline);
   // The local part of another node's cluster-wide Remove.
   absl::Status RemoveLocal(const v1::PeerRemoveRequest& request);
+  // Room here for a draining peer's cache; with request.create, creates it from the spec
+  // (within the tenant's quota and the memory budget). FAILED_PRECONDITION when a cache of that
+  // name exists with another spec; UNAVAILABLE for create while this node drains itself.
+  absl::StatusOr<v1::PlaceResponse> Place(const v1::PlaceRequest& request);
 
  private:
   struct Pulled {
@@ -112,9 +130,12 @@ class Cluster {
                                   const std::string& source, const v1::ExportRequest& what,
                                   absl::Time deadline);
   // Restores a pulled sequence into dst_seq (or empties it), then drops the pulled snapshot.
+  // With must_be_unused, ALREADY_EXISTS when dst_seq stores something.
   absl::Status CommitSequence(const std::string& tenant, const std::shared_ptr<Cache>& cache,
                               const Pulled& pulled, int64_t dst_seq, int32_t length,
-                              const char* what);
+                              bool must_be_unused, const char* what);
+  // ALREADY_EXISTS when `seq` stores something in `cache`.
+  absl::Status CheckUnused(const Cache& cache, int64_t seq) const;
   // The transport to pull from `source` with.
   // PeerService/Pull on `target` (Migrate, MigrateSnapshot): the target pulls from this node.
   absl::StatusOr<v1::PullResponse> AskToPull(const MemberAddress& target,

@@ -1,11 +1,13 @@
 // kvmeshctl's commands on the node itself and its cluster: health (grpc.health.v1), and the
-// cluster operations the node at --addr runs: list-members, migrate, migrate-snapshot.
+// cluster operations the node at --addr runs: list-members, migrate, migrate-snapshot, drain.
+#include <chrono>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "cache/status_macros.h"
 #include "kvmesh/v1/kvmesh.pb.h"
@@ -90,7 +92,57 @@ absl::Status MigrateSnapshot(const Client& client, const Args& args) {
   return absl::OkStatus();
 }
 
+absl::Status Drain(const Client& client, const Args& args) {
+  v1::DrainRequest request;
+  ASSIGN_OR_RETURN(int64_t timeout_ms, args.GetInt("timeout-ms", 0));
+  ASSIGN_OR_RETURN(bool resume, args.GetBool("resume"));
+  request.set_timeout_ms(timeout_ms);
+  request.set_resume(resume);
+  // The call lasts as long as the drain: its deadline is the drain's timeout and a margin,
+  // unless --timeout is longer.
+  std::unique_ptr<grpc::ClientContext> context = client.Context();
+  if (timeout_ms > 0) {
+    const auto at_least =
+        std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms + 30000);
+    if (context->deadline() < at_least) context->set_deadline(at_least);
+  }
+  v1::DrainResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(client.stub().Drain(context.get(), request, &response)));
+  if (client.json()) return PrintJson(response);
+  if (resume) {
+    std::printf("resumed: the node takes new caches and sequences again\n");
+    return absl::OkStatus();
+  }
+  for (const v1::DrainedSequence& s : response.sequences()) {
+    std::printf("moved   %s/%s seq %" PRId64 " -> %s seq %" PRId64 "  (%s)\n", s.tenant().c_str(),
+                s.cache().c_str(), s.seq(), s.node().c_str(), s.target_seq(),
+                TransferLine(s.transfer()).c_str());
+  }
+  for (const v1::DrainedSnapshot& s : response.snapshots()) {
+    std::printf("moved   %s/%s snapshot %" PRIu64 " -> %s snapshot %" PRIu64 "  (%s)\n",
+                s.tenant().c_str(), s.cache().c_str(), s.snapshot_id(), s.node().c_str(),
+                s.target_snapshot_id(), TransferLine(s.transfer()).c_str());
+  }
+  for (const std::string& created : response.caches_created()) {
+    std::printf("created cache %s\n", created.c_str());
+  }
+  for (const v1::DrainStayed& s : response.stayed()) {
+    const std::string what = s.what_case() == v1::DrainStayed::kSnapshotId
+                                 ? absl::StrCat("snapshot ", s.snapshot_id())
+                                 : absl::StrCat("seq ", s.seq());
+    std::printf("stayed  %s/%s %s: %s\n", s.tenant().c_str(), s.cache().c_str(), what.c_str(),
+                s.reason().c_str());
+  }
+  std::printf("drained in %.3f s: %d sequences and %d snapshots moved, %d stayed; %s\n",
+              static_cast<double>(response.micros()) / 1e6, response.sequences_size(),
+              response.snapshots_size(), response.stayed_size(),
+              response.draining() ? "the node stays draining (drain --resume ends it)"
+                                  : "the node is not draining");
+  return absl::OkStatus();
+}
+
 constexpr absl::string_view kHealthFlags[] = {"service"};
+constexpr absl::string_view kDrainFlags[] = {"timeout-ms", "resume"};
 constexpr absl::string_view kMigrateFlags[] = {"cache",       "name",       "seq",
                                                "target-node", "target-seq", "keep-source"};
 constexpr absl::string_view kMigrateSnapshotFlags[] = {"cache", "name", "snapshot", "target-node",
@@ -117,6 +169,14 @@ const Command kMigrateCommand = {
                 move seq to NODE as --target-seq (replaced there); the source is removed once
                 the target has committed unless --keep-source; prints the transfer)",
     &Migrate};
+
+const Command kDrainCommand = {
+    "drain", kDrainFlags,
+    R"(  drain         [--timeout-ms=N (the node's --drain-timeout-ms)] [--resume]
+                admin: stop taking new caches and sequences (readiness NOT_SERVING) and move
+                every sequence and snapshot to peers; lists where each went and what stayed.
+                The node keeps running, draining, until --resume)",
+    &Drain};
 
 const Command kMigrateSnapshotCommand = {
     "migrate-snapshot", kMigrateSnapshotFlags,

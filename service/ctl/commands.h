@@ -60,6 +60,7 @@ extern const Command kHealthCommand;
 extern const Command kListMembersCommand;
 extern const Command kMigrateCommand;
 extern const Command kMigrateSnapshotCommand;
+extern const Command kDrainCommand;
 
 }  // namespace ctl
 }  // namespace kvmesh

@@ -34,7 +34,8 @@ constexpr char kDefaultAddr[] = "127.0.0.1:7700";
 constexpr absl::Duration kDefaultTimeout = absl::Seconds(30);
 
 constexpr absl::string_view kBoolFlags[] = {"json",       "stream",      "help",
-                                            "non-causal", "speculative", "keep-source"};
+                                            "non-causal", "speculative", "keep-source",
+                                            "resume"};
 constexpr absl::string_view kGlobalFlags[] = {"addr", "timeout", "json", "help"};
 
 // The commands in the order `kvmeshctl help` lists them: those of one cache or the node, then
@@ -65,6 +66,7 @@ const Command* const kClusterCommands[] = {
     &kListMembersCommand,
     &kMigrateCommand,
     &kMigrateSnapshotCommand,
+    &kDrainCommand,
 };
 
 constexpr absl::string_view kUsageLine =

@@ -635,3 +635,258 @@ TEST_F(ClusterFaultTest, AppendsDuringAMigrationAreAbortedNeverLost) {
 }  // namespace
 }  // namespace testutil
 }  // namespace kvmesh
+
+// ---- drain (docs/api.md#drain) -----------------------------------------------------------------
+
+namespace kvmesh {
+namespace testutil {
+namespace {
+
+grpc::Status DrainNode(Stub& stub, v1::DrainResponse* response, int64_t timeout_ms = 20000,
+                       bool resume = false) {
+  grpc::ClientContext context;
+  SetDeadline(&context, absl::Milliseconds(timeout_ms) + absl::Seconds(30));
+  v1::DrainRequest request;
+  request.set_timeout_ms(timeout_ms);
+  request.set_resume(resume);
+  return stub.Drain(&context, request, response);
+}
+
+int Readiness(const NodeProcess& node) {
+  int status = -1;
+  const grpc::Status rpc = HealthCheck(node.channel(), "kvmesh.v1.CacheService", &status);
+  return rpc.ok() ? status : -1;
+}
+constexpr int kServing = 1;
+constexpr int kNotServing = 2;
+
+// What a drained sequence's reads must equal, wherever it went.
+struct Held {
+  std::string cache;
+  int64_t seq;
+  ReadOutput read;
+};
+
+// HybridSpec without its sliding group, whose positions outside the window go as other
+// sequences append (engine semantics, docs/semantics.md), which would blur byte comparisons of
+// reads taken at different times.
+v1::CacheSpec DrainSpec() {
+  v1::CacheSpec spec = HybridSpec();
+  spec.mutable_groups()->DeleteSubrange(1, 1);
+  return spec;
+}
+
+class DrainTest : public ::testing::Test {
+ protected:
+  // a holds hybrid sequences 0..2 and a snapshot of seq 1, and big sequence 5; b has the hybrid
+  // cache with its own sequence 0 (so a's sequence 0 needs another id there); nobody else has
+  // the big cache, so the drain creates it on a peer.
+  void Fill() {
+    hybrid_ = DrainSpec();
+    big_ = BigSpec();
+    for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), hybrid_).ok());
+    ASSERT_TRUE(CreateCache(cluster_.stub(0), big_).ok());
+    ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(1), hybrid_, 0, 3, 99));
+    for (int64_t seq = 0; seq < 3; ++seq) {
+      ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), hybrid_, seq, 5 + seq, 10 + seq));
+    }
+    ASSERT_TRUE(Snapshot(cluster_.stub(0), "hybrid", 1, 0, &snapshot_).ok());
+    ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), big_, 5, 300, 55));
+    for (int64_t seq = 0; seq < 3; ++seq) {
+      held_.push_back({"hybrid", seq, ReadAll(cluster_.stub(0), "hybrid", seq)});
+    }
+    held_.push_back({"big", 5, ReadAll(cluster_.stub(0), "big", 5)});
+  }
+  // b's own sequence 0 is still its own (3 positions), not replaced by a drained one.
+  void ExpectBSequence0Kept() {
+    v1::ListSequencesResponse list;
+    ASSERT_TRUE(ListSequences(cluster_.stub(1), "hybrid", &list).ok());
+    bool kept = false;
+    for (const v1::SequenceInfo& s : list.sequences()) kept |= s.seq() == 0 && s.offset() == 3;
+    EXPECT_TRUE(kept) << list.DebugString();
+  }
+
+  Cluster cluster_;
+  v1::CacheSpec hybrid_;
+  v1::CacheSpec big_;
+  std::vector<Held> held_;
+  v1::SnapshotInfo snapshot_;
+};
+
+TEST_F(DrainTest, DrainRpcMovesEverySequenceAndSnapshotByteForByte) {
+  ASSERT_NO_FATAL_FAILURE(cluster_.Start({"node-a", "node-b", "node-c"}));
+  ASSERT_NO_FATAL_FAILURE(Fill());
+  EXPECT_EQ(Readiness(*cluster_[0].process), kServing);
+  ExpectBSequence0Kept();
+
+  v1::DrainResponse drained;
+  grpc::Status status = DrainNode(cluster_.stub(0), &drained);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  EXPECT_TRUE(drained.draining());
+  EXPECT_EQ(drained.stayed_size(), 0) << drained.DebugString();
+  ASSERT_EQ(drained.sequences_size(), 4) << drained.DebugString();
+  ASSERT_EQ(drained.snapshots_size(), 1) << drained.DebugString();
+
+  // Every sequence reads back the same where the response says it went; a's sequence 0 took
+  // another id on b, whose own sequence 0 is untouched.
+  std::map<std::string, size_t> node_index = {{"node-b", 1}, {"node-c", 2}};
+  for (const Held& held : held_) {
+    const v1::DrainedSequence* moved = nullptr;
+    for (const v1::DrainedSequence& s : drained.sequences()) {
+      if (s.cache() == held.cache && s.seq() == held.seq) moved = &s;
+    }
+    ASSERT_NE(moved, nullptr) << held.cache << " seq " << held.seq;
+    EXPECT_EQ(moved->tenant(), "default");
+    EXPECT_EQ(moved->transfer().transport(), ExpectedTransport());
+    ASSERT_EQ(node_index.count(moved->node()), 1u) << moved->DebugString();
+    if (held.cache == "hybrid") {
+      // The peer that has the cache is chosen over one that would need it created.
+      EXPECT_EQ(moved->node(), "node-b");
+      if (held.seq == 0) {
+        EXPECT_NE(moved->target_seq(), 0);
+      } else {
+        EXPECT_EQ(moved->target_seq(), held.seq);
+      }
+    }
+    ExpectSameRead(ReadAll(cluster_.stub(node_index[moved->node()]), held.cache,
+                           moved->target_seq()),
+                   held.read);
+  }
+  ExpectBSequence0Kept();
+  // The big cache was created from its spec on the peer it went to.
+  ASSERT_EQ(drained.caches_created_size(), 1);
+  EXPECT_THAT(drained.caches_created(0), HasSubstr("/default/big"));
+  // The snapshot restores the same bytes there.
+  const v1::DrainedSnapshot& moved_snapshot = drained.snapshots(0);
+  EXPECT_EQ(moved_snapshot.snapshot_id(), snapshot_.id());
+  ASSERT_EQ(moved_snapshot.node(), "node-b");
+  // (b holds 4 sequences, its max_sequences: restore over a's sequence 1, whose bytes these are.)
+  ASSERT_TRUE(Restore(cluster_.stub(1), "hybrid", 1, moved_snapshot.target_snapshot_id(), 6).ok());
+  ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", 1), held_[1].read);
+
+  // Nothing is left on a, which takes no new work and is not ready.
+  EXPECT_TRUE(LiveSeqs(cluster_.stub(0), "hybrid").empty());
+  EXPECT_TRUE(LiveSeqs(cluster_.stub(0), "big").empty());
+  v1::ListSnapshotsResponse left;
+  ASSERT_TRUE(ListSnapshots(cluster_.stub(0), "hybrid", &left).ok());
+  EXPECT_EQ(left.snapshots_size(), 0);
+  EXPECT_EQ(Readiness(*cluster_[0].process), kNotServing);
+  status = Append(cluster_.stub(0), MakeAppend(hybrid_, 7, {0}, 1));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << StatusText(status);
+  EXPECT_THAT(status.error_message(),
+              AllOf(HasSubstr("node 'node-a' is draining"), HasSubstr("sequence 7")));
+  v1::CacheSpec other = hybrid_;
+  other.set_name("other");
+  status = CreateCache(cluster_.stub(0), other);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("new cache 'other'"));
+  // Asking for a cache it has stays idempotent; a peer does not move data to a draining node.
+  EXPECT_TRUE(CreateCache(cluster_.stub(0), hybrid_).ok());
+  v1::MigrateResponse migrated;
+  status = MigrateSeq(cluster_.stub(1), "hybrid", 1, "node-a", 1, false, &migrated);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("is draining"));
+  ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", 1), held_[1].read);
+
+  // A second drain finds nothing to do; resume makes the node ready and open again.
+  ASSERT_TRUE(DrainNode(cluster_.stub(0), &drained).ok());
+  EXPECT_EQ(drained.sequences_size() + drained.snapshots_size() + drained.stayed_size(), 0);
+  ASSERT_TRUE(DrainNode(cluster_.stub(0), &drained, 0, /*resume=*/true).ok());
+  EXPECT_FALSE(drained.draining());
+  EXPECT_EQ(Readiness(*cluster_[0].process), kServing);
+  EXPECT_TRUE(CreateCache(cluster_.stub(0), other).ok());
+  EXPECT_TRUE(Append(cluster_.stub(0), MakeAppend(hybrid_, 7, {0}, 1)).ok());
+}
+
+TEST_F(DrainTest, DrainWithNoRoomReportsExactlyWhatStayedAndKeepsIt) {
+  // b cannot hold the big cache (its memory budget is too small to create it) and has no
+  // hybrid cache with a free cell: everything stays on a, intact, and the drain says why.
+  ASSERT_NO_FATAL_FAILURE(
+      cluster_.Start({"node-a", "node-b"}, {{}, {"--memory-budget=8MiB", "--snapshot-budget=8MiB"}}));
+  big_ = BigSpec();
+  ASSERT_TRUE(CreateCache(cluster_.stub(0), big_).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), big_, 2, 64, 3));
+  const ReadOutput before = ReadAll(cluster_.stub(0), "big", 2);
+  v1::SnapshotInfo snapshot;
+  ASSERT_TRUE(Snapshot(cluster_.stub(0), "big", 2, 0, &snapshot).ok());
+
+  const absl::Time start = absl::Now();
+  v1::DrainResponse drained;
+  const grpc::Status status = DrainNode(cluster_.stub(0), &drained, 20000);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  // Failures that cannot pass end the drain at once, not at its deadline.
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(drained.sequences_size(), 0);
+  EXPECT_EQ(drained.snapshots_size(), 0);
+  EXPECT_EQ(drained.caches_created_size(), 0);
+  ASSERT_EQ(drained.stayed_size(), 2) << drained.DebugString();
+  EXPECT_EQ(drained.stayed(0).cache(), "big");
+  EXPECT_EQ(drained.stayed(0).seq(), 2);
+  EXPECT_EQ(drained.stayed(1).snapshot_id(), snapshot.id());
+  for (const v1::DrainStayed& stayed : drained.stayed()) {
+    EXPECT_EQ(stayed.tenant(), "default");
+    EXPECT_THAT(stayed.reason(), AllOf(HasSubstr("RESOURCE_EXHAUSTED"), HasSubstr("node-b")))
+        << stayed.DebugString();
+  }
+  ExpectSameRead(ReadAll(cluster_.stub(0), "big", 2), before);
+  v1::ListSnapshotsResponse snapshots;
+  ASSERT_TRUE(ListSnapshots(cluster_.stub(0), "big", &snapshots).ok());
+  EXPECT_EQ(snapshots.snapshots_size(), 1);
+  v1::ListCachesResponse caches;
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  ASSERT_TRUE(cluster_.stub(1).ListCaches(&context, v1::ListCachesRequest(), &caches).ok());
+  EXPECT_EQ(caches.caches_size(), 0);
+}
+
+TEST_F(DrainTest, SigtermDrainsToThePeersAndASecondSigtermLosesNothing) {
+  // a sends slowly, so that the drain is still running when the second SIGTERM comes.
+  ASSERT_NO_FATAL_FAILURE(cluster_.Start({"node-a", "node-b", "node-c"},
+                                         {{"--testing-chunk-delay-ms=300",
+                                           "--drain-timeout-ms=30000"}}));
+  ASSERT_NO_FATAL_FAILURE(Fill());
+  NodeProcess& a = *cluster_[0].process;
+  ASSERT_EQ(kill(a.pid(), SIGTERM), 0);
+  EXPECT_TRUE(Eventually([&] { return Readiness(a) == kNotServing; }, absl::Seconds(5)))
+      << "readiness did not turn NOT_SERVING while the node drained";
+  // The second SIGTERM (Stop sends it) does not cut the drain short: the node exits cleanly
+  // once everything has moved.
+  cluster_[0].stub.reset();
+  a.ReleaseChannel();
+  const ExitStatus exit = a.Stop(absl::Seconds(60));
+  EXPECT_TRUE(exit.clean()) << exit.ToString() << "\n" << a.ReadStderr();
+  const std::string log = a.ReadStderr();
+  EXPECT_THAT(log, HasSubstr("while draining: the drain goes on"));
+  EXPECT_THAT(log, HasSubstr("4 sequences and 1 snapshots moved, 0 items stayed"));
+
+  // Every sequence is on a survivor, byte for byte; the scheduler finds them with
+  // ListSequences (the test knows its data, so it matches reads).
+  for (const Held& held : held_) {
+    bool found = false;
+    for (size_t node = 1; node < 3 && !found; ++node) {
+      v1::ListCachesResponse caches;
+      grpc::ClientContext context;
+      SetDeadline(&context);
+      ASSERT_TRUE(cluster_.stub(node).ListCaches(&context, v1::ListCachesRequest(), &caches).ok());
+      bool has_cache = false;
+      for (const v1::CacheInfo& c : caches.caches()) has_cache |= c.spec().name() == held.cache;
+      if (!has_cache) continue;
+      for (const int64_t seq : LiveSeqs(cluster_.stub(node), held.cache)) {
+        const ReadOutput read = ReadAll(cluster_.stub(node), held.cache, seq);
+        if (read.payload == held.read.payload &&
+            read.header.SerializeAsString() == held.read.header.SerializeAsString()) {
+          found = true;
+        }
+      }
+    }
+    EXPECT_TRUE(found) << held.cache << " seq " << held.seq << " is on no survivor";
+  }
+  v1::ListSnapshotsResponse snapshots;
+  ASSERT_TRUE(ListSnapshots(cluster_.stub(1), "hybrid", &snapshots).ok());
+  ASSERT_EQ(snapshots.snapshots_size(), 1);
+  EXPECT_EQ(snapshots.snapshots(0).to_offset(), 6);
+}
+
+}  // namespace
+}  // namespace testutil
+}  // namespace kvmesh

@@ -215,8 +215,12 @@ absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& o
   // The client's credentials first: a test's bad certificate path fails before a node starts.
   absl::StatusOr<ClientConnector> client = ClientConnector::Create(options.client);
   if (!client.ok()) return client.status();
+  // Stop() ends a test's node at once: a drain on SIGTERM (docs/api.md#drain) would move its
+  // data to the other nodes of a test's cluster, all of them stopping too. Tests of the drain
+  // give --drain-timeout-ms themselves, which overrides this (a later flag wins).
   std::vector<std::string> args = {absl::StrCat("--listen=127.0.0.1:", options.port),
-                                   absl::StrCat("--node-name=", options.node_name)};
+                                   absl::StrCat("--node-name=", options.node_name),
+                                   "--drain-timeout-ms=0"};
   args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
   // The backend of a whole test run (the _cuda runs of the integration tests in a
   // -DKVMESH_CUDA=SIM build), unless the test chose one itself.

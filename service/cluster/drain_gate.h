@@ -1,0 +1,87 @@
+// DrainGate: whether this node still takes new caches and new sequences (docs/api.md#drain).
+//
+// A draining node moves what it holds to its peers; it must not take new work meanwhile, or
+// what arrives after the drain has listed the node's contents would stay behind. Operations that
+// would create something (a cache, or a sequence that stores nothing yet) ask Admit first and
+// hold the ticket it returns until they are done; Close refuses new admissions from then on and
+// waits for the tickets already handed out, so that once it returns every new sequence is
+// visible to the drain. Operations on what already exists need no ticket: they go on until the
+// drain moves their sequence (and are then refused as under migration, or find nothing here).
+//
+// Thread safety: thread-safe. Tickets may be released on any thread; the gate must outlive them.
+#ifndef KVMESH_SERVICE_CLUSTER_DRAIN_GATE_H_
+#define KVMESH_SERVICE_CLUSTER_DRAIN_GATE_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "cache/cache.h"
+#include "cache/mutex.h"
+
+namespace kvmesh {
+
+class DrainGate {
+ public:
+  // Held by an admitted operation; releases on destruction. Movable; a default-constructed
+  // ticket holds nothing (the operation needed none).
+  class Ticket {
+   public:
+    Ticket() = default;
+    Ticket(Ticket&& o) noexcept : gate_(std::exchange(o.gate_, nullptr)) {}
+    Ticket& operator=(Ticket&& o) noexcept;
+    ~Ticket() { Reset(); }
+
+   private:
+    friend class DrainGate;
+    explicit Ticket(DrainGate* gate) : gate_(gate) {}
+    void Reset();
+    DrainGate* gate_ = nullptr;
+  };
+
+  explicit DrainGate(std::string self_name) : self_name_(std::move(self_name)) {}
+  DrainGate(const DrainGate&) = delete;
+  DrainGate& operator=(const DrainGate&) = delete;
+
+  // A ticket for an operation that creates `what` (for the message: "a new cache 'x'");
+  // UNAVAILABLE naming this node while it drains.
+  absl::StatusOr<Ticket> Admit(absl::string_view what);
+  // Admit when any of `seqs` stores nothing in `cache` (the operation starts a sequence);
+  // an empty ticket otherwise.
+  absl::StatusOr<Ticket> AdmitSequences(const Cache& cache, absl::Span<const int64_t> seqs,
+                                        const char* what);
+
+  // Starts draining: Admit refuses from now on. Then waits until every ticket handed out
+  // before has been released, or `deadline`; false when some were still held then.
+  bool Close(absl::Time deadline);
+  // Ends draining: Admit hands out tickets again.
+  void Open();
+  bool draining() const;
+
+  // Called with the new state whenever Close or Open changes it (kvmesh-node: readiness).
+  // Set before the node serves; not thread-safe with Close and Open.
+  void set_listener(std::function<void(bool draining)> listener) {
+    listener_ = std::move(listener);
+  }
+
+ private:
+  void Release();
+
+  const std::string self_name_;
+  std::function<void(bool)> listener_;
+  mutable Mutex mu_;
+  std::condition_variable_any released_;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t held_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_SERVICE_CLUSTER_DRAIN_GATE_H_
