@@ -11,6 +11,7 @@ packages=(
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev
   iproute2 procps iperf3
+  libyaml-cpp-dev dnsmasq-base
 )
 
 missing=()
