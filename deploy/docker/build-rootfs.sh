@@ -44,13 +44,17 @@ note() { echo "build-rootfs: $*" >&2; }
 # in_root ROOT [--userspec=U:G] CMD...: runs CMD chrooted in ROOT, in private mount and PID
 # namespaces with /proc, a minimal /dev and /dev/shm mounted, so nothing leaks onto the host
 # tree and the tree keeps empty /proc and /dev. $KVMESH_BIND_TMP, when set, is a host folder
-# mounted on ROOT/tmp (how the test reads the node's port file).
+# mounted on ROOT/tmp (how the test reads the node's port file); $KVMESH_RO_ROOT=1 mounts ROOT
+# read-only (as Kubernetes' readOnlyRootFilesystem).
 in_root() {
   local r=$1; shift
   # shellcheck disable=SC2016  # expanded by the inner shell
   unshare --mount --pid --fork --kill-child --propagation private -- /bin/sh -c '
     set -e
     r=$1; shift
+    if [ "${KVMESH_RO_ROOT:-0}" = 1 ]; then
+      mount --bind "$r" "$r"; mount -o remount,bind,ro "$r"
+    fi
     mount -t proc proc "$r/proc"
     mount -t tmpfs -o mode=0755,nosuid tmpfs "$r/dev"
     for d in null zero full random urandom tty; do
@@ -213,7 +217,9 @@ EOF
     "$t/var/lib/dpkg/"*-old "$t/var/log/apt/"* "$t/var/log/"*.log "$t/tmp/"* "$t/var/tmp/"* \
     "$t/usr/sbin/policy-rc.d" "$t/var/cache/ldconfig/aux-cache" \
     "$t/etc/passwd-" "$t/etc/group-" "$t/etc/shadow-" "$t/etc/gshadow-"
-  find "$t/dev" "$t/proc" "$t/sys" "$t/run" -mindepth 1 -delete 2>/dev/null || true
+  # Device nodes and what debootstrap's mounts left; runtimes mount /dev, /proc, /sys and /run.
+  find "$t/dev" "$t/proc" "$t/sys" -mindepth 1 -delete 2>/dev/null || true
+  rm -rf "$t/run/mount"
   : >"$t/etc/resolv.conf"; : >"$t/etc/machine-id"; : >"$t/etc/hostname"
   mv "$t" "$runtime"
 fi
@@ -244,7 +250,7 @@ umoci insert --image "$oci:$tag" --history.created_by "deploy/docker/build-rootf
 # The binaries come from a build folder, not from a commit this script knows: the labels say
 # which tree packed the image and which kvmesh-node it holds.
 revision=$(git -C "$root_dir" rev-parse --short HEAD 2>/dev/null || echo unknown)
-node_sha=$(sha256sum "$rootfs/usr/local/bin/kvmesh-node" | cut -c1-16)
+node_sha=$(sha256sum "$rootfs/usr/local/bin/kvmesh-node" | cut -d' ' -f1)
 umoci config --image "$oci:$tag" --os linux --architecture "$arch" \
   --config.user "$uid:$uid" \
   --config.entrypoint /usr/local/bin/kvmesh-node \
@@ -257,6 +263,7 @@ umoci config --image "$oci:$tag" --os linux --architecture "$arch" \
   --config.label org.opencontainers.image.base.name=debian:bookworm-minbase \
   --history.created_by "umoci config (entrypoint, user $uid, ports 7700 7701 7702)"
 umoci gc --layout "$oci"
+rm -f "$out/kvmesh-node-oci.tar"
 if [ "$tarball" = 1 ]; then
   tar -C "$oci" -cf "$out/kvmesh-node-oci.tar" .
 fi

@@ -2,9 +2,10 @@
 # Tests the runtime image that deploy/docker/build-rootfs.sh makes, without a container daemon:
 # unpacks the OCI image (not the rootfs folder: the layer is what ships), checks with `ldd`
 # inside it that every library of kvmesh-node and kvmeshctl is there, then starts kvmesh-node
-# from it as the image's user (uid 65532, chroot in private mount and PID namespaces) on
-# 127.0.0.1 with a free port, and with the image's own kvmeshctl: health, create a small cache,
-# append, read it back with --verify-seed. Then stops the node with SIGTERM and expects exit 0.
+# from it as the image's user (uid 65532, chroot in private mount and PID namespaces, the tree
+# mounted read-only) on 127.0.0.1 with a free port, and with the image's own kvmeshctl: health,
+# create a small cache, append, read it back with --verify-seed. Then stops the node with SIGTERM
+# and expects exit 0.
 #
 #   deploy/docker/test-rootfs.sh [--out DIR] [--no-build] [build-rootfs.sh flags...]
 #
@@ -26,7 +27,7 @@ build_args=()
 uid=65532
 
 # in_root from build-rootfs.sh.
-# shellcheck source=deploy/docker/build-rootfs.sh
+# shellcheck source=build-rootfs.sh source-path=SCRIPTDIR
 KVMESH_BUILD_ROOTFS_LIB=1 . "$here/build-rootfs.sh"
 die() { echo "test-rootfs: FAIL: $*" >&2; exit 1; }
 note() { echo "test-rootfs: $*" >&2; }
@@ -85,8 +86,9 @@ note "ldd: $(grep -c '=>' <<<"$ldd_out") libraries resolved in the image, none m
 # ---- 3. the node, as the image's user ----------------------------------------------------------
 mkdir -p "$work/tmp"; chmod 1777 "$work/tmp"
 export KVMESH_BIND_TMP="$work/tmp"
-# --undefok: binaries from before --drain_timeout_ms accept the flag too.
-in_root "$rootfs" --userspec=$uid:$uid /usr/local/bin/kvmesh-node \
+# --undefok: binaries from before --drain_timeout_ms accept the flag too. The tree read-only, as
+# deploy/k8s runs it (readOnlyRootFilesystem): the node must not need to write to it.
+KVMESH_RO_ROOT=1 in_root "$rootfs" --userspec=$uid:$uid /usr/local/bin/kvmesh-node \
   --listen=127.0.0.1:0 --port_file=/tmp/port --node_name=image-test \
   --memory_budget=64MiB --snapshot_budget=16MiB \
   --undefok=drain_timeout_ms --drain_timeout_ms=0 >"$work/node.log" 2>&1 &
@@ -110,7 +112,9 @@ done
   die "cannot find kvmesh-node's PID under $ns_pid"
 node_user=$(ps -o uid= -p "$node_pid" | tr -d ' ')
 [ "$node_user" = "$uid" ] || die "kvmesh-node runs as uid $node_user, not $uid"
-note "kvmesh-node up on 127.0.0.1:$port as uid $node_user (host PID $node_pid)"
+root_options=$(awk '$5 == "/" { print $6 }' "/proc/$node_pid/mountinfo" | tail -1)
+case ",$root_options," in *,ro,*) ;; *) die "the node's / is mounted '$root_options', not read-only" ;; esac
+note "kvmesh-node up on 127.0.0.1:$port as uid $node_user, / read-only (host PID $node_pid)"
 
 # ---- 4. calls with the image's kvmeshctl -------------------------------------------------------
 ctl() {
