@@ -34,7 +34,9 @@ namespace testutil {
 namespace {
 
 constexpr char kPrefix[] = "kvmtest-";
+// Where concurrent runs serialize the choice of a subnet.
 constexpr char kLockFile[] = "/run/lock/kvmtest-pods.lock";
+constexpr char kFallbackLockFile[] = "/tmp/kvmtest-pods.lock";
 
 std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
 
@@ -65,13 +67,23 @@ absl::Status WriteFile(const std::string& path, const std::string& content) {
   return absl::OkStatus();
 }
 
+// Whether `pid` has exited: no such process, or a zombie nobody reaped (a killed test's
+// parent may be an init that does not reap).
+bool ProcessIsGone(int pid) {
+  if (kill(pid, 0) != 0) return errno == ESRCH;
+  absl::StatusOr<std::string> stat = ReadTextFile(absl::StrCat("/proc/", pid, "/stat"));
+  if (!stat.ok()) return true;
+  const size_t paren = stat->rfind(')');  // "pid (comm) S ..."
+  return paren != std::string::npos && paren + 2 < stat->size() && (*stat)[paren + 2] == 'Z';
+}
+
 // The pid in "kvmtest-<pid>-..." and whether that process is gone.
 bool OwnerIsGone(const std::string& name) {
   if (!absl::StartsWith(name, kPrefix)) return false;
   const std::string rest = name.substr(sizeof(kPrefix) - 1);
   int pid = 0;
   if (!absl::SimpleAtoi(rest.substr(0, rest.find('-')), &pid) || pid <= 0) return false;
-  return kill(pid, 0) != 0 && errno == ESRCH;
+  return ProcessIsGone(pid);
 }
 
 // Every network namespace `ip netns list` shows.
@@ -196,7 +208,7 @@ std::vector<std::string> CleanLeftovers() {
       if (!absl::StartsWith(name, "kvm") || !absl::EndsWith(name, "r")) continue;
       int pid = 0;
       if (!absl::SimpleAtoi(name.substr(3, name.size() - 4), &pid) || pid <= 0) continue;
-      if (kill(pid, 0) == 0 || errno != ESRCH) continue;
+      if (!ProcessIsGone(pid)) continue;
       Ip({"link", "delete", name}).IgnoreError();
       removed.push_back(absl::StrCat("link ", name));
     }
@@ -243,8 +255,9 @@ absl::Status PodNetwork::Build() {
 
   // The subnet: the first 10.213.S.0/24 that no address here uses, chosen and claimed (the
   // root end's address) under a lock, so that concurrent runs never share one.
-  const int lock = open(kLockFile, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (lock < 0) return absl::InternalError(Errno(kLockFile));
+  int lock = open(kLockFile, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (lock < 0) lock = open(kFallbackLockFile, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (lock < 0) return absl::InternalError(Errno(kFallbackLockFile));
   flock(lock, LOCK_EX);
   absl::Status status = [&]() -> absl::Status {
     absl::StatusOr<std::string> addrs = RunCommand({IpBinary(), "-o", "-4", "addr", "show"});

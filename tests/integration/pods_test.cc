@@ -159,9 +159,9 @@ std::optional<ServingStatus> Probe(const Pod& pod, const std::string& service,
   return status;
 }
 
-// Runs `probe` as the kubelet would until it succeeds (SERVING): first after its initial delay,
-// then every period (polled more often here: no fixed sleeps), giving up after
-// initialDelay + period x failureThreshold (at least 10 s).
+// Runs `probe` as the kubelet would until it succeeds (SERVING), loosely: polled from the start
+// and more often than every period (no fixed sleeps), giving up after
+// initialDelaySeconds + periodSeconds x failureThreshold (at least 10 s).
 ::testing::AssertionResult ProbeUntilServing(const Pod& pod, const GrpcProbe& probe,
                                              const char* which) {
   if (!probe.present) return ::testing::AssertionSuccess() << which << ": none";
@@ -616,12 +616,17 @@ TEST_F(PodsTest, DeletedPodDrainsEverySequenceAndSnapshotToTheSurvivors) {
   std::atomic<bool> stop{false};
   std::atomic<bool> saw_not_serving{false};
   grpc::Status create_while_draining;
+  std::optional<ServingStatus> liveness_while_draining;
   std::thread readiness([&] {
     while (!stop.load()) {
       const std::optional<ServingStatus> s =
           Probe(doomed, template_.readiness.service, absl::Seconds(1));
       if (s == ServingStatus::kNotServing && !saw_not_serving.load()) {
         saw_not_serving.store(true);
+        // The liveness probe's service must stay SERVING while the node drains (a kubelet
+        // would restart it half-way otherwise): probed before the CreateCache, so that a
+        // "draining" answer to that proves the probe came during the drain.
+        liveness_while_draining = Probe(doomed, template_.liveness.service, absl::Seconds(1));
         create_while_draining = CreateCache(*doomed.stub, PodsSpec("created-while-draining"));
       }
       if (!s.has_value() && saw_not_serving.load()) break;  // gone after draining
@@ -649,6 +654,12 @@ TEST_F(PodsTest, DeletedPodDrainsEverySequenceAndSnapshotToTheSurvivors) {
         << StatusText(create_while_draining);
     std::fprintf(stderr, "pods_test: CreateCache while %s drained: %s\n", doomed.name.c_str(),
                  StatusText(create_while_draining).c_str());
+    if (template_.liveness.present &&
+        absl::StrContains(create_while_draining.error_message(), "draining")) {
+      EXPECT_EQ(liveness_while_draining, ServingStatus::kServing)
+          << "livenessProbe (service '" << template_.liveness.service
+          << "') failed while the node drained";
+    }
   }
   doomed.process.reset();
   doomed.stub.reset();
