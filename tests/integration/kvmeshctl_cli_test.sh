@@ -45,7 +45,7 @@ expect() {
 
 commands=(create delete get list usage append read visible copy-prefix remove can-resume
           list-sequences snapshot restore merge-snapshots split-snapshot drop-snapshot
-          list-snapshots commit-speculation health list-members migrate migrate-snapshot)
+          list-snapshots commit-speculation health list-members migrate migrate-snapshot drain)
 
 # The usage: every command, on stdout with exit 0 for help; on stderr with exit 2 for nothing.
 expect 0 out "usage: kvmeshctl [--addr=HOST:PORT]" help
@@ -75,6 +75,7 @@ expect 2 err "error: INVALID_ARGUMENT: unknown command 'bogus'" bogus
 expect 2 err "unknown flag --bogus for 'list'; allowed: --addr, --timeout, --json, --help" \
   list --bogus=1
 expect 2 err "unknown flag --seq for 'get'" get --cache=c --seq=1
+expect 2 err "unknown flag --seq for 'drain'" drain --seq=1
 expect 2 err "unexpected argument 'extra'" list extra
 expect 1 err "--timeout='abc' is not a duration" --timeout=abc list
 expect 1 err "give --seed or --payload-file, not both" \

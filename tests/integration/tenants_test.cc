@@ -239,6 +239,50 @@ TEST_F(TenantsTest, OnlyAnAdminMayActForAnotherTenantOrSeeMemberDetails) {
   }
   EXPECT_NE(members.members(0).address(), "");
   EXPECT_NE(members.members(0).backend(), "");
+
+  // Drain moves every tenant's data: admins only. A bad timeout names itself; an admin's
+  // drain of a node without peers lists what stayed, and resume ends it.
+  v1::DrainResponse drained;
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    const grpc::Status status = alice_->Drain(&context, v1::DrainRequest(), &drained);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << StatusText(status);
+    EXPECT_THAT(status.error_message(), HasSubstr("only an admin"));
+  }
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::DrainRequest request;
+    request.set_timeout_ms(-3);
+    const grpc::Status status = root_->Drain(&context, request, &drained);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+    EXPECT_THAT(status.error_message(), HasSubstr("timeout_ms = -3"));
+  }
+  ASSERT_OK(Append(*bob_, MakeAppend(SmallSpec("b"), 4, {0, 1}, 9)));
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::DrainRequest request;
+    request.set_timeout_ms(5000);
+    ASSERT_OK(root_->Drain(&context, request, &drained));
+    ASSERT_EQ(drained.stayed_size(), 1) << drained.DebugString();
+    EXPECT_EQ(drained.stayed(0).tenant(), "team-b");
+    EXPECT_EQ(drained.stayed(0).cache(), "b");
+    EXPECT_EQ(drained.stayed(0).seq(), 4);
+    EXPECT_THAT(drained.stayed(0).reason(), HasSubstr("no peers"));
+  }
+  const grpc::Status refused = CreateCache(*alice_, SmallSpec("a2"));
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << StatusText(refused);
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::DrainRequest request;
+    request.set_resume(true);
+    ASSERT_OK(root_->Drain(&context, request, &drained));
+    EXPECT_FALSE(drained.draining());
+  }
+  ASSERT_OK(CreateCache(*alice_, SmallSpec("a2")));
 }
 
 TEST_F(TenantsTest, QuotasHold) {
