@@ -7,7 +7,8 @@
 # sequence, restore it from the snapshot, fork from the snapshot, decode speculatively and commit
 # part of the draft, merge/split/drop snapshots, verifying every step's data. Then a three-node
 # cluster on loopback: a prompt appended on node 0, forked onto node 1 with a cross-node
-# CopyPrefix, migrated to node 2, removed cluster-wide, with the bytes moved and the time taken.
+# CopyPrefix, migrated to node 2, node 2 drained (its sequence moves to a peer, as on SIGTERM),
+# removed cluster-wide, with the bytes moved and the time taken.
 # Stop every node.
 #
 #   deploy/local/demo.sh           (from any directory; as root or with sudo for bootstrap)
@@ -360,6 +361,13 @@ step "remove positions [512, end) of seq 1 everywhere: one result per node"
 ctl node-2 remove --cache=$cc --seq=1 --begin=512 --scope=cluster
 ctl node-2 list-sequences --cache=$cc
 ctl node-2 read --cache=$cc --seq=1 --verify-seed=21
+
+step "drain node-2, as a pod deletion does on SIGTERM: its seq 1 moves to the peer with the most free cells (node-0)"
+ctl node-2 drain --timeout-ms=30000
+ctl node-0 read --cache=$cc --seq=1 --verify-seed=21
+ctl node-2 list-sequences --cache=$cc
+ctl node-2 health --service=kvmesh.v1.CacheService
+ctl node-2 drain --resume
 
 step "remove seq 5 and seq 1 cluster-wide; every node is empty again"
 ctl node-0 remove --cache=$cc --seq=5 --begin=0 --scope=cluster
