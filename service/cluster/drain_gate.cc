@@ -41,20 +41,25 @@ absl::StatusOr<DrainGate::Ticket> DrainGate::AdmitSequences(const Cache& cache,
   return Ticket();
 }
 
+void DrainGate::set_listener(std::function<void(bool draining)> listener) {
+  MutexLock lock(&mu_);
+  listener_ = std::move(listener);
+}
+
 bool DrainGate::Close(absl::Time deadline) {
   bool changed = false;
-  bool idle = false;
   {
     MutexLock lock(&mu_);
     changed = !draining_;
     draining_ = true;
-    const auto until = absl::ToChronoTime(deadline);
-    while (held_ > 0 && released_.wait_until(mu_, until) != std::cv_status::timeout) {
-    }
-    idle = held_ == 0;
   }
-  if (changed && listener_) listener_(true);
-  return idle;
+  // Not ready from now on, also while admitted operations finish.
+  if (changed) Notify();
+  MutexLock lock(&mu_);
+  const auto until = absl::ToChronoTime(deadline);
+  while (held_ > 0 && released_.wait_until(mu_, until) != std::cv_status::timeout) {
+  }
+  return held_ == 0;
 }
 
 void DrainGate::Open() {
@@ -64,7 +69,21 @@ void DrainGate::Open() {
     changed = draining_;
     draining_ = false;
   }
-  if (changed && listener_) listener_(false);
+  if (changed) Notify();
+}
+
+// Serialized, and with the state as it is now rather than as the caller changed it: a Close and
+// an Open racing each other leave the listener told the final state last.
+void DrainGate::Notify() {
+  MutexLock notifying(&notify_mu_);
+  bool draining = false;
+  std::function<void(bool)> listener;
+  {
+    ReaderMutexLock lock(&mu_);
+    draining = draining_;
+    listener = listener_;
+  }
+  if (listener) listener(draining);
 }
 
 bool DrainGate::draining() const {

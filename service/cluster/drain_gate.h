@@ -65,18 +65,18 @@ class DrainGate {
   void Open();
   bool draining() const;
 
-  // Called with the new state whenever Close or Open changes it (kvmesh-node: readiness).
-  // Set before the node serves; not thread-safe with Close and Open.
-  void set_listener(std::function<void(bool draining)> listener) {
-    listener_ = std::move(listener);
-  }
+  // Called with the new state whenever Close or Open changes it (kvmesh-node: readiness), on
+  // the thread that changed it. May be set or cleared at any time.
+  void set_listener(std::function<void(bool draining)> listener);
 
  private:
   void Release();
+  void Notify();
 
   const std::string self_name_;
-  std::function<void(bool)> listener_;
+  Mutex notify_mu_;  // held while the listener runs; taken before mu_
   mutable Mutex mu_;
+  std::function<void(bool)> listener_ ABSL_GUARDED_BY(mu_);
   std::condition_variable_any released_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   int64_t held_ ABSL_GUARDED_BY(mu_) = 0;
