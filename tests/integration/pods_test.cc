@@ -239,8 +239,8 @@ class PodsTest : public ::testing::Test {
   }
 
   // Scales the StatefulSet to zero: the test's caches are deleted first (a node drains what it
-  // holds on SIGTERM, and with every peer going too it would wait --drain-timeout-ms for one
-  // that can take it), then every pod gets SIGTERM at once and must exit 0.
+  // holds on SIGTERM; this test's drain is the pod deleted alone, not every pod at once), then
+  // every pod gets SIGTERM at once and must exit 0.
   void TearDown() override {
     for (Pod& pod : pods_) {
       if (pod.stub == nullptr) continue;
