@@ -113,17 +113,6 @@ void DeleteNetns(const std::string& netns) {
   rmdir(etc.c_str());
 }
 
-ExitStatus FromWaitStatus(int status) {
-  ExitStatus out;
-  if (WIFEXITED(status)) {
-    out.exited = true;
-    out.code = WEXITSTATUS(status);
-  } else if (WIFSIGNALED(status)) {
-    out.signal = WTERMSIG(status);
-  }
-  return out;
-}
-
 // This process's environment with `env` ("NAME=value") set or replaced.
 std::vector<std::string> ChildEnvironment(const std::vector<std::string>& env) {
   std::vector<std::string> out;

@@ -40,16 +40,6 @@ namespace {
 
 std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
 
-ExitStatus FromWaitStatus(int status) {
-  ExitStatus out;
-  if (WIFEXITED(status)) {
-    out.exited = true;
-    out.code = WEXITSTATUS(status);
-  } else if (WIFSIGNALED(status)) {
-    out.signal = WTERMSIG(status);
-  }
-  return out;
-}
 
 // Reaps `pid` if it exits before `deadline`. Polls: a child's exit has no fd to wait on that
 // works on every kernel this runs on.
@@ -203,6 +193,17 @@ std::string ExitStatus::ToString() const {
                         ? absl::StrCat("exited with code ", code)
                         : absl::StrCat("killed by signal ", signal, " (", strsignal(signal), ")");
   if (killed_after_timeout) absl::StrAppend(&out, " after SIGTERM timed out");
+  return out;
+}
+
+ExitStatus FromWaitStatus(int status) {
+  ExitStatus out;
+  if (WIFEXITED(status)) {
+    out.exited = true;
+    out.code = WEXITSTATUS(status);
+  } else if (WIFSIGNALED(status)) {
+    out.signal = WTERMSIG(status);
+  }
   return out;
 }
 

@@ -39,6 +39,9 @@ struct ExitStatus {
   std::string ToString() const;
 };
 
+// An ExitStatus from a waitpid() status.
+ExitStatus FromWaitStatus(int status);
+
 // Path of the kvmesh-node binary this test build runs (injected by CMake).
 const char* NodeBinaryPath();
 
