@@ -341,8 +341,10 @@ class PodsTest : public ::testing::Test {
       }
     }
     // A path under a mount is a whole argument or follows "--flag="; the longest mountPath
-    // that prefixes it wins, once per argument.
-    for (std::string& arg : c->argv) {
+    // that prefixes it wins, once per argument. Not argv[0], this build's binary, which may
+    // itself live under a mounted path (a checkout under /tmp, the emptyDir's mountPath).
+    for (size_t a = 1; a < c->argv.size(); ++a) {
+      std::string& arg = c->argv[a];
       const size_t eq = arg.find('=');
       const size_t at =
           absl::StartsWith(arg, "/") ? 0 : (eq == std::string::npos ? arg.size() : eq + 1);
