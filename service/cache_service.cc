@@ -1016,7 +1016,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Drain(grpc::CallbackServerContext* c
           absl::StrCat("timeout_ms = ", request->timeout_ms(), " is negative"));
     }
     if (request->resume()) {
-      *response = options_.drainer->Resume();
+      ASSIGN_OR_RETURN(*response, options_.drainer->Resume());
       return absl::OkStatus();
     }
     // --drain-timeout-ms=0 turns the drain on SIGTERM off, not the RPC's default.
@@ -1024,7 +1024,15 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Drain(grpc::CallbackServerContext* c
         request->timeout_ms() > 0 ? absl::Milliseconds(request->timeout_ms())
         : options_.drain_timeout > absl::ZeroDuration() ? options_.drain_timeout
                                                         : kDefaultDrainTimeout;
-    *response = options_.drainer->Drain(std::min(ContextDeadline(*context), absl::Now() + timeout));
+    // The drain ends a margin before the caller's deadline, so that the caller gets the answer
+    // (where each sequence went) rather than DEADLINE_EXCEEDED.
+    const absl::Time now = absl::Now();
+    absl::Time end = now + timeout;
+    const absl::Time caller_deadline = ContextDeadline(*context);
+    if (caller_deadline != absl::InfiniteFuture()) {
+      end = std::min(end, caller_deadline - std::max(absl::Seconds(1), (caller_deadline - now) / 20));
+    }
+    ASSIGN_OR_RETURN(*response, options_.drainer->Drain(end, Drainer::Mode::kRequest));
     return absl::OkStatus();
   });
 }

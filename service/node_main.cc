@@ -651,8 +651,8 @@ int Run() {
       probe_health->SetServingStatus(v1::CacheService::service_full_name(), ready);
     }
   };
-  set_ready(!gate.draining());
   gate.set_listener([&](bool draining) { set_ready(!draining); });
+  set_ready(!gate.draining());
   if (peer_plane_on_client_port) {
     health->SetServingStatus(v1::PeerService::service_full_name(), true);
   }
@@ -683,6 +683,7 @@ int Run() {
 
   int signal = 0;
   if (const int err = sigwait(&signals, &signal); err != 0) {
+    gate.set_listener(nullptr);
     return Fail(absl::StrCat("sigwait: ", std::strerror(err)));
   }
   if (drain_timeout_ms > 0) {
@@ -703,11 +704,15 @@ int Run() {
         }
       }
     });
-    (void)drainer.Drain(absl::Now() + absl::Milliseconds(drain_timeout_ms));
+    (void)drainer.Drain(absl::Now() + absl::Milliseconds(drain_timeout_ms),
+                        Drainer::Mode::kShutdown);
     drained.store(true);
     repeat_signals.join();
   }
   std::fprintf(stderr, "kvmesh-node %s: %s, shutting down\n", name.c_str(), strsignal(signal));
+  // From here on nothing makes the node ready again (a Drain call with resume, during the grace
+  // period), and the listener's references to this frame stay unused while it unwinds.
+  gate.set_listener(nullptr);
   {
     MutexLock lock(&readiness_mu);
     health->SetServingStatus(false);
@@ -729,7 +734,6 @@ int Run() {
   if (health_server != nullptr) health_server->Wait();
   // gRPC may still hold slices of grpc-stream chunks that point into exports; they must be gone
   // before the caches and the device that their memory comes from.
-  gate.set_listener(nullptr);
   server.reset();
   peer_server.reset();
   health_server.reset();

@@ -278,7 +278,8 @@ absl::Status Cluster::RemoveLocal(const v1::PeerRemoveRequest& request) {
 
 absl::StatusOr<v1::PlaceResponse> Cluster::Place(const v1::PlaceRequest& request) {
   if (request.tenant().empty() || request.tenant().find('/') != std::string::npos) {
-    return absl::InvalidArgumentError("tenant is empty or malformed: name the cache's tenant");
+    return absl::InvalidArgumentError(absl::StrCat("tenant = '", request.tenant(),
+                                                   "' is empty or malformed (it may not hold '/')"));
   }
   if (!request.has_spec()) return absl::InvalidArgumentError("spec is missing");
   ASSIGN_OR_RETURN(const CacheSpec spec, SpecFromProto(request.spec()));
@@ -412,6 +413,14 @@ absl::Status Cluster::CommitSequence(const std::string& tenant,
                                      const std::shared_ptr<Cache>& cache, const Pulled& pulled,
                                      int64_t dst_seq, int32_t length, bool must_be_unused,
                                      const char* what) {
+  // The imported snapshot goes whatever happens: it was only the payload's way in.
+  struct DropPulled {
+    const std::shared_ptr<Cache>& cache;
+    const Pulled& pulled;
+    ~DropPulled() {
+      if (!pulled.empty) (void)cache->DropSnapshot(pulled.snapshot.id);
+    }
+  } drop_pulled{cache, pulled};
   const int64_t dst[] = {dst_seq};
   ASSIGN_OR_RETURN(Reservations::Guard guard,
                    reservations_->BeginOperation(Reservations::Kind::kSequence,
@@ -419,11 +428,15 @@ absl::Status Cluster::CommitSequence(const std::string& tenant,
                                                  dst, what));
   // Checked again under the guard: the sequence may have started while the payload moved.
   if (must_be_unused) RETURN_IF_ERROR(CheckUnused(*cache, dst_seq));
+  // Under the guard too: a sequence that stored something when the operation began may have
+  // been drained away meanwhile; writing it now would start it again on a draining node.
+  DrainGate::Ticket admitted;
+  if (options_.gate != nullptr) {
+    ASSIGN_OR_RETURN(admitted, options_.gate->AdmitSequences(*cache, dst, what));
+  }
   if (pulled.empty) return cache->Remove(dst_seq, 0, std::nullopt);
   const int32_t target = length > 0 ? std::min(length, pulled.snapshot.to) : pulled.snapshot.to;
-  const absl::Status restored = cache->Restore(dst_seq, pulled.snapshot.id, target);
-  (void)cache->DropSnapshot(pulled.snapshot.id);
-  return restored;
+  return cache->Restore(dst_seq, pulled.snapshot.id, target);
 }
 
 absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const std::string& tenant,

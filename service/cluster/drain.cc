@@ -20,7 +20,6 @@ struct Drainer::Item {
   bool sequence = true;  // else a snapshot
   int64_t seq = 0;
   uint64_t snapshot_id = 0;
-  int64_t cells = 0;  // a sequence's most positions stored in one group
 
   std::string Name() const {
     return sequence ? absl::StrCat("sequence ", seq, " of cache '", cache->spec().name, "'")
@@ -50,6 +49,9 @@ struct Drainer::Outcome {
 
 namespace {
 
+// How long into a drain a peer that does not answer is waited for.
+constexpr absl::Duration kUnreachablePeerWait = absl::Seconds(10);
+
 bool IsRetryable(absl::StatusCode code) {
   return code == absl::StatusCode::kAborted || code == absl::StatusCode::kUnavailable ||
          code == absl::StatusCode::kDeadlineExceeded;
@@ -78,17 +80,26 @@ bool Drainer::Resumed(uint64_t epoch) const {
   return resumes_ != epoch;
 }
 
-v1::DrainResponse Drainer::Resume() {
+absl::StatusOr<v1::DrainResponse> Drainer::Resume() {
   {
     MutexLock lock(&mu_);
+    if (terminating_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "node '", options_.self_name, "' is shutting down (SIGTERM): it cannot be resumed"));
+    }
     ++resumes_;
+    gate_->Open();
   }
   wake_.notify_all();
-  gate_->Open();
   Log(absl::StrCat("node '", options_.self_name, "' resumed: it takes new caches and sequences"));
   v1::DrainResponse response;
   response.set_draining(false);
   return response;
+}
+
+absl::Time Drainer::Until(absl::Time deadline) const {
+  ReaderMutexLock lock(&mu_);
+  return std::min(deadline, cap_);
 }
 
 std::vector<Drainer::Item> Drainer::Inventory() const {
@@ -99,9 +110,6 @@ std::vector<Drainer::Item> Drainer::Inventory() const {
       item.tenant = entry.tenant;
       item.cache = entry.cache;
       item.seq = info.seq;
-      for (const GroupSequenceInfo& group : info.groups) {
-        item.cells = std::max<int64_t>(item.cells, group.stored);
-      }
       items.push_back(std::move(item));
     }
     for (const SnapshotInfo& info : entry.cache->ListSnapshots()) {
@@ -117,8 +125,8 @@ std::vector<Drainer::Item> Drainer::Inventory() const {
 }
 
 std::vector<Drainer::Candidate> Drainer::Probe(const std::string& tenant, const Cache& cache,
-                                               absl::Time deadline, std::string* reasons,
-                                               bool* retryable) {
+                                               absl::Time deadline, bool wait_for_unreachable,
+                                               std::string* reasons, bool* retryable) {
   std::vector<Candidate> candidates;
   std::vector<std::string> refusals;
   v1::PlaceRequest request;
@@ -127,19 +135,16 @@ std::vector<Drainer::Candidate> Drainer::Probe(const std::string& tenant, const 
   for (const MemberAddress& peer : membership_->Peers()) {
     absl::StatusOr<v1::PlaceResponse> place = cluster_->AskToPlace(peer, request, deadline);
     if (!place.ok()) {
-      // A peer that does not answer is left out rather than waited for: peers that stop
-      // together (a whole StatefulSet deleted) would otherwise wait out each other's drains.
-      *retryable |= place.status().code() == absl::StatusCode::kAborted;
+      // A peer that does not answer is waited for only early in the drain (a pod of a rolling
+      // update restarting), then left out: peers that stop together (a whole StatefulSet
+      // deleted) would otherwise wait out each other's drains.
+      *retryable |= place.status().code() == absl::StatusCode::kAborted ||
+                    (wait_for_unreachable && IsRetryable(place.status().code()));
       refusals.push_back(StatusText(place.status()));
       continue;
     }
     if (place->draining()) {
       refusals.push_back(absl::StrCat("node '", peer.name, "' drains too"));
-      continue;
-    }
-    if (place->exists() && place->free_cells() == 0) {
-      refusals.push_back(absl::StrCat("node '", peer.name, "' has no free cell in cache '",
-                                      cache.spec().name, "'"));
       continue;
     }
     Candidate candidate;
@@ -197,6 +202,13 @@ Drainer::Outcome Drainer::MoveSequence(const Item& item, const std::set<int64_t>
   Outcome outcome;
   std::vector<std::string> reasons;
   for (Candidate& candidate : candidates) {
+    // (Snapshots need no cells: they go to the snapshot pool.)
+    if (candidate.exists && candidate.free_cells == 0) {
+      reasons.push_back(absl::StrCat("node '", candidate.member.name,
+                                     "' has no free cell in cache '", item.cache->spec().name,
+                                     "'"));
+      continue;
+    }
     absl::Status status;
     if (!EnsureCache(item, candidate, deadline, response, &status)) {
       outcome.retryable |= IsRetryable(status.code());
@@ -222,7 +234,9 @@ Drainer::Outcome Drainer::MoveSequence(const Item& item, const std::set<int64_t>
           cluster_->Migrate(item.tenant, migrate, deadline, /*target_seq_unused=*/true);
       if (moved.ok()) {
         candidate.seqs.insert(target_seq);
-        candidate.free_cells = std::max<int64_t>(candidate.free_cells - item.cells, 0);
+        // free_cells stays as the peer said: it is the least over groups of different units
+        // (cells, ring rows, state slots), good for ranking peers, not for bookkeeping. A peer
+        // that fills up answers RESOURCE_EXHAUSTED, and the next one is tried.
         v1::DrainedSequence* done = response->add_sequences();
         done->set_tenant(item.tenant);
         done->set_cache(item.cache->spec().name);
@@ -306,29 +320,54 @@ Drainer::Outcome Drainer::MoveSnapshot(const Item& item, std::vector<Candidate>&
   return outcome;
 }
 
-v1::DrainResponse Drainer::Drain(absl::Time deadline) {
-  MutexLock run(&run_mu_);
-  const absl::Time start = absl::Now();
+absl::StatusOr<v1::DrainResponse> Drainer::Drain(absl::Time deadline, Mode mode) {
   uint64_t epoch = 0;
   {
-    ReaderMutexLock lock(&mu_);
+    MutexLock lock(&mu_);
+    if (mode == Mode::kRequest && (running_ || terminating_)) {
+      return absl::AbortedError(absl::StrCat(
+          "node '", options_.self_name, "' is draining already (",
+          terminating_ ? "it shuts down" : "another Drain call", "); its log says what moved"));
+    }
+    if (mode == Mode::kShutdown) {
+      // A drain in progress gives way by our deadline, and nothing resumes the node now.
+      terminating_ = true;
+      cap_ = std::min(cap_, deadline);
+      wake_.notify_all();
+      while (running_) wake_.wait(mu_);
+    }
+    running_ = true;
+    // Under mu_, so that a Resume comes either before (and this drain sees its epoch) or after
+    // (and stops it): never between reading the epoch and closing the gate.
     epoch = resumes_;
+    gate_->Close();
   }
+  v1::DrainResponse response = Run(deadline, epoch);
+  {
+    MutexLock lock(&mu_);
+    running_ = false;
+  }
+  wake_.notify_all();
+  return response;
+}
+
+v1::DrainResponse Drainer::Run(absl::Time deadline, uint64_t epoch) {
+  const absl::Time start = absl::Now();
   v1::DrainResponse response;
   Log(absl::StrCat("node '", options_.self_name, "' drains: no new caches or sequences; moving ",
                    "its sequences and snapshots to peers until ",
-                   absl::FormatTime("%H:%M:%E3S", deadline, absl::UTCTimeZone()), " UTC"));
-  if (!gate_->Close(deadline)) {
+                   absl::FormatTime("%H:%M:%E3S", Until(deadline), absl::UTCTimeZone()), " UTC"));
+  if (!gate_->AwaitAdmitted(Until(deadline)) && !Resumed(epoch)) {
     Log("drain: operations that create sequences were still running at the deadline");
   }
   std::map<std::string, std::string> reasons;  // item key -> why it is still here
-  while (absl::Now() < deadline && !Resumed(epoch)) {
+  while (absl::Now() < Until(deadline) && !Resumed(epoch)) {
     const std::vector<Item> items = Inventory();
     if (items.empty()) break;
     bool progress = false;
     bool retryable = false;
     // Items come grouped by cache: probe the peers once per cache and pass.
-    for (size_t i = 0; i < items.size() && absl::Now() < deadline && !Resumed(epoch);) {
+    for (size_t i = 0; i < items.size() && absl::Now() < Until(deadline) && !Resumed(epoch);) {
       size_t end = i;
       while (end < items.size() && items[end].cache == items[i].cache) ++end;
       std::set<int64_t> local_seqs;
@@ -336,16 +375,18 @@ v1::DrainResponse Drainer::Drain(absl::Time deadline) {
         if (items[k].sequence) local_seqs.insert(items[k].seq);
       }
       std::string refusals;
-      std::vector<Candidate> candidates =
-          Probe(items[i].tenant, *items[i].cache, deadline, &refusals, &retryable);
-      for (size_t k = i; k < end && absl::Now() < deadline && !Resumed(epoch); ++k) {
+      const bool early = absl::Now() < start + kUnreachablePeerWait;
+      std::vector<Candidate> candidates = Probe(items[i].tenant, *items[i].cache,
+                                                Until(deadline), early, &refusals, &retryable);
+      for (size_t k = i; k < end && absl::Now() < Until(deadline) && !Resumed(epoch); ++k) {
         const Item& item = items[k];
         Outcome outcome;
         if (candidates.empty()) {
           outcome.reason = absl::StrCat("no peer can take it: ", refusals);
         } else {
-          outcome = item.sequence ? MoveSequence(item, local_seqs, candidates, deadline, &response)
-                                  : MoveSnapshot(item, candidates, deadline, &response);
+          outcome = item.sequence
+                        ? MoveSequence(item, local_seqs, candidates, Until(deadline), &response)
+                        : MoveSnapshot(item, candidates, Until(deadline), &response);
         }
         if (outcome.moved || outcome.gone) {
           progress = true;
@@ -361,8 +402,8 @@ v1::DrainResponse Drainer::Drain(absl::Time deadline) {
     if (!retryable) break;
     MutexLock lock(&mu_);
     if (resumes_ != epoch) break;
-    wake_.wait_until(mu_, absl::ToChronoTime(
-                              std::min(deadline, absl::Now() + options_.retry_interval)));
+    wake_.wait_until(mu_, absl::ToChronoTime(std::min(std::min(deadline, cap_),
+                                                      absl::Now() + options_.retry_interval)));
   }
   for (const Item& item : Inventory()) {
     v1::DrainStayed* stayed = response.add_stayed();

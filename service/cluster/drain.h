@@ -19,8 +19,10 @@
 // lists what stayed, each item with the last reason. Nothing is lost: Migrate removes the source
 // only once the target has committed.
 //
-// Thread safety: thread-safe. One drain runs at a time; a second caller waits for it and then
-// makes its own attempt on what is left. Everything passed to the constructor must outlive it.
+// Thread safety: thread-safe. One drain runs at a time: a request while one runs is ABORTED; the
+// shutdown drain (SIGTERM) cuts a running one short to its own deadline, waits for it, then
+// makes its own attempt on what is left, and from then on Resume is refused. Everything passed
+// to the constructor must outlive it.
 #ifndef KVMESH_SERVICE_CLUSTER_DRAIN_H_
 #define KVMESH_SERVICE_CLUSTER_DRAIN_H_
 
@@ -51,18 +53,24 @@ class Drainer {
     std::function<void(const std::string& line)> log;
   };
 
+  enum class Mode {
+    kRequest,   // the Drain RPC: the node keeps running
+    kShutdown,  // SIGTERM: the node exits afterwards
+  };
+
   Drainer(Options options, CacheRegistry* registry, Membership* membership, Cluster* cluster,
           DrainGate* gate);
   Drainer(const Drainer&) = delete;
   Drainer& operator=(const Drainer&) = delete;
 
   // Drains until nothing is left or `deadline`. The node stays draining afterwards (until
-  // Resume), whatever stayed.
-  v1::DrainResponse Drain(absl::Time deadline);
+  // Resume), whatever stayed. ABORTED for a request while another drain runs.
+  absl::StatusOr<v1::DrainResponse> Drain(absl::Time deadline, Mode mode);
 
   // Ends draining: the gate opens, and a drain in progress stops before its next item. Returns
-  // the response of a Drain RPC with resume (draining false, nothing moved).
-  v1::DrainResponse Resume();
+  // the response of a Drain RPC with resume (draining false, nothing moved); FAILED_PRECONDITION
+  // once a shutdown drain has begun.
+  absl::StatusOr<v1::DrainResponse> Resume();
 
  private:
   struct Item;
@@ -70,8 +78,11 @@ class Drainer {
   struct Outcome;
 
   std::vector<Item> Inventory() const;
+  // `wait_for_unreachable`: a peer that does not answer makes the pass worth repeating (early
+  // in a drain: a peer restarting in a rolling update) rather than being left out.
   std::vector<Candidate> Probe(const std::string& tenant, const Cache& cache,
-                               absl::Time deadline, std::string* reasons, bool* retryable);
+                               absl::Time deadline, bool wait_for_unreachable,
+                               std::string* reasons, bool* retryable);
   // `local_seqs`: the ids of the cache's sequences here, which a renamed one avoids.
   Outcome MoveSequence(const Item& item, const std::set<int64_t>& local_seqs,
                        std::vector<Candidate>& candidates, absl::Time deadline,
@@ -83,6 +94,9 @@ class Drainer {
                    v1::DrainResponse* response, absl::Status* reason);
   void Log(const std::string& line) const;
   bool Resumed(uint64_t epoch) const;
+  // `deadline`, or earlier when a shutdown drain is waiting for this one.
+  absl::Time Until(absl::Time deadline) const;
+  v1::DrainResponse Run(absl::Time deadline, uint64_t epoch);
 
   const Options options_;
   CacheRegistry* const registry_;
@@ -90,10 +104,13 @@ class Drainer {
   Cluster* const cluster_;
   DrainGate* const gate_;
 
-  Mutex run_mu_;  // held by the drain that runs; taken before mu_
+  // Taken before the gate's mutexes (Drain and Resume change the gate under it).
   mutable Mutex mu_;
   std::condition_variable_any wake_;
   uint64_t resumes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool running_ ABSL_GUARDED_BY(mu_) = false;
+  bool terminating_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time cap_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
 };
 
 }  // namespace kvmesh

@@ -46,7 +46,7 @@ void DrainGate::set_listener(std::function<void(bool draining)> listener) {
   listener_ = std::move(listener);
 }
 
-bool DrainGate::Close(absl::Time deadline) {
+void DrainGate::Close() {
   bool changed = false;
   {
     MutexLock lock(&mu_);
@@ -55,9 +55,13 @@ bool DrainGate::Close(absl::Time deadline) {
   }
   // Not ready from now on, also while admitted operations finish.
   if (changed) Notify();
+}
+
+bool DrainGate::AwaitAdmitted(absl::Time deadline) {
   MutexLock lock(&mu_);
   const auto until = absl::ToChronoTime(deadline);
-  while (held_ > 0 && released_.wait_until(mu_, until) != std::cv_status::timeout) {
+  while (held_ > 0 && draining_ &&
+         released_.wait_until(mu_, until) != std::cv_status::timeout) {
   }
   return held_ == 0;
 }
@@ -69,6 +73,7 @@ void DrainGate::Open() {
     changed = draining_;
     draining_ = false;
   }
+  released_.notify_all();  // AwaitAdmitted stops waiting
   if (changed) Notify();
 }
 

@@ -58,9 +58,16 @@ class DrainGate {
   absl::StatusOr<Ticket> AdmitSequences(const Cache& cache, absl::Span<const int64_t> seqs,
                                         const char* what);
 
-  // Starts draining: Admit refuses from now on. Then waits until every ticket handed out
-  // before has been released, or `deadline`; false when some were still held then.
-  bool Close(absl::Time deadline);
+  // Starts draining: Admit refuses from now on.
+  void Close();
+  // Waits until every ticket handed out has been released (true), or `deadline`, or the gate
+  // is opened again (false).
+  bool AwaitAdmitted(absl::Time deadline);
+  // Close, then AwaitAdmitted.
+  bool Close(absl::Time deadline) {
+    Close();
+    return AwaitAdmitted(deadline);
+  }
   // Ends draining: Admit hands out tickets again.
   void Open();
   bool draining() const;

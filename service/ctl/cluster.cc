@@ -98,12 +98,14 @@ absl::Status Drain(const Client& client, const Args& args) {
   ASSIGN_OR_RETURN(bool resume, args.GetBool("resume"));
   request.set_timeout_ms(timeout_ms);
   request.set_resume(resume);
-  // The call lasts as long as the drain: its deadline is the drain's timeout and a margin,
-  // unless --timeout is longer.
+  // The call lasts as long as the drain: its deadline is the drain's timeout and a margin
+  // (the node's --drain-timeout-ms when none is given: 10 minutes leave it room), unless
+  // --timeout is longer. The node ends the drain in time to answer within it.
   std::unique_ptr<grpc::ClientContext> context = client.Context();
-  if (timeout_ms > 0) {
+  if (!resume) {
+    const int64_t wait_ms = timeout_ms > 0 ? timeout_ms + 30000 : int64_t{600000};
     const auto at_least =
-        std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms + 30000);
+        std::chrono::system_clock::now() + std::chrono::milliseconds(wait_ms);
     if (context->deadline() < at_least) context->set_deadline(at_least);
   }
   v1::DrainResponse response;

@@ -849,6 +849,14 @@ TEST_F(DrainTest, SigtermDrainsToThePeersAndASecondSigtermLosesNothing) {
   ASSERT_EQ(kill(a.pid(), SIGTERM), 0);
   EXPECT_TRUE(Eventually([&] { return Readiness(a) == kNotServing; }, absl::Seconds(5)))
       << "readiness did not turn NOT_SERVING while the node drained";
+  // Meanwhile a Drain call is ABORTED and nothing resumes the node.
+  v1::DrainResponse ignored;
+  grpc::Status status = DrainNode(cluster_.stub(0), &ignored);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("draining already (it shuts down)"));
+  status = DrainNode(cluster_.stub(0), &ignored, 0, /*resume=*/true);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("cannot be resumed"));
   // The second SIGTERM (Stop sends it) does not cut the drain short: the node exits cleanly
   // once everything has moved.
   cluster_[0].stub.reset();
