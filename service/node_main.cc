@@ -155,6 +155,9 @@ ABSL_FLAG(int64_t, testing_chunk_delay_ms, 0,
 ABSL_FLAG(int32_t, testing_corrupt_chunk, -1,
           "testing only: the grpc-stream and nccl senders flip a byte of this chunk (nccl: "
           "piece) index of every transfer, after its CRC-32C was computed");
+ABSL_FLAG(int32_t, testing_lose_pull_replies, 0,
+          "testing only: the first this many migrations into this node that commit answer "
+          "UNAVAILABLE anyway, as when the reply is lost (a drain then asks again)");
 // The default is transport::kNcclChunkBytes (checked below where NCCL is built).
 ABSL_FLAG(kvmesh::ByteSize, testing_nccl_chunk_bytes, kvmesh::ByteSize{uint64_t{64} << 20},
           "testing only: the nccl transport's piece size (a protocol constant: every node of "
@@ -510,6 +513,7 @@ int Run() {
   cluster_options.max_lease_time = absl::Milliseconds(max_lease_ms);
   cluster_options.transfer_timeout = absl::Milliseconds(transfer_timeout_ms);
   cluster_options.transport = transport_flag;
+  cluster_options.testing_lose_pull_replies = absl::GetFlag(FLAGS_testing_lose_pull_replies);
   // Whether the node takes new caches and sequences; readiness follows it (the listener is set
   // once the servers run).
   DrainGate gate(name);

@@ -412,7 +412,7 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
 absl::Status Cluster::CommitSequence(const std::string& tenant,
                                      const std::shared_ptr<Cache>& cache, const Pulled& pulled,
                                      int64_t dst_seq, int32_t length, bool must_be_unused,
-                                     const char* what) {
+                                     const std::string& commit_key, const char* what) {
   // The imported snapshot goes whatever happens: it was only the payload's way in.
   struct DropPulled {
     const std::shared_ptr<Cache>& cache;
@@ -426,6 +426,8 @@ absl::Status Cluster::CommitSequence(const std::string& tenant,
                    reservations_->BeginOperation(Reservations::Kind::kSequence,
                                                  Reservations::Key(tenant, cache->spec().name),
                                                  dst, what));
+  // A repeated migration that was committed already (its first reply was lost): done.
+  if (!commit_key.empty() && Committed(commit_key)) return absl::OkStatus();
   // Checked again under the guard: the sequence may have started while the payload moved.
   if (must_be_unused) RETURN_IF_ERROR(CheckUnused(*cache, dst_seq));
   // Under the guard too: a sequence that stored something when the operation began may have
@@ -434,9 +436,30 @@ absl::Status Cluster::CommitSequence(const std::string& tenant,
   if (options_.gate != nullptr) {
     ASSIGN_OR_RETURN(admitted, options_.gate->AdmitSequences(*cache, dst, what));
   }
-  if (pulled.empty) return cache->Remove(dst_seq, 0, std::nullopt);
-  const int32_t target = length > 0 ? std::min(length, pulled.snapshot.to) : pulled.snapshot.to;
-  return cache->Restore(dst_seq, pulled.snapshot.id, target);
+  absl::Status committed;
+  if (pulled.empty) {
+    committed = cache->Remove(dst_seq, 0, std::nullopt);
+  } else {
+    const int32_t target = length > 0 ? std::min(length, pulled.snapshot.to) : pulled.snapshot.to;
+    committed = cache->Restore(dst_seq, pulled.snapshot.id, target);
+  }
+  if (committed.ok() && !commit_key.empty()) RememberCommitted(commit_key);
+  return committed;
+}
+
+bool Cluster::Committed(const std::string& commit_key) const {
+  ReaderMutexLock lock(&committed_mu_);
+  return committed_.count(commit_key) > 0;
+}
+
+void Cluster::RememberCommitted(const std::string& commit_key) {
+  MutexLock lock(&committed_mu_);
+  if (!committed_.insert(commit_key).second) return;
+  committed_order_.push_back(commit_key);
+  if (committed_order_.size() > kCommittedMigrations) {
+    committed_.erase(committed_order_.front());
+    committed_order_.pop_front();
+  }
 }
 
 absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const std::string& tenant,
@@ -466,7 +489,7 @@ absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const std::string& ten
     ASSIGN_OR_RETURN(pulled, PullInto(tenant, cache, request.source_node(), what, deadline));
   }
   RETURN_IF_ERROR(CommitSequence(tenant, cache, pulled, request.dst_seq(), request.length(),
-                                 /*must_be_unused=*/false, "CopyPrefix"));
+                                 /*must_be_unused=*/false, /*commit_key=*/"", "CopyPrefix"));
   return pulled.stats;
 }
 
@@ -479,6 +502,19 @@ absl::Status Cluster::CheckUnused(const Cache& cache, int64_t seq) const {
 
 absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
                                                absl::Time deadline) {
+  // A sequence migration is known by its id and target: one committed here already (its reply
+  // was lost, and the sender asks again) is answered as done, before anything else, also on a
+  // node that has begun to drain since.
+  const std::string commit_key =
+      request.has_sequence() && !request.sequence().migration_id().empty()
+          ? absl::StrCat(request.tenant(), "/", request.cache(), "/",
+                         request.sequence().migration_id(), "->", request.target_seq())
+          : "";
+  if (!commit_key.empty() && Committed(commit_key)) {
+    v1::PullResponse done;
+    done.mutable_transfer()->set_transport("none (committed before)");
+    return done;
+  }
   // A draining node takes no data; the ticket makes a drain that starts meanwhile wait for
   // this pull, and then move what it brought.
   DrainGate::Ticket admitted;
@@ -507,8 +543,17 @@ absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
                      PullInto(request.tenant(), cache, request.source_node(), what, deadline));
     RETURN_IF_ERROR(CommitSequence(request.tenant(), cache, pulled, request.target_seq(),
                                    request.sequence().length(), request.target_seq_unused(),
-                                   "Migrate"));
+                                   commit_key, "Migrate"));
     *response.mutable_transfer() = pulled.stats;
+    {
+      MutexLock lock(&committed_mu_);
+      if (lost_replies_ < options_.testing_lose_pull_replies) {
+        ++lost_replies_;
+        return absl::UnavailableError(absl::StrCat(
+            "testing: node '", options_.self_name, "' committed the migration but loses this "
+            "reply (--testing-lose-pull-replies)"));
+      }
+    }
   } else if (request.what_case() == v1::PullRequest::kSnapshotId) {
     what.set_snapshot_id(request.snapshot_id());
     ASSIGN_OR_RETURN(const Pulled pulled,
@@ -526,7 +571,8 @@ absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
 
 absl::StatusOr<v1::MigrateResponse> Cluster::Migrate(const std::string& tenant,
                                                      const v1::MigrateRequest& request,
-                                                     absl::Time deadline, bool target_seq_unused) {
+                                                     absl::Time deadline, bool target_seq_unused,
+                                                     const std::string& migration_id) {
   ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(tenant, request.cache()));
   if (request.seq() < 0 || request.target_seq() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("seq = ", request.seq(),
@@ -550,9 +596,10 @@ absl::StatusOr<v1::MigrateResponse> Cluster::Migrate(const std::string& tenant,
   pull.set_tenant(tenant);
   pull.set_source_node(options_.self_name);
   pull.mutable_sequence()->set_seq(request.seq());
-  pull.mutable_sequence()->set_migration_id(absl::StrCat(options_.self_name, "/", request.cache(),
-                                                         "/", request.seq(), "@",
-                                                         absl::ToUnixNanos(absl::Now())));
+  pull.mutable_sequence()->set_migration_id(
+      !migration_id.empty() ? migration_id
+                            : absl::StrCat(options_.self_name, "/", request.cache(), "/",
+                                           request.seq(), "@", absl::ToUnixNanos(absl::Now())));
   pull.set_target_seq(request.target_seq());
   pull.set_target_seq_unused(target_seq_unused);
   ASSIGN_OR_RETURN(const v1::PullResponse pulled, AskToPull(target, pull, deadline));

@@ -16,15 +16,18 @@
 #ifndef KVMESH_SERVICE_CLUSTER_CLUSTER_H_
 #define KVMESH_SERVICE_CLUSTER_CLUSTER_H_
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cache/cache.h"
 #include "cache/cache_registry.h"
+#include "cache/mutex.h"
 #include "kvmesh/v1/kvmesh.pb.h"
 #include "kvmesh/v1/peer.pb.h"
 #include "service/cluster/drain_gate.h"
@@ -56,6 +59,9 @@ class Cluster {
     DrainGate* gate = nullptr;
     // A tenant's quota, for Place(create) (null: unlimited).
     std::function<TenantQuota(const std::string& tenant)> quota;
+    // Testing only: the first this many Pulls of a sequence that commit answer UNAVAILABLE
+    // anyway, as when the reply is lost on its way back.
+    int testing_lose_pull_replies = 0;
   };
 
   // `transports` maps transport names (transport::kGrpcStream, transport::kNccl) to the
@@ -81,10 +87,13 @@ class Cluster {
                                                    const v1::CopyPrefixRequest& request,
                                                    absl::Time deadline);
   // With target_seq_unused (a drain), the target refuses to replace a sequence that stores
-  // something there (ALREADY_EXISTS).
+  // something there (ALREADY_EXISTS). `migration_id` names the migration (empty: a new one);
+  // the target remembers the ids it committed, so that a Migrate repeated with the same id
+  // after an unclear failure (a lost reply) finds it done instead of copying it again.
   absl::StatusOr<v1::MigrateResponse> Migrate(const std::string& tenant,
                                               const v1::MigrateRequest& request,
-                                              absl::Time deadline, bool target_seq_unused = false);
+                                              absl::Time deadline, bool target_seq_unused = false,
+                                              const std::string& migration_id = "");
   absl::StatusOr<v1::MigrateSnapshotResponse> MigrateSnapshot(
       const std::string& tenant, const v1::MigrateSnapshotRequest& request, absl::Time deadline);
   // Remove with REMOVE_SCOPE_CLUSTER: every member, this one first. `local` runs the Remove
@@ -130,10 +139,15 @@ class Cluster {
                                   const std::string& source, const v1::ExportRequest& what,
                                   absl::Time deadline);
   // Restores a pulled sequence into dst_seq (or empties it), then drops the pulled snapshot.
-  // With must_be_unused, ALREADY_EXISTS when dst_seq stores something.
+  // With must_be_unused, ALREADY_EXISTS when dst_seq stores something. A non-empty
+  // `commit_key` (a migration's) is remembered once committed; a commit under a key already
+  // remembered does nothing and succeeds.
   absl::Status CommitSequence(const std::string& tenant, const std::shared_ptr<Cache>& cache,
                               const Pulled& pulled, int64_t dst_seq, int32_t length,
-                              bool must_be_unused, const char* what);
+                              bool must_be_unused, const std::string& commit_key,
+                              const char* what);
+  bool Committed(const std::string& commit_key) const;
+  void RememberCommitted(const std::string& commit_key);
   // ALREADY_EXISTS when `seq` stores something in `cache`.
   absl::Status CheckUnused(const Cache& cache, int64_t seq) const;
   // The transport to pull from `source` with.
@@ -153,6 +167,14 @@ class Cluster {
   LeaseTable* const leases_;
   Reservations* const reservations_;
   const std::map<std::string, transport::Transport*> transports_;
+
+  // The last kCommittedMigrations sequence migrations committed here (tenant, cache, migration
+  // id, target sequence), oldest first.
+  static constexpr size_t kCommittedMigrations = 4096;
+  mutable Mutex committed_mu_;
+  std::deque<std::string> committed_order_ ABSL_GUARDED_BY(committed_mu_);
+  std::set<std::string> committed_ ABSL_GUARDED_BY(committed_mu_);
+  int lost_replies_ ABSL_GUARDED_BY(committed_mu_) = 0;
 };
 
 }  // namespace kvmesh

@@ -52,6 +52,13 @@ namespace {
 // How long into a drain a peer that does not answer is waited for.
 constexpr absl::Duration kUnreachablePeerWait = absl::Seconds(10);
 
+// A failed Migrate after which the target may still have committed the sequence (the failure
+// came on the way back, or the deadline fired as it committed).
+bool IsUnclear(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded ||
+         code == absl::StatusCode::kCancelled || code == absl::StatusCode::kUnknown;
+}
+
 bool IsRetryable(absl::StatusCode code) {
   return code == absl::StatusCode::kAborted || code == absl::StatusCode::kUnavailable ||
          code == absl::StatusCode::kDeadlineExceeded;
@@ -198,9 +205,62 @@ bool Drainer::EnsureCache(const Item& item, Candidate& candidate, absl::Time dea
 
 Drainer::Outcome Drainer::MoveSequence(const Item& item, const std::set<int64_t>& local_seqs,
                                        std::vector<Candidate>& candidates, absl::Time deadline,
+                                       std::map<std::string, Unclear>* unclear,
                                        v1::DrainResponse* response) {
   Outcome outcome;
   std::vector<std::string> reasons;
+  // One attempt: Migrate to `candidate` as `target_seq` under `migration_id`; the status.
+  auto attempt = [&](Candidate& candidate, int64_t target_seq,
+                     const std::string& migration_id) -> absl::Status {
+    v1::MigrateRequest migrate;
+    migrate.set_cache(item.cache->spec().name);
+    migrate.set_seq(item.seq);
+    migrate.set_target_node(candidate.member.name);
+    migrate.set_target_seq(target_seq);
+    migrate.set_keep_source(false);
+    absl::StatusOr<v1::MigrateResponse> moved = cluster_->Migrate(
+        item.tenant, migrate, deadline, /*target_seq_unused=*/true, migration_id);
+    if (!moved.ok()) return moved.status();
+    candidate.seqs.insert(target_seq);
+    // free_cells stays as the peer said: it is the least over groups of different units
+    // (cells, ring rows, state slots), good for ranking peers, not for bookkeeping. A peer
+    // that fills up answers RESOURCE_EXHAUSTED, and the next one is tried.
+    v1::DrainedSequence* done = response->add_sequences();
+    done->set_tenant(item.tenant);
+    done->set_cache(item.cache->spec().name);
+    done->set_seq(item.seq);
+    done->set_node(candidate.member.name);
+    done->set_target_seq(target_seq);
+    *done->mutable_transfer() = moved->transfer();
+    Log(absl::StrCat("drain: moved ", item.Name(), " of tenant '", item.tenant, "' to node '",
+                     candidate.member.name, "' as sequence ", target_seq, " (",
+                     moved->transfer().bytes(), " bytes over ", moved->transfer().transport(),
+                     ")"));
+    return absl::OkStatus();
+  };
+  // An earlier attempt whose outcome is unclear goes first, to the same peer under the same
+  // migration id: if that peer committed it, it says so now, and nothing is copied twice. A
+  // peer that no longer answers (or drains) cannot say: the item goes on as a new one.
+  auto pending = unclear->find(item.Key());
+  if (pending != unclear->end()) {
+    const Unclear earlier = pending->second;
+    unclear->erase(pending);
+    for (Candidate& candidate : candidates) {
+      if (candidate.member.name != earlier.node) continue;
+      const absl::Status status = attempt(candidate, earlier.target_seq, earlier.migration_id);
+      if (status.ok()) {
+        outcome.moved = true;
+        return outcome;
+      }
+      if (IsUnclear(status.code())) {
+        (*unclear)[item.Key()] = earlier;
+        outcome.retryable = true;
+        outcome.reason = StatusText(status);
+        return outcome;
+      }
+      break;
+    }
+  }
   for (Candidate& candidate : candidates) {
     // (Snapshots need no cells: they go to the snapshot pool.)
     if (candidate.exists && candidate.free_cells == 0) {
@@ -218,50 +278,35 @@ Drainer::Outcome Drainer::MoveSequence(const Item& item, const std::set<int64_t>
     // Its own id when free there, else the next above every id in use there and every id of
     // this cache still here (which keep theirs when they can). A sequence the target starts
     // meanwhile makes the Pull ALREADY_EXISTS: take the next id then.
-    for (int attempt = 0; attempt < 3; ++attempt) {
-      int64_t target_seq = item.seq;
+    int64_t target_seq = item.seq;
+    std::string migration_id;
+    for (int tries = 0; tries < 3; ++tries) {
+      target_seq = item.seq;
       if (candidate.seqs.count(target_seq) > 0) {
         target_seq = std::max(*candidate.seqs.rbegin(),
                               local_seqs.empty() ? int64_t{0} : *local_seqs.rbegin()) + 1;
       }
-      v1::MigrateRequest migrate;
-      migrate.set_cache(item.cache->spec().name);
-      migrate.set_seq(item.seq);
-      migrate.set_target_node(candidate.member.name);
-      migrate.set_target_seq(target_seq);
-      migrate.set_keep_source(false);
-      absl::StatusOr<v1::MigrateResponse> moved =
-          cluster_->Migrate(item.tenant, migrate, deadline, /*target_seq_unused=*/true);
-      if (moved.ok()) {
-        candidate.seqs.insert(target_seq);
-        // free_cells stays as the peer said: it is the least over groups of different units
-        // (cells, ring rows, state slots), good for ranking peers, not for bookkeeping. A peer
-        // that fills up answers RESOURCE_EXHAUSTED, and the next one is tried.
-        v1::DrainedSequence* done = response->add_sequences();
-        done->set_tenant(item.tenant);
-        done->set_cache(item.cache->spec().name);
-        done->set_seq(item.seq);
-        done->set_node(candidate.member.name);
-        done->set_target_seq(target_seq);
-        *done->mutable_transfer() = moved->transfer();
-        Log(absl::StrCat("drain: moved ", item.Name(), " of tenant '", item.tenant, "' to node '",
-                         candidate.member.name, "' as sequence ", target_seq, " (",
-                         moved->transfer().bytes(), " bytes over ", moved->transfer().transport(),
-                         ")"));
+      migration_id = absl::StrCat(options_.self_name, "/", item.cache->spec().name, "/",
+                                  item.seq, "@drain-", absl::ToUnixNanos(absl::Now()));
+      status = attempt(candidate, target_seq, migration_id);
+      if (status.ok()) {
         outcome.moved = true;
         return outcome;
       }
-      status = moved.status();
-      if (status.code() == absl::StatusCode::kAlreadyExists) {
-        candidate.seqs.insert(target_seq);
-        continue;
-      }
-      break;
+      if (status.code() != absl::StatusCode::kAlreadyExists) break;
+      candidate.seqs.insert(target_seq);
     }
     // The source's own refusals end the attempt: another peer would meet them too.
     if (status.code() == absl::StatusCode::kNotFound && !item.cache->IsLive(item.seq)) {
       outcome.gone = true;
       return outcome;
+    }
+    if (IsUnclear(status.code())) {
+      // The peer may have committed it: ask it again, and no other, in the next pass.
+      (*unclear)[item.Key()] = Unclear{candidate.member.name, target_seq, migration_id};
+      outcome.retryable = true;
+      reasons.push_back(StatusText(status));
+      break;
     }
     outcome.retryable |= IsRetryable(status.code());
     reasons.push_back(StatusText(status));
@@ -361,6 +406,7 @@ v1::DrainResponse Drainer::Run(absl::Time deadline, uint64_t epoch) {
     Log("drain: operations that create sequences were still running at the deadline");
   }
   std::map<std::string, std::string> reasons;  // item key -> why it is still here
+  std::map<std::string, Unclear> unclear;      // item key -> an attempt of unclear outcome
   while (absl::Now() < Until(deadline) && !Resumed(epoch)) {
     const std::vector<Item> items = Inventory();
     if (items.empty()) break;
@@ -385,7 +431,8 @@ v1::DrainResponse Drainer::Run(absl::Time deadline, uint64_t epoch) {
           outcome.reason = absl::StrCat("no peer can take it: ", refusals);
         } else {
           outcome = item.sequence
-                        ? MoveSequence(item, local_seqs, candidates, Until(deadline), &response)
+                        ? MoveSequence(item, local_seqs, candidates, Until(deadline), &unclear,
+                                       &response)
                         : MoveSnapshot(item, candidates, Until(deadline), &response);
         }
         if (outcome.moved || outcome.gone) {

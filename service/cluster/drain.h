@@ -29,6 +29,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <set>
 #include <string>
 
@@ -76,6 +77,12 @@ class Drainer {
   struct Item;
   struct Candidate;
   struct Outcome;
+  // A Migrate whose outcome is unclear: where it went, as what, under which migration id.
+  struct Unclear {
+    std::string node;
+    int64_t target_seq = 0;
+    std::string migration_id;
+  };
 
   std::vector<Item> Inventory() const;
   // `wait_for_unreachable`: a peer that does not answer makes the pass worth repeating (early
@@ -84,9 +91,10 @@ class Drainer {
                                absl::Time deadline, bool wait_for_unreachable,
                                std::string* reasons, bool* retryable);
   // `local_seqs`: the ids of the cache's sequences here, which a renamed one avoids.
+  // `unclear`: attempts of earlier passes whose outcome is unclear, which go first.
   Outcome MoveSequence(const Item& item, const std::set<int64_t>& local_seqs,
                        std::vector<Candidate>& candidates, absl::Time deadline,
-                       v1::DrainResponse* response);
+                       std::map<std::string, Unclear>* unclear, v1::DrainResponse* response);
   Outcome MoveSnapshot(const Item& item, std::vector<Candidate>& candidates,
                        absl::Time deadline, v1::DrainResponse* response);
   // Creates the cache on `candidate` when it lacks it; false (and `reason`) when that fails.

@@ -839,6 +839,35 @@ TEST_F(DrainTest, DrainWithNoRoomReportsExactlyWhatStayedAndKeepsIt) {
   EXPECT_EQ(caches.caches_size(), 0);
 }
 
+TEST_F(DrainTest, AMoveWhoseReplyIsLostIsAskedAgainNotCopiedTwice) {
+  // b commits the first two migrations into it but answers UNAVAILABLE, as when the reply is
+  // lost. The drain asks b again under the same migration ids; b says they are done; nothing
+  // goes to c as well.
+  ASSERT_NO_FATAL_FAILURE(cluster_.Start({"node-a", "node-b", "node-c"},
+                                         {{}, {"--testing-lose-pull-replies=2"}}));
+  hybrid_ = DrainSpec();
+  for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), hybrid_).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(2), hybrid_, 9, 2, 1));  // b ranks first
+  for (int64_t seq = 0; seq < 2; ++seq) {
+    ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), hybrid_, seq, 4 + seq, 30 + seq));
+    held_.push_back({"hybrid", seq, ReadAll(cluster_.stub(0), "hybrid", seq)});
+  }
+  v1::DrainResponse drained;
+  const grpc::Status status = DrainNode(cluster_.stub(0), &drained);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  EXPECT_EQ(drained.stayed_size(), 0) << drained.DebugString();
+  ASSERT_EQ(drained.sequences_size(), 2) << drained.DebugString();
+  for (const v1::DrainedSequence& moved : drained.sequences()) {
+    EXPECT_EQ(moved.node(), "node-b") << moved.DebugString();
+    EXPECT_EQ(moved.transfer().transport(), "none (committed before)") << moved.DebugString();
+    ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", moved.target_seq()),
+                   held_[moved.seq()].read);
+  }
+  EXPECT_THAT(LiveSeqs(cluster_.stub(1), "hybrid"), ::testing::ElementsAre(0, 1));
+  EXPECT_THAT(LiveSeqs(cluster_.stub(2), "hybrid"), ::testing::ElementsAre(9));
+  EXPECT_TRUE(LiveSeqs(cluster_.stub(0), "hybrid").empty());
+}
+
 TEST_F(DrainTest, SigtermDrainsToThePeersAndASecondSigtermLosesNothing) {
   // a sends slowly, so that the drain is still running when the second SIGTERM comes.
   ASSERT_NO_FATAL_FAILURE(cluster_.Start({"node-a", "node-b", "node-c"},
