@@ -559,6 +559,8 @@ TEST(LimitsTest, StartupRefusesLimitsThatCannotWork) {
        "--inflight_budget=268435456 is less than 4 x --max_message_bytes=134217728"},
       {{"--stream-idle-timeout-ms=-1"}, "--stream_idle_timeout_ms=-1 is negative"},
       {{"--max-visible-positions=0"}, "--max_visible_positions=0 must be at least 1"},
+      {{"--drain-timeout-ms=-5"}, "--drain_timeout_ms=-5 is negative"},
+      {{"--health-listen=nocolon"}, "--health_listen=nocolon is not host:port"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = {"--listen=127.0.0.1:0"};

@@ -517,6 +517,68 @@ TEST_F(PeerPlaneTest, ExportsGoOnlyToMembersOverTransportsTheNodeHas) {
   EXPECT_EQ(got.cache().usage().export_bytes(), 0);
 }
 
+TEST_F(PeerPlaneTest, PlaceDescribesRoomCreatesCachesAndNamesBadValues) {
+  AliceCacheOnBoth();
+  std::unique_ptr<Stub> alice1 = StubFor(nodes_[1]->address(), kAlice);
+  ASSERT_OK(Append(*alice1, MakeAppend(SmallSpec("m"), 5, {0, 1}, 11)));
+  auto place = [&](const std::string& tenant, const v1::CacheSpec& spec, bool create,
+                   v1::PlaceResponse* response) {
+    v1::PlaceRequest request;
+    request.set_tenant(tenant);
+    *request.mutable_spec() = spec;
+    request.set_create(create);
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    return PeerStub(1)->Place(&context, request, response);
+  };
+  v1::PlaceResponse room;
+  ASSERT_OK(place("team-a", SmallSpec("m"), false, &room));
+  EXPECT_FALSE(room.draining());
+  EXPECT_TRUE(room.exists());
+  EXPECT_FALSE(room.created());
+  EXPECT_GT(room.free_cells(), 0);
+  EXPECT_THAT(room.seqs(), ::testing::ElementsAre(5));
+  // Another tenant's cache of that name is not there for team-b; without create nothing moves.
+  ASSERT_OK(place("team-b", SmallSpec("m"), false, &room));
+  EXPECT_FALSE(room.exists());
+  // A different spec, a malformed tenant: named, nothing created.
+  grpc::Status status = place("team-a", SmallSpec("m", 128), true, &room);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("cache 'm' has another spec"));
+  status = place("team/x", SmallSpec("n"), true, &room);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("tenant = 'team/x'"));
+  v1::GetCacheResponse got;
+  EXPECT_EQ(GetCache(*alice1, "n", &got).error_code(), grpc::StatusCode::NOT_FOUND);
+  // create makes the cache for that tenant, from the spec.
+  ASSERT_OK(place("team-a", SmallSpec("n"), true, &room));
+  EXPECT_TRUE(room.created());
+  EXPECT_TRUE(room.exists());
+  ASSERT_OK(GetCache(*alice1, "n", &got));
+  EXPECT_EQ(got.cache().tenant(), "team-a");
+
+  // A drain's Pull refuses to replace a sequence that stores something, before any transfer.
+  ReadOutput before;
+  ASSERT_OK(Read(*alice1, ReadRequest("m", 5), &before));
+  v1::PullRequest pull;
+  pull.set_cache("m");
+  pull.set_tenant("team-a");
+  pull.set_source_node("p0");
+  pull.mutable_sequence()->set_seq(0);
+  pull.mutable_sequence()->set_migration_id("p0/m/0@1");
+  pull.set_target_seq(5);
+  pull.set_target_seq_unused(true);
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::PullResponse pulled;
+  status = PeerStub(1)->Pull(&context, pull, &pulled);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::ALREADY_EXISTS) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("sequence 5 of cache 'm' already stores data"));
+  ReadOutput after;
+  ASSERT_OK(Read(*alice1, ReadRequest("m", 5), &after));
+  EXPECT_EQ(after.payload, before.payload);
+}
+
 TEST_F(PeerPlaneTest, APullOfASequenceOutsideAMigrationIsRefused) {
   AliceCacheOnBoth();
   std::unique_ptr<Stub> alice1 = StubFor(nodes_[1]->address(), kAlice);
