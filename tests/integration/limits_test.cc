@@ -331,9 +331,13 @@ v1::AppendRequest ZerosRequest(const std::string& cache, int64_t seq, int32_t be
 
 TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAreClosed) {
   // --inflight-budget=200MiB: 150 MiB for what kvmesh buffers (and 50 MiB for gRPC's buffers,
-  // which must hold a message: --max-message-bytes=48MiB). Each stream claims 64 MiB, so two
-  // fit and the other four are refused at once; the two send all but 1 MiB and stop.
-  constexpr int32_t kTokens = 8192;  // 64 MiB
+  // which must hold a message: --max-message-bytes=48MiB). Each stream claims 72 MiB (and its
+  // tokens), so two fit and the other four are refused at once; the two send all but 1 MiB and
+  // stop. What is left of kvmesh's share (4.7 MiB) is less than the 8 MiB unary Append and Read
+  // below, which are therefore refused; they are small beside gRPC's 50 MiB, which also holds
+  // the streams' data until kvmesh reads it (beyond its quota gRPC would reset streams).
+  constexpr int32_t kTokens = 9216;  // 72 MiB
+  constexpr int32_t kUnaryTokens = 1024;  // 8 MiB
   constexpr uint64_t kStreamBytes = kTokens * kBigTokenBytes;
   constexpr uint64_t kInflight = 200 * kMiB;
   // Long enough that a client writing without pause is never idle for it, also on a loaded
@@ -349,8 +353,8 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
   ASSERT_NE(node, nullptr);
   std::unique_ptr<Stub> stub = node->NewStub();
   KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenSpec("big", 2, kTokens, kTokens)));
-  // seq 1 stores 3072 tokens (24 MiB) for the Read below.
-  KVMESH_ASSERT_OK(Append(*stub, ZerosRequest("big", 1, 0, 3072, kBigTokenBytes)));
+  // seq 1 stores 8 MiB for the Read below.
+  KVMESH_ASSERT_OK(Append(*stub, ZerosRequest("big", 1, 0, kUnaryTokens, kBigTokenBytes)));
 
   const uint64_t rss_before = RssBytes(node->pid());
   RssSampler sampler(node->pid());
@@ -359,7 +363,7 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
   absl::Notification all_written;
   std::vector<std::thread> threads;
   // One client's connection (gRPC's quarter of the budget, 50 MiB, holds its buffers and the
-  // unary Append below, whose message it must take before kvmesh can refuse it).
+  // unary Append below, whose message it must take whole before kvmesh can refuse it).
   std::unique_ptr<Stub> streams = v1::CacheService::NewStub(node->NewChannel());
   for (int i = 0; i < 6; ++i) {
     threads.emplace_back([&, i] {
@@ -369,11 +373,12 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
           });
     });
   }
-  // While the two accepted streams sit idle with 63 MiB each (before the idle timeout), the
-  // rest of the budget (22 MiB) takes neither a 24 MiB unary Append nor a 24 MiB Read.
+  // While the two accepted streams sit idle with 71 MiB each (before the idle timeout), the
+  // rest of the budget (4.7 MiB) takes neither an 8 MiB unary Append nor an 8 MiB Read.
   ASSERT_TRUE(all_written.WaitForNotificationWithTimeout(absl::Seconds(90)));
   const uint64_t rss_idle = RssBytes(node->pid());
-  const grpc::Status append = Append(*stub, ZerosRequest("big", 1, 3072, 6144, kBigTokenBytes));
+  const grpc::Status append =
+      Append(*stub, ZerosRequest("big", 1, kUnaryTokens, 2 * kUnaryTokens, kBigTokenBytes));
   ReadOutput read;
   const grpc::Status read_status = Read(*stub, ReadRequest("big", 1), &read);
   for (std::thread& t : threads) t.join();
@@ -381,17 +386,17 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
 
   EXPECT_EQ(append.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(append);
   EXPECT_THAT(append.error_message(),
-              AllOf(HasSubstr("Append of 25165824 payload bytes"), HasSubstr("other requests hold"),
+              AllOf(HasSubstr("Append of 8388608 payload bytes"), HasSubstr("other requests hold"),
                     HasSubstr("retry later")));
   EXPECT_EQ(read_status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << StatusText(read_status);
   EXPECT_THAT(read_status.error_message(),
-              AllOf(HasSubstr("Read of 25165824 payload bytes"), HasSubstr("other requests hold")));
+              AllOf(HasSubstr("Read of 8388608 payload bytes"), HasSubstr("other requests hold")));
   int accepted = 0;
   for (const StreamResult& r : results) {
     if (r.status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
       EXPECT_THAT(r.status.error_message(),
-                  AllOf(HasSubstr("AppendStream of 67108864 bytes"), HasSubstr("in-flight budget"),
+                  AllOf(HasSubstr("AppendStream of 75497472 bytes"), HasSubstr("in-flight budget"),
                         HasSubstr("retry later")));
       EXPECT_LT(r.sent, kStreamBytes - kMiB) << "a refused stream could send all its data";
       continue;
@@ -401,7 +406,7 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
     EXPECT_THAT(r.status.error_message(),
                 AllOf(HasSubstr(absl::StrCat("no message for ", kIdleMs, " ms")),
                       HasSubstr("--stream-idle-timeout-ms"),
-                      HasSubstr("66060288 buffered bytes are freed")));
+                      HasSubstr(absl::StrCat(kStreamBytes - kMiB, " buffered bytes are freed"))));
     EXPECT_EQ(r.sent, kStreamBytes - kMiB);
     // Closed after the timeout, within the reaper's tick (a quarter of it) and some slack.
     EXPECT_GE(r.finished - r.last_write, absl::Milliseconds(kIdleMs));
@@ -409,13 +414,13 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
   }
   EXPECT_EQ(accepted, 2);
   if (kCheckRss) {
-    // Six streams would buffer 6 x 63 MiB = 378 MiB; the budget holds them to 2 x 64 MiB.
+    // Six streams would buffer 6 x 71 MiB = 426 MiB; the budget holds them to 2 x 72 MiB.
     const uint64_t bound = rss_before + kInflight + kOverhead + kSanitizerSlack;
     EXPECT_LE(peak, bound) << "RSS before " << rss_before << ", peak " << peak << ", while idle "
                            << rss_idle;
-    // Resident while they wait: more than one stream's 63 MiB. Not the full 126 MiB: the
-    // streams may reuse heap that the 24 MiB Append above freed but that was still counted in
-    // rss_before (CI saw 105 MiB of growth on the simulated-CUDA node).
+    // Resident while they wait: more than one stream's 71 MiB. Not the full 142 MiB: the
+    // streams may reuse heap that the Append above freed but that was still counted in
+    // rss_before (CI once saw 105 MiB of growth for 126 MiB of streams).
     EXPECT_GE(rss_idle, rss_before + 2 * (kStreamBytes - kMiB) - 48 * kMiB)
         << "the two accepted streams' data should be resident while they wait";
   }
@@ -425,12 +430,13 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
       static_cast<unsigned long>(rss_before / kMiB), static_cast<unsigned long>(rss_idle / kMiB),
       static_cast<unsigned long>(peak / kMiB), append.error_message().c_str());
 
-  // The budget is whole again: a 64 MiB stream, a 24 MiB unary Append and a 48 MiB Read.
+  // The budget is whole again: a 72 MiB stream, an 8 MiB unary Append and a 16 MiB Read.
   StreamResult whole = RunStream(*stub, "big", 0, kTokens, kStreamBytes, /*finish=*/true);
   KVMESH_EXPECT_OK(whole.status);
-  KVMESH_EXPECT_OK(Append(*stub, ZerosRequest("big", 1, 3072, 6144, kBigTokenBytes)));
+  KVMESH_EXPECT_OK(
+      Append(*stub, ZerosRequest("big", 1, kUnaryTokens, 2 * kUnaryTokens, kBigTokenBytes)));
   KVMESH_EXPECT_OK(Read(*stub, ReadRequest("big", 1), &read));
-  EXPECT_EQ(read.payload.size(), 6144 * kBigTokenBytes);
+  EXPECT_EQ(read.payload.size(), 2 * kUnaryTokens * kBigTokenBytes);
   streams.reset();
   stub.reset();
   StopLimitsNode(std::move(node));
