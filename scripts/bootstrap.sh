@@ -12,6 +12,8 @@ packages=(
   clang libclang-rt-14-dev
   iproute2 procps iperf3
   libyaml-cpp-dev dnsmasq-base
+  prometheus-cpp-dev libspdlog-dev
+  python3 python3-grpcio python3-protobuf python3-numpy
 )
 
 missing=()
