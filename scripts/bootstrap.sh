@@ -11,7 +11,7 @@ packages=(
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev
   iproute2 procps iperf3
-  libyaml-cpp-dev dnsmasq-base
+  libyaml-cpp-dev dnsmasq-base nlohmann-json3-dev
   prometheus-cpp-dev libspdlog-dev
   python3 python3-grpcio python3-protobuf python3-numpy
 )
