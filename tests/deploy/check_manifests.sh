@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Offline validation of deploy/k8s: renders every overlay with kustomize and checks the objects
-# against the Kubernetes schemas and against kvmesh-node (validate.mjs says what is checked).
-# No cluster is needed, nor reached.
+# Offline validation of deploy/k8s: renders every overlay and the monitoring kustomization with
+# kustomize and checks the objects against the Kubernetes schemas, against kvmesh-node and against
+# its metrics (validate.mjs says what is checked). No cluster is needed, nor reached.
 #
 #   check_manifests.sh install   WORKDIR                  npm ci of package-lock.json into WORKDIR
 #                                                         (skipped when the lock has not changed)
-#   check_manifests.sh validate  WORKDIR KVMESH_NODE ROOT  render ROOT/deploy/k8s/overlays/*, check
-#   check_manifests.sh self-test WORKDIR KVMESH_NODE ROOT  plant errors in the host overlay's objects;
-#                                                         each must be found
+#   check_manifests.sh validate  WORKDIR KVMESH_NODE ROOT  render ROOT/deploy/k8s/overlays/* and
+#                                                         ROOT/deploy/k8s/monitoring, check
+#   check_manifests.sh self-test WORKDIR KVMESH_NODE ROOT  plant errors in the host overlay's and the
+#                                                         monitoring objects; each must be found
 #
 # ctest runs the three (tests/deploy/CMakeLists.txt; label deploy); by hand:
 #   ctest --test-dir build -L deploy --output-on-failure
@@ -20,7 +21,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 command=${1:-}
 work=${2:-}
-[ -n "$command" ] && [ -n "$work" ] || { sed -n '2,13p' "$0"; exit 2; }
+[ -n "$command" ] && [ -n "$work" ] || { sed -n '2,14p' "$0"; exit 2; }
 mkdir -p "$work"
 
 need() {
@@ -66,14 +67,18 @@ the single static binary into /usr/local/bin), or the Google Cloud SDK's apt pac
       rendered+=("$name=$work/$name.yaml")
     done
     [ "${#rendered[@]}" -gt 0 ] || { echo "check_manifests: no overlay in $root/deploy/k8s/overlays" >&2; exit 1; }
+    # The optional monitoring kustomization (PodMonitor, alerts, dashboard), checked on its own and
+    # against every overlay, and the node's metrics that its queries may name.
+    kubectl kustomize "$root/deploy/k8s/monitoring" >"$work/monitoring.yaml"
+    monitoring=(--metrics="$root/deploy/k8s/monitoring/metrics.txt" --monitoring="$work/monitoring.yaml")
     if [ "$command" = validate ]; then
-      node "$work/validate.mjs" --flags="$work/helpfull.txt" "${rendered[@]}"
+      node "$work/validate.mjs" --flags="$work/helpfull.txt" "${monitoring[@]}" "${rendered[@]}"
     else
-      node "$work/validate.mjs" --flags="$work/helpfull.txt" --self-test "$work/host.yaml"
+      node "$work/validate.mjs" --flags="$work/helpfull.txt" "${monitoring[@]}" --self-test "$work/host.yaml"
     fi
     ;;
   *)
-    sed -n '2,13p' "$0"
+    sed -n '2,14p' "$0"
     exit 2
     ;;
 esac

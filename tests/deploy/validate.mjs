@@ -1,12 +1,15 @@
 // Offline validation of kvmesh's Kubernetes manifests (deploy/k8s), as rendered by kustomize.
 //
-//   node validate.mjs --flags=HELPFULL OVERLAY=RENDERED.yaml ...   check each rendered overlay
-//   node validate.mjs --flags=HELPFULL --self-test RENDERED.yaml   plant errors, expect each found
+//   node validate.mjs --flags=HELPFULL --metrics=METRICS --monitoring=MONITORING.yaml
+//                     OVERLAY=RENDERED.yaml ...      check the monitoring objects and each overlay
+//   node validate.mjs --flags=HELPFULL --metrics=METRICS --monitoring=MONITORING.yaml
+//                     --self-test RENDERED.yaml      plant errors, expect each found
 //
-// HELPFULL is what `kvmesh-node --helpfull` printed. Exit status 0 when everything passed, 1 when
-// a check failed (each problem is printed), 2 on a usage error.
+// HELPFULL is what `kvmesh-node --helpfull` printed; METRICS is deploy/k8s/monitoring/metrics.txt,
+// the node's metrics; MONITORING.yaml is deploy/k8s/monitoring rendered. Exit status 0 when
+// everything passed, 1 when a check failed (each problem is printed), 2 on a usage error.
 //
-// Three checks, every object of every overlay:
+// Four checks, every object of every overlay and of the monitoring kustomization:
 //  1. Schema, at run time: kubernetes-models' validators, compiled (ajv) from the Kubernetes
 //     OpenAPI spec: types, required fields, enums and formats (int32, ...). They do not reject
 //     unknown fields (the OpenAPI spec does not say additionalProperties: false).
@@ -18,12 +21,25 @@
 //  3. kvmesh: every flag in the container's args is one kvmesh-node accepts; the ports of
 //     --listen, --peer-listen and --health-listen agree with the containerPorts, the Services,
 //     the probes and the NetworkPolicy; the probes ask the health services kvmesh-node serves;
-//     the grace period outlasts the drain; memory covers the budgets.
+//     the grace period outlasts the drain; memory covers the budgets; --metrics-port agrees
+//     with the containerPort metrics, the NetworkPolicy (Prometheus only), any Service port
+//     named metrics and the PodMonitor (or ServiceMonitor) that scrapes the pods.
+//  4. Monitoring: the PodMonitor, the PrometheusRule and the Grafana dashboard (in its
+//     ConfigMap). Schemas as in 1 and 2, with @kubernetes-models/prometheus-operator. Every
+//     PromQL expression (alerts, panels, variable queries) parses (Prometheus' own grammar,
+//     @prometheus-io/lezer-promql) and names only metrics of METRICS (a histogram's _bucket,
+//     _sum and _count) and `up`, with their labels and the target's; rate() and increase()
+//     only of counters, histogram_quantile() only of buckets aggregated by le; legends and
+//     alert annotations use labels the query has; job matches the PodMonitor's job. The
+//     dashboard parses, is of a current Grafana, takes its Prometheus from a ${datasource}
+//     variable in every panel and query, and has a node variable. Every alert has a for:, a
+//     severity, a summary and a description.
 import fs from "node:fs";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 import YAML from "yaml";
 import ts from "typescript";
+import { parser as promqlParser } from "@prometheus-io/lezer-promql";
 
 const here = path.dirname(fileURLToPath(import.meta.url));
 
@@ -31,10 +47,14 @@ const here = path.dirname(fileURLToPath(import.meta.url));
 // 1 and 2: the schemas.
 
 // kubernetes-models' module for an apiVersion: "v1" -> kubernetes-models/v1,
-// "apps/v1" -> kubernetes-models/apps/v1.
+// "apps/v1" -> kubernetes-models/apps/v1; prometheus-operator's (monitoring.coreos.com/v1) come
+// from @kubernetes-models/prometheus-operator (generated from the operator's v0.65.1 CRDs).
 function modelModule(apiVersion) {
   if (typeof apiVersion !== "string" || !/^([a-z0-9.-]+\/)?v[0-9a-z]+$/.test(apiVersion)) {
     return null;
+  }
+  if (apiVersion.startsWith("monitoring.coreos.com/")) {
+    return `@kubernetes-models/prometheus-operator/${apiVersion}`;
   }
   return `kubernetes-models/${apiVersion}`;
 }
@@ -166,7 +186,8 @@ function selects(selector, labels) {
          Object.entries(selector).every(([k, v]) => labels[k] === v);
 }
 
-function kvmeshProblems(objects, flags) {
+// `monitoring`: objects of the monitoring kustomization, beside the overlay's own.
+function kvmeshProblems(objects, flags, monitoring = []) {
   const problems = [];
   const bad = (msg) => problems.push(`kvmesh: ${msg}`);
   const sets = objects.filter((o) => o.kind === "StatefulSet");
@@ -202,7 +223,7 @@ function kvmeshProblems(objects, flags) {
   const arg = (name) => args.get(name);
   for (const required of ["node_name", "listen", "peer_listen", "health_listen", "peer_dns",
                           "backend", "memory_budget", "snapshot_budget", "drain_timeout_ms",
-                          "token_file", "tls_cert", "tls_key", "peer_ca"]) {
+                          "token_file", "tls_cert", "tls_key", "peer_ca", "metrics_port"]) {
     if (!args.has(required)) bad(`the args lack --${required.replace(/_/g, "-")}`);
   }
 
@@ -309,6 +330,95 @@ function kvmeshProblems(objects, flags) {
     bad("a NetworkPolicy rule admits every port");
   }
 
+  // Metrics: --metrics-port (plain HTTP /metrics on --listen's host), its containerPort, the
+  // NetworkPolicy (Prometheus only: the labels name tenants and caches), any Service port named
+  // metrics, and the monitors that scrape the pods.
+  const metricsPort = /^[0-9]+$/.test(arg("metrics_port") ?? "") ? Number(arg("metrics_port")) : null;
+  if (args.has("metrics_port") && !(metricsPort > 0 && metricsPort < 65536)) {
+    bad(`--metrics-port=${arg("metrics_port")}: expected a port (0 turns metrics off)`);
+  } else if (metricsPort !== null) {
+    if (containerPorts.get("metrics") !== metricsPort) {
+      bad(`--metrics-port is ${metricsPort} but containerPort metrics is ${containerPorts.get("metrics")}`);
+    }
+    if ([client, peer, health].some((p) => p.port === metricsPort)) {
+      bad(`--metrics-port ${metricsPort} is also a gRPC port`);
+    }
+    const metricsRules = rulesFor(metricsPort);
+    if (metricsRules.length === 0) {
+      bad(`the NetworkPolicy admits nothing to port ${metricsPort} (--metrics-port)`);
+    }
+    for (const rule of metricsRules) {
+      const from = rule.from ?? [];
+      if (from.length === 0 || from.some((f) => f.ipBlock || (!f.podSelector && !f.namespaceSelector))) {
+        bad(`a NetworkPolicy rule admits anyone to the metrics port ${metricsPort} (Prometheus only: ` +
+            "its labels name tenants and caches)");
+      }
+    }
+    for (const svc of services.values()) {
+      for (const p of svc.spec?.ports ?? []) {
+        if (p.name === "metrics" && resolve(p.targetPort ?? p.port) !== metricsPort) {
+          bad(`Service ${svc.metadata.name} port metrics targets ${resolve(p.targetPort ?? p.port)}, ` +
+              `not --metrics-port's ${metricsPort}`);
+        }
+      }
+    }
+    const namespace = sts.metadata?.namespace;
+    const inNamespace = (monitor) => {
+      const sel = monitor.spec?.namespaceSelector;
+      if (sel?.any) return true;
+      if (sel?.matchNames) return namespace === undefined || sel.matchNames.includes(namespace);
+      return (monitor.metadata?.namespace ?? namespace) === namespace;
+    };
+    const allObjects = [...objects, ...monitoring];
+    const monitors = allObjects.filter((o) => o.kind === "PodMonitor" || o.kind === "ServiceMonitor");
+    let scraped = false;
+    for (const monitor of monitors) {
+      const what = `${monitor.kind} ${monitor.metadata?.name}`;
+      if (monitor.kind === "PodMonitor") {
+        if (!selects(monitor.spec?.selector?.matchLabels, podLabels)) continue;
+        if (!inNamespace(monitor)) {
+          bad(`${what} is in namespace ${monitor.metadata?.namespace}, not the pods' ${namespace} ` +
+              "(and its namespaceSelector does not name it)");
+          continue;
+        }
+        for (const ep of monitor.spec?.podMetricsEndpoints ?? []) {
+          const port = ep.port !== undefined ? containerPorts.get(ep.port) : resolve(ep.targetPort);
+          if (port !== metricsPort) {
+            bad(`${what} scrapes port ${JSON.stringify(ep.port ?? ep.targetPort)} (${port}), not ` +
+                `--metrics-port's ${metricsPort}`);
+          }
+          if ((ep.path ?? "/metrics") !== "/metrics") bad(`${what} scrapes ${ep.path}, not /metrics`);
+          if ((ep.scheme ?? "http") !== "http") bad(`${what} scrapes over ${ep.scheme}: /metrics is plain HTTP`);
+          scraped = true;
+        }
+      } else {
+        // A ServiceMonitor scrapes the Services it selects, by Service port name.
+        for (const svc of services.values()) {
+          if (!selects(monitor.spec?.selector?.matchLabels, svc.metadata?.labels ?? {}) ||
+              !selects(svc.spec?.selector, podLabels)) continue;
+          if (!inNamespace(monitor)) {
+            bad(`${what} is in namespace ${monitor.metadata?.namespace}, not the pods' ${namespace}`);
+            continue;
+          }
+          for (const ep of monitor.spec?.endpoints ?? []) {
+            const svcPort = (svc.spec?.ports ?? []).find((p) => p.name === ep.port);
+            if (!svcPort) continue;  // another Service it selects may have it
+            const port = resolve(svcPort.targetPort ?? svcPort.port);
+            if (port !== metricsPort) {
+              bad(`${what} scrapes Service ${svc.metadata.name} port ${ep.port} (${port}), not ` +
+                  `--metrics-port's ${metricsPort}`);
+            }
+            if ((ep.path ?? "/metrics") !== "/metrics") bad(`${what} scrapes ${ep.path}, not /metrics`);
+            scraped = true;
+          }
+        }
+      }
+    }
+    if (monitoring.length > 0 && !scraped) {
+      bad("no PodMonitor or ServiceMonitor of deploy/k8s/monitoring scrapes the kvmesh pods");
+    }
+  }
+
   // Drain: the kubelet's SIGKILL must come after the drain and the 5 s shutdown grace.
   const drainMs = Number(arg("drain_timeout_ms") ?? 60000);
   const grace = pod.terminationGracePeriodSeconds ?? 30;
@@ -366,13 +476,307 @@ function kvmeshProblems(objects, flags) {
   return problems;
 }
 
-// The problems of each set of objects.
-async function allProblems(objectSets, flags) {
+// ---------------------------------------------------------------------------------------------
+// 4: monitoring: the PodMonitor, the alerts and the dashboard against the node's metrics.
+
+// metrics.txt: "NAME TYPE LABELS HELP" a line; # comments. Returns the series a query may name:
+// name -> {metric, type (counter, gauge, bucket, sum, count), labels}.
+function parseMetrics(text) {
+  const series = new Map();
+  for (const [i, raw] of text.split("\n").entries()) {
+    const line = raw.replace(/#.*/, "").trim();
+    if (!line) continue;
+    const m = /^([a-zA-Z_:][a-zA-Z0-9_:]*)\s+(counter|gauge|histogram)\s+(\S+)(\s+.*)?$/.exec(line);
+    if (!m) throw new Error(`metrics file line ${i + 1}: expected NAME TYPE LABELS HELP: ${raw}`);
+    const [, name, type, labelList] = m;
+    const labels = labelList === "-" ? [] : labelList.split(",");
+    if (type === "histogram") {
+      series.set(`${name}_bucket`, { metric: name, type: "bucket", labels: new Set([...labels, "le"]) });
+      series.set(`${name}_sum`, { metric: name, type: "sum", labels: new Set(labels) });
+      series.set(`${name}_count`, { metric: name, type: "count", labels: new Set(labels) });
+    } else {
+      series.set(name, { metric: name, type, labels: new Set(labels) });
+    }
+  }
+  // Prometheus' own series for every target.
+  series.set("up", { metric: "up", type: "gauge", labels: new Set() });
+  return series;
+}
+
+// The labels Prometheus (prometheus-operator's PodMonitor) puts on every series of a target.
+const targetLabels = new Set(["job", "instance", "namespace", "pod", "container", "endpoint"]);
+
+// Grafana's variables: the built-in durations become 5m; other variables must be defined and
+// become a plain word (they are used inside label matcher strings).
+const grafanaDurations = new Set(["__rate_interval", "__interval", "__range"]);
+const grafanaNumbers = new Set(["__range_s", "__range_ms", "__interval_ms", "__rate_interval_ms"]);
+function substituteGrafana(expr, variables, problems, where) {
+  return expr.replace(/\$\{([A-Za-z0-9_]+)(?::[A-Za-z0-9_]+)?\}|\$([A-Za-z0-9_]+)|\[\[([A-Za-z0-9_]+)\]\]/g,
+                      (all, a, b, c) => {
+    const name = a ?? b ?? c;
+    if (grafanaDurations.has(name)) return "5m";
+    if (grafanaNumbers.has(name)) return "300";
+    if (!variables.has(name)) problems.push(`${where}: uses $${name}, which the dashboard does not define`);
+    return "x";
+  });
+}
+
+const unquote = (text) => {
+  if (text.startsWith("`")) return text.slice(1, -1);
+  try {
+    return JSON.parse(text.startsWith("'") ? `"${text.slice(1, -1).replace(/"/g, '\\"')}"` : text);
+  } catch {
+    return text.slice(1, -1);
+  }
+};
+
+// Parses one PromQL expression and checks it against the metrics. Returns the labels its
+// series can carry (for legends and annotations).
+function checkPromQL(expr, where, ctx, problems) {
+  const bad = (msg) => problems.push(`${where}: ${msg}`);
+  const tree = promqlParser.parse(expr);
+  const text = (n) => expr.slice(n.from, n.to);
+  let syntax = null;
+  tree.iterate({ enter: (n) => { if (n.type.isError && syntax === null) syntax = n.from; } });
+  if (syntax !== null) {
+    bad(`does not parse as PromQL at offset ${syntax}: ` +
+        `${JSON.stringify(expr.slice(Math.max(0, syntax - 20), syntax))} ^ ` +
+        `${JSON.stringify(expr.slice(syntax, syntax + 20))}`);
+    return new Set();
+  }
+  const labels = new Set(targetLabels);
+  const seriesOf = new Map();  // VectorSelector position -> series
+  const grouping = [];
+  tree.iterate({ enter: (ref) => {
+    const n = ref.node;
+    if (n.name === "GroupingLabels") {
+      for (let c = n.firstChild; c; c = c.nextSibling) {
+        if (c.name === "LabelName") grouping.push(text(c));
+        if (c.name === "QuotedLabelName") grouping.push(unquote(text(c)));
+      }
+      return;
+    }
+    if (n.name !== "VectorSelector") return;
+    let name = null;
+    const matchers = [];
+    const id = n.getChild("Identifier");
+    if (id) name = text(id);
+    const list = n.getChild("LabelMatchers");
+    for (let c = list?.firstChild; c; c = c.nextSibling) {
+      if (c.name === "QuotedLabelName") {
+        name = unquote(text(c));
+      } else if (c.name === "UnquotedLabelMatcher" || c.name === "QuotedLabelMatcher") {
+        const ln = c.getChild("LabelName") ?? c.getChild("QuotedLabelName");
+        const op = c.getChild("MatchOp");
+        const value = c.getChild("StringLiteral");
+        matchers.push({ label: ln.name === "LabelName" ? text(ln) : unquote(text(ln)),
+                        op: op ? text(op) : "", value: value ? unquote(text(value)) : "" });
+      }
+    }
+    for (const m of matchers) if (m.label === "__name__" && m.op === "=") name = m.value;
+    if (name === null) {
+      bad(`${JSON.stringify(text(n))} does not name a metric`);
+      return;
+    }
+    const series = ctx.series.get(name);
+    if (!series) {
+      bad(`${name} is not a metric of kvmesh-node (deploy/k8s/monitoring/metrics.txt)`);
+      return;
+    }
+    seriesOf.set(n.from, { name, ...series });
+    for (const l of series.labels) labels.add(l);
+    for (const m of matchers) {
+      if (m.label === "__name__") continue;
+      if (!series.labels.has(m.label) && !targetLabels.has(m.label)) {
+        bad(`${name} has no label ${m.label} (it has ${[...series.labels, ...targetLabels].join(", ")})`);
+      }
+      if (m.label === "job" && m.op === "=" && ctx.job !== undefined && m.value !== ctx.job) {
+        bad(`selects job="${m.value}" but the PodMonitor's job is "${ctx.job}"`);
+      }
+    }
+  } });
+  for (const g of grouping) {
+    if (!labels.has(g) && !(g === "le" && [...seriesOf.values()].some((s) => s.type === "bucket"))) {
+      bad(`groups or matches by ${g}, which none of its series has`);
+    }
+  }
+  // Functions: rate() and friends of counters; histogram_quantile() of buckets, by le.
+  const descendants = (node, name, out = []) => {
+    for (let c = node.firstChild; c; c = c.nextSibling) {
+      if (c.name === name) out.push(c);
+      descendants(c, name, out);
+    }
+    return out;
+  };
+  const selectorsUnder = (node) =>
+      descendants(node, "VectorSelector").map((v) => seriesOf.get(v.from)).filter((s) => s);
+  tree.iterate({ enter: (ref) => {
+    const n = ref.node;
+    if (n.name !== "FunctionCall") return;
+    const fn = n.getChild("FunctionIdentifier")?.firstChild?.name;
+    const body = n.getChild("FunctionCallBody");
+    if (!fn || !body) return;
+    if (["Rate", "Irate", "Increase", "Resets"].includes(fn)) {
+      for (const s of selectorsUnder(body)) {
+        if (s.type === "gauge") bad(`${text(n.getChild("FunctionIdentifier"))}() of the gauge ${s.name}`);
+      }
+    } else if (fn === "HistogramQuantile") {
+      for (const s of selectorsUnder(body)) {
+        if (s.type !== "bucket") bad(`histogram_quantile() of ${s.name}, which is not a histogram's _bucket`);
+      }
+      for (const mod of descendants(body, "AggregateModifier")) {
+        const kind = mod.firstChild?.name;
+        const names = descendants(mod, "LabelName").map(text);
+        if ((kind === "By" && !names.includes("le")) || (kind === "Without" && names.includes("le"))) {
+          bad("histogram_quantile() of an aggregation that drops le");
+        }
+      }
+    }
+  } });
+  return labels;
+}
+
+// {{label}} in a legend, {{ $labels.label }} in an annotation: labels the query has.
+function checkTemplateLabels(template, pattern, labels, where, problems) {
+  for (const m of (template ?? "").matchAll(pattern)) {
+    if (!labels.has(m[1])) problems.push(`${where}: uses the label ${m[1]}, which its query does not have`);
+  }
+}
+
+function* allPanels(panels) {
+  for (const p of panels ?? []) {
+    yield p;
+    yield* allPanels(p.panels);
+  }
+}
+
+function dashboardProblems(text, where, ctx) {
+  const problems = [];
+  const bad = (msg) => problems.push(`${where}: ${msg}`);
+  let dash;
+  try {
+    dash = JSON.parse(text);
+  } catch (e) {
+    bad(`does not parse as JSON: ${e.message}`);
+    return problems;
+  }
+  // Grafana 11.0 wrote schemaVersion 39, 12.0 writes 41.
+  if (!Number.isInteger(dash.schemaVersion) || dash.schemaVersion < 39) {
+    bad(`schemaVersion ${dash.schemaVersion}: expected that of a current Grafana (39 or later)`);
+  }
+  if (!dash.uid || !dash.title) bad("no uid or title");
+  const vars = dash.templating?.list ?? [];
+  const variables = new Set(vars.map((v) => v.name));
+  const dsVar = vars.find((v) => v.name === "datasource");
+  if (!dsVar || dsVar.type !== "datasource" || dsVar.query !== "prometheus") {
+    bad("no datasource variable (name datasource, type datasource, query prometheus)");
+  }
+  const isOurs = (ds) => ds?.uid === "${datasource}" && (ds.type ?? "prometheus") === "prometheus";
+  if (!vars.some((v) => v.name === "node" && v.type === "query")) bad("no node variable (type query)");
+  for (const v of vars.filter((v) => v.type === "query")) {
+    const w = `${where} variable ${v.name}`;
+    if (!isOurs(v.datasource)) problems.push(`${w}: datasource is not \${datasource}`);
+    const q = typeof v.query === "string" ? v.query : v.query?.query ?? "";
+    const m = /^\s*label_values\((.*),\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$/.exec(q);
+    if (!m) {
+      problems.push(`${w}: expected label_values(SELECTOR, LABEL), got ${JSON.stringify(q)}`);
+      continue;
+    }
+    const expr = substituteGrafana(m[1], variables, problems, w);
+    const labels = checkPromQL(expr, w, ctx, problems);
+    if (labels.size > 0 && !labels.has(m[2])) problems.push(`${w}: ${m[1]} has no label ${m[2]}`);
+  }
+  const ids = new Set();
+  for (const panel of allPanels(dash.panels)) {
+    const w = `${where} panel ${JSON.stringify(panel.title)}`;
+    if (ids.has(panel.id)) problems.push(`${w}: id ${panel.id} is not unique`);
+    ids.add(panel.id);
+    if (!panel.gridPos || !(panel.gridPos.w > 0) || !(panel.gridPos.h > 0)) problems.push(`${w}: no gridPos`);
+    if (panel.type === "row") continue;
+    if (!isOurs(panel.datasource)) problems.push(`${w}: datasource is not \${datasource}`);
+    if (!(panel.targets?.length > 0)) problems.push(`${w}: no queries`);
+    for (const t of panel.targets ?? []) {
+      const tw = `${w} query ${t.refId}`;
+      if (t.datasource !== undefined && !isOurs(t.datasource)) problems.push(`${tw}: datasource is not \${datasource}`);
+      if (typeof t.expr !== "string" || !t.expr.trim()) {
+        problems.push(`${tw}: no expr`);
+        continue;
+      }
+      const labels = checkPromQL(substituteGrafana(t.expr, variables, problems, tw), tw, ctx, problems);
+      checkTemplateLabels(t.legendFormat, /\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}/g, labels, tw, problems);
+    }
+  }
+  return problems;
+}
+
+function monitoringProblems(objects, series) {
+  const problems = [];
+  const bad = (msg) => problems.push(`monitoring: ${msg}`);
+  const podMonitors = objects.filter((o) => o.kind === "PodMonitor");
+  const ruleSets = objects.filter((o) => o.kind === "PrometheusRule");
+  const dashboards = objects.filter((o) => o.kind === "ConfigMap" && o.metadata?.labels?.grafana_dashboard);
+  if (podMonitors.length + objects.filter((o) => o.kind === "ServiceMonitor").length === 0) {
+    bad("no PodMonitor or ServiceMonitor");
+  }
+  if (ruleSets.length === 0) bad("no PrometheusRule");
+  if (dashboards.length === 0) bad("no ConfigMap labelled grafana_dashboard");
+  // The job the monitor gives its targets: the value of the pods' label jobLabel names, else
+  // namespace/name.
+  let job;
+  const pm = podMonitors[0];
+  if (pm) {
+    job = pm.spec?.jobLabel ? pm.spec?.selector?.matchLabels?.[pm.spec.jobLabel]
+                            : `${pm.metadata?.namespace}/${pm.metadata?.name}`;
+    if (pm.spec?.jobLabel && job === undefined) {
+      bad(`PodMonitor ${pm.metadata?.name}: jobLabel ${pm.spec.jobLabel} is not in its selector's matchLabels`);
+    }
+  }
+  const ctx = { series, job };
+  const severities = new Set(["critical", "warning", "info"]);
+  for (const rs of ruleSets) {
+    const names = new Set();
+    for (const group of rs.spec?.groups ?? []) {
+      for (const rule of group.rules ?? []) {
+        const w = `PrometheusRule ${rs.metadata?.name} ${rule.alert ?? rule.record}`;
+        const expr = String(rule.expr ?? "");
+        const labels = checkPromQL(expr, w, ctx, problems);
+        if (rule.record) continue;
+        if (names.has(rule.alert)) problems.push(`${w}: alert defined twice`);
+        names.add(rule.alert);
+        if (rule.for === undefined) problems.push(`${w}: no for:`);
+        if (!severities.has(rule.labels?.severity)) {
+          problems.push(`${w}: severity ${rule.labels?.severity}: expected critical, warning or info`);
+        }
+        for (const a of ["summary", "description"]) {
+          if (!String(rule.annotations?.[a] ?? "").trim()) problems.push(`${w}: no ${a} annotation`);
+          checkTemplateLabels(rule.annotations?.[a], /\$labels\.([A-Za-z_][A-Za-z0-9_]*)/g, labels,
+                              `${w} ${a}`, problems);
+        }
+      }
+    }
+  }
+  for (const cm of dashboards) {
+    for (const [key, text] of Object.entries(cm.data ?? {})) {
+      if (key.endsWith(".json")) problems.push(...dashboardProblems(text, `dashboard ${key}`, ctx));
+    }
+  }
+  return problems;
+}
+
+const isMonitoring = (o) => String(o.apiVersion).startsWith("monitoring.coreos.com/") ||
+                            (o.kind === "ConfigMap" && o.metadata?.labels?.grafana_dashboard !== undefined);
+
+// The problems of each set of objects. A set may hold an overlay, the monitoring objects, or
+// both; `monitoring` (the monitoring kustomization) is checked against each overlay too.
+async function allProblems(objectSets, flags, series, monitoring = []) {
   const typed = typeScriptProblems(objectSets);
   const result = [];
   for (const [set, objects] of objectSets.entries()) {
+    const mine = objects.filter(isMonitoring);
+    const rest = objects.filter((o) => !isMonitoring(o));
     result.push([...(await runtimeSchemaProblems(objects)), ...typed[set],
-                 ...kvmeshProblems(objects, flags)]);
+                 ...(rest.length > 0 ? kvmeshProblems(rest, flags, [...mine, ...monitoring]) : []),
+                 ...(mine.length > 0 ? monitoringProblems(mine, series) : [])]);
   }
   return result;
 }
@@ -385,12 +789,28 @@ function readObjects(file) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The self-test: each case plants one error in the host overlay's objects and must be found,
-// with a problem that contains `expect`.
+// The self-test: each case plants one error in the host overlay's objects and the monitoring
+// objects (checked together) and must be found, with a problem that contains `expect`.
 
 const find = (objects, kind, name) =>
     objects.find((o) => o.kind === kind && (name === undefined || o.metadata.name === name));
 const node = (objects) => find(objects, "StatefulSet").spec.template.spec.containers[0];
+const setArg = (objects, flag, value) => {
+  const args = node(objects).args;
+  args[args.findIndex((a) => a.startsWith(`${flag}=`))] = `${flag}=${value}`;
+};
+const metricsRule = (objects) =>
+    find(objects, "NetworkPolicy").spec.ingress.find((r) => r.ports.some((p) => p.port === 9400));
+const alert = (objects, name) => find(objects, "PrometheusRule").spec.groups
+    .flatMap((g) => g.rules).find((r) => r.alert === name);
+// Edits the dashboard in its ConfigMap: edit(dashboard, panel titled `title`).
+const dashboardKey = "kvmesh-dashboard.json";
+const editDashboard = (objects, title, edit) => {
+  const cm = find(objects, "ConfigMap", "kvmesh-dashboard");
+  const dash = JSON.parse(cm.data[dashboardKey]);
+  edit(dash, [...allPanels(dash.panels)].find((p) => p.title === title));
+  cm.data[dashboardKey] = JSON.stringify(dash, null, 2);
+};
 const selfTests = [
   { name: "unknown field (a typo in a probe)", expect: "'\"serviceName\"' does not exist in type 'IGRPCAction'",
     plant: (o) => { node(o).readinessProbe.grpc.serviceName = "kvmesh.v1.CacheService"; } },
@@ -448,17 +868,85 @@ const selfTests = [
     plant: (o) => { node(o).volumeMounts.find((m) => m.name === "tokens").subPath = "tokens"; } },
   { name: "writable root file system", expect: "readOnlyRootFilesystem",
     plant: (o) => { node(o).securityContext.readOnlyRootFilesystem = false; } },
+  // Metrics: the port, everywhere it appears.
+  { name: "no --metrics-port", expect: "the args lack --metrics-port",
+    plant: (o) => { node(o).args = node(o).args.filter((a) => !a.startsWith("--metrics-port=")); } },
+  { name: "metrics containerPort differs from --metrics-port", expect: "--metrics-port is 9400 but containerPort metrics is 9401",
+    plant: (o) => { node(o).ports.find((p) => p.name === "metrics").containerPort = 9401; } },
+  { name: "--metrics-port differs from the containerPort", expect: "--metrics-port is 9500 but containerPort metrics is 9400",
+    plant: (o) => { setArg(o, "--metrics-port", "9500"); } },
+  { name: "NetworkPolicy admits another metrics port", expect: "admits nothing to port 9400 (--metrics-port)",
+    plant: (o) => { metricsRule(o).ports[0].port = 9401; } },
+  { name: "metrics port open to everyone", expect: "admits anyone to the metrics port 9400",
+    plant: (o) => { delete metricsRule(o).from; } },
+  { name: "PodMonitor scrapes another port", expect: "scrapes port \"health\" (7702), not --metrics-port's 9400",
+    plant: (o) => { find(o, "PodMonitor").spec.podMetricsEndpoints[0].port = "health"; } },
+  { name: "PodMonitor in another namespace", expect: "is in namespace monitoring, not the pods' kvmesh",
+    plant: (o) => { find(o, "PodMonitor").metadata.namespace = "monitoring"; } },
+  { name: "unknown field in the PodMonitor", expect: "'\"scrapeInterval\"' does not exist",
+    plant: (o) => { find(o, "PodMonitor").spec.podMetricsEndpoints[0].scrapeInterval = "15s"; } },
+  { name: "wrong type in the PrometheusRule", expect: "for must be string",
+    plant: (o) => { alert(o, "KvmeshDrainStuck").for = 15; } },
+  // Alerts.
+  { name: "unknown metric in an alert", expect: "kvmesh_device_memory_limit_bytes is not a metric of kvmesh-node",
+    plant: (o) => {
+      const r = alert(o, "KvmeshDeviceMemoryNearBudget");
+      r.expr = r.expr.replace("kvmesh_device_memory_budget_bytes", "kvmesh_device_memory_limit_bytes");
+    } },
+  { name: "rate() of a gauge", expect: "rate() of the gauge kvmesh_executor_queue_depth",
+    plant: (o) => {
+      const r = alert(o, "KvmeshExecutorRejecting");
+      r.expr = r.expr.replace("kvmesh_executor_rejections_total", "kvmesh_executor_queue_depth");
+    } },
+  { name: "PromQL that does not parse", expect: "does not parse as PromQL",
+    plant: (o) => { alert(o, "KvmeshDrainStuck").expr = 'max by (namespace, pod) (kvmesh_draining{job="kvmesh"} == 1'; } },
+  { name: "alert on another job", expect: "selects job=\"kvmesh-node\" but the PodMonitor's job is \"kvmesh\"",
+    plant: (o) => { alert(o, "KvmeshNodeDown").expr = 'up{job="kvmesh-node"} == 0'; } },
+  { name: "alert without a description", expect: "no description annotation",
+    plant: (o) => { delete alert(o, "KvmeshNodeRestarted").annotations.description; } },
+  { name: "annotation with a label the query lacks", expect: "uses the label executor",
+    plant: (o) => { alert(o, "KvmeshInflightBudgetExhausted").annotations.summary += " ({{ $labels.executor }})"; } },
+  // The dashboard.
+  { name: "unknown metric in a panel", expect: "kvmesh_rpc_handled_totals is not a metric of kvmesh-node",
+    plant: (o) => editDashboard(o, "RPC rate by method and code", (d, p) => {
+      p.targets[0].expr = p.targets[0].expr.replace("kvmesh_rpc_handled_total", "kvmesh_rpc_handled_totals");
+    }) },
+  { name: "label a metric does not have", expect: "kvmesh_executor_queue_depth has no label queue",
+    plant: (o) => editDashboard(o, "Executor queue depth", (d, p) => {
+      p.targets[0].expr = p.targets[0].expr.replace("{", '{queue="engine", ');
+    }) },
+  { name: "histogram_quantile without le", expect: "histogram_quantile() of an aggregation that drops le",
+    plant: (o) => editDashboard(o, "Latency p99 by method", (d, p) => {
+      p.targets[0].expr = p.targets[0].expr.replace("by (le, ", "by (");
+    }) },
+  { name: "legend with a label the query lacks", expect: "uses the label tennant",
+    plant: (o) => editDashboard(o, "Sequences", (d, p) => { p.targets[0].legendFormat = "{{pod}} {{tennant}}"; }) },
+  { name: "undefined dashboard variable", expect: "uses $instance, which the dashboard does not define",
+    plant: (o) => editDashboard(o, "Sequences", (d, p) => {
+      p.targets[0].expr = p.targets[0].expr.replace("}", ', instance=~"$instance"}');
+    }) },
+  { name: "panel with a fixed datasource", expect: "datasource is not ${datasource}",
+    plant: (o) => editDashboard(o, "Sequences", (d, p) => { p.datasource = { type: "prometheus", uid: "prom" }; }) },
+  { name: "dashboard without the node variable", expect: "no node variable",
+    plant: (o) => editDashboard(o, "Sequences", (d) => {
+      d.templating.list = d.templating.list.filter((v) => v.name !== "node");
+    }) },
+  { name: "dashboard that is not JSON", expect: "does not parse as JSON",
+    plant: (o) => {
+      const cm = find(o, "ConfigMap", "kvmesh-dashboard");
+      cm.data[dashboardKey] = cm.data[dashboardKey].slice(0, 1000);
+    } },
 ];
 
-async function selfTest(file, flags) {
-  const original = readObjects(file);
+async function selfTest(file, flags, series, monitoring) {
+  const original = [...readObjects(file), ...monitoring];
   let failed = 0;
   const variants = selfTests.map((t) => {
     const objects = structuredClone(original);
     t.plant(objects);
     return objects;
   });
-  const [clean, ...found] = await allProblems([original, ...variants], flags);
+  const [clean, ...found] = await allProblems([original, ...variants], flags, series);
   if (clean.length > 0) {
     console.log(`FAIL unchanged manifests: expected no problem, got:\n  ${clean.join("\n  ")}`);
     failed++;
@@ -483,30 +971,41 @@ async function selfTest(file, flags) {
 
 async function main(argv) {
   let flagsFile = null;
+  let metricsFile = null;
+  let monitoringFile = null;
   let self = false;
   const inputs = [];
   for (const a of argv) {
     if (a.startsWith("--flags=")) flagsFile = a.slice("--flags=".length);
+    else if (a.startsWith("--metrics=")) metricsFile = a.slice("--metrics=".length);
+    else if (a.startsWith("--monitoring=")) monitoringFile = a.slice("--monitoring=".length);
     else if (a === "--self-test") self = true;
     else inputs.push(a);
   }
-  if (!flagsFile || inputs.length === 0 || (self && inputs.length !== 1)) {
-    console.error("usage: validate.mjs --flags=HELPFULL [--self-test] [NAME=]RENDERED.yaml ...");
+  if (!flagsFile || !metricsFile || !monitoringFile || inputs.length === 0 ||
+      (self && inputs.length !== 1)) {
+    console.error("usage: validate.mjs --flags=HELPFULL --metrics=METRICS --monitoring=MONITORING.yaml " +
+                  "[--self-test] [NAME=]RENDERED.yaml ...");
     return 2;
   }
+  const series = parseMetrics(fs.readFileSync(metricsFile, "utf8"));
+  const monitoring = readObjects(monitoringFile);
   const flags = parseHelpfull(fs.readFileSync(flagsFile, "utf8"));
   if (!flags.has("listen") || !flags.has("peer_listen")) {
     console.error(`${flagsFile} does not look like kvmesh-node --helpfull (no --listen, --peer-listen)`);
     return 2;
   }
-  if (self) return (await selfTest(inputs[0], flags)) ? 0 : 1;
+  if (self) return (await selfTest(inputs[0], flags, series, monitoring)) ? 0 : 1;
   let ok = true;
   const named = inputs.map((input) => {
     const eq = input.indexOf("=");
     return eq > 0 ? [input.slice(0, eq), input.slice(eq + 1)] : [input, input];
   });
   const sets = named.map(([, file]) => readObjects(file));
-  const results = await allProblems(sets, flags);
+  // The monitoring objects: checked once on their own, and against each overlay.
+  named.push(["monitoring", monitoringFile]);
+  sets.push(monitoring);
+  const results = await allProblems(sets, flags, series, monitoring);
   for (const [n, [name]] of named.entries()) {
     const objects = sets[n];
     const problems = results[n];
