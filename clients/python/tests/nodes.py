@@ -100,6 +100,14 @@ class Node:
             raise RuntimeError(f"node {self.name} printed an unexpected line: {line!r}")
         return int(match.group(2))
 
+    def freeze(self) -> None:
+        """SIGSTOP: the node answers nothing until :meth:`thaw`."""
+        self._process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after :meth:`freeze`."""
+        self._process.send_signal(signal.SIGCONT)
+
     def log(self) -> str:
         """The node's stderr so far."""
         with open(self._log.name, "rb") as f:
