@@ -53,7 +53,8 @@ if [ -z "$ctl" ]; then
 fi
 if [ -z "$ctl" ]; then ctl=$(command -v kvmeshctl || true); fi
 if [ -z "$ctl" ] || [ ! -x "$ctl" ]; then
-  echo "prepare.sh: no kvmeshctl: build it (cmake --build build --target kvmesh_ctl) or pass --ctl=PATH" >&2
+  echo "prepare.sh: no kvmeshctl: build it (cmake --build build --target kvmesh_ctl)" \
+       "or pass --ctl=PATH" >&2
   exit 2
 fi
 

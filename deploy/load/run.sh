@@ -34,7 +34,7 @@ for arg in "$@"; do
   case "$arg" in
     --addr=*) addr=${arg#--addr=} ;;
     --reports=*) reports=${arg#--reports=} ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     -*) echo "run.sh: unknown flag '$arg' (--help)" >&2; exit 2 ;;
     *)
       case " ${all_profiles[*]} " in

@@ -30,6 +30,7 @@ constexpr auto kCallTimeout = std::chrono::seconds(30);
 
 // The keys of ghz's JSON config (runner.Config in github.com/bojand/ghz, the fields' json
 // tags; ghz.sh/docs/options). ghz ignores any other key without a word.
+// clang-format off
 const std::set<std::string>& KnownOptions() {
   static const auto* known = new std::set<std::string>{
       "proto", "protoset", "call", "cacert", "cert", "key", "skipTLS", "skipFirst", "cname",
@@ -46,8 +47,10 @@ const std::set<std::string>& KnownOptions() {
       "count-errors"};
   return *known;
 }
+// clang-format on
 
 // Options whose value is a Go duration string ("10s", "1m30s", "500ms").
+// clang-format off
 const std::set<std::string>& DurationOptions() {
   static const auto* durations = new std::set<std::string>{
       "duration", "max-duration", "timeout", "connect-timeout", "keepalive", "stream-interval",
@@ -63,6 +66,7 @@ const std::set<std::string>& CountOptions() {
       "concurrency-end", "load-start", "load-end", "stream-call-count"};
   return *counts;
 }
+// clang-format on
 
 // Go's time.ParseDuration: an optional sign, then one or more decimal numbers each with a unit
 // (ns, us, µs, ms, s, m, h); "0" alone is allowed.
@@ -104,8 +108,8 @@ std::string Quote(absl::string_view s, size_t n = 80) {
 }
 
 std::string StatusText(const grpc::Status& s) {
-  return absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())),
-                      ": ", s.error_message());
+  return absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())), ": ",
+                      s.error_message());
 }
 
 }  // namespace
@@ -122,14 +126,19 @@ absl::StatusOr<GhzConfig> LoadGhzConfig(const std::string& path) {
   std::string duplicate;
   const Json::parser_callback_t track = [&](int, Json::parse_event_t event, Json& parsed) {
     switch (event) {
-      case Json::parse_event_t::object_start: keys.emplace_back(); break;
-      case Json::parse_event_t::object_end: keys.pop_back(); break;
+      case Json::parse_event_t::object_start:
+        keys.emplace_back();
+        break;
+      case Json::parse_event_t::object_end:
+        keys.pop_back();
+        break;
       case Json::parse_event_t::key:
         if (!keys.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
           duplicate = parsed.get<std::string>();
         }
         break;
-      default: break;
+      default:
+        break;
     }
     return true;
   };
@@ -153,8 +162,9 @@ absl::StatusOr<GhzConfig> LoadGhzConfig(const std::string& path) {
     }
     if (DurationOptions().count(key) != 0 &&
         (!value.is_string() || !IsGoDuration(value.get<std::string>()))) {
-      return Invalid(path, absl::StrCat("\"", key, "\" must be a Go duration such as \"10s\"; it is ",
-                                        Quote(value.dump())));
+      return Invalid(path,
+                     absl::StrCat("\"", key, "\" must be a Go duration such as \"10s\"; it is ",
+                                  Quote(value.dump())));
     }
     if (CountOptions().count(key) != 0 && !value.is_number_unsigned()) {
       return Invalid(path, absl::StrCat("\"", key, "\" must be a non-negative integer; it is ",
@@ -170,13 +180,14 @@ absl::StatusOr<GhzConfig> LoadGhzConfig(const std::string& path) {
   }
   for (const char* key : {"data-file", "binary-file"}) {
     if (root.contains(key)) {
-      return Invalid(path, absl::StrCat("\"", key,
-                                        "\": this check validates inline \"data\" only"));
+      return Invalid(path,
+                     absl::StrCat("\"", key, "\": this check validates inline \"data\" only"));
     }
   }
   if (!root.contains("insecure") || root["insecure"] != Json(true)) {
-    return Invalid(path, "\"insecure\": true is required (kvmesh-node without --tls-cert speaks "
-                         "plaintext; ghz tries TLS otherwise)");
+    return Invalid(path,
+                   "\"insecure\": true is required (kvmesh-node without --tls-cert speaks "
+                   "plaintext; ghz tries TLS otherwise)");
   }
   auto count = [&](const char* key, int64_t absent) -> int64_t {
     return root.contains(key) ? root[key].get<int64_t>() : absent;
@@ -184,9 +195,9 @@ absl::StatusOr<GhzConfig> LoadGhzConfig(const std::string& path) {
   const int64_t concurrency = count("concurrency", 50);  // ghz's defaults
   const int64_t connections = count("connections", 1);
   if (connections > concurrency) {
-    return Invalid(path, absl::StrCat("\"connections\" (", connections,
-                                      ") may not exceed \"concurrency\" (", concurrency,
-                                      "): ghz refuses it"));
+    return Invalid(
+        path, absl::StrCat("\"connections\" (", connections, ") may not exceed \"concurrency\" (",
+                           concurrency, "): ghz refuses it"));
   }
   if (!root.contains("duration") && count("skipFirst", 0) > count("total", 200)) {
     return Invalid(path, "\"skipFirst\" exceeds \"total\": ghz refuses it");
@@ -196,11 +207,12 @@ absl::StatusOr<GhzConfig> LoadGhzConfig(const std::string& path) {
     return Invalid(path, "\"call\" (a string, package.Service.Method) is required");
   }
   config.call = root["call"].get<std::string>();
-  const size_t cut = config.call.find('/') != std::string::npos ? config.call.rfind('/')
-                                                                 : config.call.rfind('.');
+  const size_t cut =
+      config.call.find('/') != std::string::npos ? config.call.rfind('/') : config.call.rfind('.');
   if (cut == std::string::npos || cut == 0 || cut + 1 == config.call.size()) {
-    return Invalid(path, absl::StrCat("\"call\": \"", config.call,
-                                      "\" is not package.Service.Method or package.Service/Method"));
+    return Invalid(path,
+                   absl::StrCat("\"call\": \"", config.call,
+                                "\" is not package.Service.Method or package.Service/Method"));
   }
   config.service = config.call.substr(0, cut);
   config.method = config.call.substr(cut + 1);
@@ -278,10 +290,10 @@ absl::StatusOr<std::string> RenderCallTemplate(absl::string_view text, int64_t r
         }
       }
     }
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unsupported template action {{", Quote(action, 40),
-        "}}: the check renders {{.RequestNumber}} and {{repeat N `s`}} only (extend "
-        "RenderCallTemplate in tests/load/ghz_config.cc for another)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unsupported template action {{", Quote(action, 40),
+                     "}}: the check renders {{.RequestNumber}} and {{repeat N `s`}} only (extend "
+                     "RenderCallTemplate in tests/load/ghz_config.cc for another)"));
   }
   return out;
 }
@@ -295,8 +307,8 @@ absl::StatusOr<rpb::ServerReflectionResponse> GhzConfigChecker::Ask(
     const rpb::ServerReflectionRequest& request) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + kCallTimeout);
-  std::unique_ptr<grpc::ClientReaderWriter<rpb::ServerReflectionRequest,
-                                           rpb::ServerReflectionResponse>>
+  std::unique_ptr<
+      grpc::ClientReaderWriter<rpb::ServerReflectionRequest, rpb::ServerReflectionResponse>>
       stream = reflection_->ServerReflectionInfo(&context);
   rpb::ServerReflectionResponse response;
   const bool sent = stream->Write(request);
@@ -309,9 +321,9 @@ absl::StatusOr<rpb::ServerReflectionResponse> GhzConfigChecker::Ask(
   }
   if (!got) return absl::UnavailableError("server reflection sent no response");
   if (response.has_error_response()) {
-    return absl::Status(static_cast<absl::StatusCode>(response.error_response().error_code()),
-                        absl::StrCat("server reflection: ",
-                                     response.error_response().error_message()));
+    return absl::Status(
+        static_cast<absl::StatusCode>(response.error_response().error_code()),
+        absl::StrCat("server reflection: ", response.error_response().error_message()));
   }
   return response;
 }
@@ -342,7 +354,8 @@ absl::Status GhzConfigChecker::AddFiles(const rpb::ServerReflectionResponse& res
   for (const std::string& bytes : response.file_descriptor_response().file_descriptor_proto()) {
     pb::FileDescriptorProto file;
     if (!file.ParseFromString(bytes)) {
-      return absl::InternalError("server reflection sent a FileDescriptorProto that does not parse");
+      return absl::InternalError(
+          "server reflection sent a FileDescriptorProto that does not parse");
     }
     if (have_files_[file.name()]) continue;
     have_files_[file.name()] = true;
@@ -368,9 +381,9 @@ absl::StatusOr<const pb::MethodDescriptor*> GhzConfigChecker::ResolveMethod(
   absl::StatusOr<std::vector<std::string>> services = ListServices();
   if (!services.ok()) return services.status();
   if (std::find(services->begin(), services->end(), service) == services->end()) {
-    return absl::NotFoundError(absl::StrCat("service ", service,
-                                            " is not served (server reflection lists: ",
-                                            absl::StrJoin(*services, ", "), ")"));
+    return absl::NotFoundError(absl::StrCat(
+        "service ", service,
+        " is not served (server reflection lists: ", absl::StrJoin(*services, ", "), ")"));
   }
   const pb::ServiceDescriptor* descriptor = pool_.FindServiceByName(service);
   if (descriptor == nullptr) {
@@ -382,8 +395,8 @@ absl::StatusOr<const pb::MethodDescriptor*> GhzConfigChecker::ResolveMethod(
     descriptor = pool_.FindServiceByName(service);
   }
   if (descriptor == nullptr) {
-    return absl::NotFoundError(absl::StrCat(
-        "service ", service, " is listed, but its file descriptors do not define it"));
+    return absl::NotFoundError(
+        absl::StrCat("service ", service, " is listed, but its file descriptors do not define it"));
   }
   const pb::MethodDescriptor* found = descriptor->FindMethodByName(method);
   if (found == nullptr) {
@@ -392,8 +405,7 @@ absl::StatusOr<const pb::MethodDescriptor*> GhzConfigChecker::ResolveMethod(
       methods.push_back(descriptor->method(i)->name());
     }
     return absl::NotFoundError(absl::StrCat("service ", service, " has no method '", method,
-                                            "' (its methods: ", absl::StrJoin(methods, ", "),
-                                            ")"));
+                                            "' (its methods: ", absl::StrJoin(methods, ", "), ")"));
   }
   return found;
 }
@@ -402,8 +414,7 @@ absl::Status GhzConfigChecker::Check(const GhzConfig& config) {
   auto fail = [&](absl::string_view stage, const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat(config.path, ": ", stage, ": ", s.message()));
   };
-  absl::StatusOr<const pb::MethodDescriptor*> method =
-      ResolveMethod(config.service, config.method);
+  absl::StatusOr<const pb::MethodDescriptor*> method = ResolveMethod(config.service, config.method);
   if (!method.ok()) return fail(absl::StrCat("call \"", config.call, "\""), method.status());
   if ((*method)->client_streaming() || (*method)->server_streaming()) {
     return fail(absl::StrCat("call \"", config.call, "\""),
@@ -425,9 +436,10 @@ absl::Status GhzConfigChecker::Check(const GhzConfig& config) {
     strict.ignore_unknown_fields = false;
     const pb::util::Status parsed = pb::util::JsonStringToMessage(*json, request.get(), strict);
     if (!parsed.ok()) {
-      return fail(stage, absl::InvalidArgumentError(absl::StrCat(
-                             "does not parse as ", (*method)->input_type()->full_name(), ": ",
-                             std::string(parsed.message()), " (rendered: ", Quote(*json, 200), ")")));
+      return fail(stage,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "does not parse as ", (*method)->input_type()->full_name(), ": ",
+                      std::string(parsed.message()), " (rendered: ", Quote(*json, 200), ")")));
     }
 
     grpc::ClientContext context;
@@ -446,9 +458,9 @@ absl::Status GhzConfigChecker::Check(const GhzConfig& config) {
                    [&done](grpc::Status s) { done.set_value(std::move(s)); });
     const grpc::Status status = done.get_future().get();
     if (!status.ok()) {
-      return fail(stage, absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                                      absl::StrCat("the call ", path, " failed: ",
-                                                   StatusText(status))));
+      return fail(stage,
+                  absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                               absl::StrCat("the call ", path, " failed: ", StatusText(status))));
     }
     std::vector<grpc::Slice> slices;
     std::string reply;
@@ -459,9 +471,9 @@ absl::Status GhzConfigChecker::Check(const GhzConfig& config) {
     }
     std::unique_ptr<pb::Message> response(factory_.GetPrototype((*method)->output_type())->New());
     if (!response->ParseFromString(reply)) {
-      return fail(stage, absl::InternalError(absl::StrCat(
-                             "the reply of ", path, " does not parse as ",
-                             (*method)->output_type()->full_name())));
+      return fail(stage,
+                  absl::InternalError(absl::StrCat("the reply of ", path, " does not parse as ",
+                                                   (*method)->output_type()->full_name())));
     }
   }
   return absl::OkStatus();
