@@ -53,6 +53,12 @@ GroupUsage AttentionGroup::Usage() const {
   return g;
 }
 
+int64_t AttentionGroup::SharedCellCount() const {
+  int64_t shared = 0;
+  for (const int32_t refs : refs_) shared += refs > 1;
+  return shared;
+}
+
 int32_t AttentionGroup::SharedCells(const Index& index) const {
   int32_t shared = 0;
   for (const auto& [pos, cell] : index) shared += refs_[cell] > 1;

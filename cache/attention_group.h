@@ -41,6 +41,7 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   int32_t Offset(int64_t seq) const override;
   GroupSequenceInfo Info(int64_t seq) const override;
   GroupUsage Usage() const override;
+  int64_t SharedCellCount() const override;
   absl::Status PrepareAppend(const AppendBatch& batch) override;
   size_t SectionBytes(const AppendBatch& batch) const override {
     return PayloadBytes(batch.tokens.size());
@@ -65,8 +66,7 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   absl::Status ApplyCopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length) override;
   absl::Status CheckRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) const override;
   absl::Status ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) override;
-  absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from,
-                                             int32_t to) const override;
+  absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from, int32_t to) const override;
   absl::Status CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) const override;
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
@@ -125,8 +125,8 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   // pruning a sequence outside the batch drops below last+1-memory, which cannot change
   // until the sequence does, so only these need looking at.
   absl::flat_hash_set<int64_t> prune_pending_;
-  bool pruned_early_ = false;  // WriteAppend applied the plan's pruning already
-  AppendPlan plan_;            // of the Append in progress
+  bool pruned_early_ = false;   // WriteAppend applied the plan's pruning already
+  AppendPlan plan_;             // of the Append in progress
   std::vector<int32_t> cells_;  // taken by the Append in progress
 };
 

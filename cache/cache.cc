@@ -479,6 +479,14 @@ std::vector<SequenceInfo> Cache::ListSequences() const {
   return out;
 }
 
+std::vector<int64_t> Cache::SharedCells() const {
+  ReaderMutexLock lock(&mu_);
+  std::vector<int64_t> shared;
+  shared.reserve(groups_.size());
+  for (const auto& group : groups_) shared.push_back(group->SharedCellCount());
+  return shared;
+}
+
 CacheUsage Cache::Usage() const {
   ReaderMutexLock lock(&mu_);
   CacheUsage usage;

@@ -239,6 +239,9 @@ class Cache {
   bool IsLive(int64_t seq) const;
 
   CacheUsage Usage() const;
+  // Per group, in spec order: cells (Recurrent: state slots) that more than one sequence
+  // references, as CopyPrefix leaves them. Walks every cell: for monitoring, not per request.
+  std::vector<int64_t> SharedCells() const;
 
   // ---- Snapshots (mlx Snapshot/Restore/Merge/Split semantics per group) -----------------
   // Copies `seq`'s data from `from_offset` to its offset into the device's snapshot pool:

@@ -129,6 +129,9 @@ class LayerGroup {
   virtual size_t LiveCount() const = 0;
   virtual GroupSequenceInfo Info(int64_t seq) const = 0;
   virtual GroupUsage Usage() const = 0;
+  // Cells (Recurrent: state slots) referenced by more than one sequence: a walk over every
+  // cell, for monitoring rather than the request path (Usage stays O(1) per group).
+  virtual int64_t SharedCellCount() const { return 0; }
   // Device bytes of pending speculative data this group references (chunks counted once).
   virtual void AddPendingChunks(absl::flat_hash_set<const RowChunk*>* chunks) const {}
 

@@ -40,6 +40,12 @@ GroupUsage RecurrentGroup::Usage() const {
   return g;
 }
 
+int64_t RecurrentGroup::SharedCellCount() const {
+  int64_t shared = 0;
+  for (const int32_t refs : refs_) shared += refs > 1;
+  return shared;
+}
+
 int32_t RecurrentGroup::TakeSlot() {
   const int32_t slot = free_.back();
   free_.pop_back();

@@ -33,6 +33,7 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
   GroupKind kind() const override { return GroupKind::kRecurrent; }
   GroupSequenceInfo Info(int64_t seq) const override;
   GroupUsage Usage() const override;
+  int64_t SharedCellCount() const override;
 
   absl::Status PrepareAppend(const AppendBatch& batch) override;
   size_t SectionBytes(const AppendBatch& batch) const override;
@@ -58,8 +59,7 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
   absl::Status ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) override;
 
   absl::Status CheckSnapshot(int64_t seq, int32_t from) const override;
-  absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from,
-                                             int32_t to) const override;
+  absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from, int32_t to) const override;
   absl::Status CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) const override;
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
@@ -69,7 +69,9 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
   using Sequence = RecurrentSequence;
 
   // Whether writing `s`'s state needs a new slot (none yet, or shared copy-on-write).
-  bool NeedsSlot(const Sequence* s) const { return s == nullptr || s->slot < 0 || refs_[s->slot] > 1; }
+  bool NeedsSlot(const Sequence* s) const {
+    return s == nullptr || s->slot < 0 || refs_[s->slot] > 1;
+  }
   int32_t TakeSlot();
   void ReleaseSlot(int32_t slot);
   void Drop(int64_t seq);

@@ -12,7 +12,7 @@ packages=(
   clang libclang-rt-14-dev
   iproute2 procps iperf3
   libyaml-cpp-dev dnsmasq-base nlohmann-json3-dev
-  prometheus-cpp-dev libspdlog-dev
+  prometheus-cpp-dev libspdlog-dev libcurl4-openssl-dev
   python3 python3-grpcio python3-protobuf python3-numpy
 )
 

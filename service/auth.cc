@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "cache/status_macros.h"
 #include "service/common/flags.h"
+#include "service/common/log.h"
 
 namespace kvmesh {
 namespace {
@@ -54,14 +55,13 @@ int64_t Nanos(const struct timespec& t) {
 
 absl::Status CheckTenantName(absl::string_view field, absl::string_view name) {
   if (name.empty() || name.size() > kMaxTenantName) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " is ", name.size(), " bytes long: a tenant name has 1 to ",
-                     kMaxTenantName));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " is ", name.size(), " bytes long: a tenant name has 1 to ", kMaxTenantName));
   }
   for (const char c : name) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, " '", name, "' is not a tenant name: use letters, digits, '.', '_', '-'"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " '", name, "' is not a tenant name: use letters, digits, '.', '_', '-'"));
     }
   }
   return absl::OkStatus();
@@ -102,8 +102,8 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {
     if (fields[0] == "token") {
       if (fields.size() != 4) {
         return LineError(line_number, absl::StrCat("a token entry is 'token sha256:<hex> <tenant> "
-                                                    "<role>', but this one has ",
-                                                    fields.size(), " fields"));
+                                                   "<role>', but this one has ",
+                                                   fields.size(), " fields"));
       }
       absl::string_view hash = fields[1];
       if (!absl::ConsumePrefix(&hash, kSha256Prefix) || hash.size() != 64 || !IsLowerHex(hash)) {
@@ -145,7 +145,8 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {
         } else if (absl::ConsumePrefix(&value, "bytes=") && !have_bytes) {
           absl::StatusOr<uint64_t> bytes = ParseByteSize(value);
           if (!bytes.ok()) {
-            return LineError(line_number, absl::StrCat("bytes=", value, ": ", bytes.status().message()));
+            return LineError(line_number,
+                             absl::StrCat("bytes=", value, ": ", bytes.status().message()));
           }
           quota.max_bytes = *bytes;
           have_bytes = true;
@@ -265,11 +266,11 @@ void Authenticator::PollLoop() {
     const absl::Status status = ReloadIfChanged();
     mu_.Lock();
     if (!status.ok()) {
-      std::fprintf(stderr, "kvmesh-node: %s; the previous version stays in force\n",
-                   std::string(status.message()).c_str());
+      Log(LogLevel::kWarning,
+          absl::StrCat(status.message(), "; the previous version stays in force"));
     } else if (table_ != before) {
-      std::fprintf(stderr, "kvmesh-node: token file %s reloaded: %zu tokens\n",
-                   options_.token_file.c_str(), table_->tokens());
+      Log(LogLevel::kInfo, absl::StrCat("token file ", options_.token_file,
+                                        " reloaded: ", table_->tokens(), " tokens"));
     }
   }
 }
@@ -293,8 +294,7 @@ absl::StatusOr<Principal> Authenticator::Authenticate(
     }
     absl::string_view token = *authorization;
     if (!absl::ConsumePrefix(&token, kBearer) || token.empty()) {
-      return absl::UnauthenticatedError(
-          "the authorization metadata is not 'Bearer <token>'");
+      return absl::UnauthenticatedError("the authorization metadata is not 'Bearer <token>'");
     }
     std::shared_ptr<const TokenTable> table;
     {

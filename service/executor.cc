@@ -21,7 +21,10 @@ Executor::~Executor() { Shutdown(); }
 bool Executor::Submit(absl::AnyInvocable<void() &&> task) {
   {
     MutexLock lock(&mu_);
-    if (shutting_down_ || queue_.size() >= max_queued_) return false;
+    if (shutting_down_ || queue_.size() >= max_queued_) {
+      rejected_.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    }
     queue_.push_back(std::move(task));
   }
   work_ready_.notify_one();

@@ -10,6 +10,7 @@
 #ifndef KVMESH_SERVICE_EXECUTOR_H_
 #define KVMESH_SERVICE_EXECUTOR_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -47,12 +48,15 @@ class Executor {
   int num_threads() const { return num_threads_; }
   size_t max_queued() const { return max_queued_; }
   size_t queued() const;
+  // Tasks refused (Submit returned false) since the executor started.
+  uint64_t rejected() const { return rejected_.load(std::memory_order_relaxed); }
 
  private:
   void WorkerLoop();
 
   const int num_threads_;
   const size_t max_queued_;
+  std::atomic<uint64_t> rejected_{0};
 
   mutable Mutex mu_;
   std::condition_variable_any work_ready_;  // signalled on a new task and on shutdown

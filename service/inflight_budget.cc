@@ -53,6 +53,7 @@ absl::StatusOr<InflightBudget::Reservation> InflightBudget::Reserve(uint64_t byt
 
 absl::Status InflightBudget::Take(uint64_t bytes, absl::string_view what) {
   if (bytes > capacity_) {
+    refused_.fetch_add(1, std::memory_order_relaxed);
     return absl::ResourceExhaustedError(absl::StrCat(
         what, " needs ", bytes, " bytes in flight, more than this node's whole ",
         "in-flight budget (", flag_, " = ", capacity_, " bytes); send it in smaller requests"));
@@ -60,6 +61,7 @@ absl::Status InflightBudget::Take(uint64_t bytes, absl::string_view what) {
   uint64_t held = held_.load(std::memory_order_relaxed);
   do {
     if (bytes > capacity_ - held) {
+      refused_.fetch_add(1, std::memory_order_relaxed);
       return absl::ResourceExhaustedError(absl::StrCat(
           what, " needs ", bytes, " bytes in flight, but other requests hold ", held, " of the ",
           capacity_, " bytes of this node's in-flight budget (", flag_, "); retry later"));

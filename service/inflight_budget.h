@@ -70,6 +70,8 @@ class InflightBudget {
   uint64_t capacity() const { return capacity_; }
   // Bytes reserved now.
   uint64_t held() const { return held_.load(std::memory_order_relaxed); }
+  // Reservations refused (RESOURCE_EXHAUSTED) since the budget was made.
+  uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
 
  private:
   // Adds `bytes` to held_ when it fits; the error otherwise.
@@ -79,6 +81,7 @@ class InflightBudget {
   const uint64_t capacity_;
   const std::string flag_;
   std::atomic<uint64_t> held_{0};
+  std::atomic<uint64_t> refused_{0};
 };
 
 }  // namespace kvmesh

@@ -7,7 +7,7 @@
 //
 // Once it listens it prints exactly one line to stdout, which scripts and tests parse:
 //   kvmesh-node <name> listening on <host>:<port> backend=<host|cuda> peers=<number of peers>
-//   [peer-plane=<host>:<port>] [health=<host>:<port>]
+//   [peer-plane=<host>:<port>] [health=<host>:<port>] [metrics=<host>:<port>]
 #include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
@@ -29,9 +29,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -53,10 +56,14 @@
 #include "service/cluster/membership.h"
 #include "service/cluster/reservations.h"
 #include "service/common/flags.h"
+#include "service/common/log.h"
+#include "service/common/metrics.h"
+#include "service/common/process_info.h"
 #include "service/common/tls.h"
 #include "service/executor.h"
 #include "service/inflight_budget.h"
 #include "service/peer_service.h"
+#include "service/rpc_observer.h"
 #include "transport/grpc_stream_transport.h"
 #ifdef KVMESH_HAVE_NCCL
 #include "transport/nccl_api.h"
@@ -110,6 +117,20 @@ ABSL_FLAG(std::string, backend, "host",
           "where caches live: host (host memory, needs no GPU) or cuda (the GPU --device)");
 ABSL_FLAG(int32_t, device, 0, "with --backend=cuda: the CUDA device index to serve from");
 ABSL_FLAG(std::string, port_file, "", "when set, the bound port is written to this file");
+ABSL_FLAG(int32_t, metrics_port, 0,
+          "serve Prometheus metrics at http://<host of --listen>:<port>/metrics "
+          "(docs/operate.md#metrics); 0: no metrics endpoint");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "testing: when set, the bound metrics port is written to this file");
+ABSL_FLAG(std::string, log_level, "info",
+          "least severe log lines written to stderr: debug (a line per request), info "
+          "(lifecycle), warning (every error status a request gets), error, or off");
+ABSL_FLAG(std::string, log_format, "text", "log lines as text or json (one object per line)");
+ABSL_FLAG(kvmesh::ByteSize, kept_arena_limit,
+          kvmesh::ByteSize{kvmesh::HostDevice::kDefaultKeptLimit},
+          "--backend=host: most memory of freed cache arenas kept mapped for reuse (a new cache "
+          "or snapshot of the same size then skips the page faults); RSS stays up to this much "
+          "above what the caches hold after a DeleteCache. 0: unmap every freed arena at once");
 ABSL_FLAG(std::string, peers, "",
           "the other members of the cluster: name=host:port,name=host:port,... where host:port "
           "is each member's peer plane (its --peer-listen, or its --listen in development "
@@ -209,6 +230,141 @@ bool WritePortFile(const std::string& path, int port) {
   return std::rename(tmp.c_str(), path.c_str()) == 0;
 }
 
+// Reads /proc/self/statm: resident pages.
+double ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  if (!(statm >> size >> resident)) return 0;
+  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE));
+}
+
+// What the node holds, read at every scrape (docs/operate.md#metrics). Everything captured
+// outlives the metrics endpoint: Run stops it before they go.
+struct NodeState {
+  std::string name;
+  std::string backend;
+  const CacheRegistry* registry;
+  const Device* device;
+  const std::vector<std::pair<std::string, const Executor*>> executors;
+  const InflightBudget* inflight;
+  const LeaseTable* leases;
+  const DrainGate* gate;
+};
+
+void AddNodeCollectors(Metrics* metrics, NodeState state) {
+  metrics->AddCollector([state](ScrapeSink& sink) {
+    const ProcessInfo& process = ThisProcess();
+    sink.Gauge("kvmesh_build_info", "Always 1: the node's version, build and boot id");
+    sink.Add({{"version", process.version},
+              {"build_type", process.build_type},
+              {"backend", state.backend},
+              {"node", state.name},
+              {"boot_id", process.boot_id}},
+             1);
+    sink.Gauge("kvmesh_start_time_seconds",
+               "When this process started, Unix seconds (a restarted node holds nothing)");
+    sink.Add({}, absl::ToDoubleSeconds(process.start_time - absl::UnixEpoch()));
+    sink.Gauge("process_resident_memory_bytes", "Resident memory of the node process");
+    sink.Add({}, ResidentBytes());
+
+    sink.Gauge("kvmesh_executor_queue_depth", "Tasks waiting for a worker, by executor");
+    for (const auto& [name, executor] : state.executors) {
+      sink.Add({{"executor", name}}, static_cast<double>(executor->queued()));
+    }
+    sink.Counter("kvmesh_executor_rejections_total",
+                 "Tasks an executor refused because its queue was full (the RPC got UNAVAILABLE)");
+    for (const auto& [name, executor] : state.executors) {
+      sink.Add({{"executor", name}}, static_cast<double>(executor->rejected()));
+    }
+    sink.Gauge("kvmesh_inflight_budget_bytes",
+               "Host memory kvmesh may hold for requests in flight (its share of "
+               "--inflight-budget)");
+    sink.Add({}, static_cast<double>(state.inflight->capacity()));
+    sink.Gauge("kvmesh_inflight_held_bytes", "Host memory held for requests in flight now");
+    sink.Add({}, static_cast<double>(state.inflight->held()));
+    sink.Counter("kvmesh_inflight_refusals_total",
+                 "Requests refused with RESOURCE_EXHAUSTED for want of in-flight budget");
+    sink.Add({}, static_cast<double>(state.inflight->refused()));
+
+    const std::vector<CacheRegistry::Entry> caches = state.registry->ListAll();
+    sink.Gauge("kvmesh_caches", "Caches on this node, all tenants");
+    sink.Add({}, static_cast<double>(caches.size()));
+    struct PerCache {
+      std::map<std::string, std::string> labels;
+      CacheUsage usage;
+      std::vector<int64_t> shared;
+    };
+    std::vector<PerCache> per_cache;
+    per_cache.reserve(caches.size());
+    for (const CacheRegistry::Entry& entry : caches) {
+      per_cache.push_back({{{"tenant", entry.tenant}, {"cache", entry.cache->spec().name}},
+                           entry.cache->Usage(),
+                           entry.cache->SharedCells()});
+    }
+    auto per_group = [&](const char* name, const char* help, auto value) {
+      sink.Gauge(name, help);
+      for (const PerCache& c : per_cache) {
+        for (size_t g = 0; g < c.usage.groups.size(); ++g) {
+          std::map<std::string, std::string> labels = c.labels;
+          labels.emplace("group", absl::StrCat(g));
+          sink.Add(labels, static_cast<double>(value(c, g)));
+        }
+      }
+    };
+    per_group("kvmesh_cache_cells",
+              "Capacity of a cache's layer group in cells (rotating: ring rows; recurrent: "
+              "state slots)",
+              [](const PerCache& c, size_t g) { return c.usage.groups[g].cells_total; });
+    per_group("kvmesh_cache_cells_used", "Cells that at least one sequence references",
+              [](const PerCache& c, size_t g) { return c.usage.groups[g].cells_used; });
+    per_group(
+        "kvmesh_cache_cells_shared",
+        "Cells that more than one sequence references (prefixes shared by CopyPrefix)",
+        [](const PerCache& c, size_t g) { return g < c.shared.size() ? c.shared[g] : int64_t{0}; });
+    auto per_cache_gauge = [&](const char* name, const char* help, auto value) {
+      sink.Gauge(name, help);
+      for (const PerCache& c : per_cache) sink.Add(c.labels, static_cast<double>(value(c)));
+    };
+    per_cache_gauge("kvmesh_cache_sequences", "Sequences that store something",
+                    [](const PerCache& c) { return c.usage.sequences_live; });
+    per_cache_gauge("kvmesh_cache_bytes",
+                    "Device memory a cache holds: its group arenas and pending speculative data",
+                    [](const PerCache& c) { return c.usage.bytes_held; });
+    per_cache_gauge("kvmesh_snapshots", "Snapshots of a cache",
+                    [](const PerCache& c) { return c.usage.snapshots; });
+    per_cache_gauge("kvmesh_snapshot_bytes", "Snapshot pool memory a cache's snapshots hold",
+                    [](const PerCache& c) { return c.usage.snapshot_bytes; });
+
+    sink.Gauge("kvmesh_device_memory_used_bytes",
+               "Device memory allocated, by pool (cache: caches; snapshot: snapshots, exports)");
+    sink.Add({{"pool", "cache"}},
+             static_cast<double>(state.device->used_bytes(MemoryPool::kCache)));
+    sink.Add({{"pool", "snapshot"}},
+             static_cast<double>(state.device->used_bytes(MemoryPool::kSnapshot)));
+    sink.Gauge("kvmesh_device_memory_budget_bytes",
+               "Device memory budget by pool (--memory-budget, --snapshot-budget)");
+    sink.Add({{"pool", "cache"}},
+             static_cast<double>(state.device->budget_bytes(MemoryPool::kCache)));
+    sink.Add({{"pool", "snapshot"}},
+             static_cast<double>(state.device->budget_bytes(MemoryPool::kSnapshot)));
+    sink.Gauge("kvmesh_device_kept_arena_bytes",
+               "Freed arenas kept mapped for reuse (resident, in no budget; --kept-arena-limit)");
+    sink.Add({}, static_cast<double>(state.device->kept_bytes()));
+    sink.Gauge("kvmesh_device_kept_arena_limit_bytes", "The most kept for reuse");
+    sink.Add({}, static_cast<double>(state.device->kept_limit_bytes()));
+
+    sink.Gauge("kvmesh_export_leases", "Export leases other nodes hold on this node");
+    sink.Add({}, static_cast<double>(state.leases->size()));
+    sink.Gauge("kvmesh_export_leased_bytes", "Payload bytes the export leases pin");
+    sink.Add({}, static_cast<double>(state.leases->leased_bytes()));
+    sink.Counter("kvmesh_export_leases_expired_total",
+                 "Export leases that expired unreleased (a receiver that failed or vanished)");
+    sink.Add({}, static_cast<double>(state.leases->expired()));
+    sink.Gauge("kvmesh_draining", "1 while the node drains (takes no new caches or sequences)");
+    sink.Add({}, state.gate->draining() ? 1 : 0);
+  });
+}
+
 int Run() {
   // Payload buffers (gRPC's receive slices of 4 MiB transfer chunks, Append payloads) come and
   // go at a high rate. glibc would map each one fresh (above its dynamic mmap threshold) and
@@ -216,6 +372,14 @@ int Run() {
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
 
+  // The log first: every line from here on is in the chosen format.
+  std::string name = absl::GetFlag(FLAGS_node_name);
+  if (name.empty()) name = Hostname();
+  if (const absl::Status s =
+          ConfigureLogging(absl::GetFlag(FLAGS_log_level), absl::GetFlag(FLAGS_log_format), name);
+      !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
   const std::string backend = absl::GetFlag(FLAGS_backend);
   if (backend != "host" && backend != "cuda") {
     return Fail(absl::StrCat("--backend=", backend, " is not a backend: use host or cuda"));
@@ -259,23 +423,24 @@ int Run() {
   if (!node_tls.ok()) return Fail(std::string(node_tls.status().message()));
   const bool tls = (*node_tls)->enabled();
   if (!tls && !IsLoopbackListenAddress(listen)) {
-    std::fprintf(stderr,
-                 "kvmesh-node: WARNING: PLAINTEXT on --listen=%s, which other machines can reach: "
-                 "requests, cache contents and bearer tokens cross the network unencrypted and "
-                 "unauthenticated. Give --tls-cert, --tls-key and --peer-ca (docs/security.md), "
-                 "or listen on 127.0.0.1 for development.\n",
-                 listen.c_str());
+    Log(LogLevel::kWarning,
+        absl::StrCat("WARNING: PLAINTEXT on --listen=", listen,
+                     ", which other machines can reach: requests, cache contents and bearer "
+                     "tokens cross the network unencrypted and unauthenticated. Give --tls-cert, "
+                     "--tls-key and --peer-ca (docs/security.md), or listen on 127.0.0.1 for "
+                     "development."));
   }
   if (!tls && !peer_listen.empty() && !IsLoopbackListenAddress(peer_listen)) {
-    std::fprintf(stderr,
-                 "kvmesh-node: WARNING: PLAINTEXT peer plane on --peer-listen=%s: anyone who can "
-                 "reach it can read and write caches through PeerService; only on a private "
-                 "network, else give --tls-cert, --tls-key and --peer-ca (docs/security.md).\n",
-                 peer_listen.c_str());
+    Log(LogLevel::kWarning,
+        absl::StrCat("WARNING: PLAINTEXT peer plane on --peer-listen=", peer_listen,
+                     ": anyone who can reach it can read and write caches through PeerService; "
+                     "only on a private network, else give --tls-cert, --tls-key and --peer-ca "
+                     "(docs/security.md)."));
   }
   const std::string token_file = absl::GetFlag(FLAGS_token_file);
   const bool development = !tls && token_file.empty() && IsLoopbackListenAddress(listen);
-  const bool has_peers = !absl::GetFlag(FLAGS_peers).empty() || !absl::GetFlag(FLAGS_peer_dns).empty();
+  const bool has_peers =
+      !absl::GetFlag(FLAGS_peers).empty() || !absl::GetFlag(FLAGS_peer_dns).empty();
   if (peer_listen.empty() && !development && has_peers) {
     return Fail(absl::StrCat(
         "--peers/--peer_dns need --peer_listen here: outside development mode (plaintext, no "
@@ -305,13 +470,14 @@ int Run() {
   const uint64_t kvmesh_inflight_bytes = inflight_bytes - grpc_quota_bytes;
   if (inflight_bytes < kMinInflightBytes) {
     return Fail(absl::StrCat("--inflight_budget=", inflight_bytes, " is less than ",
-                             kMinInflightBytes, " bytes: gRPC's quarter of it holds its buffers of "
+                             kMinInflightBytes,
+                             " bytes: gRPC's quarter of it holds its buffers of "
                              "every connection"));
   }
   if (grpc_quota_bytes < max_message) {
     return Fail(absl::StrCat(
-        "--inflight_budget=", inflight_bytes, " is less than 4 x --max_message_bytes=",
-        max_message, ": gRPC's quarter of it must hold a whole message; raise --inflight_budget "
+        "--inflight_budget=", inflight_bytes, " is less than 4 x --max_message_bytes=", max_message,
+        ": gRPC's quarter of it must hold a whole message; raise --inflight_budget "
         "or lower --max_message_bytes"));
   }
   const int64_t stream_idle_timeout_ms = absl::GetFlag(FLAGS_stream_idle_timeout_ms);
@@ -324,8 +490,10 @@ int Run() {
     return Fail(
         absl::StrCat("--max_visible_positions=", max_visible_positions, " must be at least 1"));
   }
-  std::string name = absl::GetFlag(FLAGS_node_name);
-  if (name.empty()) name = Hostname();
+  const int32_t metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  if (metrics_port < 0 || metrics_port > 65535) {
+    return Fail(absl::StrCat("--metrics_port=", metrics_port, " is out of range [0, 65535]"));
+  }
   const std::string transport_flag = absl::GetFlag(FLAGS_transport);
   if (transport_flag != "auto" && transport_flag != transport::kGrpcStream &&
       transport_flag != transport::kNccl) {
@@ -360,13 +528,14 @@ int Run() {
     absl::StatusOr<const transport::NcclApi*> nccl = transport::LoadNccl();
     if (nccl.ok()) {
       have_nccl = true;
-      std::fprintf(stderr, "kvmesh-node %s: nccl transport: NCCL %s from %s\n", name.c_str(),
-                   transport::FormatNcclVersion((*nccl)->version).c_str(), (*nccl)->path.c_str());
+      Log(LogLevel::kInfo,
+          absl::StrCat("nccl transport: NCCL ", transport::FormatNcclVersion((*nccl)->version),
+                       " from ", (*nccl)->path));
     } else if (transport_flag == transport::kNccl) {
       return Fail(absl::StrCat("--transport=nccl: ", nccl.status().message()));
     } else {
-      std::fprintf(stderr, "kvmesh-node %s: no nccl transport, grpc-stream only: %s\n",
-                   name.c_str(), std::string(nccl.status().message()).c_str());
+      Log(LogLevel::kWarning,
+          absl::StrCat("no nccl transport, grpc-stream only: ", nccl.status().message()));
     }
 #else
     if (transport_flag == transport::kNccl) {
@@ -391,18 +560,21 @@ int Run() {
     device = *std::move(cuda);
     if (CudaSimulated()) {
       // A test build (-DKVMESH_CUDA=SIM): say so loudly, and the device name says it too.
-      std::fprintf(stderr,
-                   "kvmesh-node: WARNING: %s is the SIMULATED GPU of a -DKVMESH_CUDA=SIM test "
-                   "build: caches live in host memory, kernels run on the CPU. Not for "
-                   "production; build with -DKVMESH_CUDA=ON for a GPU.\n",
-                   device->name().c_str());
+      Log(LogLevel::kWarning,
+          absl::StrCat("WARNING: ", device->name(),
+                       " is the SIMULATED GPU of a -DKVMESH_CUDA=SIM test build: caches live in "
+                       "host memory, kernels run on the CPU. Not for production; build with "
+                       "-DKVMESH_CUDA=ON for a GPU."));
     }
   } else {
-    device = std::make_unique<HostDevice>(memory_budget, snapshot_budget);
+    device = std::make_unique<HostDevice>(memory_budget, snapshot_budget,
+                                          absl::GetFlag(FLAGS_kept_arena_limit).bytes);
   }
   // Declared after the device: the registry's caches hold device memory and are destroyed first.
   CacheRegistry registry(device.get());
   Executor executor(threads, static_cast<size_t>(queue));
+  // Before everything that counts into it; its endpoint starts once the node listens.
+  Metrics metrics;
 
   // ---- cluster ------------------------------------------------------------------------------
   const int64_t lease_ms = absl::GetFlag(FLAGS_lease_ms);
@@ -447,9 +619,9 @@ int Run() {
   const int32_t max_leases_per_receiver = absl::GetFlag(FLAGS_max_leases_per_receiver);
   if (max_lease_ms < lease_ms || max_leases_per_receiver < 1) {
     executor.Shutdown();
-    return Fail(absl::StrCat("--max_lease_ms=", max_lease_ms, " must be at least --lease_ms=",
-                             lease_ms, ", and --max_leases_per_receiver=", max_leases_per_receiver,
-                             " at least 1"));
+    return Fail(
+        absl::StrCat("--max_lease_ms=", max_lease_ms, " must be at least --lease_ms=", lease_ms,
+                     ", and --max_leases_per_receiver=", max_leases_per_receiver, " at least 1"));
   }
   Authenticator::Options auth_options;
   auth_options.token_file = token_file;
@@ -459,10 +631,10 @@ int Run() {
     return Fail(absl::StrCat("--token_file: ", auth.status().message()));
   }
   if (token_file.empty()) {
-    std::fprintf(stderr,
-                 "kvmesh-node %s: no --token_file: development mode, every caller is an admin of "
-                 "the one tenant '%s' and nothing is authenticated\n",
-                 name.c_str(), kDefaultTenant);
+    Log(LogLevel::kInfo,
+        absl::StrCat("no --token_file: development mode, every caller is an admin of the one "
+                     "tenant '",
+                     kDefaultTenant, "' and nothing is authenticated"));
   }
   LeaseTable leases(absl::Milliseconds(100), static_cast<size_t>(max_leases_per_receiver));
   Reservations reservations;
@@ -514,6 +686,7 @@ int Run() {
   cluster_options.transfer_timeout = absl::Milliseconds(transfer_timeout_ms);
   cluster_options.transport = transport_flag;
   cluster_options.testing_lose_pull_replies = absl::GetFlag(FLAGS_testing_lose_pull_replies);
+  cluster_options.metrics = &metrics;
   // Whether the node takes new caches and sequences; readiness follows it (the listener is set
   // once the servers run).
   DrainGate gate(name);
@@ -525,9 +698,8 @@ int Run() {
   Cluster cluster(cluster_options, &registry, members, &leases, &reservations, cluster_transports);
   Drainer::Options drainer_options;
   drainer_options.self_name = name;
-  drainer_options.log = [name](const std::string& line) {
-    std::fprintf(stderr, "kvmesh-node %s: %s\n", name.c_str(), line.c_str());
-  };
+  drainer_options.log = [](const std::string& line) { Log(LogLevel::kInfo, line); };
+  drainer_options.metrics = &metrics;
   Drainer drainer(drainer_options, &registry, members, &cluster, &gate);
   Executor cluster_executor(cluster_threads, static_cast<size_t>(queue));
   // The grpc-stream sender's reads of chunks that must be copied: a payload without a host view
@@ -584,8 +756,10 @@ int Run() {
   // windows, beyond the quota it cancels streams. One quota for both servers.
   grpc::ResourceQuota grpc_quota("kvmesh-node");
   grpc_quota.Resize(static_cast<size_t>(grpc_quota_bytes));
-  auto configure = [max_message, &grpc_quota](grpc::ServerBuilder& builder) {
+  auto configure = [max_message, &grpc_quota, &metrics](grpc::ServerBuilder& builder) {
     builder.SetResourceQuota(grpc_quota);
+    // Every call counted, timed and logged (service/rpc_observer.h).
+    builder.experimental().SetInterceptorCreators(RpcObserverCreators(&metrics));
     builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
     builder.SetMaxSendMessageSize(static_cast<int>(max_message));
     // gRPC sets SO_REUSEPORT by default: a second node on the same port would start and share
@@ -623,18 +797,16 @@ int Run() {
       return fail_to_listen("peer_listen", peer_listen);
     }
   } else if (!peer_plane_on_client_port) {
-    std::fprintf(stderr,
-                 "kvmesh-node %s: no --peer_listen: this node serves no PeerService, so no other "
-                 "node can copy from it or move data to it\n",
-                 name.c_str());
+    Log(LogLevel::kWarning,
+        "no --peer_listen: this node serves no PeerService, so no other node can copy from it "
+        "or move data to it");
   }
   // The probes' server: health alone, plaintext (kubelet's gRPC probes have no TLS).
   std::unique_ptr<grpc::Server> health_server;
   int health_port = 0;
   if (!health_listen.empty()) {
     grpc::ServerBuilder health_builder;
-    health_builder.AddListeningPort(health_listen, grpc::InsecureServerCredentials(),
-                                    &health_port);
+    health_builder.AddListeningPort(health_listen, grpc::InsecureServerCredentials(), &health_port);
     health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     health_server = health_builder.BuildAndStart();
     if (health_server == nullptr || health_port == 0) {
@@ -676,14 +848,55 @@ int Run() {
     executor.Shutdown();
     return Fail(absl::StrCat("cannot write --port_file=", port_file, ": ", std::strerror(errno)));
   }
+  // /metrics, once everything it reads exists; stopped (by the cleanup) before any of it goes.
+  AddNodeCollectors(&metrics, NodeState{name,
+                                        backend_name,
+                                        &registry,
+                                        device.get(),
+                                        {{"engine", &executor},
+                                         {"cluster", &cluster_executor},
+                                         {"transfer_reads", &transfer_reads}},
+                                        &inflight,
+                                        &leases,
+                                        &gate});
+  const std::string metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
+  int bound_metrics_port = 0;
+  if (metrics_port > 0 || !metrics_port_file.empty()) {
+    if (const absl::Status s =
+            metrics.Serve(absl::StrCat(host, ":", metrics_port), &bound_metrics_port);
+        !s.ok()) {
+      if (peer_server != nullptr) peer_server->Shutdown();
+      server->Shutdown();
+      cluster_executor.Shutdown();
+      executor.Shutdown();
+      return Fail(absl::StrCat("--metrics_port=", metrics_port, ": ", s.message()));
+    }
+  }
+  absl::Cleanup stop_metrics = [&metrics] { metrics.StopServing(); };
+  if (!metrics_port_file.empty() && !WritePortFile(metrics_port_file, bound_metrics_port)) {
+    return Fail(absl::StrCat("cannot write --metrics_port_file=", metrics_port_file, ": ",
+                             std::strerror(errno)));
+  }
+  const std::string metrics_plane =
+      bound_metrics_port != 0 ? absl::StrCat(" metrics=", host, ":", bound_metrics_port) : "";
   const std::string peer_plane =
       peer_server != nullptr ? absl::StrCat(" peer-plane=", peer_host, ":", peer_port) : "";
   const std::string health_plane =
       health_server != nullptr ? absl::StrCat(" health=", health_host, ":", health_port) : "";
-  std::printf("kvmesh-node %s listening on %s:%d backend=%s peers=%zu%s%s\n", name.c_str(),
+  std::printf("kvmesh-node %s listening on %s:%d backend=%s peers=%zu%s%s%s\n", name.c_str(),
               host.c_str(), port, backend.c_str(), members->Peers().size(), peer_plane.c_str(),
-              health_plane.c_str());
+              health_plane.c_str(), metrics_plane.c_str());
   std::fflush(stdout);
+  const ProcessInfo& process = ThisProcess();
+  Log(LogLevel::kInfo, "listening",
+      {{"address", absl::StrCat(host, ":", port)},
+       {"peer_plane", peer_plane.empty() ? "" : peer_plane.substr(strlen(" peer-plane="))},
+       {"health", health_plane.empty() ? "" : health_plane.substr(strlen(" health="))},
+       {"metrics", metrics_plane.empty() ? "" : metrics_plane.substr(strlen(" metrics="))},
+       {"backend", backend_name},
+       {"peers", absl::StrCat(members->Peers().size())},
+       {"version", process.version},
+       {"boot_id", process.boot_id}});
 
   int signal = 0;
   if (const int err = sigwait(&signals, &signal); err != 0) {
@@ -693,18 +906,18 @@ int Run() {
   if (drain_timeout_ms > 0) {
     // A pod being deleted: hand everything to the peers first. Termination signals that come
     // meanwhile (a second SIGTERM, Ctrl-C twice) do not cut the drain short; SIGKILL does.
-    std::fprintf(stderr, "kvmesh-node %s: %s, draining for up to %lld ms before shutting down\n",
-                 name.c_str(), strsignal(signal), static_cast<long long>(drain_timeout_ms));
+    Log(LogLevel::kInfo, absl::StrCat(strsignal(signal), ", draining for up to ", drain_timeout_ms,
+                                      " ms before shutting down"));
     std::atomic<bool> drained{false};
     std::thread repeat_signals([&] {
       const timespec poll = {0, 100 * 1000 * 1000};
       while (!drained.load()) {
         const int again = sigtimedwait(&signals, nullptr, &poll);
         if (again > 0) {
-          std::fprintf(stderr,
-                       "kvmesh-node %s: %s while draining: the drain goes on (SIGKILL stops the "
-                       "node at once, losing what it still holds)\n",
-                       name.c_str(), strsignal(again));
+          Log(LogLevel::kWarning,
+              absl::StrCat(strsignal(again),
+                           " while draining: the drain goes on (SIGKILL stops the node at once, "
+                           "losing what it still holds)"));
         }
       }
     });
@@ -713,7 +926,7 @@ int Run() {
     drained.store(true);
     repeat_signals.join();
   }
-  std::fprintf(stderr, "kvmesh-node %s: %s, shutting down\n", name.c_str(), strsignal(signal));
+  Log(LogLevel::kInfo, absl::StrCat(strsignal(signal), ", shutting down"));
   // From here on nothing makes the node ready again (a Drain call with resume, during the grace
   // period), and the listener's references to this frame stay unused while it unwinds.
   gate.set_listener(nullptr);
@@ -742,11 +955,9 @@ int Run() {
   peer_server.reset();
   health_server.reset();
   if (!transport::AwaitPayloadSlicesReleased(absl::Now() + kShutdownGrace)) {
-    std::fprintf(stderr,
-                 "kvmesh-node %s: gRPC still holds %lld chunk slices of exports; exiting without "
-                 "tearing down the caches\n",
-                 name.c_str(), static_cast<long long>(transport::PayloadSlicesHeld()));
-    std::fflush(stderr);
+    Log(LogLevel::kError,
+        absl::StrCat("gRPC still holds ", transport::PayloadSlicesHeld(),
+                     " chunk slices of exports; exiting without tearing down the caches"));
     std::_Exit(EXIT_SUCCESS);
   }
   return EXIT_SUCCESS;
@@ -756,9 +967,32 @@ int Run() {
 }  // namespace kvmesh
 
 int main(int argc, char** argv) {
+  const kvmesh::ProcessInfo& process = kvmesh::ThisProcess();  // the start time: now
   absl::SetProgramUsageMessage(
-      "kvmesh-node: serves kvmesh.v1.CacheService. Flags take dashes or underscores "
-      "(--node-name or --node_name).");
+      "one node of kvmesh: holds KV caches in memory (host or GPU) and serves "
+      "kvmesh.v1.CacheService to schedulers and kvmesh.v1.PeerService to the other nodes "
+      "(README.md, docs/api.md, docs/operate.md).\n\n"
+      "Caches live in memory only: a node that restarts starts empty (a new boot_id in "
+      "ListMembers tells a scheduler so).\n\n"
+      "  kvmesh-node --listen=127.0.0.1:7700 --memory-budget=8GiB [flags]\n\n"
+      "Flags take dashes or underscores (--node-name or --node_name); --version prints the "
+      "version. The node's flags:");
+  absl::FlagsUsageConfig usage;
+  // --help and --helpshort list the node's own flags (not absl's and gRPC's: --helpfull).
+  auto own = [](absl::string_view file) { return absl::EndsWith(file, "node_main.cc"); };
+  usage.contains_help_flags = own;
+  usage.contains_helpshort_flags = own;
+  usage.normalize_filename = [](absl::string_view file) {
+    const size_t at = file.rfind("service/");
+    return std::string(at == absl::string_view::npos ? file : file.substr(at));
+  };
+  usage.version_string = [] {
+    const kvmesh::ProcessInfo& p = kvmesh::ThisProcess();
+    return absl::StrCat("kvmesh-node ", p.version, " (", p.build_type, " build",
+                        kvmesh::CudaSimulated() ? ", SIMULATED CUDA (test build)" : "", ")\n");
+  };
+  absl::SetFlagsUsageConfig(usage);
+  (void)process;
   std::vector<std::string> storage;
   std::vector<char*> args = kvmesh::NormalizeFlagNames(argc, argv, &storage);
   absl::ParseCommandLine(argc, args.data());

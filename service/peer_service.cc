@@ -10,6 +10,7 @@
 #include "cache/status_macros.h"
 #include "service/cluster/membership.h"
 #include "service/common/convert.h"
+#include "service/common/process_info.h"
 #include "service/common/tls.h"
 
 namespace kvmesh {
@@ -101,17 +102,19 @@ absl::StatusOr<PeerServiceImpl::Caller> PeerServiceImpl::Identify(
   for (size_t i = 0; i < names.size() && i < 4; ++i) {
     absl::StrAppend(&listed, i == 0 ? "" : ", ", "'", names[i].substr(0, 64), "'");
   }
-  return absl::PermissionDeniedError(absl::StrCat(
-      "node '", options_.name, "' serves PeerService to cluster members only; the caller's "
-      "certificate names ", listed, ", none of which is a member"));
+  return absl::PermissionDeniedError(
+      absl::StrCat("node '", options_.name,
+                   "' serves PeerService to cluster members only; the caller's "
+                   "certificate names ",
+                   listed, ", none of which is a member"));
 }
 
-absl::Status PeerServiceImpl::CheckSpeaksForItself(const Caller& caller,
-                                                   const std::string& claimed, const char* field) {
+absl::Status PeerServiceImpl::CheckSpeaksForItself(const Caller& caller, const std::string& claimed,
+                                                   const char* field) {
   if (caller.member.empty() || claimed == caller.member) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrCat(field, " = '", claimed.substr(0, 32),
-                                                  "', but the caller's certificate names member '",
-                                                  caller.member, "': a member speaks for itself only"));
+  return absl::PermissionDeniedError(absl::StrCat(
+      field, " = '", claimed.substr(0, 32), "', but the caller's certificate names member '",
+      caller.member, "': a member speaks for itself only"));
 }
 
 grpc::ServerUnaryReactor* PeerServiceImpl::Refuse(grpc::CallbackServerContext* context,
@@ -130,6 +133,10 @@ grpc::ServerUnaryReactor* PeerServiceImpl::NodeInfo(grpc::CallbackServerContext*
   response->set_name(options_.name);
   response->set_backend(options_.backend);
   for (const std::string& t : options_.transports) response->add_transports(t);
+  const ProcessInfo& process = ThisProcess();
+  response->set_boot_id(process.boot_id);
+  response->set_start_time_unix_ms(absl::ToUnixMillis(process.start_time));
+  response->set_version(process.version);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -152,11 +159,11 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Export(grpc::CallbackServerContext* c
   }
   return RunOn(engine_executor_, context,
                [this, request, response, identity = caller->identity]() -> absl::Status {
-    absl::StatusOr<v1::ExportResponse> exported = cluster_->Export(*request, identity);
-    if (!exported.ok()) return exported.status();
-    *response = *std::move(exported);
-    return absl::OkStatus();
-  });
+                 absl::StatusOr<v1::ExportResponse> exported = cluster_->Export(*request, identity);
+                 if (!exported.ok()) return exported.status();
+                 *response = *std::move(exported);
+                 return absl::OkStatus();
+               });
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* PeerServiceImpl::Fetch(
@@ -282,8 +289,8 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Remove(grpc::CallbackServerContext* c
                                                   v1::PeerRemoveResponse* response) {
   absl::StatusOr<Caller> caller = Identify(*context);
   if (!caller.ok()) return Refuse(context, caller.status());
-  if (absl::Status s = CheckNames({{"remove.cache", request->remove().cache()},
-                                   {"tenant", request->tenant()}});
+  if (absl::Status s =
+          CheckNames({{"remove.cache", request->remove().cache()}, {"tenant", request->tenant()}});
       !s.ok()) {
     return Refuse(context, s);
   }
@@ -296,8 +303,8 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Place(grpc::CallbackServerContext* co
                                                  v1::PlaceResponse* response) {
   absl::StatusOr<Caller> caller = Identify(*context);
   if (!caller.ok()) return Refuse(context, caller.status());
-  if (absl::Status s = CheckNames({{"spec.name", request->spec().name()},
-                                   {"tenant", request->tenant()}});
+  if (absl::Status s =
+          CheckNames({{"spec.name", request->spec().name()}, {"tenant", request->tenant()}});
       !s.ok()) {
     return Refuse(context, s);
   }

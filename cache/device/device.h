@@ -112,6 +112,10 @@ class Device {
     return budgets_[static_cast<int>(pool)];
   }
   size_t used_bytes(MemoryPool pool = MemoryPool::kCache) const;
+  // Freed memory the device keeps for reuse (counted in no pool), and the most it keeps: 0 for
+  // a device that keeps nothing.
+  virtual size_t kept_bytes() const { return 0; }
+  virtual size_t kept_limit_bytes() const { return 0; }
   size_t free_bytes(MemoryPool pool = MemoryPool::kCache) const;
 
   // For each plane p (in order) and each i, copies row_bytes from

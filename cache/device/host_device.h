@@ -40,7 +40,10 @@ class HostDevice : public Device {
   ~HostDevice() override;
 
   // Bytes of freed arenas kept for reuse now.
-  size_t kept_bytes() const;
+  size_t kept_bytes() const override;
+  // The limit in force: the smaller of the constructor's kept_limit and the two budgets (0
+  // where nothing is kept).
+  size_t kept_limit_bytes() const override { return KeepsArenas() ? kept_limit_ : 0; }
   // Whether this build maps large arenas and keeps freed ones (false under sanitizers).
   static bool KeepsArenas();
 

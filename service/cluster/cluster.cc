@@ -16,6 +16,7 @@
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
 #include "service/common/convert.h"
+#include "service/common/metrics.h"
 #include "transport/checksum.h"
 
 namespace kvmesh {
@@ -75,7 +76,7 @@ absl::Time Cluster::Deadline(absl::Time requested) const {
 }
 
 absl::StatusOr<std::shared_ptr<Cache>> Cluster::FindCache(const std::string& tenant,
-                                                           const std::string& name) const {
+                                                          const std::string& name) const {
   if (name.empty()) return absl::InvalidArgumentError("cache is empty: name the cache");
   if (tenant.empty() || tenant.find('/') != std::string::npos) {
     return absl::InvalidArgumentError("tenant is empty or malformed: name the cache's tenant");
@@ -136,16 +137,18 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
   // The transport first: a lease for a payload nobody can move is a snapshot-pool leak.
   if (request.transport().empty() || transports_.count(request.transport()) == 0) {
     std::string have;
-    for (const auto& [name, t] : transports_) absl::StrAppend(&have, have.empty() ? "" : ", ", name);
-    return absl::InvalidArgumentError(
-        absl::StrCat("transport = '", request.transport().substr(0, 32), "' is not a transport of node '",
-                     options_.self_name, "' (it has: ", have, ")"));
+    for (const auto& [name, t] : transports_)
+      absl::StrAppend(&have, have.empty() ? "" : ", ", name);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "transport = '", request.transport().substr(0, 32), "' is not a transport of node '",
+        options_.self_name, "' (it has: ", have, ")"));
   }
   // Data goes to members only.
   if (const absl::Status member = FindPeer(request.receiver(), "receiver").status(); !member.ok()) {
     return absl::PermissionDeniedError(absl::StrCat("export refused: ", member.message()));
   }
-  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.tenant(), request.cache()));
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,
+                   FindCache(request.tenant(), request.cache()));
   if (!request.has_spec()) return absl::InvalidArgumentError("spec is missing");
   ASSIGN_OR_RETURN(const CacheSpec spec, SpecFromProto(request.spec()));
   if (!(spec == cache->spec())) {
@@ -251,7 +254,9 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
       request.lease_ms() == 0 ? options_.lease_time : absl::Milliseconds(request.lease_ms());
   ttl = std::min(ttl, options_.max_lease_time);
   const size_t bytes = payload->size();
-  ASSIGN_OR_RETURN(std::string id, leases_->Grant(std::move(payload), caller, ttl, nullptr));
+  // The receiver is a member (checked above): its name is a bounded metrics label.
+  ASSIGN_OR_RETURN(std::string id, leases_->Grant(std::move(payload), caller, ttl, nullptr,
+                                                  request.transport(), request.receiver()));
   response.set_lease_id(std::move(id));
   response.set_payload_bytes(static_cast<int64_t>(bytes));
   response.set_lease_ms(absl::ToInt64Milliseconds(ttl));
@@ -260,7 +265,15 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
 
 absl::Status Cluster::Release(const v1::ReleaseRequest& request, const std::string& caller) {
   RETURN_IF_ERROR(leases_->CheckReceiver(request.lease_id(), caller));
-  return leases_->Release(request.lease_id());
+  const absl::StatusOr<LeaseTable::Info> lease = leases_->Describe(request.lease_id());
+  RETURN_IF_ERROR(leases_->Release(request.lease_id()));
+  // The sender's view of the transfer: from the export to the receiver's verdict.
+  if (options_.metrics != nullptr && lease.ok()) {
+    options_.metrics->Transfer(lease->transport, lease->peer, "send",
+                               request.committed() ? "OK" : "ABORTED", lease->payload_bytes,
+                               absl::Now() - lease->granted);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Cluster::RemoveLocal(const v1::PeerRemoveRequest& request) {
@@ -268,9 +281,9 @@ absl::Status Cluster::RemoveLocal(const v1::PeerRemoveRequest& request) {
   ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.tenant(), remove.cache()));
   const int64_t seqs[] = {remove.seq()};
   ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                   reservations_->BeginOperation(Reservations::Kind::kSequence,
-                                                 Reservations::Key(request.tenant(), remove.cache()),
-                                                 seqs, "Remove"));
+                   reservations_->BeginOperation(
+                       Reservations::Kind::kSequence,
+                       Reservations::Key(request.tenant(), remove.cache()), seqs, "Remove"));
   const std::optional<int32_t> end =
       remove.has_end() ? std::optional<int32_t>(remove.end()) : std::nullopt;
   return cache->Remove(remove.seq(), remove.begin(), end);
@@ -278,8 +291,8 @@ absl::Status Cluster::RemoveLocal(const v1::PeerRemoveRequest& request) {
 
 absl::StatusOr<v1::PlaceResponse> Cluster::Place(const v1::PlaceRequest& request) {
   if (request.tenant().empty() || request.tenant().find('/') != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("tenant = '", request.tenant(),
-                                                   "' is empty or malformed (it may not hold '/')"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tenant = '", request.tenant(), "' is empty or malformed (it may not hold '/')"));
   }
   if (!request.has_spec()) return absl::InvalidArgumentError("spec is missing");
   ASSIGN_OR_RETURN(const CacheSpec spec, SpecFromProto(request.spec()));
@@ -293,8 +306,7 @@ absl::StatusOr<v1::PlaceResponse> Cluster::Place(const v1::PlaceRequest& request
   if (!cache.ok() && request.create()) {
     DrainGate::Ticket admitted;
     if (options_.gate != nullptr) {
-      ASSIGN_OR_RETURN(admitted,
-                       options_.gate->Admit(absl::StrCat("new cache '", spec.name, "'")));
+      ASSIGN_OR_RETURN(admitted, options_.gate->Admit(absl::StrCat("new cache '", spec.name, "'")));
     }
     const TenantQuota quota = options_.quota ? options_.quota(request.tenant()) : TenantQuota();
     ASSIGN_OR_RETURN(const CacheRegistry::CreateResult created,
@@ -396,6 +408,11 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
   lease.crc32c = exported.crc32c();
   const absl::Status moved = transport->Receive(
       lease, [&](absl::Span<const uint8_t> bytes) { return (*writer)->Write(bytes); }, deadline);
+  if (options_.metrics != nullptr) {
+    options_.metrics->Transfer(transport->name(), member.name, "receive",
+                               absl::StatusCodeToString(moved.code()), lease.payload_bytes,
+                               absl::Now() - start);
+  }
   if (!moved.ok()) {
     release(false);
     return moved;  // the writer is dropped: nothing of it reaches the cache
@@ -409,10 +426,10 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
   return pulled;
 }
 
-absl::Status Cluster::CommitSequence(const std::string& tenant,
-                                     const std::shared_ptr<Cache>& cache, const Pulled& pulled,
-                                     int64_t dst_seq, int32_t length, bool must_be_unused,
-                                     const std::string& commit_key, const char* what) {
+absl::Status Cluster::CommitSequence(const std::string& tenant, const std::shared_ptr<Cache>& cache,
+                                     const Pulled& pulled, int64_t dst_seq, int32_t length,
+                                     bool must_be_unused, const std::string& commit_key,
+                                     const char* what) {
   // The imported snapshot goes whatever happens: it was only the payload's way in.
   struct DropPulled {
     const std::shared_ptr<Cache>& cache;
@@ -422,10 +439,10 @@ absl::Status Cluster::CommitSequence(const std::string& tenant,
     }
   } drop_pulled{cache, pulled};
   const int64_t dst[] = {dst_seq};
-  ASSIGN_OR_RETURN(Reservations::Guard guard,
-                   reservations_->BeginOperation(Reservations::Kind::kSequence,
-                                                 Reservations::Key(tenant, cache->spec().name),
-                                                 dst, what));
+  ASSIGN_OR_RETURN(
+      Reservations::Guard guard,
+      reservations_->BeginOperation(Reservations::Kind::kSequence,
+                                    Reservations::Key(tenant, cache->spec().name), dst, what));
   // A repeated migration that was committed already (its first reply was lost): done.
   if (!commit_key.empty() && Committed(commit_key)) return absl::OkStatus();
   // Checked again under the guard: the sequence may have started while the payload moved.
@@ -500,8 +517,20 @@ absl::Status Cluster::CheckUnused(const Cache& cache, int64_t seq) const {
                                                options_.self_name, "'"));
 }
 
+void Cluster::CountMigration(const char* kind, const char* role, const absl::Status& status) const {
+  if (options_.metrics == nullptr) return;
+  options_.metrics->Migration(kind, role, absl::StatusCodeToString(status.code()));
+}
+
 absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
                                                absl::Time deadline) {
+  absl::StatusOr<v1::PullResponse> pulled = PullHere(request, deadline);
+  CountMigration(request.has_sequence() ? "sequence" : "snapshot", "target", pulled.status());
+  return pulled;
+}
+
+absl::StatusOr<v1::PullResponse> Cluster::PullHere(const v1::PullRequest& request,
+                                                   absl::Time deadline) {
   // A sequence migration is known by its id and target: one committed here already (its reply
   // was lost, and the sender asks again) is answered as done, before anything else, also on a
   // node that has begun to drain since.
@@ -519,11 +548,12 @@ absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
   // this pull, and then move what it brought.
   DrainGate::Ticket admitted;
   if (options_.gate != nullptr) {
-    ASSIGN_OR_RETURN(admitted, options_.gate->Admit(absl::StrCat(
-                                   "migrated data (a Pull from node '",
-                                   request.source_node().substr(0, 64), "')")));
+    ASSIGN_OR_RETURN(admitted,
+                     options_.gate->Admit(absl::StrCat("migrated data (a Pull from node '",
+                                                       request.source_node().substr(0, 64), "')")));
   }
-  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(request.tenant(), request.cache()));
+  ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,
+                   FindCache(request.tenant(), request.cache()));
   v1::ExportRequest what;
   v1::PullResponse response;
   if (request.has_sequence()) {
@@ -549,9 +579,9 @@ absl::StatusOr<v1::PullResponse> Cluster::Pull(const v1::PullRequest& request,
       MutexLock lock(&committed_mu_);
       if (lost_replies_ < options_.testing_lose_pull_replies) {
         ++lost_replies_;
-        return absl::UnavailableError(absl::StrCat(
-            "testing: node '", options_.self_name, "' committed the migration but loses this "
-            "reply (--testing-lose-pull-replies)"));
+        return absl::UnavailableError(absl::StrCat("testing: node '", options_.self_name,
+                                                   "' committed the migration but loses this "
+                                                   "reply (--testing-lose-pull-replies)"));
       }
     }
   } else if (request.what_case() == v1::PullRequest::kSnapshotId) {
@@ -573,6 +603,17 @@ absl::StatusOr<v1::MigrateResponse> Cluster::Migrate(const std::string& tenant,
                                                      const v1::MigrateRequest& request,
                                                      absl::Time deadline, bool target_seq_unused,
                                                      const std::string& migration_id) {
+  absl::StatusOr<v1::MigrateResponse> migrated =
+      MigrateSequence(tenant, request, deadline, target_seq_unused, migration_id);
+  CountMigration("sequence", "source", migrated.status());
+  return migrated;
+}
+
+absl::StatusOr<v1::MigrateResponse> Cluster::MigrateSequence(const std::string& tenant,
+                                                             const v1::MigrateRequest& request,
+                                                             absl::Time deadline,
+                                                             bool target_seq_unused,
+                                                             const std::string& migration_id) {
   ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(tenant, request.cache()));
   if (request.seq() < 0 || request.target_seq() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("seq = ", request.seq(),
@@ -625,6 +666,14 @@ absl::StatusOr<v1::PullResponse> Cluster::AskToPull(const MemberAddress& target,
 
 absl::StatusOr<v1::MigrateSnapshotResponse> Cluster::MigrateSnapshot(
     const std::string& tenant, const v1::MigrateSnapshotRequest& request, absl::Time deadline) {
+  absl::StatusOr<v1::MigrateSnapshotResponse> migrated =
+      MigrateOneSnapshot(tenant, request, deadline);
+  CountMigration("snapshot", "source", migrated.status());
+  return migrated;
+}
+
+absl::StatusOr<v1::MigrateSnapshotResponse> Cluster::MigrateOneSnapshot(
+    const std::string& tenant, const v1::MigrateSnapshotRequest& request, absl::Time deadline) {
   ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(tenant, request.cache()));
   ASSIGN_OR_RETURN(const MemberAddress target, FindPeer(request.target_node(), "target_node"));
   bool known = false;
@@ -634,11 +683,10 @@ absl::StatusOr<v1::MigrateSnapshotResponse> Cluster::MigrateSnapshot(
                                             request.cache(), "' does not exist on node '",
                                             options_.self_name, "'"));
   }
-  ASSIGN_OR_RETURN(
-      Reservations::Guard reservation,
-      reservations_->Reserve(Reservations::Kind::kSnapshot,
-                             Reservations::Key(tenant, request.cache()),
-                             static_cast<int64_t>(request.snapshot_id()), target.name, deadline));
+  ASSIGN_OR_RETURN(Reservations::Guard reservation,
+                   reservations_->Reserve(
+                       Reservations::Kind::kSnapshot, Reservations::Key(tenant, request.cache()),
+                       static_cast<int64_t>(request.snapshot_id()), target.name, deadline));
   v1::PullRequest pull;
   pull.set_cache(request.cache());
   pull.set_tenant(tenant);

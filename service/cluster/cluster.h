@@ -38,6 +38,8 @@
 
 namespace kvmesh {
 
+class Metrics;
+
 class Cluster {
  public:
   struct Options {
@@ -62,6 +64,8 @@ class Cluster {
     // Testing only: the first this many Pulls of a sequence that commit answer UNAVAILABLE
     // anyway, as when the reply is lost on its way back.
     int testing_lose_pull_replies = 0;
+    // Transfers and migrations are counted here (not owned; null: not counted).
+    Metrics* metrics = nullptr;
   };
 
   // `transports` maps transport names (transport::kGrpcStream, transport::kNccl) to the
@@ -127,6 +131,16 @@ class Cluster {
   absl::StatusOr<v1::PlaceResponse> Place(const v1::PlaceRequest& request);
 
  private:
+  // The operations above without their metrics.
+  absl::StatusOr<v1::MigrateResponse> MigrateSequence(const std::string& tenant,
+                                                      const v1::MigrateRequest& request,
+                                                      absl::Time deadline, bool target_seq_unused,
+                                                      const std::string& migration_id);
+  absl::StatusOr<v1::MigrateSnapshotResponse> MigrateOneSnapshot(
+      const std::string& tenant, const v1::MigrateSnapshotRequest& request, absl::Time deadline);
+  absl::StatusOr<v1::PullResponse> PullHere(const v1::PullRequest& request, absl::Time deadline);
+  void CountMigration(const char* kind, const char* role, const absl::Status& status) const;
+
   struct Pulled {
     bool empty = false;     // the sender had nothing to send
     SnapshotInfo snapshot;  // imported into the local cache (when !empty)
@@ -144,8 +158,7 @@ class Cluster {
   // remembered does nothing and succeeds.
   absl::Status CommitSequence(const std::string& tenant, const std::shared_ptr<Cache>& cache,
                               const Pulled& pulled, int64_t dst_seq, int32_t length,
-                              bool must_be_unused, const std::string& commit_key,
-                              const char* what);
+                              bool must_be_unused, const std::string& commit_key, const char* what);
   bool Committed(const std::string& commit_key) const;
   void RememberCommitted(const std::string& commit_key);
   // ALREADY_EXISTS when `seq` stores something in `cache`.

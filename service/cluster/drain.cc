@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "service/common/convert.h"
+#include "service/common/metrics.h"
 
 namespace kvmesh {
 
@@ -22,9 +23,9 @@ struct Drainer::Item {
   uint64_t snapshot_id = 0;
 
   std::string Name() const {
-    return sequence ? absl::StrCat("sequence ", seq, " of cache '", cache->spec().name, "'")
-                    : absl::StrCat("snapshot ", snapshot_id, " of cache '", cache->spec().name,
-                                   "'");
+    return sequence
+               ? absl::StrCat("sequence ", seq, " of cache '", cache->spec().name, "'")
+               : absl::StrCat("snapshot ", snapshot_id, " of cache '", cache->spec().name, "'");
   }
   std::string Key() const {
     return absl::StrCat(tenant, "/", cache->spec().name, sequence ? "/seq/" : "/snap/",
@@ -70,8 +71,8 @@ std::string StatusText(const absl::Status& status) {
 
 }  // namespace
 
-Drainer::Drainer(Options options, CacheRegistry* registry, Membership* membership,
-                 Cluster* cluster, DrainGate* gate)
+Drainer::Drainer(Options options, CacheRegistry* registry, Membership* membership, Cluster* cluster,
+                 DrainGate* gate)
     : options_(std::move(options)),
       registry_(registry),
       membership_(membership),
@@ -184,8 +185,8 @@ bool Drainer::EnsureCache(const Item& item, Candidate& candidate, absl::Time dea
   absl::StatusOr<v1::PlaceResponse> place =
       cluster_->AskToPlace(candidate.member, request, deadline);
   if (place.ok() && !place->exists()) {
-    place = absl::UnavailableError(absl::StrCat("node '", candidate.member.name,
-                                                "' drains and takes no cache"));
+    place = absl::UnavailableError(
+        absl::StrCat("node '", candidate.member.name, "' drains and takes no cache"));
   }
   if (!place.ok()) {
     *reason = place.status();
@@ -218,8 +219,8 @@ Drainer::Outcome Drainer::MoveSequence(const Item& item, const std::set<int64_t>
     migrate.set_target_node(candidate.member.name);
     migrate.set_target_seq(target_seq);
     migrate.set_keep_source(false);
-    absl::StatusOr<v1::MigrateResponse> moved = cluster_->Migrate(
-        item.tenant, migrate, deadline, /*target_seq_unused=*/true, migration_id);
+    absl::StatusOr<v1::MigrateResponse> moved =
+        cluster_->Migrate(item.tenant, migrate, deadline, /*target_seq_unused=*/true, migration_id);
     if (!moved.ok()) return moved.status();
     candidate.seqs.insert(target_seq);
     // free_cells stays as the peer said: it is the least over groups of different units
@@ -284,10 +285,11 @@ Drainer::Outcome Drainer::MoveSequence(const Item& item, const std::set<int64_t>
       target_seq = item.seq;
       if (candidate.seqs.count(target_seq) > 0) {
         target_seq = std::max(*candidate.seqs.rbegin(),
-                              local_seqs.empty() ? int64_t{0} : *local_seqs.rbegin()) + 1;
+                              local_seqs.empty() ? int64_t{0} : *local_seqs.rbegin()) +
+                     1;
       }
-      migration_id = absl::StrCat(options_.self_name, "/", item.cache->spec().name, "/",
-                                  item.seq, "@drain-", absl::ToUnixNanos(absl::Now()));
+      migration_id = absl::StrCat(options_.self_name, "/", item.cache->spec().name, "/", item.seq,
+                                  "@drain-", absl::ToUnixNanos(absl::Now()));
       status = attempt(candidate, target_seq, migration_id);
       if (status.ok()) {
         outcome.moved = true;
@@ -388,6 +390,10 @@ absl::StatusOr<v1::DrainResponse> Drainer::Drain(absl::Time deadline, Mode mode)
     gate_->Close();
   }
   v1::DrainResponse response = Run(deadline, epoch);
+  if (options_.metrics != nullptr) {
+    options_.metrics->Drain(response.stayed().empty() ? "complete" : "partial",
+                            response.sequences_size(), response.snapshots_size());
+  }
   {
     MutexLock lock(&mu_);
     running_ = false;
@@ -422,18 +428,17 @@ v1::DrainResponse Drainer::Run(absl::Time deadline, uint64_t epoch) {
       }
       std::string refusals;
       const bool early = absl::Now() < start + kUnreachablePeerWait;
-      std::vector<Candidate> candidates = Probe(items[i].tenant, *items[i].cache,
-                                                Until(deadline), early, &refusals, &retryable);
+      std::vector<Candidate> candidates =
+          Probe(items[i].tenant, *items[i].cache, Until(deadline), early, &refusals, &retryable);
       for (size_t k = i; k < end && absl::Now() < Until(deadline) && !Resumed(epoch); ++k) {
         const Item& item = items[k];
         Outcome outcome;
         if (candidates.empty()) {
           outcome.reason = absl::StrCat("no peer can take it: ", refusals);
         } else {
-          outcome = item.sequence
-                        ? MoveSequence(item, local_seqs, candidates, Until(deadline), &unclear,
-                                       &response)
-                        : MoveSnapshot(item, candidates, Until(deadline), &response);
+          outcome = item.sequence ? MoveSequence(item, local_seqs, candidates, Until(deadline),
+                                                 &unclear, &response)
+                                  : MoveSnapshot(item, candidates, Until(deadline), &response);
         }
         if (outcome.moved || outcome.gone) {
           progress = true;
@@ -469,8 +474,8 @@ v1::DrainResponse Drainer::Run(absl::Time deadline, uint64_t epoch) {
     } else {
       stayed->set_reason("not moved: the drain's deadline passed first");
     }
-    Log(absl::StrCat("drain: ", item.Name(), " of tenant '", item.tenant, "' stays here: ",
-                     stayed->reason()));
+    Log(absl::StrCat("drain: ", item.Name(), " of tenant '", item.tenant,
+                     "' stays here: ", stayed->reason()));
   }
   response.set_draining(gate_->draining());
   response.set_micros(absl::ToInt64Microseconds(absl::Now() - start));

@@ -44,6 +44,8 @@
 
 namespace kvmesh {
 
+class Metrics;
+
 class Drainer {
  public:
   struct Options {
@@ -52,6 +54,8 @@ class Drainer {
     absl::Duration retry_interval = absl::Milliseconds(250);
     // Receives one line per item moved or left behind, and a summary (kvmesh-node: stderr).
     std::function<void(const std::string& line)> log;
+    // Drains are counted here (not owned; null: not counted).
+    Metrics* metrics = nullptr;
   };
 
   enum class Mode {
@@ -87,16 +91,15 @@ class Drainer {
   std::vector<Item> Inventory() const;
   // `wait_for_unreachable`: a peer that does not answer makes the pass worth repeating (early
   // in a drain: a peer restarting in a rolling update) rather than being left out.
-  std::vector<Candidate> Probe(const std::string& tenant, const Cache& cache,
-                               absl::Time deadline, bool wait_for_unreachable,
-                               std::string* reasons, bool* retryable);
+  std::vector<Candidate> Probe(const std::string& tenant, const Cache& cache, absl::Time deadline,
+                               bool wait_for_unreachable, std::string* reasons, bool* retryable);
   // `local_seqs`: the ids of the cache's sequences here, which a renamed one avoids.
   // `unclear`: attempts of earlier passes whose outcome is unclear, which go first.
   Outcome MoveSequence(const Item& item, const std::set<int64_t>& local_seqs,
                        std::vector<Candidate>& candidates, absl::Time deadline,
                        std::map<std::string, Unclear>* unclear, v1::DrainResponse* response);
-  Outcome MoveSnapshot(const Item& item, std::vector<Candidate>& candidates,
-                       absl::Time deadline, v1::DrainResponse* response);
+  Outcome MoveSnapshot(const Item& item, std::vector<Candidate>& candidates, absl::Time deadline,
+                       v1::DrainResponse* response);
   // Creates the cache on `candidate` when it lacks it; false (and `reason`) when that fails.
   bool EnsureCache(const Item& item, Candidate& candidate, absl::Time deadline,
                    v1::DrainResponse* response, absl::Status* reason);

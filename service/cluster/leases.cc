@@ -62,7 +62,8 @@ LeaseTable::~LeaseTable() {
 
 absl::StatusOr<std::string> LeaseTable::Grant(std::shared_ptr<transport::LeasedPayload> payload,
                                               std::string receiver, absl::Duration ttl,
-                                              std::function<void()> on_end) {
+                                              std::function<void()> on_end, std::string transport,
+                                              std::string peer) {
   MutexLock lock(&mu_);
   size_t& held = per_receiver_[receiver];
   if (held >= max_per_receiver_) {
@@ -75,8 +76,9 @@ absl::StatusOr<std::string> LeaseTable::Grant(std::shared_ptr<transport::LeasedP
   std::string id = RandomLeaseId();
   while (leases_.count(id) != 0) id = RandomLeaseId();  // 2^-128: never, but never reuse either
   ++held;
-  leases_.emplace(id, Lease{std::move(payload), std::move(receiver), ttl, absl::Now() + ttl,
-                            std::move(on_end)});
+  const absl::Time now = absl::Now();
+  leases_.emplace(id, Lease{std::move(payload), std::move(receiver), ttl, now + ttl,
+                            std::move(on_end), std::move(transport), std::move(peer), now});
   return id;
 }
 
@@ -87,8 +89,7 @@ std::string LeaseTable::NotFound(const std::string& id) {
                       "lease time");
 }
 
-absl::StatusOr<std::shared_ptr<transport::LeasedPayload>> LeaseTable::Touch(
-    const std::string& id) {
+absl::StatusOr<std::shared_ptr<transport::LeasedPayload>> LeaseTable::Touch(const std::string& id) {
   MutexLock lock(&mu_);
   auto it = leases_.find(id);
   if (it == leases_.end()) return absl::NotFoundError(NotFound(id));
@@ -123,6 +124,21 @@ absl::Status LeaseTable::Release(const std::string& id) {
 size_t LeaseTable::size() const {
   MutexLock lock(&mu_);
   return leases_.size();
+}
+
+uint64_t LeaseTable::leased_bytes() const {
+  MutexLock lock(&mu_);
+  uint64_t bytes = 0;
+  for (const auto& [id, lease] : leases_) bytes += lease.payload->size();
+  return bytes;
+}
+
+absl::StatusOr<LeaseTable::Info> LeaseTable::Describe(const std::string& id) const {
+  MutexLock lock(&mu_);
+  auto it = leases_.find(id);
+  if (it == leases_.end()) return absl::NotFoundError(NotFound(id));
+  return Info{it->second.payload->size(), it->second.receiver, it->second.transport,
+              it->second.peer, it->second.granted};
 }
 
 uint64_t LeaseTable::expired() const {

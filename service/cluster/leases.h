@@ -44,7 +44,8 @@ class LeaseTable final : public transport::LeaseLookup {
   // earlier ids. RESOURCE_EXHAUSTED when `receiver` holds max_per_receiver leases already.
   absl::StatusOr<std::string> Grant(std::shared_ptr<transport::LeasedPayload> payload,
                                     std::string receiver, absl::Duration ttl,
-                                    std::function<void()> on_end);
+                                    std::function<void()> on_end, std::string transport = "",
+                                    std::string peer = "");
 
   // transport::LeaseLookup.
   absl::StatusOr<std::shared_ptr<transport::LeasedPayload>> Touch(const std::string& id) override;
@@ -56,8 +57,19 @@ class LeaseTable final : public transport::LeaseLookup {
   // lease otherwise, so that another node learns nothing about ids it was not given.
   absl::Status CheckReceiver(const std::string& id, const std::string& receiver) const;
 
-  // Leases alive now.
+  // Leases alive now, and the payload bytes they pin.
   size_t size() const;
+  uint64_t leased_bytes() const;
+
+  // What lease `id` is (for the sender's transfer metrics); NOT_FOUND as Touch.
+  struct Info {
+    uint64_t payload_bytes = 0;
+    std::string receiver;
+    std::string transport;  // as given to Grant
+    std::string peer;       // as given to Grant: the receiving member's name
+    absl::Time granted;
+  };
+  absl::StatusOr<Info> Describe(const std::string& id) const;
   // Leases ended by expiry since the table was created (for tests and logs).
   uint64_t expired() const;
 
@@ -68,6 +80,9 @@ class LeaseTable final : public transport::LeaseLookup {
     absl::Duration ttl;
     absl::Time expires;
     std::function<void()> on_end;
+    std::string transport;
+    std::string peer;
+    absl::Time granted;
   };
 
   void ExpiryLoop();

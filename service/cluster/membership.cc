@@ -30,6 +30,8 @@
 #include "grpcpp/support/channel_arguments.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
 #include "service/common/health_client.h"
+#include "service/common/log.h"
+#include "service/common/process_info.h"
 
 namespace kvmesh {
 namespace {
@@ -391,6 +393,10 @@ v1::ListMembersResponse Membership::Describe(absl::Time deadline) {
   self->set_backend(options_.backend);
   for (const std::string& t : options_.transports) self->add_transports(t);
   self->set_detail(discovery_detail);
+  const ProcessInfo& process = ThisProcess();
+  self->set_boot_id(process.boot_id);
+  self->set_start_time_unix_ms(absl::ToUnixMillis(process.start_time));
+  self->set_version(process.version);
 
   for (const std::unique_ptr<Probe>& p : probes) {
     v1::Member* m = response.add_members();
@@ -409,6 +415,9 @@ v1::ListMembersResponse Membership::Describe(absl::Time deadline) {
     if (p->info_rpc.ok()) {
       m->set_backend(p->info_response.backend());
       *m->mutable_transports() = p->info_response.transports();
+      m->set_boot_id(p->info_response.boot_id());
+      m->set_start_time_unix_ms(p->info_response.start_time_unix_ms());
+      m->set_version(p->info_response.version());
       if (p->info_response.name() != p->member.name) {
         detail.push_back(absl::StrCat("answers as node '", p->info_response.name(), "'"));
       }
@@ -482,8 +491,8 @@ absl::Status Membership::Rediscover() {
   // Log changes only: a resolution every few seconds must not flood the log.
   if (!peers.ok()) {
     if (first || last_resolution_.ok() || last_resolution_ != peers.status()) {
-      std::fprintf(stderr, "kvmesh-node: peer discovery: %s; keeping %zu peers\n",
-                   std::string(peers.status().message()).c_str(), peers_.size());
+      Log(LogLevel::kWarning, absl::StrCat("peer discovery: ", peers.status().message(),
+                                           "; keeping ", peers_.size(), " peers"));
     }
     last_resolution_ = peers.status();
     return last_resolution_;
@@ -492,8 +501,8 @@ absl::Status Membership::Rediscover() {
   if (first || *peers != peers_) {
     std::vector<std::string> listed;
     for (const MemberAddress& p : *peers) listed.push_back(absl::StrCat(p.name, "=", p.address));
-    std::fprintf(stderr, "kvmesh-node: peers from %s: %s\n", options_.peer_dns.c_str(),
-                 listed.empty() ? "(none)" : absl::StrJoin(listed, ",").c_str());
+    Log(LogLevel::kInfo, absl::StrCat("peers from ", options_.peer_dns, ": ",
+                                      listed.empty() ? "(none)" : absl::StrJoin(listed, ",")));
     // Channels to addresses that left (a restarted pod has a new IP) are dropped from the cache;
     // a caller holding one keeps it.
     std::set<std::string> addresses;

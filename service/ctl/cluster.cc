@@ -161,7 +161,8 @@ const Command kListMembersCommand = {
     "list-members",
     {},
     R"(  list-members                                 this node (*) and its peers: address, health,
-                                               backend, transports, why unreachable)",
+                                               backend, transports, boot id and start time (a
+                                               new boot id: restarted, empty), why unreachable)",
     &ListMembers};
 
 const Command kMigrateCommand = {

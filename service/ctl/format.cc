@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "absl/time/time.h"
 
 namespace kvmesh {
 namespace ctl {
@@ -235,14 +236,22 @@ std::string MemberHealthText(v1::MemberHealth health) {
 }
 
 std::string MembersTable(const v1::ListMembersResponse& response) {
-  using Row = std::array<std::string, 6>;
-  std::vector<Row> rows = {{"NAME", "ADDRESS", "HEALTH", "BACKEND", "TRANSPORTS", "DETAIL"}};
+  using Row = std::array<std::string, 8>;
+  std::vector<Row> rows = {
+      {"NAME", "ADDRESS", "HEALTH", "BACKEND", "TRANSPORTS", "BOOT", "STARTED", "DETAIL"}};
   for (const v1::Member& m : response.members()) {
+    // The boot id's first 8 hex digits tell restarts apart at a glance; --json has it whole.
+    const std::string started =
+        m.start_time_unix_ms() == 0
+            ? ""
+            : absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::FromUnixMillis(m.start_time_unix_ms()),
+                               absl::UTCTimeZone());
     rows.push_back({absl::StrCat(m.name(), m.self() ? " *" : ""), OrDash(m.address()),
                     MemberHealthText(m.health()), OrDash(m.backend()),
-                    OrDash(absl::StrJoin(m.transports(), ",")), OrDash(m.detail())});
+                    OrDash(absl::StrJoin(m.transports(), ",")), OrDash(m.boot_id().substr(0, 8)),
+                    OrDash(started), OrDash(m.detail())});
   }
-  std::array<size_t, 6> width = {};
+  std::array<size_t, 8> width = {};
   for (const Row& row : rows) {
     for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
   }

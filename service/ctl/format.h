@@ -68,7 +68,9 @@ std::string NodeResultLine(const v1::NodeResult& result);
 std::string MemberHealthText(v1::MemberHealth health);
 
 // The members as an aligned table with a header line: NAME (this node marked "*"), ADDRESS,
-// HEALTH, BACKEND, TRANSPORTS, DETAIL; "-" for an empty cell. Ends with a newline.
+// HEALTH, BACKEND, TRANSPORTS, BOOT (the boot id's first 8 hex digits: a new one means the
+// node restarted and holds nothing it held), STARTED (UTC), DETAIL; "-" for an empty cell. Ends
+// with a newline.
 std::string MembersTable(const v1::ListMembersResponse& response);
 
 // "local" or "cluster" (any case, "REMOVE_SCOPE_" prefix allowed). INVALID_ARGUMENT otherwise.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "cache/device/cuda_device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -94,6 +95,55 @@ std::string TempDir() {
   std::string dir =
       absl::StrCat(env != nullptr && *env != '\0' ? env : "/tmp", "/kvmesh-node-test-XXXXXX");
   return mkdtemp(dir.data()) != nullptr ? dir : "";
+}
+
+TEST(NodeTest, HelpListsTheNodesOwnFlagsWithDefaults) {
+  absl::StatusOr<NodeRun> run = RunNodeToExit({"--help"}, absl::Seconds(30));
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string help = run->stdout_text + run->stderr_text;
+  EXPECT_THAT(help, HasSubstr("Caches live in memory only: a node that restarts starts empty"));
+  EXPECT_THAT(help, HasSubstr("Flags from service/node_main.cc:"));
+  for (const char* flag : {"--listen", "--memory_budget", "--metrics_port", "--log_level",
+                           "--log_format", "--kept_arena_limit", "--drain_timeout_ms",
+                           "--peers", "--token_file"}) {
+    EXPECT_THAT(help, HasSubstr(absl::StrCat("    ", flag, " ("))) << flag;
+  }
+  EXPECT_THAT(help, HasSubstr("default: \"127.0.0.1:7700\""));
+  // absl's own flags are under --helpfull only.
+  EXPECT_THAT(help, Not(HasSubstr("--flagfile")));
+  EXPECT_THAT(help, Not(HasSubstr("No flags matched")));
+}
+
+TEST(NodeTest, VersionPrintsTheBuildsVersionAndType) {
+  absl::StatusOr<NodeRun> run = RunNodeToExit({"--version"}, absl::Seconds(30));
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_TRUE(run->status.exited && run->status.code == 0) << run->status.ToString();
+  // "kvmesh-node 0.1.0-g5b0f470 (RelWithDebInfo build)", or a tag, or -dirty.
+  EXPECT_THAT(run->stdout_text,
+              MatchesRegex("kvmesh-node [0-9v][^ ]* \\([A-Za-z]+(\\+[a-z]+)? build[^)]*\\)\n"));
+  EXPECT_THAT(run->stdout_text, Not(HasSubstr("Debug build\n")));
+}
+
+TEST(NodeTest, NodeInfoCarriesABootIdNewAtEveryStart) {
+  std::unique_ptr<NodeProcess> first = StartNode({}, "boot-node");
+  ASSERT_NE(first, nullptr);
+  const absl::Time before = absl::Now();
+  const v1::NodeInfoResponse a = NodeInfo(*first);
+  EXPECT_EQ(a.boot_id().size(), 32u);
+  EXPECT_FALSE(a.version().empty());
+  EXPECT_LE(a.start_time_unix_ms(), absl::ToUnixMillis(before));
+  EXPECT_GT(a.start_time_unix_ms(), absl::ToUnixMillis(before - absl::Minutes(2)));
+  EXPECT_EQ(NodeInfo(*first).boot_id(), a.boot_id());  // stable while it runs
+  first->ReleaseChannel();
+  ASSERT_TRUE(first->Stop().clean());
+  std::unique_ptr<NodeProcess> second = StartNode({}, "boot-node");
+  ASSERT_NE(second, nullptr);
+  const v1::NodeInfoResponse b = NodeInfo(*second);
+  EXPECT_EQ(b.name(), a.name());
+  EXPECT_NE(b.boot_id(), a.boot_id());
+  EXPECT_GE(b.start_time_unix_ms(), a.start_time_unix_ms());
+  second->ReleaseChannel();
+  EXPECT_TRUE(second->Stop().clean());
 }
 
 TEST(NodeTest, CudaDeviceThatDoesNotExistIsRefusedAtStartup) {

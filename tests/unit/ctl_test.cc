@@ -500,16 +500,20 @@ TEST(ClusterFormatTest, MembersTable) {
   a->set_backend("cuda:0");
   a->add_transports("grpc-stream");
   a->add_transports("nccl");
+  a->set_boot_id("0123456789abcdef0123456789abcdef");
+  a->set_start_time_unix_ms(1795000000000);  // 2026-11-18T11:06:40Z
   v1::Member* b = response.add_members();
   b->set_name("node-b");
   b->set_address("10.0.0.2:7700");
   b->set_health(v1::MEMBER_HEALTH_UNREACHABLE);
   b->set_detail("DEADLINE_EXCEEDED: Deadline Exceeded");
   EXPECT_EQ(MembersTable(response),
-            "NAME    ADDRESS        HEALTH       BACKEND  TRANSPORTS        DETAIL\n"
-            "a *     10.0.0.1:7700  SERVING      cuda:0   grpc-stream,nccl  -\n"
-            "node-b  10.0.0.2:7700  UNREACHABLE  -        -                 "
-            "DEADLINE_EXCEEDED: Deadline Exceeded\n");
+            "NAME    ADDRESS        HEALTH       BACKEND  TRANSPORTS        BOOT      STARTED    "
+            "           DETAIL\n"
+            "a *     10.0.0.1:7700  SERVING      cuda:0   grpc-stream,nccl  01234567  "
+            "2026-11-18T11:06:40Z  -\n"
+            "node-b  10.0.0.2:7700  UNREACHABLE  -        -                 -         -         "
+            "            DEADLINE_EXCEEDED: Deadline Exceeded\n");
   EXPECT_EQ(MemberHealthText(v1::MEMBER_HEALTH_NOT_SERVING), "NOT_SERVING");
   EXPECT_EQ(MemberHealthText(v1::MEMBER_HEALTH_UNKNOWN), "UNKNOWN");
 }

@@ -1,0 +1,229 @@
+#include "service/rpc_observer.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cache/mutex.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
+#include "grpcpp/server_context.h"
+#include "service/common/convert.h"
+#include "service/common/log.h"
+
+namespace kvmesh {
+namespace {
+
+using grpc::experimental::InterceptionHookPoints;
+
+constexpr size_t kMaxLoggedValue = 160;
+
+// The services the node serves; a method of any other is "other" in metrics and logs.
+bool KnownService(absl::string_view service) {
+  return service == "kvmesh.v1.CacheService" || service == "kvmesh.v1.PeerService" ||
+         service == "grpc.health.v1.Health" ||
+         service == "grpc.reflection.v1alpha.ServerReflection";
+}
+
+// Whether the method's messages are generated protobuf classes: kvmesh's, but PeerService/Fetch
+// is served raw (a ByteBuffer), and health and reflection are raw inside gRPC.
+bool ProtobufMessages(absl::string_view service, absl::string_view method) {
+  if (service == "kvmesh.v1.CacheService") return true;
+  return service == "kvmesh.v1.PeerService" && method != "Fetch";
+}
+
+std::string GrpcCodeName(grpc::StatusCode code) {
+  return std::string(absl::StatusCodeToString(static_cast<absl::StatusCode>(code)));
+}
+
+// What a request names, for the log.
+struct Named {
+  std::string cache;
+  std::string seq;
+  std::string snapshot;
+  std::string node;
+};
+
+// Appends field `f` of `m` to `out` ("7", or "src_seq=7,dst_seq=8" when several fields name
+// the same thing). Proto3 scalars have no presence: a zero is a value (seq 0); an empty string
+// is left out.
+void AddScalar(const google::protobuf::Message& m, const google::protobuf::FieldDescriptor* f,
+               bool named, std::string* out) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Reflection* r = m.GetReflection();
+  if (f->is_repeated()) return;
+  if (f->has_presence() && !r->HasField(m, f)) return;
+  std::string value;
+  switch (f->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT64:
+      value = absl::StrCat(r->GetInt64(m, f));
+      break;
+    case FieldDescriptor::CPPTYPE_UINT64:
+      value = absl::StrCat(r->GetUInt64(m, f));
+      break;
+    case FieldDescriptor::CPPTYPE_INT32:
+      value = absl::StrCat(r->GetInt32(m, f));
+      break;
+    case FieldDescriptor::CPPTYPE_STRING:
+      value = r->GetString(m, f);
+      break;
+    default:
+      return;
+  }
+  if (value.empty()) return;
+  // A request is logged before the node has checked it: never copy a huge field whole.
+  if (value.size() > kMaxLoggedValue) value = absl::StrCat(value.substr(0, kMaxLoggedValue), "...");
+  if (!out->empty()) out->push_back(',');
+  if (named) absl::StrAppend(out, f->name(), "=");
+  out->append(value);
+}
+
+// Top-level fields, and those of the messages that carry a request's names: an AppendStream's
+// header, a CreateCache's spec, a PeerService Remove's remove, a Pull's sequence.
+void Extract(const google::protobuf::Message& m, Named* named) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Descriptor* d = m.GetDescriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const FieldDescriptor* f = d->field(i);
+    const std::string& name = f->name();
+    if (name == "cache" || (name == "name" && d->name() == "CacheSpec")) {
+      AddScalar(m, f, false, &named->cache);
+    } else if (name == "seq") {
+      AddScalar(m, f, false, &named->seq);
+    } else if (name == "src_seq" || name == "dst_seq" || name == "target_seq") {
+      AddScalar(m, f, true, &named->seq);
+    } else if (name == "snapshot_id") {
+      AddScalar(m, f, false, &named->snapshot);
+    } else if (name == "target_node" || name == "source_node" || name == "receiver" ||
+               name == "from_node" || name == "to_node") {
+      AddScalar(m, f, false, &named->node);
+    } else if ((name == "header" || name == "spec" || name == "remove" || name == "sequence") &&
+               f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE && !f->is_repeated() &&
+               m.GetReflection()->HasField(m, f)) {
+      Extract(m.GetReflection()->GetMessage(m, f), named);
+    }
+  }
+}
+
+class RpcObserver final : public grpc::experimental::Interceptor {
+ public:
+  RpcObserver(grpc::experimental::ServerRpcInfo* info, Metrics* metrics) : info_(info) {
+    const absl::string_view path = info->method();  // "/package.Service/Method"
+    const size_t slash = path.rfind('/');
+    absl::string_view service = slash == absl::string_view::npos || slash == 0
+                                    ? absl::string_view()
+                                    : path.substr(1, slash - 1);
+    absl::string_view method = slash == absl::string_view::npos ? path : path.substr(slash + 1);
+    if (!KnownService(service)) {
+      service = "other";
+      method = "other";
+    }
+    protobuf_ = ProtobufMessages(service, method);
+    const size_t dot = service.rfind('.');
+    short_service_ =
+        std::string(dot == absl::string_view::npos ? service : service.substr(dot + 1));
+    method_ = std::string(method);
+    if (metrics != nullptr) {
+      rpc_ = metrics->ForRpc(short_service_, method_);
+      rpc_->Started();
+    }
+  }
+
+  ~RpcObserver() override {
+    // A call that ends without sending a status (cancelled before its handler finished).
+    MutexLock lock(&mu_);
+    if (!finished_) Finish(grpc::StatusCode::CANCELLED, "the call ended without a status");
+  }
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    // A stream's read may complete on one thread while another sends its status (an idle
+    // AppendStream that the node ends): one hook at a time.
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
+      MutexLock lock(&mu_);
+      if (!received_ && !finished_ && protobuf_ && LogEnabled(LogLevel::kWarning)) {
+        received_ = true;
+        if (const void* message = methods->GetRecvMessage(); message != nullptr) {
+          Extract(*static_cast<const google::protobuf::Message*>(message), &named_);
+        }
+      }
+    }
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      MutexLock lock(&mu_);
+      if (!finished_) {
+        const grpc::Status status = methods->GetSendStatus();
+        Finish(status.error_code(), status.error_message());
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  void Finish(grpc::StatusCode code, const std::string& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_ = true;
+    const absl::Duration elapsed = absl::Now() - start_;
+    const std::string code_name = GrpcCodeName(code);
+    if (rpc_ != nullptr) rpc_->Finished(code_name, elapsed);
+    const LogLevel level = code == grpc::StatusCode::OK ? LogLevel::kDebug : LogLevel::kWarning;
+    if (!LogEnabled(level)) return;
+    std::string client;
+    if (info_->server_context() != nullptr) client = info_->server_context()->peer();
+    const std::string ms = absl::StrFormat("%.3f", absl::ToDoubleMilliseconds(elapsed));
+    // Fields a request does not name are left out of the line.
+    if (code == grpc::StatusCode::OK) {
+      Log(level, "rpc",
+          {{"service", short_service_},
+           {"method", method_},
+           {"code", code_name},
+           {"ms", ms},
+           {"cache", named_.cache},
+           {"seq", named_.seq},
+           {"snapshot", named_.snapshot},
+           {"peer", named_.node},
+           {"client", client}});
+    } else {
+      Log(level, "rpc failed",
+          {{"service", short_service_},
+           {"method", method_},
+           {"code", code_name},
+           {"ms", ms},
+           {"cache", named_.cache},
+           {"seq", named_.seq},
+           {"snapshot", named_.snapshot},
+           {"peer", named_.node},
+           {"client", client},
+           {"error", message}});
+    }
+  }
+
+  grpc::experimental::ServerRpcInfo* const info_;
+  const absl::Time start_ = absl::Now();
+  std::string short_service_;
+  std::string method_;
+  bool protobuf_ = false;
+  Metrics::Rpc* rpc_ = nullptr;
+  Mutex mu_;
+  bool received_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  Named named_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+grpc::experimental::Interceptor* RpcObserverFactory::CreateServerInterceptor(
+    grpc::experimental::ServerRpcInfo* info) {
+  return new RpcObserver(info, metrics_);
+}
+
+std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+RpcObserverCreators(Metrics* metrics) {
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(std::make_unique<RpcObserverFactory>(metrics));
+  return creators;
+}
+
+}  // namespace kvmesh
