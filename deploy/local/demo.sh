@@ -8,8 +8,10 @@
 # part of the draft, merge/split/drop snapshots, verifying every step's data. Then a three-node
 # cluster on loopback: a prompt appended on node 0, forked onto node 1 with a cross-node
 # CopyPrefix, migrated to node 2, node 2 drained (its sequence moves to a peer, as on SIGTERM),
-# removed cluster-wide, with the bytes moved and the time taken.
-# Stop every node.
+# removed cluster-wide, with the bytes moved and the time taken. Then the Python client's example
+# scheduler (clients/python/examples/scheduler.py) serves chat requests on the same three nodes:
+# routed to the longest cached prefix, forked with CopyPrefix, context-shifted, rebalanced with
+# Migrate, verified. Stop every node.
 #
 #   deploy/local/demo.sh           (from any directory; as root or with sudo for bootstrap)
 #
@@ -47,7 +49,8 @@ if ! cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVMESH
   tail -n 30 "$run_dir/cmake.log" >&2
   die "cmake configure failed (log: $run_dir/cmake.log)"
 fi
-targets=(kvmesh_node kvmesh_ctl)
+# kvmesh_python: the Python client's generated stubs (clients/python), for the last step.
+targets=(kvmesh_node kvmesh_ctl kvmesh_python)
 [ "$cluster_backend" = cuda ] && targets+=(kvmesh_ncclsim)
 if ! cmake --build "$build_dir" -j"$(nproc)" --target "${targets[@]}" >"$run_dir/build.log" 2>&1; then
   tail -n 40 "$run_dir/build.log" >&2
@@ -381,6 +384,14 @@ for n in node-0 node-1 node-2; do
     *) die "$n still holds sequences" ;;
   esac
 done
+
+step "the Python client: clients/python/examples/scheduler.py schedules chat requests on the three nodes"
+printf '$ PYTHONPATH=clients/python:%s/clients/python /usr/bin/python3 clients/python/examples/scheduler.py %s %s %s\n' \
+  "${build_dir#$root/}" "${node_addr[node-0]}" "${node_addr[node-1]}" "${node_addr[node-2]}"
+PYTHONPATH="$root/clients/python:$build_dir/clients/python" PYTHONDONTWRITEBYTECODE=1 \
+  /usr/bin/python3 "$root/clients/python/examples/scheduler.py" \
+  "${node_addr[node-0]}" "${node_addr[node-1]}" "${node_addr[node-2]}" ||
+  die "the Python example scheduler failed"
 stop_all_nodes
 echo
 echo "demo: done"
