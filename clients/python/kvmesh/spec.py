@@ -108,6 +108,12 @@ class ChunkedWindow:
 Window = Union[FullWindow, SlidingWindow, ChunkedWindow]
 
 
+def _default_head_dim_v(group: "Union[Attention, Rotating]") -> None:
+    """``head_dim_v`` None means ``head_dim_k`` (the usual K = V head size)."""
+    if group.head_dim_v is None:
+        object.__setattr__(group, "head_dim_v", group.head_dim_k)
+
+
 @dataclasses.dataclass(frozen=True)
 class Attention:
     """A group of attention layers: one K and one V row per token and layer, in shared cells.
@@ -122,9 +128,7 @@ class Attention:
     window: Window = FullWindow()
     rope: Rope = Rope()
 
-    def __post_init__(self) -> None:
-        if self.head_dim_v is None:
-            object.__setattr__(self, "head_dim_v", self.head_dim_k)
+    __post_init__ = _default_head_dim_v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +145,7 @@ class Rotating:
     head_dim_v: Optional[int] = None
     rope: Rope = Rope()
 
-    def __post_init__(self) -> None:
-        if self.head_dim_v is None:
-            object.__setattr__(self, "head_dim_v", self.head_dim_k)
+    __post_init__ = _default_head_dim_v
 
 
 @dataclasses.dataclass(frozen=True)

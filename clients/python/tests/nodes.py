@@ -100,9 +100,26 @@ class Node:
             raise RuntimeError(f"node {self.name} printed an unexpected line: {line!r}")
         return int(match.group(2))
 
-    def freeze(self) -> None:
-        """SIGSTOP: the node answers nothing until :meth:`thaw`."""
+    def freeze(self, timeout: float = 10.0) -> None:
+        """SIGSTOP, and waits until every thread of the node has stopped: the node then
+        answers nothing until :meth:`thaw`."""
         self._process.send_signal(signal.SIGSTOP)
+        tasks = f"/proc/{self._process.pid}/task"
+        deadline = time.monotonic() + timeout
+        while True:
+            states = []
+            for tid in os.listdir(tasks):
+                try:
+                    with open(f"{tasks}/{tid}/stat") as f:
+                        # "tid (comm) S ...": the state follows the last ')'.
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except FileNotFoundError:
+                    continue  # a thread that ended meanwhile
+            if all(state in ("T", "t") for state in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {self.name} did not stop: thread states {states}")
+            time.sleep(0.001)
 
     def thaw(self) -> None:
         """SIGCONT after :meth:`freeze`."""
