@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 
@@ -24,8 +24,6 @@ from .results import (CacheInfo, CacheUsage, CreateResult, DrainResult, Member,
 from .spec import CacheSpec, Recurrent
 
 __all__ = ["Client", "TlsOptions", "Token", "tokens"]
-
-T = TypeVar("T")
 
 Token = Tuple[int, int]
 """A token of an Append batch: (sequence id, position)."""
@@ -158,9 +156,10 @@ class Client:
     def _deadline(self, timeout: Optional[float]) -> Optional[float]:
         return self.timeout if timeout is None else timeout
 
-    def _call(self, method: str, request: object, timeout: Optional[float]) -> T:
-        """Calls the unary ``method`` with the deadline and metadata, mapping errors."""
-        rpc: Callable[..., T] = getattr(self._stub, method)
+    def _call(self, method: str, request: object, timeout: Optional[float]) -> Any:
+        """Calls the unary ``method`` with the deadline and metadata, mapping errors; returns
+        its response message."""
+        rpc: Callable[..., Any] = getattr(self._stub, method)
         try:
             return rpc(request, timeout=self._deadline(timeout), metadata=self._metadata)
         except grpc.RpcError as error:

@@ -9,7 +9,7 @@ import itertools
 import os
 import tempfile
 import unittest
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import grpc
 import numpy as np

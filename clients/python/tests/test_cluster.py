@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 
 import kvmesh
-from kvmesh import KV, Attention, CacheSpec, DType, Recurrent, Rope
+from kvmesh import Attention, CacheSpec, DType, Recurrent, Rope
 
 import nodes
 
