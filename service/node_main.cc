@@ -989,7 +989,7 @@ int main(int argc, char** argv) {
   usage.version_string = [] {
     const kvmesh::ProcessInfo& p = kvmesh::ThisProcess();
     return absl::StrCat("kvmesh-node ", p.version, " (", p.build_type, " build",
-                        kvmesh::CudaSimulated() ? ", SIMULATED CUDA (test build)" : "", ")\n");
+                        kvmesh::CudaSimulated() ? ", simulated CUDA: a test build" : "", ")\n");
   };
   absl::SetFlagsUsageConfig(usage);
   (void)process;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -333,21 +334,48 @@ bool NodeProcess::Running() {
 
 std::string NodeProcess::ReadStderr() const { return ReadFile(stderr_path_); }
 
-int ReservePort() {
+namespace {
+
+// Binds `port` (0: the kernel picks) on 127.0.0.1 and closes it again: the port bound, or 0.
+int TryBind(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return 0;
   sockaddr_in addr = {};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
   socklen_t len = sizeof(addr);
-  int port = 0;
+  int bound = 0;
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
       getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
+    bound = ntohs(addr.sin_port);
   }
   close(fd);
-  return port;
+  return bound;
+}
+
+}  // namespace
+
+int ReservePort() {
+  int ephemeral_low = 32768;
+  {
+    std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
+    int low = 0;
+    if (range >> low && low > 0) ephemeral_low = low;
+  }
+  constexpr int kLowest = 10000;
+  if (ephemeral_low - kLowest >= 1000) {
+    // Random candidates, seeded per process and call: tests running at once pick apart.
+    static std::atomic<uint64_t> calls{0};
+    uint64_t state = (static_cast<uint64_t>(getpid()) << 32) ^
+                     static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^ (++calls << 48);
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;  // an LCG step
+      const int port = kLowest + static_cast<int>((state >> 33) % (ephemeral_low - kLowest));
+      if (TryBind(port) == port) return port;
+    }
+  }
+  return TryBind(0);
 }
 
 absl::StatusOr<NodeRun> RunNodeToExit(const std::vector<std::string>& args, absl::Duration timeout,

@@ -141,7 +141,10 @@ class NodeProcess {
 };
 
 // A port on 127.0.0.1 that was free a moment ago (bound, then closed), for nodes whose
-// addresses must be known before they start. 0 when none could be bound.
+// addresses must be known before they start. 0 when none could be bound. Chosen at random
+// below the kernel's ephemeral range (net.ipv4.ip_local_port_range): a port from that range
+// may be handed to any socket that binds port 0 or connects (another test's client, node or
+// metrics endpoint) before the node binds it.
 int ReservePort();
 
 // Result of running kvmesh-node to completion.

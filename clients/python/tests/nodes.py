@@ -11,6 +11,7 @@ is killed with the test process (setpriv --pdeathsig) if the test dies.
 from __future__ import annotations
 
 import os
+import random
 import re
 import select
 import shutil
@@ -41,11 +42,35 @@ def ctl_binary() -> str:
     return path
 
 
-def reserve_port() -> int:
-    """A port on 127.0.0.1 that was free a moment ago."""
+def _try_bind(port: int) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return 0
         return s.getsockname()[1]
+
+
+def reserve_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago.
+
+    Chosen at random below the kernel's ephemeral range (as tests/testing's ReservePort): a
+    port from that range may go to any socket that binds port 0 or connects, in another test
+    running at the same time, before the node binds it.
+    """
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    if low - 10000 >= 1000:
+        rng = random.Random(os.getpid() ^ time.monotonic_ns())
+        for _ in range(200):
+            port = rng.randrange(10000, low)
+            if _try_bind(port) == port:
+                return port
+    return _try_bind(0)
 
 
 class Node:
