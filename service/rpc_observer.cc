@@ -173,31 +173,19 @@ class RpcObserver final : public grpc::experimental::Interceptor {
     std::string client;
     if (info_->server_context() != nullptr) client = info_->server_context()->peer();
     const std::string ms = absl::StrFormat("%.3f", absl::ToDoubleMilliseconds(elapsed));
-    // Fields a request does not name are left out of the line.
-    if (code == grpc::StatusCode::OK) {
-      Log(level, "rpc",
-          {{"service", short_service_},
-           {"method", method_},
-           {"code", code_name},
-           {"ms", ms},
-           {"cache", named_.cache},
-           {"seq", named_.seq},
-           {"snapshot", named_.snapshot},
-           {"peer", named_.node},
-           {"client", client}});
-    } else {
-      Log(level, "rpc failed",
-          {{"service", short_service_},
-           {"method", method_},
-           {"code", code_name},
-           {"ms", ms},
-           {"cache", named_.cache},
-           {"seq", named_.seq},
-           {"snapshot", named_.snapshot},
-           {"peer", named_.node},
-           {"client", client},
-           {"error", message}});
-    }
+    // Fields a request does not name are left out of the line (and a success has no error).
+    const bool ok = code == grpc::StatusCode::OK;
+    Log(level, ok ? "rpc" : "rpc failed",
+        {{"service", short_service_},
+         {"method", method_},
+         {"code", code_name},
+         {"ms", ms},
+         {"cache", named_.cache},
+         {"seq", named_.seq},
+         {"snapshot", named_.snapshot},
+         {"peer", named_.node},
+         {"client", client},
+         {"error", ok ? std::string() : message}});
   }
 
   grpc::experimental::ServerRpcInfo* const info_;

@@ -1,43 +1,17 @@
 #include "service/cluster/leases.h"
 
-#include <sys/random.h>
-
-#include <cerrno>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "service/common/convert.h"
+#include "service/common/process_info.h"
 
 namespace kvmesh {
 namespace {
 
-// 128 bits from the kernel's CSPRNG as 32 hex digits. getrandom blocks only before the kernel's
-// pool is initialized at boot, long before a node serves.
-std::string RandomLeaseId() {
-  unsigned char bytes[16];
-  size_t got = 0;
-  while (got < sizeof(bytes)) {
-    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      // Without randomness lease ids would be guessable: refuse to go on rather than serve.
-      std::fprintf(stderr, "kvmesh-node: getrandom: %s\n", std::strerror(errno));
-      std::abort();
-    }
-    got += static_cast<size_t>(n);
-  }
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string id(32, '0');
-  for (size_t i = 0; i < sizeof(bytes); ++i) {
-    id[2 * i] = kHex[bytes[i] >> 4];
-    id[2 * i + 1] = kHex[bytes[i] & 0xf];
-  }
-  return id;
-}
+// Lease ids: 128 bits from the kernel's CSPRNG, never guessable from earlier ids.
+std::string RandomLeaseId() { return RandomHex128(); }
 
 }  // namespace
 

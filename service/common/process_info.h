@@ -23,6 +23,11 @@ struct ProcessInfo {
 // This process's; drawn on the first call (the node calls it first thing in main).
 const ProcessInfo& ThisProcess();
 
+// 128 bits from the kernel's CSPRNG (getrandom) as 32 lowercase hex digits. getrandom blocks
+// only before the kernel's pool is initialized at boot, long before a node serves; without
+// randomness ids would be guessable, so a failure aborts the process rather than go on.
+std::string RandomHex128();
+
 }  // namespace kvmesh
 
 #endif  // KVMESH_SERVICE_COMMON_PROCESS_INFO_H_
