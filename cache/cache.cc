@@ -460,6 +460,16 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
 
 // ---- Listing ------------------------------------------------------------------------------
 
+SequenceInfo Cache::SequenceInfoLocked(int64_t seq) const {
+  SequenceInfo info;
+  info.seq = seq;
+  info.offset = OffsetLocked(seq);
+  auto pending = pending_.find(seq);
+  if (pending != pending_.end()) info.pending = static_cast<int32_t>(pending->second.size());
+  for (const auto& group : groups_) info.groups.push_back(group->Info(seq));
+  return info;
+}
+
 std::vector<SequenceInfo> Cache::ListSequences() const {
   ReaderMutexLock lock(&mu_);
   absl::flat_hash_set<int64_t> live;
@@ -467,16 +477,14 @@ std::vector<SequenceInfo> Cache::ListSequences() const {
   absl::btree_set<int64_t> seqs(live.begin(), live.end());
   std::vector<SequenceInfo> out;
   out.reserve(seqs.size());
-  for (int64_t seq : seqs) {
-    SequenceInfo info;
-    info.seq = seq;
-    info.offset = OffsetLocked(seq);
-    auto pending = pending_.find(seq);
-    if (pending != pending_.end()) info.pending = static_cast<int32_t>(pending->second.size());
-    for (const auto& group : groups_) info.groups.push_back(group->Info(seq));
-    out.push_back(std::move(info));
-  }
+  for (int64_t seq : seqs) out.push_back(SequenceInfoLocked(seq));
   return out;
+}
+
+std::optional<SequenceInfo> Cache::GetSequence(int64_t seq) const {
+  ReaderMutexLock lock(&mu_);
+  if (!IsLiveLocked(seq)) return std::nullopt;
+  return SequenceInfoLocked(seq);
 }
 
 std::vector<int64_t> Cache::SharedCells() const {

@@ -235,6 +235,9 @@ class Cache {
 
   // Live sequences in ascending id order.
   std::vector<SequenceInfo> ListSequences() const;
+  // The ListSequences entry of `seq` alone, nullopt when it stores nothing: costs what `seq`
+  // holds, not what the other sequences hold (a cross-node copy or migration of one sequence).
+  std::optional<SequenceInfo> GetSequence(int64_t seq) const;
   // Whether `seq` stores anything (positions, a state or pending tokens) in any group.
   bool IsLive(int64_t seq) const;
 
@@ -306,6 +309,7 @@ class Cache {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   int32_t LiveCountLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool IsLiveLocked(int64_t seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  SequenceInfo SequenceInfoLocked(int64_t seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   int64_t VisibleBoundLocked(int group, absl::Span<const Query> queries) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // One past the largest position any group holds for `seq` (pending included).

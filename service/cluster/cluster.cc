@@ -182,10 +182,7 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
                                              " on node '", options_.self_name, "'"));
     }
     // Nothing stored below `length` (or at all): the receiver empties its destination.
-    std::optional<SequenceInfo> info;
-    for (const SequenceInfo& s : cache->ListSequences()) {
-      if (s.seq == seq.seq()) info = s;
-    }
+    const std::optional<SequenceInfo> info = cache->GetSequence(seq.seq());
     bool empty = !info.has_value();
     if (info.has_value() && seq.length() > 0) {
       empty = true;
@@ -621,9 +618,7 @@ absl::StatusOr<v1::MigrateResponse> Cluster::MigrateSequence(const std::string& 
                                                    ": neither may be negative"));
   }
   ASSIGN_OR_RETURN(const MemberAddress target, FindPeer(request.target_node(), "target_node"));
-  bool stored = false;
-  for (const SequenceInfo& s : cache->ListSequences()) stored |= s.seq == request.seq();
-  if (!stored) {
+  if (!cache->IsLive(request.seq())) {
     return absl::NotFoundError(absl::StrCat("sequence ", request.seq(), " of cache '",
                                             request.cache(), "' stores nothing on node '",
                                             options_.self_name, "'"));

@@ -2162,6 +2162,38 @@ class Episode {
         ++it;
       }
     }
+    // GetSequence: exactly the ListSequences entry of a live sequence, nullopt for the others.
+    {
+      const std::vector<SequenceInfo> listed = cache_->ListSequences();
+      std::map<int64_t, const SequenceInfo*> by_seq;
+      for (const SequenceInfo& info : listed) by_seq[info.seq] = &info;
+      for (int64_t seq : pool_) {
+        const std::optional<SequenceInfo> one = cache_->GetSequence(seq);
+        auto it = by_seq.find(seq);
+        if (it == by_seq.end()) {
+          if (one.has_value()) {
+            return ::testing::AssertionFailure() << "GetSequence(" << seq << ") of an empty seq";
+          }
+          continue;
+        }
+        if (!one.has_value() || one->offset != it->second->offset ||
+            one->pending != it->second->pending ||
+            one->groups.size() != it->second->groups.size()) {
+          return ::testing::AssertionFailure() << "GetSequence(" << seq
+                                               << ") differs from its "
+                                                  "ListSequences entry";
+        }
+        for (size_t g = 0; g < one->groups.size(); ++g) {
+          const GroupSequenceInfo& a = one->groups[g];
+          const GroupSequenceInfo& b = it->second->groups[g];
+          if (a.stored != b.stored || a.shared != b.shared || a.first != b.first ||
+              a.last != b.last || a.state != b.state) {
+            return ::testing::AssertionFailure()
+                   << "GetSequence(" << seq << ") group " << g << " differs from ListSequences";
+          }
+        }
+      }
+    }
     // ListSequences.
     const std::vector<SequenceInfo> seqs = cache_->ListSequences();
     if (seqs.size() != live.size()) {
