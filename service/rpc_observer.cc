@@ -136,7 +136,11 @@ class RpcObserver final : public grpc::experimental::Interceptor {
   ~RpcObserver() override {
     // A call that ends without sending a status (cancelled before its handler finished).
     MutexLock lock(&mu_);
-    if (!finished_) Finish(grpc::StatusCode::CANCELLED, "the call ended without a status");
+    // The call's context may be gone by now: its address is not asked for.
+    if (!finished_) {
+      Finish(grpc::StatusCode::CANCELLED, "the call ended without a status",
+             /*context_alive=*/false);
+    }
   }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
@@ -155,14 +159,14 @@ class RpcObserver final : public grpc::experimental::Interceptor {
       MutexLock lock(&mu_);
       if (!finished_) {
         const grpc::Status status = methods->GetSendStatus();
-        Finish(status.error_code(), status.error_message());
+        Finish(status.error_code(), status.error_message(), /*context_alive=*/true);
       }
     }
     methods->Proceed();
   }
 
  private:
-  void Finish(grpc::StatusCode code, const std::string& message)
+  void Finish(grpc::StatusCode code, const std::string& message, bool context_alive)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_ = true;
     const absl::Duration elapsed = absl::Now() - start_;
@@ -171,7 +175,9 @@ class RpcObserver final : public grpc::experimental::Interceptor {
     const LogLevel level = code == grpc::StatusCode::OK ? LogLevel::kDebug : LogLevel::kWarning;
     if (!LogEnabled(level)) return;
     std::string client;
-    if (info_->server_context() != nullptr) client = info_->server_context()->peer();
+    if (context_alive && info_->server_context() != nullptr) {
+      client = info_->server_context()->peer();
+    }
     const std::string ms = absl::StrFormat("%.3f", absl::ToDoubleMilliseconds(elapsed));
     // Fields a request does not name are left out of the line (and a success has no error).
     const bool ok = code == grpc::StatusCode::OK;
