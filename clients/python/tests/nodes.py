@@ -18,8 +18,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+import unittest
 from typing import Dict, List, Optional, Sequence
 
 _LISTENING = re.compile(r"^kvmesh-node (\S+) listening on 127\.0\.0\.1:(\d+) backend=")
@@ -93,6 +95,7 @@ class Node:
         self._process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=self._log)
         self.returncode: Optional[int] = None
+        self._reported_exit = False
         try:
             self.port = self._wait_listening(start_timeout)
         except Exception:
@@ -150,6 +153,15 @@ class Node:
         """SIGCONT after :meth:`freeze`."""
         self._process.send_signal(signal.SIGCONT)
 
+    def exited_unexpectedly(self) -> Optional[str]:
+        """Once, when the node has exited without being stopped: a message with its status and
+        its stderr (where a sanitizer report is); otherwise None."""
+        if self.returncode is not None or self._reported_exit or self._process.poll() is None:
+            return None
+        self._reported_exit = True
+        return (f"kvmesh-node {self.name} exited by itself with status "
+                f"{self._process.returncode}; stderr:\n{self.log()}")
+
     def log(self) -> str:
         """The node's stderr so far."""
         with open(self._log.name, "rb") as f:
@@ -179,6 +191,22 @@ class Node:
         if status != 0:
             raise AssertionError(f"kvmesh-node {self.name} exited with status {status}; "
                                  f"stderr:\n{log}")
+
+
+class NodeTestCase(unittest.TestCase):
+    """A test class whose nodes (``cls.node``, or the list ``cls.nodes``) live for the whole
+    class. After each test, a node that died during it is reported at once, with its stderr,
+    on stderr and as the test's error: otherwise the report (a sanitizer's, say) would come only
+    from tearDownClass, after every later test had failed with UNAVAILABLE."""
+
+    def tearDown(self) -> None:
+        started = getattr(self, "nodes", None) or [getattr(self, "node", None)]
+        messages = [m for m in (n.exited_unexpectedly() for n in started if n is not None) if m]
+        if messages:
+            text = "\n".join(messages)
+            sys.stderr.write(f"\n{text}\n")
+            sys.stderr.flush()
+            self.fail(text)
 
 
 def start_cluster(names: Sequence[str], args: Sequence[str] = ()) -> List[Node]:

@@ -52,7 +52,7 @@ def rows(data: List[kvmesh.GroupData], index: Sequence[int],
     return out
 
 
-class ClientTest(unittest.TestCase):
+class ClientTest(nodes.NodeTestCase):
     """One node for the whole class; each test works on caches of its own."""
 
     node: nodes.Node
@@ -407,7 +407,7 @@ class ClientTest(unittest.TestCase):
         self.assertIsInstance(me.version, str)
 
 
-class CrossCheckTest(unittest.TestCase):
+class CrossCheckTest(nodes.NodeTestCase):
     """Python's layout agrees with kvmeshctl's (C++, service/ctl/payload.cc) byte for byte:
     kvmeshctl appends its pattern payload, Python reads it, appends it again in other batches
     (several sequences interleaved), and kvmeshctl verifies Python's data against its pattern;

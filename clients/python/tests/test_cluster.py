@@ -20,7 +20,7 @@ SPEC = CacheSpec("py-cluster", DType.BF16, max_sequences=8, capacity=64, max_bat
                                    head_k_dim=2)])
 
 
-class ClusterTest(unittest.TestCase):
+class ClusterTest(nodes.NodeTestCase):
 
     @classmethod
     def setUpClass(cls) -> None:

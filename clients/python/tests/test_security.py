@@ -46,7 +46,7 @@ def make_certificates(directory: str) -> None:
 
 
 @unittest.skipUnless(shutil.which("openssl"), "needs the openssl command")
-class SecurityTest(unittest.TestCase):
+class SecurityTest(nodes.NodeTestCase):
 
     @classmethod
     def setUpClass(cls) -> None:
