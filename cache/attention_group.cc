@@ -13,7 +13,8 @@ AttentionGroup::AttentionGroup(int index, const CacheSpec& spec, DeviceArena are
       spec_(spec.groups[index].attention),
       dtype_(spec.dtype),
       geo_(ComputeAttentionGeometry(spec, index)),
-      refs_(static_cast<size_t>(geo_.cells), 0) {
+      refs_(static_cast<size_t>(geo_.cells), 0),
+      holders_(static_cast<size_t>(geo_.cells), 0) {
   // Arena layout: for each layer, K [cells][k_row] then V [cells][v_row].
   const size_t cells = static_cast<size_t>(geo_.cells);
   size_t offset = 0;
@@ -37,7 +38,7 @@ GroupSequenceInfo AttentionGroup::Info(int64_t seq) const {
   GroupSequenceInfo g;
   if (const Index* index = Find(seq)) {
     g.stored = static_cast<int32_t>(index->size());
-    g.shared = SharedCells(*index);
+    if (auto shared = shared_.find(seq); shared != shared_.end()) g.shared = shared->second;
     g.first = index->begin()->first;
     g.last = index->rbegin()->first;
   }
@@ -53,11 +54,7 @@ GroupUsage AttentionGroup::Usage() const {
   return g;
 }
 
-int64_t AttentionGroup::SharedCellCount() const {
-  int64_t shared = 0;
-  for (const int32_t refs : refs_) shared += refs > 1;
-  return shared;
-}
+int64_t AttentionGroup::SharedCellCount() const { return shared_cells_; }
 
 int32_t AttentionGroup::SharedCells(const Index& index) const {
   int32_t shared = 0;
@@ -65,7 +62,14 @@ int32_t AttentionGroup::SharedCells(const Index& index) const {
   return shared;
 }
 
-int32_t AttentionGroup::AllocateCell() {
+void AttentionGroup::AddShared(int64_t seq, int32_t delta) {
+  if (delta == 0) return;
+  int32_t& count = shared_[seq];
+  count += delta;
+  if (count == 0) shared_.erase(seq);
+}
+
+int32_t AttentionGroup::AllocateCell(int64_t seq) {
   int32_t cell;
   if (!free_.empty()) {
     cell = free_.back();
@@ -74,11 +78,32 @@ int32_t AttentionGroup::AllocateCell() {
     cell = static_cast<int32_t>(next_fresh_++);
   }
   refs_[cell] = 1;
+  holders_[cell] = static_cast<uint64_t>(seq);
   return cell;
 }
 
-void AttentionGroup::ReleaseCell(int32_t cell) {
-  if (--refs_[cell] == 0) free_.push_back(cell);
+void AttentionGroup::RefCell(int32_t cell, int64_t seq) {
+  if (refs_[cell] == 1) {  // the holder's cell becomes shared
+    AddShared(static_cast<int64_t>(holders_[cell]), 1);
+    ++shared_cells_;
+  }
+  ++refs_[cell];
+  holders_[cell] ^= static_cast<uint64_t>(seq);
+  AddShared(seq, 1);
+}
+
+void AttentionGroup::ReleaseCell(int32_t cell, int64_t seq) {
+  holders_[cell] ^= static_cast<uint64_t>(seq);
+  const int32_t refs = --refs_[cell];
+  if (refs == 0) {
+    free_.push_back(cell);
+    return;
+  }
+  AddShared(seq, -1);
+  if (refs == 1) {  // the one holder left has the cell to itself
+    AddShared(static_cast<int64_t>(holders_[cell]), -1);
+    --shared_cells_;
+  }
 }
 
 // ---- Append -------------------------------------------------------------------------------
@@ -148,7 +173,7 @@ void AttentionGroup::ApplyPrune(const AppendPlan& plan) {
     Index& index = found->second;
     auto end = index.begin();
     while (end != index.end() && end->first < below) {
-      ReleaseCell(end->second);
+      ReleaseCell(end->second, seq);
       ++end;
     }
     index.erase(index.begin(), end);
@@ -165,13 +190,18 @@ absl::Status AttentionGroup::WriteAppend(const AppendBatch& batch, const uint8_t
   pruned_early_ = free_cells() < static_cast<int64_t>(tokens.size());
   if (pruned_early_) ApplyPrune(plan_);
   cells_.resize(tokens.size());
-  for (int32_t& cell : cells_) cell = AllocateCell();
+  cell_seqs_.resize(tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    cells_[i] = AllocateCell(tokens[i].seq);
+    cell_seqs_[i] = tokens[i].seq;
+  }
   return device_->Scatter(arena_, planes_, cells_, section);
 }
 
 void AttentionGroup::AbandonAppend() {
-  for (int32_t cell : cells_) ReleaseCell(cell);
+  for (size_t i = 0; i < cells_.size(); ++i) ReleaseCell(cells_[i], cell_seqs_[i]);
   cells_.clear();
+  cell_seqs_.clear();
   pruned_early_ = false;
 }
 
@@ -185,6 +215,7 @@ void AttentionGroup::CommitAppend(const AppendBatch& batch) {
     if (limited_memory()) prune_pending_.insert(tokens[i].seq);
   }
   cells_.clear();
+  cell_seqs_.clear();
 }
 
 absl::Status AttentionGroup::CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
@@ -199,7 +230,7 @@ void AttentionGroup::Truncate(int64_t seq, int32_t from) {
   if (found == seqs_.end()) return;
   Index& index = found->second;
   auto first = index.lower_bound(from);
-  for (auto it = first; it != index.end(); ++it) ReleaseCell(it->second);
+  for (auto it = first; it != index.end(); ++it) ReleaseCell(it->second, seq);
   index.erase(first, index.end());
   if (index.empty()) {
     seqs_.erase(found);
@@ -255,18 +286,29 @@ bool AttentionGroup::HasPrefix(int64_t src_seq, int32_t length) const {
 
 absl::Status AttentionGroup::ApplyCopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length) {
   if (auto dst = seqs_.find(dst_seq); dst != seqs_.end()) {
-    for (const auto& [pos, cell] : dst->second) ReleaseCell(cell);
+    for (const auto& [pos, cell] : dst->second) ReleaseCell(cell, dst_seq);
     seqs_.erase(dst);
   }
   if (limited_memory()) prune_pending_.erase(dst_seq);
   if (!HasPrefix(src_seq, length)) return absl::OkStatus();
   const Index& src = seqs_.at(src_seq);
-  Index copy;
-  for (auto it = src.begin(); it != src.end() && it->first < length; ++it) {
-    ++refs_[it->second];
-    copy.emplace_hint(copy.end(), it->first, it->second);
+  // RefCell for each cell, with the counts summed: every cell is src's, so a cell with one
+  // reference is src's alone, and every cell is shared by dst afterwards.
+  const uint64_t dst_id = static_cast<uint64_t>(dst_seq);
+  const auto end = length > src.rbegin()->first ? src.end() : src.lower_bound(length);
+  int32_t newly_shared = 0, copied = 0;
+  for (auto it = src.begin(); it != end; ++it) {
+    const int32_t cell = it->second;
+    newly_shared += refs_[cell] == 1;
+    ++refs_[cell];
+    holders_[cell] ^= dst_id;
+    ++copied;
   }
-  seqs_.emplace(dst_seq, std::move(copy));
+  AddShared(src_seq, newly_shared);
+  AddShared(dst_seq, copied);
+  shared_cells_ += newly_shared;
+  // Positions are copied in order, which builds the btree without comparing keys.
+  seqs_.emplace(dst_seq, end == src.end() ? Index(src) : Index(src.begin(), end));
   if (limited_memory()) prune_pending_.insert(dst_seq);
   return absl::OkStatus();
 }
@@ -305,7 +347,7 @@ absl::Status AttentionGroup::ApplyRemove(int64_t seq, int32_t begin, std::option
   Index& index = found->second;
   auto first = index.lower_bound(begin);
   auto last = end.has_value() ? index.lower_bound(*end) : index.end();
-  for (auto it = first; it != last; ++it) ReleaseCell(it->second);
+  for (auto it = first; it != last; ++it) ReleaseCell(it->second, seq);
   index.erase(first, last);
 
   absl::Status status;
@@ -320,10 +362,10 @@ absl::Status AttentionGroup::ApplyRemove(int64_t seq, int32_t begin, std::option
       rotate.reserve(moved.size());
       for (auto& [pos, cell] : moved) {
         if (refs_[cell] > 1) {
-          const int32_t fresh = AllocateCell();
+          const int32_t fresh = AllocateCell(seq);
           copy_src.push_back(cell);
           copy_dst.push_back(fresh);
-          ReleaseCell(cell);
+          ReleaseCell(cell, seq);
           cell = fresh;
         }
         rotate.push_back(cell);
@@ -456,7 +498,7 @@ absl::Status AttentionGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap
     for (int32_t i = 0; i < segment.rows; ++i) {
       const int32_t pos = segment.positions[i];
       if (pos >= target) break;
-      const int32_t cell = AllocateCell();
+      const int32_t cell = AllocateCell(seq);
       src_rows.push_back(segment.first_row + i);
       cells.push_back(cell);
       Index& index = seqs_[seq];

@@ -109,8 +109,14 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   // Cells of `seq` at positions >= from that no other sequence references.
   int64_t PrivateCellsFrom(int64_t seq, int32_t from) const;
   void ApplyPrune(const AppendPlan& plan);
-  int32_t AllocateCell();
-  void ReleaseCell(int32_t cell);
+  // Every reference of a sequence to a cell is taken and dropped here, which keeps the shared
+  // counts (shared_, shared_cells_) without ever visiting a sequence's positions: a cell with
+  // one reference knows its holder from holders_, so the holder's count drops when the others
+  // let go of the cell.
+  int32_t AllocateCell(int64_t seq);     // a free cell, referenced by seq only
+  void RefCell(int32_t cell, int64_t seq);      // seq references a used cell too
+  void ReleaseCell(int32_t cell, int64_t seq);  // seq drops its reference
+  void AddShared(int64_t seq, int32_t delta);
   bool limited_memory() const { return geo_.memory != kUnlimitedMemory; }
 
   const AttentionSpec spec_;
@@ -119,6 +125,10 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   std::vector<Plane> k_planes_;  // K0, K1, ... of planes_ (K0, V0, K1, V1, ...)
 
   std::vector<int32_t> refs_;  // per cell
+  // Per cell, the XOR of the ids of the sequences referencing it: the holder when refs_ is 1.
+  std::vector<uint64_t> holders_;
+  absl::flat_hash_map<int64_t, int32_t> shared_;  // seq -> its cells with refs_ > 1; absent: 0
+  int64_t shared_cells_ = 0;                      // cells with refs_ > 1
   std::vector<int32_t> free_;  // released cells, reused first
   int64_t next_fresh_ = 0;     // cells >= this have never been used
   // Sequences changed since their last prune as non-batch sequences (sliding groups only):
@@ -127,7 +137,8 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   absl::flat_hash_set<int64_t> prune_pending_;
   bool pruned_early_ = false;   // WriteAppend applied the plan's pruning already
   AppendPlan plan_;             // of the Append in progress
-  std::vector<int32_t> cells_;  // taken by the Append in progress
+  std::vector<int32_t> cells_;  // taken by the Append in progress, for the batch's tokens
+  std::vector<int64_t> cell_seqs_;  // the sequence of each of cells_
 };
 
 }  // namespace kvmesh

@@ -43,6 +43,7 @@
 #include "cache/device/host_device.h"
 #include "cache/mutex.h"
 #include "grpc/grpc.h"
+#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -750,6 +751,10 @@ int Run() {
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // Reflection describes what the generated descriptor pool holds; gRPC's health service has
+  // no descriptors of its own, so the node links grpc.health.v1's (proto/grpc/health/v1).
+  // Naming one keeps the linker from dropping the file's registration.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
   // Settings both servers share.
   // gRPC's own memory for calls (messages it receives before a handler sees them, its read
   // buffers) is held to its share of --inflight-budget: under pressure it shrinks flow-control

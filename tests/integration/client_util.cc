@@ -484,9 +484,12 @@ grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const st
   return rpc;
 }
 
-grpc::Status ListReflectedServices(const std::shared_ptr<grpc::Channel>& channel,
-                                   std::vector<std::string>* services) {
-  services->clear();
+namespace {
+
+// One request on a grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo stream: the
+// string field `field` of ServerReflectionRequest set to `value`; the response's fields.
+grpc::Status AskReflection(const std::shared_ptr<grpc::Channel>& channel, int field,
+                           const std::string& value, google::protobuf::UnknownFieldSet* fields) {
   grpc::GenericStub stub(channel);
   grpc::ClientContext context;
   SetDeadline(&context);
@@ -499,8 +502,7 @@ grpc::Status ListReflectedServices(const std::shared_ptr<grpc::Channel>& channel
   bool ok = true;
   call->StartCall(&tags[0]);
   ok = ok && Await(&cq, &tags[0]);
-  // ServerReflectionRequest { string list_services = 7; }
-  if (ok) call->Write(ToByteBuffer(StringField(7, "*")), &tags[1]);
+  if (ok) call->Write(ToByteBuffer(StringField(field, value)), &tags[1]);
   ok = ok && Await(&cq, &tags[1]);
   if (ok) call->WritesDone(&tags[2]);
   ok = ok && Await(&cq, &tags[2]);
@@ -517,25 +519,79 @@ grpc::Status ListReflectedServices(const std::shared_ptr<grpc::Channel>& channel
   if (!got_response) {
     return grpc::Status(grpc::StatusCode::INTERNAL, "reflection stream sent no response");
   }
-  // ServerReflectionResponse { ListServiceResponse list_services_response = 6; }
-  // ListServiceResponse { repeated ServiceResponse service = 1; } ServiceResponse { name = 1 }
-  google::protobuf::UnknownFieldSet fields;
-  if (!fields.ParseFromString(FromByteBuffer(response))) {
+  if (!fields->ParseFromString(FromByteBuffer(response))) {
     return grpc::Status(grpc::StatusCode::INTERNAL, "reflection response does not parse");
   }
+  return status;
+}
+
+// The length-delimited values of field `number` in `fields`.
+std::vector<std::string> Submessages(const google::protobuf::UnknownFieldSet& fields,
+                                     int number) {
+  std::vector<std::string> out;
   for (int i = 0; i < fields.field_count(); ++i) {
-    if (fields.field(i).number() != 6) continue;
+    if (fields.field(i).number() == number &&
+        fields.field(i).type() == google::protobuf::UnknownField::TYPE_LENGTH_DELIMITED) {
+      out.push_back(fields.field(i).length_delimited());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+grpc::Status ListReflectedServices(const std::shared_ptr<grpc::Channel>& channel,
+                                   std::vector<std::string>* services) {
+  services->clear();
+  // ServerReflectionRequest { string list_services = 7; }
+  google::protobuf::UnknownFieldSet fields;
+  const grpc::Status status = AskReflection(channel, 7, "*", &fields);
+  if (!status.ok()) return status;
+  // ServerReflectionResponse { ListServiceResponse list_services_response = 6; }
+  // ListServiceResponse { repeated ServiceResponse service = 1; } ServiceResponse { name = 1 }
+  for (const std::string& list_bytes : Submessages(fields, 6)) {
     google::protobuf::UnknownFieldSet list;
-    if (!list.ParseFromString(fields.field(i).length_delimited())) continue;
-    for (int j = 0; j < list.field_count(); ++j) {
-      if (list.field(j).number() != 1) continue;
+    if (!list.ParseFromString(list_bytes)) continue;
+    for (const std::string& service_bytes : Submessages(list, 1)) {
       google::protobuf::UnknownFieldSet service;
-      if (!service.ParseFromString(list.field(j).length_delimited())) continue;
-      for (int k = 0; k < service.field_count(); ++k) {
-        if (service.field(k).number() == 1) {
-          services->push_back(service.field(k).length_delimited());
-        }
+      if (!service.ParseFromString(service_bytes)) continue;
+      for (std::string& name : Submessages(service, 1)) services->push_back(std::move(name));
+    }
+  }
+  return status;
+}
+
+grpc::Status ReflectedFilesOfSymbol(const std::shared_ptr<grpc::Channel>& channel,
+                                    const std::string& symbol,
+                                    std::vector<google::protobuf::FileDescriptorProto>* files) {
+  files->clear();
+  // ServerReflectionRequest { string file_containing_symbol = 4; }
+  google::protobuf::UnknownFieldSet fields;
+  const grpc::Status status = AskReflection(channel, 4, symbol, &fields);
+  if (!status.ok()) return status;
+  // ServerReflectionResponse { FileDescriptorResponse file_descriptor_response = 4;
+  //                            ErrorResponse error_response = 7; }
+  // FileDescriptorResponse { repeated bytes file_descriptor_proto = 1; }
+  // ErrorResponse { int32 error_code = 1; string error_message = 2; }
+  for (const std::string& error_bytes : Submessages(fields, 7)) {
+    google::protobuf::UnknownFieldSet error;
+    std::string message = "(no message)";
+    if (error.ParseFromString(error_bytes) && !Submessages(error, 2).empty()) {
+      message = Submessages(error, 2).front();
+    }
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("reflection error for ", symbol, ": ", message));
+  }
+  for (const std::string& response_bytes : Submessages(fields, 4)) {
+    google::protobuf::UnknownFieldSet response;
+    if (!response.ParseFromString(response_bytes)) continue;
+    for (const std::string& file_bytes : Submessages(response, 1)) {
+      google::protobuf::FileDescriptorProto file;
+      if (!file.ParseFromString(file_bytes)) {
+        return grpc::Status(grpc::StatusCode::INTERNAL,
+                            absl::StrCat("a file descriptor for ", symbol, " does not parse"));
       }
+      files->push_back(std::move(file));
     }
   }
   return status;

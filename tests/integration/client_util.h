@@ -18,6 +18,7 @@
 
 #include "absl/time/time.h"
 #include "cache/spec.h"
+#include "google/protobuf/descriptor.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
 
@@ -179,6 +180,12 @@ grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const st
 // grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo with list_services.
 grpc::Status ListReflectedServices(const std::shared_ptr<grpc::Channel>& channel,
                                    std::vector<std::string>* services);
+
+// The same with file_containing_symbol: the file that defines `symbol` and those it imports,
+// as reflection sends them; NOT_FOUND with the server's message when it knows no such symbol.
+grpc::Status ReflectedFilesOfSymbol(const std::shared_ptr<grpc::Channel>& channel,
+                                    const std::string& symbol,
+                                    std::vector<google::protobuf::FileDescriptorProto>* files);
 
 }  // namespace testutil
 }  // namespace kvmesh

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/descriptor.h"
 #include "gtest/gtest.h"
 #include "service/common/convert.h"
 #include "tests/integration/client_util.h"
@@ -96,6 +97,39 @@ TEST_F(ServiceTest, ReflectionListsTheServices) {
   KVMESH_ASSERT_OK(ListReflectedServices(node().channel(), &services));
   EXPECT_THAT(services, ::testing::IsSupersetOf({"kvmesh.v1.CacheService", "grpc.health.v1.Health",
                                                  "grpc.reflection.v1alpha.ServerReflection"}));
+}
+
+// ghz and grpcurl find a method's messages through reflection: the health service's must be
+// there too, and match the protocol's wire format.
+TEST_F(ServiceTest, ReflectionDescribesTheHealthService) {
+  std::vector<google::protobuf::FileDescriptorProto> files;
+  KVMESH_ASSERT_OK(ReflectedFilesOfSymbol(node().channel(), "grpc.health.v1.Health", &files));
+  ASSERT_FALSE(files.empty());
+  const google::protobuf::FileDescriptorProto& file = files.front();
+  EXPECT_EQ(file.package(), "grpc.health.v1");
+  ASSERT_EQ(file.service_size(), 1);
+  EXPECT_EQ(file.service(0).name(), "Health");
+  std::vector<std::string> methods;
+  for (const auto& method : file.service(0).method()) methods.push_back(method.name());
+  EXPECT_THAT(methods, ::testing::UnorderedElementsAre("Check", "Watch"));
+  // Reflection builds a pool of what it sent, as a reflection client does.
+  google::protobuf::DescriptorPool pool;
+  for (auto it = files.rbegin(); it != files.rend(); ++it) ASSERT_NE(pool.BuildFile(*it), nullptr);
+  const google::protobuf::Descriptor* response =
+      pool.FindMessageTypeByName("grpc.health.v1.HealthCheckResponse");
+  ASSERT_NE(response, nullptr);
+  const google::protobuf::FieldDescriptor* status = response->FindFieldByName("status");
+  ASSERT_NE(status, nullptr);
+  EXPECT_EQ(status->number(), 1);
+  EXPECT_EQ(status->enum_type()->FindValueByName("SERVING")->number(), 1);
+  EXPECT_EQ(status->enum_type()->FindValueByName("NOT_SERVING")->number(), 2);
+  const google::protobuf::Descriptor* request =
+      pool.FindMessageTypeByName("grpc.health.v1.HealthCheckRequest");
+  ASSERT_NE(request, nullptr);
+  EXPECT_EQ(request->FindFieldByName("service")->number(), 1);
+  // An unknown symbol is an error from reflection, not an empty answer.
+  EXPECT_EQ(ReflectedFilesOfSymbol(node().channel(), "no.such.Service", &files).error_code(),
+            grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_F(ServiceTest, CreateIsIdempotentAndGetListDeleteAgree) {

@@ -2252,6 +2252,23 @@ class Episode {
         }
       }
     }
+    // Cells (or slots) referenced by more than one sequence, per group: the engine keeps
+    // these counts as references come and go; the model counts them afresh.
+    const std::vector<int64_t> shared_cells = cache_->SharedCells();
+    for (size_t g = 0; g < spec_.groups.size(); ++g) {
+      const ModelGroup& m = model_.groups()[g];
+      int64_t want = 0;
+      if (m.kind == GroupKind::kAttention) {
+        for (const auto& [handle, cell] : m.cells) want += cell.refs > 1;
+      } else if (m.kind == GroupKind::kRecurrent) {
+        for (const auto& [handle, refs] : m.slots) want += refs > 1;
+      }
+      if (shared_cells.at(g) != want) {
+        return ::testing::AssertionFailure() << "group " << g << ": SharedCells() "
+                                             << shared_cells[g] << ", model " << want;
+      }
+      if (want > 0) ++outcomes["shared cell counts compared"];
+    }
     // Bytes of every live sequence; NOT_FOUND for the others.
     for (int64_t seq : pool_) {
       absl::StatusOr<ReadResult> read = cache_->Read(seq, 0, std::nullopt);
@@ -2419,6 +2436,7 @@ TEST(CacheModelTest, RandomOperationsMatchTheModel) {
                                 "recurrent states compared VALID",
                                 "recurrent states compared INVALID",
                                 "shared recurrent slots compared",
+                                "shared cell counts compared",
                                 "sequences with pending tokens compared"}) {
       EXPECT_GT(outcomes[outcome], 0) << outcome;
     }
