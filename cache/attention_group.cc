@@ -1,6 +1,7 @@
 #include "cache/attention_group.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -106,6 +107,36 @@ void AttentionGroup::ReleaseCell(int32_t cell, int64_t seq) {
   }
 }
 
+void AttentionGroup::ReleaseCells(Index::const_iterator first, Index::const_iterator last,
+                                  int64_t seq) {
+  const uint64_t id = static_cast<uint64_t>(seq);
+  int32_t own = 0;          // of seq's cells, those that were shared
+  int64_t last_holder = 0;  // the sole holders left, counted in runs (mostly one sequence)
+  int32_t run = 0;
+  for (auto it = first; it != last; ++it) {
+    const int32_t cell = it->second;
+    holders_[cell] ^= id;
+    const int32_t refs = --refs_[cell];
+    if (refs == 0) {
+      free_.push_back(cell);
+      continue;
+    }
+    ++own;
+    if (refs == 1) {
+      --shared_cells_;
+      const int64_t holder = static_cast<int64_t>(holders_[cell]);
+      if (run > 0 && holder != last_holder) {
+        AddShared(last_holder, -run);
+        run = 0;
+      }
+      last_holder = holder;
+      ++run;
+    }
+  }
+  if (run > 0) AddShared(last_holder, -run);
+  AddShared(seq, -own);
+}
+
 // ---- Append -------------------------------------------------------------------------------
 
 AttentionGroup::AppendPlan AttentionGroup::PlanAppend(
@@ -171,11 +202,12 @@ void AttentionGroup::ApplyPrune(const AppendPlan& plan) {
     auto found = seqs_.find(seq);
     if (found == seqs_.end()) continue;
     Index& index = found->second;
-    auto end = index.begin();
-    while (end != index.end() && end->first < below) {
-      ReleaseCell(end->second, seq);
-      ++end;
-    }
+    // Positions are int32: a bound past INT32_MAX drops them all, one below INT32_MIN none.
+    const auto end =
+        below > INT32_MAX
+            ? index.end()
+            : index.lower_bound(static_cast<int32_t>(std::max<int64_t>(below, INT32_MIN)));
+    ReleaseCells(index.begin(), end, seq);
     index.erase(index.begin(), end);
     if (index.empty()) {
       seqs_.erase(found);
@@ -230,7 +262,7 @@ void AttentionGroup::Truncate(int64_t seq, int32_t from) {
   if (found == seqs_.end()) return;
   Index& index = found->second;
   auto first = index.lower_bound(from);
-  for (auto it = first; it != index.end(); ++it) ReleaseCell(it->second, seq);
+  ReleaseCells(first, index.end(), seq);
   index.erase(first, index.end());
   if (index.empty()) {
     seqs_.erase(found);
@@ -286,7 +318,7 @@ bool AttentionGroup::HasPrefix(int64_t src_seq, int32_t length) const {
 
 absl::Status AttentionGroup::ApplyCopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length) {
   if (auto dst = seqs_.find(dst_seq); dst != seqs_.end()) {
-    for (const auto& [pos, cell] : dst->second) ReleaseCell(cell, dst_seq);
+    ReleaseCells(dst->second.begin(), dst->second.end(), dst_seq);
     seqs_.erase(dst);
   }
   if (limited_memory()) prune_pending_.erase(dst_seq);
@@ -347,7 +379,7 @@ absl::Status AttentionGroup::ApplyRemove(int64_t seq, int32_t begin, std::option
   Index& index = found->second;
   auto first = index.lower_bound(begin);
   auto last = end.has_value() ? index.lower_bound(*end) : index.end();
-  for (auto it = first; it != last; ++it) ReleaseCell(it->second, seq);
+  ReleaseCells(first, last, seq);
   index.erase(first, last);
 
   absl::Status status;

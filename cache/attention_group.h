@@ -113,9 +113,11 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   // counts (shared_, shared_cells_) without ever visiting a sequence's positions: a cell with
   // one reference knows its holder from holders_, so the holder's count drops when the others
   // let go of the cell.
-  int32_t AllocateCell(int64_t seq);     // a free cell, referenced by seq only
+  int32_t AllocateCell(int64_t seq);            // a free cell, referenced by seq only
   void RefCell(int32_t cell, int64_t seq);      // seq references a used cell too
   void ReleaseCell(int32_t cell, int64_t seq);  // seq drops its reference
+  // ReleaseCell for the cells of [first, last) of seq's index, with the counts summed.
+  void ReleaseCells(Index::const_iterator first, Index::const_iterator last, int64_t seq);
   void AddShared(int64_t seq, int32_t delta);
   bool limited_memory() const { return geo_.memory != kUnlimitedMemory; }
 
@@ -129,15 +131,15 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   std::vector<uint64_t> holders_;
   absl::flat_hash_map<int64_t, int32_t> shared_;  // seq -> its cells with refs_ > 1; absent: 0
   int64_t shared_cells_ = 0;                      // cells with refs_ > 1
-  std::vector<int32_t> free_;  // released cells, reused first
-  int64_t next_fresh_ = 0;     // cells >= this have never been used
+  std::vector<int32_t> free_;                     // released cells, reused first
+  int64_t next_fresh_ = 0;                        // cells >= this have never been used
   // Sequences changed since their last prune as non-batch sequences (sliding groups only):
   // pruning a sequence outside the batch drops below last+1-memory, which cannot change
   // until the sequence does, so only these need looking at.
   absl::flat_hash_set<int64_t> prune_pending_;
-  bool pruned_early_ = false;   // WriteAppend applied the plan's pruning already
-  AppendPlan plan_;             // of the Append in progress
-  std::vector<int32_t> cells_;  // taken by the Append in progress, for the batch's tokens
+  bool pruned_early_ = false;       // WriteAppend applied the plan's pruning already
+  AppendPlan plan_;                 // of the Append in progress
+  std::vector<int32_t> cells_;      // taken by the Append in progress, for the batch's tokens
   std::vector<int64_t> cell_seqs_;  // the sequence of each of cells_
 };
 

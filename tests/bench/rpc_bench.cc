@@ -2,9 +2,12 @@
 //
 //  - control-plane calls from N client threads over shared channels, each op for --duration
 //    after a --warmup: grpc.health.v1.Health/Check (the trivial baseline on the same server),
-//    CanResume, CopyPrefix of a 1K-token prefix, and an Append of a few tokens (a decode step;
-//    every thread truncates its sequence, untimed, before it reaches the capacity);
-//    requests/s and p50/p99 latency per op;
+//    then the scheduler-facing calls on a cache holding a --prefix-tokens sequence and 16 forks of
+//    it: CanResume, GetCache, ListSequences, CopyPrefix of the whole prefix, Remove (a truncation
+//    of a fork, re-forked untimed before each), Visible of one query, ListMembers, and an
+//    Append of a few tokens (a decode step; every thread truncates its sequence, untimed,
+//    before it reaches the capacity); requests/s and p50/p99 latency per op, and each
+//    control call's req/s as a ratio of Health/Check's with "met" when it is >= 0.8;
 //  - bulk payloads on one stream: AppendStream, unary Append and Read of --large-tokens tokens
 //    (512 x Llama-3-8B shape = 64 MiB), GB/s, with the read payload verified against the
 //    pattern that was appended (wrong elements reported, as nccl-tests does).
@@ -15,6 +18,7 @@
 //
 //   rpc_bench [--addr=HOST:PORT] [--threads=8] [--channels=1] [--duration=3s] [--warmup=0.5s]
 //             [--append-tokens=4] [--large-tokens=512] [--large-reps=5] [--chunk-bytes=1MiB]
+//             [--prefix-tokens=1024]
 #include <unistd.h>
 
 #include <algorithm>
@@ -53,14 +57,16 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr absl::string_view kFlags[] = {
-    "addr",         "threads",    "channels",    "duration", "warmup", "append-tokens",
-    "large-tokens", "large-reps", "chunk-bytes", "cache",    "help"};
-constexpr int32_t kPrefixTokens = 1024;  // CopyPrefix source length
-constexpr int32_t kAppendWindow = 256;   // an Append thread truncates its sequence at this offset
+    "addr",         "threads",    "channels",    "duration", "warmup",        "append-tokens",
+    "large-tokens", "large-reps", "chunk-bytes", "cache",    "prefix-tokens", "help"};
+constexpr int32_t kAppendWindow = 256;  // an Append thread truncates its sequence at this offset
 constexpr int64_t kSourceSeq = 0;
 constexpr int64_t kBulkSeq = 1;
 constexpr int64_t kCopySeqBase = 1000;    // + thread: CopyPrefix destinations
 constexpr int64_t kAppendSeqBase = 2000;  // + thread: Append sequences
+constexpr int64_t kForkSeqBase = 3000;    // + i: forks of the source, made in the setup
+constexpr int kForks = 16;
+constexpr double kControlGoal = 0.8;  // of Health/Check's req/s (issue 17)
 constexpr uint64_t kSeed = 42;
 
 struct Options {
@@ -72,13 +78,14 @@ struct Options {
   absl::Duration warmup = absl::Milliseconds(500);
   int32_t append_tokens = 4;
   int32_t large_tokens = 512;
+  int32_t prefix_tokens = 1024;  // the source sequence's length (forked and copied whole)
   int large_reps = 5;
   int64_t chunk_bytes = int64_t{1} << 20;
 };
 
 CacheSpec BenchSpec(const Options& o) {
-  return testutil::Llama3_8BSpec(o.cache, 2 + 2 * o.threads,
-                                 std::max(kPrefixTokens, o.large_tokens), o.large_tokens);
+  return testutil::Llama3_8BSpec(o.cache, 2 + 2 * o.threads + kForks,
+                                 std::max(o.prefix_tokens, o.large_tokens), o.large_tokens);
 }
 
 std::shared_ptr<grpc::Channel> NewChannel(const std::string& addr, int index) {
@@ -178,16 +185,27 @@ double Percentile(const std::vector<double>& sorted, double p) {
   return sorted[i];
 }
 
-void PrintOp(const OpResult& r) {
+// Calls per second. An op that interleaves untimed helper calls spends part of the window on
+// them; its rate is then that of its timed calls alone, threads / mean latency (Little's law:
+// every thread always has one call in flight).
+double Rate(const OpResult& r, int threads) {
+  if (r.side_calls == 0) return r.latencies_us.size() / r.seconds;
+  double sum = 0;
+  for (double v : r.latencies_us) sum += v;
+  return sum > 0 ? threads * 1e6 * r.latencies_us.size() / sum : 0;
+}
+
+void PrintOp(const OpResult& r, int threads) {
   double sum = 0;
   for (double v : r.latencies_us) sum += v;
   const double mean = r.latencies_us.empty() ? 0 : sum / r.latencies_us.size();
   std::printf("%-40s %9zu %10.0f %9.0f %9.0f %9.0f %7" PRId64 "\n", r.name.c_str(),
-              r.latencies_us.size(), r.latencies_us.size() / r.seconds,
-              Percentile(r.latencies_us, 0.50), Percentile(r.latencies_us, 0.99), mean, r.errors);
+              r.latencies_us.size(), Rate(r, threads), Percentile(r.latencies_us, 0.50),
+              Percentile(r.latencies_us, 0.99), mean, r.errors);
   if (!r.first_error.empty()) std::printf("    first error: %s\n", r.first_error.c_str());
   if (r.side_calls > 0) {
-    std::printf("    (plus %" PRId64 " untimed truncating Removes)\n", r.side_calls);
+    std::printf("    (plus %" PRId64 " untimed helper calls; req/s = threads / mean)\n",
+                r.side_calls);
   }
 }
 
@@ -247,6 +265,19 @@ grpc::Status AppendStream(Client& client, const std::string& cache, int64_t seq,
   return writer->Finish();
 }
 
+grpc::Status CopyPrefix(Client& client, const std::string& cache, int64_t src, int64_t dst,
+                        int32_t length) {
+  grpc::ClientContext context;
+  SetDeadline(&context, absl::Seconds(10));
+  v1::CopyPrefixRequest request;
+  request.set_cache(cache);
+  request.set_src_seq(src);
+  request.set_dst_seq(dst);
+  request.set_length(length);
+  v1::CopyPrefixResponse response;
+  return client.stub->CopyPrefix(&context, request, &response);
+}
+
 absl::Status Setup(const Options& o, Client& client, const CacheSpec& spec) {
   {
     grpc::ClientContext context;
@@ -260,15 +291,19 @@ absl::Status Setup(const Options& o, Client& client, const CacheSpec& spec) {
           "cache '", o.cache, "' already exists on the node; pass another --cache or delete it"));
     }
   }
-  // The CopyPrefix source: kPrefixTokens tokens of seq 0, sent as streams so that the setup
+  // The CopyPrefix source: o.prefix_tokens tokens of seq 0, sent as streams so that the setup
   // works with any --max-message-bytes of the node.
-  for (int32_t begin = 0; begin < kPrefixTokens; begin += spec.max_batch) {
-    const int32_t end = std::min(kPrefixTokens, begin + spec.max_batch);
+  for (int32_t begin = 0; begin < o.prefix_tokens; begin += spec.max_batch) {
+    const int32_t end = std::min(o.prefix_tokens, begin + spec.max_batch);
     std::vector<int32_t> positions;
     for (int32_t p = begin; p < end; ++p) positions.push_back(p);
     RETURN_IF_ERROR(FromGrpcStatus(AppendStream(client, o.cache, kSourceSeq, positions,
                                                 ctl::MakePatternPayload(spec, positions, kSeed),
                                                 o.chunk_bytes)));
+  }
+  for (int i = 0; i < kForks; ++i) {
+    RETURN_IF_ERROR(
+        FromGrpcStatus(CopyPrefix(client, o.cache, kSourceSeq, kForkSeqBase + i, o.prefix_tokens)));
   }
   return absl::OkStatus();
 }
@@ -408,6 +443,7 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
   ASSIGN_OR_RETURN(int64_t append_tokens, args.GetInt("append-tokens", o.append_tokens));
   ASSIGN_OR_RETURN(int64_t large_tokens, args.GetInt("large-tokens", o.large_tokens));
   ASSIGN_OR_RETURN(int64_t large_reps, args.GetInt("large-reps", o.large_reps));
+  ASSIGN_OR_RETURN(int64_t prefix_tokens, args.GetInt("prefix-tokens", o.prefix_tokens));
   ASSIGN_OR_RETURN(o.chunk_bytes, args.GetBytes("chunk-bytes", o.chunk_bytes));
   if (threads < 1 || threads > 256) {
     return absl::InvalidArgumentError(absl::StrCat("--threads=", threads, " is not in [1, 256]"));
@@ -425,6 +461,11 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
         absl::StrCat("--large-tokens=", large_tokens, " is not in [1, 8192]"));
   }
   if (large_reps < 1) return absl::InvalidArgumentError("--large-reps must be >= 1");
+  if (prefix_tokens < 2 || prefix_tokens > 8192) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prefix-tokens=", prefix_tokens, " is not in [2, 8192]"));
+  }
+  o.prefix_tokens = static_cast<int32_t>(prefix_tokens);
   if (o.chunk_bytes < 1024 || o.chunk_bytes > (int64_t{64} << 20)) {
     return absl::InvalidArgumentError("--chunk-bytes must be in [1KiB, 64MiB]");
   }
@@ -439,7 +480,7 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
 constexpr char kUsage[] =
     "usage: rpc_bench [--addr=HOST:PORT] [--threads=8] [--channels=1] [--duration=3s] "
     "[--warmup=0.5s] [--append-tokens=4] [--large-tokens=512] [--large-reps=5] "
-    "[--chunk-bytes=1MiB] [--cache=rpc-bench]\n"
+    "[--chunk-bytes=1MiB] [--prefix-tokens=1024] [--cache=rpc-bench]\n"
     "Without --addr, starts a kvmesh-node on 127.0.0.1:0 and stops it at the end.\n";
 
 int Main(int argc, char** argv) {
@@ -513,31 +554,83 @@ int Main(int argc, char** argv) {
     ServingStatus status;
     return c.health->Check(&context, "", &status);
   }));
-  PrintOp(ops.back());
+  PrintOp(ops.back(), o.threads);
   ops.push_back(RunOp("CanResume", o, clients, [&](int, Client& c, bool*) {
     grpc::ClientContext context;
     SetDeadline(&context, absl::Seconds(10));
     v1::CanResumeRequest request;
     request.set_cache(o.cache);
     request.set_seq(kSourceSeq);
-    request.set_pos(kPrefixTokens);
+    request.set_pos(o.prefix_tokens);
     v1::CanResumeResponse response;
     return c.stub->CanResume(&context, request, &response);
   }));
-  PrintOp(ops.back());
-  ops.push_back(RunOp(absl::StrCat("CopyPrefix (", kPrefixTokens, " tokens)"), o, clients,
-                      [&](int t, Client& c, bool*) {
+  PrintOp(ops.back(), o.threads);
+  ops.push_back(RunOp("GetCache", o, clients, [&](int, Client& c, bool*) {
+    grpc::ClientContext context;
+    SetDeadline(&context, absl::Seconds(10));
+    v1::GetCacheRequest request;
+    request.set_cache(o.cache);
+    v1::GetCacheResponse response;
+    return c.stub->GetCache(&context, request, &response);
+  }));
+  PrintOp(ops.back(), o.threads);
+  ops.push_back(RunOp(absl::StrCat("ListSequences (", kForks + 1, " x ", o.prefix_tokens, ")"), o,
+                      clients, [&](int, Client& c, bool*) {
                         grpc::ClientContext context;
                         SetDeadline(&context, absl::Seconds(10));
-                        v1::CopyPrefixRequest request;
+                        v1::ListSequencesRequest request;
                         request.set_cache(o.cache);
-                        request.set_src_seq(kSourceSeq);
-                        request.set_dst_seq(kCopySeqBase + t);
-                        request.set_length(kPrefixTokens);
-                        v1::CopyPrefixResponse response;
-                        return c.stub->CopyPrefix(&context, request, &response);
+                        v1::ListSequencesResponse response;
+                        return c.stub->ListSequences(&context, request, &response);
                       }));
-  PrintOp(ops.back());
+  PrintOp(ops.back(), o.threads);
+  ops.push_back(RunOp(absl::StrCat("CopyPrefix (", o.prefix_tokens, " tokens)"), o, clients,
+                      [&](int t, Client& c, bool*) {
+                        return CopyPrefix(c, o.cache, kSourceSeq, kCopySeqBase + t,
+                                          o.prefix_tokens);
+                      }));
+  PrintOp(ops.back(), o.threads);
+  {
+    // Each thread truncates its fork (a CopyPrefix destination) to half, then forks it again,
+    // untimed, so that every timed Remove drops as many positions.
+    std::vector<bool> whole(o.threads, true);  // the CopyPrefix op left whole copies
+    ops.push_back(RunOp(absl::StrCat("Remove (truncate ", o.prefix_tokens / 2, " of a fork)"), o,
+                        clients, [&](int t, Client& c, bool* timed) {
+                          const int64_t seq = kCopySeqBase + t;
+                          if (!whole[t]) {
+                            *timed = false;
+                            grpc::Status s =
+                                CopyPrefix(c, o.cache, kSourceSeq, seq, o.prefix_tokens);
+                            whole[t] = s.ok();
+                            return s;
+                          }
+                          whole[t] = false;
+                          return Remove(c, o.cache, seq, o.prefix_tokens / 2);
+                        }));
+    PrintOp(ops.back(), o.threads);
+  }
+  ops.push_back(RunOp("Visible (1 query)", o, clients, [&](int, Client& c, bool*) {
+    grpc::ClientContext context;
+    SetDeadline(&context, absl::Seconds(10));
+    v1::VisibleRequest request;
+    request.set_cache(o.cache);
+    request.set_group(0);
+    v1::Query* query = request.add_queries();
+    query->set_seq(kSourceSeq);
+    query->set_pos(o.prefix_tokens - 1);
+    v1::VisibleResponse response;
+    return c.stub->Visible(&context, request, &response);
+  }));
+  PrintOp(ops.back(), o.threads);
+  ops.push_back(RunOp("ListMembers", o, clients, [&](int, Client& c, bool*) {
+    grpc::ClientContext context;
+    SetDeadline(&context, absl::Seconds(10));
+    v1::ListMembersRequest request;
+    v1::ListMembersResponse response;
+    return c.stub->ListMembers(&context, request, &response);
+  }));
+  PrintOp(ops.back(), o.threads);
   {
     // Each thread appends to its own sequence; the payload content is the same every call.
     std::vector<int32_t> first_positions;
@@ -569,7 +662,17 @@ int Main(int argc, char** argv) {
                           if (s.ok()) next[t] += o.append_tokens;
                           return s;
                         }));
-    PrintOp(ops.back());
+    PrintOp(ops.back(), o.threads);
+  }
+
+  // Goal 1 of issue 17: each scheduler-facing control call at >= 0.8 of Health/Check's rate on
+  // the same node, in the same run (the decode-step Append is data, not control).
+  std::printf("\ncontrol calls as a ratio of Health/Check's req/s (goal >= %.1f):\n", kControlGoal);
+  const double health_rate = Rate(ops.front(), o.threads);
+  for (size_t i = 1; i + 1 < ops.size(); ++i) {
+    const double ratio = health_rate > 0 ? Rate(ops[i], o.threads) / health_rate : 0;
+    std::printf("  %-38s %5.2f  %s\n", ops[i].name.c_str(), ratio,
+                ratio >= kControlGoal ? "met" : "NOT met");
   }
 
   const int64_t bulk_bytes = static_cast<int64_t>(AppendPayloadBytes(spec, o.large_tokens, 1));

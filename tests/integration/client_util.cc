@@ -526,8 +526,7 @@ grpc::Status AskReflection(const std::shared_ptr<grpc::Channel>& channel, int fi
 }
 
 // The length-delimited values of field `number` in `fields`.
-std::vector<std::string> Submessages(const google::protobuf::UnknownFieldSet& fields,
-                                     int number) {
+std::vector<std::string> Submessages(const google::protobuf::UnknownFieldSet& fields, int number) {
   std::vector<std::string> out;
   for (int i = 0; i < fields.field_count(); ++i) {
     if (fields.field(i).number() == number &&

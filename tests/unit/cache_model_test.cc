@@ -2264,8 +2264,8 @@ class Episode {
         for (const auto& [handle, refs] : m.slots) want += refs > 1;
       }
       if (shared_cells.at(g) != want) {
-        return ::testing::AssertionFailure() << "group " << g << ": SharedCells() "
-                                             << shared_cells[g] << ", model " << want;
+        return ::testing::AssertionFailure()
+               << "group " << g << ": SharedCells() " << shared_cells[g] << ", model " << want;
       }
       if (want > 0) ++outcomes["shared cell counts compared"];
     }
