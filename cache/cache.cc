@@ -554,9 +554,23 @@ SnapshotInfo Cache::AddSnapshotLocked(SnapshotRecord record) {
   return info;
 }
 
-absl::StatusOr<SnapshotInfo> Cache::Snapshot(int64_t seq, int32_t from_offset) {
+absl::StatusOr<SnapshotInfo> Cache::Snapshot(int64_t seq, int32_t from_offset,
+                                             std::optional<int32_t> to) {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("from_offset", from_offset));
+  if (to.has_value()) {
+    if (*to <= from_offset) {
+      return absl::InvalidArgumentError(absl::StrCat("to = ", *to, " is not above from_offset = ",
+                                                     from_offset, ": the snapshot would be empty"));
+    }
+    if (contiguous_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cache '", spec_.name,
+                       "' has a Rotating or Recurrent group: a snapshot "
+                       "of it cannot stop at position ",
+                       *to));
+    }
+  }
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckUsableLocked());
   if (!IsLiveLocked(seq)) {
@@ -573,9 +587,9 @@ absl::StatusOr<SnapshotInfo> Cache::Snapshot(int64_t seq, int32_t from_offset) {
   SnapshotRecord record;
   record.seq = seq;
   record.from = from_offset;
-  record.to = offset;
+  record.to = to.has_value() ? std::min(*to, offset) : offset;
   for (const auto& group : groups_) {
-    ASSIGN_OR_RETURN(GroupSnapshot g, group->TakeSnapshot(seq, from_offset, offset));
+    ASSIGN_OR_RETURN(GroupSnapshot g, group->TakeSnapshot(seq, from_offset, record.to));
     record.groups.push_back(std::move(g));
   }
   return AddSnapshotLocked(std::move(record));

@@ -253,7 +253,14 @@ class Cache {
   // FAILED_PRECONDITION when from_offset >= offset or a Recurrent state is INVALID; ABORTED
   // while the sequence has pending speculative tokens; RESOURCE_EXHAUSTED when the snapshot
   // pool is full.
-  absl::StatusOr<SnapshotInfo> Snapshot(int64_t seq, int32_t from_offset);
+  //
+  // With `to`, on a cache of Attention groups only, the snapshot stops there: it holds the
+  // positions in [from_offset, min(to, offset)) and is what SplitSnapshot(that snapshot, to)
+  // would leave as the parent, without copying (or charging the pool for) the positions past
+  // `to`. INVALID_ARGUMENT when `to` <= from_offset or the cache has a Rotating or Recurrent
+  // group (a ring or a state cannot be cut at a position).
+  absl::StatusOr<SnapshotInfo> Snapshot(int64_t seq, int32_t from_offset,
+                                        std::optional<int32_t> to = std::nullopt);
 
   // Without a snapshot: rewinds `seq` to `target` using its own data (Attention: target <=
   // offset; Rotating: target == offset, or before the ring wrapped; Recurrent: target ==

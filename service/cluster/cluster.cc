@@ -196,27 +196,18 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
       response.set_empty(true);
       return response;
     }
-    ASSIGN_OR_RETURN(SnapshotInfo taken, cache->Snapshot(seq.seq(), 0));
-    snapshot_id = taken.id;
-    temporary = true;
-    // CopyPrefix of an Attention-only cache sends only the positions below `length`.
+    // CopyPrefix of an Attention-only cache sends only the positions below `length`: the
+    // snapshot stops there, so its cost (and its charge to the snapshot pool) is the prefix's,
+    // whatever the source's length.
     bool attention_only = true;
     for (const GroupSpec& g : cache->spec().groups) {
       if (g.kind != GroupKind::kAttention) attention_only = false;
     }
-    if (attention_only && seq.length() > 0 && seq.length() < taken.to) {
-      absl::StatusOr<SplitResult> split = cache->SplitSnapshot(snapshot_id, seq.length());
-      if (!split.ok()) {
-        (void)cache->DropSnapshot(snapshot_id);
-        return split.status();
-      }
-      if (split->child.has_value()) (void)cache->DropSnapshot(split->child->id);
-      if (!split->parent.has_value()) {
-        response.set_empty(true);
-        return response;
-      }
-      snapshot_id = split->parent->id;
-    }
+    const std::optional<int32_t> to =
+        attention_only && seq.length() > 0 ? std::optional<int32_t>(seq.length()) : std::nullopt;
+    ASSIGN_OR_RETURN(const SnapshotInfo taken, cache->Snapshot(seq.seq(), 0, to));
+    snapshot_id = taken.id;
+    temporary = true;
   } else if (request.what_case() == v1::ExportRequest::kSnapshotId) {
     snapshot_id = request.snapshot_id();
   } else {

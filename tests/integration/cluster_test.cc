@@ -360,6 +360,27 @@ TEST_F(ClusterTest, CopyPrefixOfAnAttentionCacheSendsOnlyThePrefix) {
   ExpectSameRead(ReadAll(cluster_.stub(1), "big", 5), expected);
 }
 
+// The source snapshots only the prefix it sends: with a snapshot pool smaller than the
+// source sequence (600 tokens, 9.4 MiB) but larger than the prefix (64 tokens, 1 MiB), the copy
+// works; it failed with RESOURCE_EXHAUSTED while Export snapshotted the whole sequence first.
+TEST(ClusterSnapshotPoolTest, CopyPrefixNeedsSnapshotRoomForThePrefixOnly) {
+  Cluster cluster;
+  ASSERT_NO_FATAL_FAILURE(cluster.Start({"node-a", "node-b"},
+                                        {{"--snapshot-budget=4MiB"}, {"--snapshot-budget=4MiB"}}));
+  const v1::CacheSpec spec = BigSpec();
+  for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(CreateCache(cluster.stub(i), spec).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster.stub(0), spec, 0, 600, 3));
+  v1::CopyPrefixResponse response;
+  const grpc::Status status = CopyFrom(cluster.stub(1), "big", "node-a", 0, 5, 64, &response);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  ReadOutput expected;
+  ASSERT_TRUE(Read(cluster.stub(0), ReadRequest("big", 0, 0, 64), &expected).ok());
+  ExpectSameRead(ReadAll(cluster.stub(1), "big", 5), expected);
+  // The whole sequence does not fit the pool: a copy of all of it is refused, naming the pool.
+  const grpc::Status whole = CopyFrom(cluster.stub(1), "big", "node-a", 0, 6, 600, &response);
+  EXPECT_EQ(whole.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(whole);
+}
+
 TEST_F(ClusterTest, MigrateMovesTheSequenceAndRemovesItAtTheSource) {
   const v1::CacheSpec spec = HybridSpec();
   ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 2, 9, 11));
@@ -748,9 +769,9 @@ TEST_F(DrainTest, DrainRpcMovesEverySequenceAndSnapshotByteForByte) {
         EXPECT_EQ(moved->target_seq(), held.seq);
       }
     }
-    ExpectSameRead(ReadAll(cluster_.stub(node_index[moved->node()]), held.cache,
-                           moved->target_seq()),
-                   held.read);
+    ExpectSameRead(
+        ReadAll(cluster_.stub(node_index[moved->node()]), held.cache, moved->target_seq()),
+        held.read);
   }
   ExpectBSequence0Kept();
   // The big cache was created from its spec on the peer it went to.
@@ -801,8 +822,8 @@ TEST_F(DrainTest, DrainRpcMovesEverySequenceAndSnapshotByteForByte) {
 TEST_F(DrainTest, DrainWithNoRoomReportsExactlyWhatStayedAndKeepsIt) {
   // b cannot hold the big cache (its memory budget is too small to create it) and has no
   // hybrid cache with a free cell: everything stays on a, intact, and the drain says why.
-  ASSERT_NO_FATAL_FAILURE(
-      cluster_.Start({"node-a", "node-b"}, {{}, {"--memory-budget=8MiB", "--snapshot-budget=8MiB"}}));
+  ASSERT_NO_FATAL_FAILURE(cluster_.Start({"node-a", "node-b"},
+                                         {{}, {"--memory-budget=8MiB", "--snapshot-budget=8MiB"}}));
   big_ = BigSpec();
   ASSERT_TRUE(CreateCache(cluster_.stub(0), big_).ok());
   ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), big_, 2, 64, 3));
@@ -843,8 +864,8 @@ TEST_F(DrainTest, AMoveWhoseReplyIsLostIsAskedAgainNotCopiedTwice) {
   // b commits the first two migrations into it but answers UNAVAILABLE, as when the reply is
   // lost. The drain asks b again under the same migration ids; b says they are done; nothing
   // goes to c as well.
-  ASSERT_NO_FATAL_FAILURE(cluster_.Start({"node-a", "node-b", "node-c"},
-                                         {{}, {"--testing-lose-pull-replies=2"}}));
+  ASSERT_NO_FATAL_FAILURE(
+      cluster_.Start({"node-a", "node-b", "node-c"}, {{}, {"--testing-lose-pull-replies=2"}}));
   hybrid_ = DrainSpec();
   for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), hybrid_).ok());
   ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(2), hybrid_, 9, 2, 1));  // b ranks first
@@ -870,9 +891,9 @@ TEST_F(DrainTest, AMoveWhoseReplyIsLostIsAskedAgainNotCopiedTwice) {
 
 TEST_F(DrainTest, SigtermDrainsToThePeersAndASecondSigtermLosesNothing) {
   // a sends slowly, so that the drain is still running when the second SIGTERM comes.
-  ASSERT_NO_FATAL_FAILURE(cluster_.Start({"node-a", "node-b", "node-c"},
-                                         {{"--testing-chunk-delay-ms=300",
-                                           "--drain-timeout-ms=30000"}}));
+  ASSERT_NO_FATAL_FAILURE(
+      cluster_.Start({"node-a", "node-b", "node-c"},
+                     {{"--testing-chunk-delay-ms=300", "--drain-timeout-ms=30000"}}));
   ASSERT_NO_FATAL_FAILURE(Fill());
   NodeProcess& a = *cluster_[0].process;
   ASSERT_EQ(kill(a.pid(), SIGTERM), 0);

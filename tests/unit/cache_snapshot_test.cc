@@ -775,6 +775,72 @@ TEST(SplitTest, AttentionSplitsAtThePosition) {
   EXPECT_EQ(tc.device->used_bytes(MemoryPool::kSnapshot), 0u);
 }
 
+// A snapshot that stops at `to` is the parent a split at `to` would leave, and the pool holds
+// (and is charged) only its positions: a cross-node CopyPrefix of a short prefix from a long
+// sequence must not need room for the whole sequence.
+TEST(SnapshotTest, StoppingAtAPositionIsTheSplitsParentAndChargesOnlyIt) {
+  const CacheSpec spec = AttentionSpec();
+  size_t four = 0;
+  {
+    TestCache probe(spec);
+    ASSERT_NE(probe.cache, nullptr);
+    ASSERT_TRUE(AppendRange(*probe.cache, 0, 0, 10).ok());
+    absl::StatusOr<SnapshotInfo> snap = probe.cache->Snapshot(0, 2, 6);
+    ASSERT_TRUE(snap.ok()) << snap.status();
+    EXPECT_EQ(snap->from, 2);
+    EXPECT_EQ(snap->to, 6);
+    EXPECT_EQ(snap->groups[0].stored, 4);
+    EXPECT_EQ(snap->bytes, 4 * GroupTokenBytes(spec, 0));
+    four = probe.device->used_bytes(MemoryPool::kSnapshot);
+  }
+  // A pool with room for four positions, not for the ten of the whole sequence.
+  TestCache tc(spec, size_t{1} << 24, four);
+  ASSERT_NE(tc.cache, nullptr);
+  Cache& cache = *tc.cache;
+  ASSERT_TRUE(AppendRange(cache, 0, 0, 10).ok());
+  EXPECT_TRUE(IsError(cache.Snapshot(0, 0).status(), absl::StatusCode::kResourceExhausted));
+  absl::StatusOr<SnapshotInfo> prefix = cache.Snapshot(0, 0, 4);
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  EXPECT_EQ(prefix->to, 4);
+  // It restores as the split's parent would: positions [0, 4) of the source.
+  ASSERT_TRUE(cache.Restore(1, prefix->id, 4).ok());
+  EXPECT_TRUE(AttentionHolds(cache, 1, Range(0, 4), Ids(0, Range(0, 4))));
+  ASSERT_TRUE(cache.DropSnapshot(prefix->id).ok());
+  // `to` past the offset stops at the offset; the positions of one past the last hold all.
+  TestCache big(spec);
+  ASSERT_NE(big.cache, nullptr);
+  ASSERT_TRUE(AppendRange(*big.cache, 0, 0, 10).ok());
+  absl::StatusOr<SnapshotInfo> whole = big.cache->Snapshot(0, 0, INT32_MAX);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->to, 10);
+  EXPECT_EQ(whole->groups[0].stored, 10);
+  absl::StatusOr<SnapshotInfo> one = big.cache->Snapshot(0, 9, 10);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->groups[0].stored, 1);
+}
+
+TEST(SnapshotTest, StoppingAtAPositionRefusals) {
+  TestCache tc(AttentionSpec());
+  ASSERT_NE(tc.cache, nullptr);
+  Cache& cache = *tc.cache;
+  ASSERT_TRUE(AppendRange(cache, 0, 0, 10).ok());
+  const CacheState before = CaptureState(cache);
+  EXPECT_TRUE(IsError(cache.Snapshot(0, 4, 4).status(), absl::StatusCode::kInvalidArgument,
+                      {"to = 4", "from_offset = 4"}));
+  EXPECT_TRUE(IsError(cache.Snapshot(0, 4, 0).status(), absl::StatusCode::kInvalidArgument));
+  EXPECT_TRUE(IsError(cache.Snapshot(0, 0, -1).status(), absl::StatusCode::kInvalidArgument));
+  EXPECT_TRUE(SameState(before, CaptureState(cache)));
+  for (const CacheSpec& spec :
+       {HybridSpec(), Spec(DType::kF16, 2, 16, 8, {Group(Full()), RotatingGroup(4)})}) {
+    TestCache other(spec);
+    ASSERT_NE(other.cache, nullptr);
+    ASSERT_TRUE(AppendRange(*other.cache, 0, 0, 6).ok());
+    EXPECT_TRUE(IsError(other.cache->Snapshot(0, 0, 3).status(), absl::StatusCode::kInvalidArgument,
+                        {"cannot stop at position 3"}));
+    EXPECT_TRUE(other.cache->ListSnapshots().empty());
+  }
+}
+
 TEST(SplitTest, OutsideTheRangeGivesOneSide) {
   const CacheSpec spec = AttentionSpec();
   TestCache tc(spec);
