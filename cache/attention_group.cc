@@ -501,6 +501,14 @@ absl::StatusOr<GroupSnapshot> AttentionGroup::TakeSnapshot(int64_t seq, int32_t 
   return snap;
 }
 
+absl::Status AttentionGroup::CheckRoomForPositions(int64_t seq, int64_t positions) const {
+  const int64_t available = free_cells() + PrivateCellsFrom(seq, 0);
+  if (available >= positions) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("group ", index(), ": ", positions, " positions for sequence ", seq,
+                   " need as many free cells; ", available, " of ", geo_.cells, " are free"));
+}
+
 absl::Status AttentionGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,
                                           int32_t to, int32_t target) const {
   if (snap == nullptr) return absl::OkStatus();

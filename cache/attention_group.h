@@ -67,6 +67,7 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   absl::Status CheckRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) const override;
   absl::Status ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) override;
   absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from, int32_t to) const override;
+  absl::Status CheckRoomForPositions(int64_t seq, int64_t positions) const override;
   absl::Status CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) const override;
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,

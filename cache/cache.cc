@@ -554,6 +554,23 @@ SnapshotInfo Cache::AddSnapshotLocked(SnapshotRecord record) {
   return info;
 }
 
+absl::Status Cache::CheckRoomForSequence(int64_t seq, absl::Span<const int64_t> positions,
+                                         const char* what) const {
+  RETURN_IF_ERROR(ValidateSeq(seq));
+  if (positions.size() != groups_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("positions for ", positions.size(),
+                                                   " groups; the cache has ", groups_.size()));
+  }
+  ReaderMutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUsableLocked());
+  RETURN_IF_ERROR(CheckNotPendingLocked(seq, what));
+  RETURN_IF_ERROR(CheckRoomForLocked(seq, what));
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    RETURN_IF_ERROR(groups_[g]->CheckRoomForPositions(seq, positions[g]));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<SnapshotInfo> Cache::Snapshot(int64_t seq, int32_t from_offset,
                                              std::optional<int32_t> to) {
   RETURN_IF_ERROR(ValidateSeq(seq));

@@ -259,6 +259,14 @@ class Cache {
   // would leave as the parent, without copying (or charging the pool for) the positions past
   // `to`. INVALID_ARGUMENT when `to` <= from_offset or the cache has a Rotating or Recurrent
   // group (a ring or a state cannot be cut at a position).
+  // Whether restoring a snapshot holding positions[g] positions in each group g into `seq`,
+  // replacing all it stores, would find room now: a sequence slot when `seq` is new (as
+  // max_sequences allows) and free cells. The receiver of a cross-node copy asks this before
+  // any byte moves; Restore checks again once the bytes are there. RESOURCE_EXHAUSTED saying
+  // what is short; ABORTED while `seq` has pending tokens; `what` names the operation.
+  absl::Status CheckRoomForSequence(int64_t seq, absl::Span<const int64_t> positions,
+                                    const char* what) const;
+
   absl::StatusOr<SnapshotInfo> Snapshot(int64_t seq, int32_t from_offset,
                                         std::optional<int32_t> to = std::nullopt);
 

@@ -32,8 +32,8 @@ absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::FindLocked(absl::stri
 
 CacheRegistry::TenantUsage CacheRegistry::UsageLocked(absl::string_view tenant) const {
   TenantUsage usage;
-  for (auto it = caches_.lower_bound(Key(tenant, "")); it != caches_.end() && it->first.first == tenant;
-       ++it) {
+  for (auto it = caches_.lower_bound(Key(tenant, ""));
+       it != caches_.end() && it->first.first == tenant; ++it) {
     ++usage.caches;
     usage.bytes += ArenaBytes(*it->second);
   }
@@ -69,8 +69,9 @@ absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(absl::string_v
   if (found.cache != nullptr) return found;  // a racing create won; ours is freed
   const TenantUsage usage = UsageLocked(tenant);
   if (usage.caches >= quota.max_caches) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "tenant '", tenant, "' holds ", quota.max_caches, " caches already, its quota (delete one first)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant '", tenant, "' holds ", quota.max_caches,
+                     " caches already, its quota (delete one first)"));
   }
   if (bytes > quota.max_bytes || usage.bytes > quota.max_bytes - bytes) {
     return absl::ResourceExhaustedError(
@@ -104,8 +105,8 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheRegistry::Get(absl::string_view tena
 std::vector<std::shared_ptr<Cache>> CacheRegistry::List(absl::string_view tenant) const {
   ReaderMutexLock lock(&mu_);
   std::vector<std::shared_ptr<Cache>> out;
-  for (auto it = caches_.lower_bound(Key(tenant, "")); it != caches_.end() && it->first.first == tenant;
-       ++it) {
+  for (auto it = caches_.lower_bound(Key(tenant, ""));
+       it != caches_.end() && it->first.first == tenant; ++it) {
     out.push_back(it->second);
   }
   return out;

@@ -176,6 +176,12 @@ class LayerGroup {
   virtual absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from,
                                                      int32_t to) const = 0;
   // `snap` is null for a live rewind; `range` is the snapshot's [from, to).
+  // Whether `seq` could take `positions` new positions from 0 on, replacing what it stores
+  // (a restore of a whole imported sequence): groups that hold positions in cells check their
+  // free cells; the others have nothing to check.
+  virtual absl::Status CheckRoomForPositions(int64_t seq, int64_t positions) const {
+    return absl::OkStatus();
+  }
   virtual absl::Status CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,
                                     int32_t to, int32_t target) const = 0;
   virtual absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,

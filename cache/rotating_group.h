@@ -53,8 +53,7 @@ class RotatingGroup final : public StagingGroup<RotatingSequence> {
   absl::Status CheckRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) const override;
   absl::Status ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) override;
 
-  absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from,
-                                             int32_t to) const override;
+  absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from, int32_t to) const override;
   absl::Status CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) const override;
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,

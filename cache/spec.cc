@@ -233,9 +233,9 @@ absl::Status ValidateSpec(const CacheSpec& spec) {
         if (!(s = ValidateRecurrent(prefix + ".recurrent", group.recurrent)).ok()) return s;
         const RecurrentSpec& r = group.recurrent;
         using u128 = unsigned __int128;
-        const u128 state = layers * (u128(r.conv_tail) * unsigned(r.conv_dim) * elem +
-                                     u128(r.num_v_heads) * unsigned(r.head_v_dim) *
-                                         unsigned(r.head_k_dim) * 4u);
+        const u128 state =
+            layers * (u128(r.conv_tail) * unsigned(r.conv_dim) * elem +
+                      u128(r.num_v_heads) * unsigned(r.head_v_dim) * unsigned(r.head_k_dim) * 4u);
         total += state * unsigned(spec.max_sequences);
         token_bytes += state;  // a speculative Append carries one state per token
         break;

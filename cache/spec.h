@@ -134,7 +134,7 @@ struct RotatingGeometry {
   int32_t max_size = 0;    // rows per ring
   size_t k_row_bytes = 0;  // one token of K in one layer
   size_t v_row_bytes = 0;
-  size_t bytes = 0;        // num_layers * rings * max_size * (k_row + v_row)
+  size_t bytes = 0;  // num_layers * rings * max_size * (k_row + v_row)
 };
 // REQUIRES: ValidateSpec(spec).ok() and spec.groups[group].kind == kRotating.
 RotatingGeometry ComputeRotatingGeometry(const CacheSpec& spec, int group);
@@ -142,11 +142,11 @@ RotatingGeometry ComputeRotatingGeometry(const CacheSpec& spec, int group);
 // Sizes derived from a valid spec for one Recurrent group: one state slot per possible
 // sequence.
 struct RecurrentGeometry {
-  int32_t slots = 0;          // max_sequences
-  size_t conv_bytes = 0;      // conv state of one layer: conv_tail * conv_dim * dtype
-  size_t delta_bytes = 0;     // delta state of one layer: heads * v * k * 4 (0 without delta)
-  size_t state_bytes = 0;     // one sequence's state over all layers of the group
-  size_t bytes = 0;           // slots * state_bytes
+  int32_t slots = 0;       // max_sequences
+  size_t conv_bytes = 0;   // conv state of one layer: conv_tail * conv_dim * dtype
+  size_t delta_bytes = 0;  // delta state of one layer: heads * v * k * 4 (0 without delta)
+  size_t state_bytes = 0;  // one sequence's state over all layers of the group
+  size_t bytes = 0;        // slots * state_bytes
 };
 // REQUIRES: ValidateSpec(spec).ok() and spec.groups[group].kind == kRecurrent.
 RecurrentGeometry ComputeRecurrentGeometry(const CacheSpec& spec, int group);

@@ -338,7 +338,8 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
                                                   const std::shared_ptr<Cache>& cache,
                                                   const std::string& source,
                                                   const v1::ExportRequest& what,
-                                                  absl::Time deadline) {
+                                                  absl::Time deadline,
+                                                  std::optional<int64_t> into_seq, int32_t length) {
   const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(const MemberAddress member, FindPeer(source, "source_node"));
   ASSIGN_OR_RETURN(transport::Transport * transport, ChooseTransport(member, deadline));
@@ -380,6 +381,26 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
     release(false);
     return absl::DataLossError(absl::StrCat("Export on node '", source, "' announced ",
                                             exported.payload_bytes(), " payload bytes"));
+  }
+  if (into_seq.has_value()) {
+    // The positions the restore will take, per group, as the sender counts them. A snapshot
+    // that goes past `length` (a ring or a state cannot be cut) is restored in part: its cells
+    // are left to Restore's own check.
+    const v1::SnapshotInfo& info = exported.snapshot();
+    std::vector<int64_t> positions(cache->spec().groups.size(), 0);
+    if (length == 0 || info.to_offset() <= length) {
+      for (const v1::SnapshotGroup& g : info.groups()) {
+        if (g.group() >= 0 && static_cast<size_t>(g.group()) < positions.size()) {
+          positions[g.group()] = g.stored();
+        }
+      }
+    }
+    const absl::Status room = cache->CheckRoomForSequence(
+        *into_seq, positions, absl::StrCat("taking a sequence from node '", source, "'").c_str());
+    if (!room.ok()) {
+      release(false);
+      return room;
+    }
   }
   absl::StatusOr<std::unique_ptr<SnapshotImportWriter>> writer =
       cache->BeginSnapshotImport(static_cast<size_t>(exported.payload_bytes()));
@@ -491,7 +512,8 @@ absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const std::string& ten
     pulled.empty = true;
     pulled.stats.set_transport(transport::kGrpcStream);
   } else {
-    ASSIGN_OR_RETURN(pulled, PullInto(tenant, cache, request.source_node(), what, deadline));
+    ASSIGN_OR_RETURN(pulled, PullInto(tenant, cache, request.source_node(), what, deadline,
+                                      request.dst_seq(), request.length()));
   }
   RETURN_IF_ERROR(CommitSequence(tenant, cache, pulled, request.dst_seq(), request.length(),
                                  /*must_be_unused=*/false, /*commit_key=*/"", "CopyPrefix"));
@@ -558,7 +580,8 @@ absl::StatusOr<v1::PullResponse> Cluster::PullHere(const v1::PullRequest& reques
     if (request.target_seq_unused()) RETURN_IF_ERROR(CheckUnused(*cache, request.target_seq()));
     *what.mutable_sequence() = request.sequence();
     ASSIGN_OR_RETURN(const Pulled pulled,
-                     PullInto(request.tenant(), cache, request.source_node(), what, deadline));
+                     PullInto(request.tenant(), cache, request.source_node(), what, deadline,
+                              request.target_seq(), request.sequence().length()));
     RETURN_IF_ERROR(CommitSequence(request.tenant(), cache, pulled, request.target_seq(),
                                    request.sequence().length(), request.target_seq_unused(),
                                    commit_key, "Migrate"));

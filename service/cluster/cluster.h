@@ -20,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -148,10 +149,14 @@ class Cluster {
   };
 
   // Receiver side of the pull protocol: imports `what` of `cache` from member `source` as a
-  // new local snapshot.
+  // new local snapshot. With `into_seq` (a sequence pull, restored into that sequence up to
+  // `length`, 0: all), the room it needs here (a sequence slot, free cells) is checked once the
+  // sender has said what it holds and before any byte moves.
   absl::StatusOr<Pulled> PullInto(const std::string& tenant, const std::shared_ptr<Cache>& cache,
                                   const std::string& source, const v1::ExportRequest& what,
-                                  absl::Time deadline);
+                                  absl::Time deadline,
+                                  std::optional<int64_t> into_seq = std::nullopt,
+                                  int32_t length = 0);
   // Restores a pulled sequence into dst_seq (or empties it), then drops the pulled snapshot.
   // With must_be_unused, ALREADY_EXISTS when dst_seq stores something. A non-empty
   // `commit_key` (a migration's) is remembered once committed; a commit under a key already

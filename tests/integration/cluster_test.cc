@@ -381,6 +381,31 @@ TEST(ClusterSnapshotPoolTest, CopyPrefixNeedsSnapshotRoomForThePrefixOnly) {
   EXPECT_EQ(whole.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(whole);
 }
 
+// A receiver without a free sequence slot refuses once the sender has said what it holds and
+// before the payload moves (the message is the pre-check's, not Restore's), and stays as it was.
+TEST_F(ClusterTest, CopyPrefixIntoAFullCacheIsRefusedBeforeTheBytesMove) {
+  const v1::CacheSpec spec = BigSpec();  // max_sequences = 4
+  for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), spec).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 0, 100, 3));
+  for (int64_t seq = 0; seq < 4; ++seq) {
+    ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(1), spec, seq, 10, 7));
+  }
+  ReadOutput before;
+  ASSERT_TRUE(Read(cluster_.stub(1), ReadRequest("big", 3, 0, 10), &before).ok());
+  v1::CopyPrefixResponse response;
+  const grpc::Status full = CopyFrom(cluster_.stub(1), "big", "node-a", 0, 9, 50, &response);
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(full);
+  EXPECT_THAT(full.error_message(), HasSubstr("taking a sequence from node 'node-a'"));
+  EXPECT_THAT(full.error_message(), HasSubstr("max_sequences = 4"));
+  ExpectSameRead(ReadAll(cluster_.stub(1), "big", 3), before);
+  // Into a live sequence there is room: it is replaced.
+  const grpc::Status into_live = CopyFrom(cluster_.stub(1), "big", "node-a", 0, 3, 50, &response);
+  ASSERT_TRUE(into_live.ok()) << StatusText(into_live);
+  ReadOutput expected;
+  ASSERT_TRUE(Read(cluster_.stub(0), ReadRequest("big", 0, 0, 50), &expected).ok());
+  ExpectSameRead(ReadAll(cluster_.stub(1), "big", 3), expected);
+}
+
 TEST_F(ClusterTest, MigrateMovesTheSequenceAndRemovesItAtTheSource) {
   const v1::CacheSpec spec = HybridSpec();
   ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 2, 9, 11));
