@@ -557,9 +557,9 @@ SnapshotInfo Cache::AddSnapshotLocked(SnapshotRecord record) {
 absl::Status Cache::CheckRoomForSequence(int64_t seq, absl::Span<const int64_t> positions,
                                          const char* what) const {
   RETURN_IF_ERROR(ValidateSeq(seq));
-  if (positions.size() != groups_.size()) {
+  if (positions.size() != spec_.groups.size()) {
     return absl::InvalidArgumentError(absl::StrCat("positions for ", positions.size(),
-                                                   " groups; the cache has ", groups_.size()));
+                                                   " groups; the cache has ", spec_.groups.size()));
   }
   ReaderMutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckUsableLocked());
