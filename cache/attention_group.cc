@@ -32,7 +32,7 @@ AttentionGroup::AttentionGroup(int index, const CacheSpec& spec, DeviceArena are
 
 int32_t AttentionGroup::Offset(int64_t seq) const {
   const Index* index = Find(seq);
-  return index == nullptr ? 0 : index->rbegin()->first + 1;
+  return index == nullptr ? 0 : index->last() + 1;
 }
 
 GroupSequenceInfo AttentionGroup::Info(int64_t seq) const {
@@ -40,8 +40,8 @@ GroupSequenceInfo AttentionGroup::Info(int64_t seq) const {
   if (const Index* index = Find(seq)) {
     g.stored = static_cast<int32_t>(index->size());
     if (auto shared = shared_.find(seq); shared != shared_.end()) g.shared = shared->second;
-    g.first = index->begin()->first;
-    g.last = index->rbegin()->first;
+    g.first = index->first();
+    g.last = index->last();
   }
   return g;
 }
@@ -56,12 +56,6 @@ GroupUsage AttentionGroup::Usage() const {
 }
 
 int64_t AttentionGroup::SharedCellCount() const { return shared_cells_; }
-
-int32_t AttentionGroup::SharedCells(const Index& index) const {
-  int32_t shared = 0;
-  for (const auto& [pos, cell] : index) shared += refs_[cell] > 1;
-  return shared;
-}
 
 void AttentionGroup::AddShared(int64_t seq, int32_t delta) {
   if (delta == 0) return;
@@ -107,34 +101,39 @@ void AttentionGroup::ReleaseCell(int32_t cell, int64_t seq) {
   }
 }
 
-void AttentionGroup::ReleaseCells(Index::const_iterator first, Index::const_iterator last,
-                                  int64_t seq) {
+void AttentionGroup::DropRange(Index& index, int64_t seq, int64_t begin, int64_t end) {
+  // The free pool is taken from its back: cells are pushed from the highest down, so that they
+  // come back in ascending order and a later append of one sequence gets consecutive cells.
+  std::vector<Index::Run> runs;
+  index.ForEachRun(begin, end, [&runs](const Index::Run& run) { runs.push_back(run); });
   const uint64_t id = static_cast<uint64_t>(seq);
   int32_t own = 0;          // of seq's cells, those that were shared
-  int64_t last_holder = 0;  // the sole holders left, counted in runs (mostly one sequence)
-  int32_t run = 0;
-  for (auto it = first; it != last; ++it) {
-    const int32_t cell = it->second;
-    holders_[cell] ^= id;
-    const int32_t refs = --refs_[cell];
-    if (refs == 0) {
-      free_.push_back(cell);
-      continue;
-    }
-    ++own;
-    if (refs == 1) {
-      --shared_cells_;
-      const int64_t holder = static_cast<int64_t>(holders_[cell]);
-      if (run > 0 && holder != last_holder) {
-        AddShared(last_holder, -run);
-        run = 0;
+  int64_t last_holder = 0;  // the sole holders left, counted in stretches (mostly one sequence)
+  int32_t stretch = 0;
+  for (auto run = runs.rbegin(); run != runs.rend(); ++run) {
+    for (int32_t cell = run->cell + run->length - 1; cell >= run->cell; --cell) {
+      holders_[cell] ^= id;
+      const int32_t refs = --refs_[cell];
+      if (refs == 0) {
+        free_.push_back(cell);
+        continue;
       }
-      last_holder = holder;
-      ++run;
+      ++own;
+      if (refs == 1) {
+        --shared_cells_;
+        const int64_t holder = static_cast<int64_t>(holders_[cell]);
+        if (stretch > 0 && holder != last_holder) {
+          AddShared(last_holder, -stretch);
+          stretch = 0;
+        }
+        last_holder = holder;
+        ++stretch;
+      }
     }
   }
-  if (run > 0) AddShared(last_holder, -run);
+  if (stretch > 0) AddShared(last_holder, -stretch);
   AddShared(seq, -own);
+  index.Erase(begin, end);
 }
 
 // ---- Append -------------------------------------------------------------------------------
@@ -156,22 +155,22 @@ AttentionGroup::AppendPlan AttentionGroup::PlanAppend(
     if (batch_lowest.contains(seq)) continue;
     auto found = seqs_.find(seq);
     if (found == seqs_.end()) continue;  // pending sequences are live; be safe all the same
-    plan.prune.emplace_back(seq, bound(seq, int64_t{found->second.rbegin()->first} + 1));
+    plan.prune.emplace_back(seq, bound(seq, int64_t{found->second.last()} + 1));
     // A sequence held back by its pending tokens is looked at again after its commit.
     if (!pending_first.contains(seq)) plan.pruned_pending.insert(seq);
   }
   // A cell is freed when every sequence referencing it drops it.
   absl::flat_hash_map<int32_t, int32_t> drops;
   for (const auto& [seq, below] : plan.prune) {
-    const Index& index = seqs_.at(seq);
-    for (auto it = index.begin(); it != index.end() && it->first < below; ++it) {
-      const int32_t cell = it->second;
-      if (refs_[cell] == 1) {
-        ++plan.freed;
-      } else if (++drops[cell] == refs_[cell]) {
-        ++plan.freed;
+    seqs_.at(seq).ForEachRun(Index::kBegin, below, [&](const Index::Run& run) {
+      for (int32_t cell = run.cell; cell < run.cell + run.length; ++cell) {
+        if (refs_[cell] == 1) {
+          ++plan.freed;
+        } else if (++drops[cell] == refs_[cell]) {
+          ++plan.freed;
+        }
       }
-    }
+    });
   }
   return plan;
 }
@@ -202,13 +201,7 @@ void AttentionGroup::ApplyPrune(const AppendPlan& plan) {
     auto found = seqs_.find(seq);
     if (found == seqs_.end()) continue;
     Index& index = found->second;
-    // Positions are int32: a bound past INT32_MAX drops them all, one below INT32_MIN none.
-    const auto end =
-        below > INT32_MAX
-            ? index.end()
-            : index.lower_bound(static_cast<int32_t>(std::max<int64_t>(below, INT32_MIN)));
-    ReleaseCells(index.begin(), end, seq);
-    index.erase(index.begin(), end);
+    DropRange(index, seq, Index::kBegin, below);
     if (index.empty()) {
       seqs_.erase(found);
       prune_pending_.erase(seq);
@@ -231,7 +224,8 @@ absl::Status AttentionGroup::WriteAppend(const AppendBatch& batch, const uint8_t
 }
 
 void AttentionGroup::AbandonAppend() {
-  for (size_t i = 0; i < cells_.size(); ++i) ReleaseCell(cells_[i], cell_seqs_[i]);
+  // From the last, so that the free pool gives the cells back in the order it gave them.
+  for (size_t i = cells_.size(); i-- > 0;) ReleaseCell(cells_[i], cell_seqs_[i]);
   cells_.clear();
   cell_seqs_.clear();
   pruned_early_ = false;
@@ -242,8 +236,7 @@ void AttentionGroup::CommitAppend(const AppendBatch& batch) {
   if (!pruned_early_) ApplyPrune(plan_);
   pruned_early_ = false;
   for (size_t i = 0; i < tokens.size(); ++i) {
-    Index& index = seqs_[tokens[i].seq];
-    index.emplace_hint(index.end(), tokens[i].pos, cells_[i]);
+    seqs_[tokens[i].seq].Insert(tokens[i].pos, cells_[i]);
     if (limited_memory()) prune_pending_.insert(tokens[i].seq);
   }
   cells_.clear();
@@ -261,9 +254,7 @@ void AttentionGroup::Truncate(int64_t seq, int32_t from) {
   auto found = seqs_.find(seq);
   if (found == seqs_.end()) return;
   Index& index = found->second;
-  auto first = index.lower_bound(from);
-  ReleaseCells(first, index.end(), seq);
-  index.erase(first, index.end());
+  DropRange(index, seq, from, Index::kEnd);
   if (index.empty()) {
     seqs_.erase(found);
     prune_pending_.erase(seq);
@@ -272,12 +263,21 @@ void AttentionGroup::Truncate(int64_t seq, int32_t from) {
   }
 }
 
+int64_t AttentionGroup::CountCells(const Index& index, int64_t begin, int64_t end,
+                                   bool shared) const {
+  int64_t n = 0;
+  index.ForEachRun(begin, end, [&](const Index::Run& run) {
+    for (int32_t cell = run.cell; cell < run.cell + run.length; ++cell) {
+      n += (refs_[cell] > 1) == shared;
+    }
+  });
+  return n;
+}
+
 int64_t AttentionGroup::PrivateCellsFrom(int64_t seq, int32_t from) const {
   const Index* index = Find(seq);
   if (index == nullptr) return 0;
-  int64_t n = 0;
-  for (auto it = index->lower_bound(from); it != index->end(); ++it) n += refs_[it->second] == 1;
-  return n;
+  return CountCells(*index, from, Index::kEnd, /*shared=*/false);
 }
 
 // ---- Read ---------------------------------------------------------------------------------
@@ -286,11 +286,12 @@ void AttentionGroup::Collect(int64_t seq, int64_t begin, int64_t end,
                              std::vector<int32_t>* positions, std::vector<int32_t>* cells) const {
   const Index* index = Find(seq);
   if (index == nullptr || begin >= end) return;
-  for (auto it = index->lower_bound(static_cast<int32_t>(std::min<int64_t>(begin, INT32_MAX)));
-       it != index->end() && it->first < end; ++it) {
-    positions->push_back(it->first);
-    cells->push_back(it->second);
-  }
+  index->ForEachRun(begin, end, [positions, cells](const Index::Run& run) {
+    for (int32_t i = 0; i < run.length; ++i) {
+      positions->push_back(run.pos + i);
+      cells->push_back(run.cell + i);
+    }
+  });
 }
 
 size_t AttentionGroup::PayloadBytes(size_t num_tokens) const {
@@ -313,12 +314,12 @@ absl::Status AttentionGroup::Gather(int64_t, const ReadPart& part, uint8_t* dst)
 
 bool AttentionGroup::HasPrefix(int64_t src_seq, int32_t length) const {
   const Index* index = Find(src_seq);
-  return index != nullptr && index->begin()->first < length;
+  return index != nullptr && index->first() < length;
 }
 
 absl::Status AttentionGroup::ApplyCopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length) {
   if (auto dst = seqs_.find(dst_seq); dst != seqs_.end()) {
-    ReleaseCells(dst->second.begin(), dst->second.end(), dst_seq);
+    DropRange(dst->second, dst_seq, Index::kBegin, Index::kEnd);
     seqs_.erase(dst);
   }
   if (limited_memory()) prune_pending_.erase(dst_seq);
@@ -327,20 +328,21 @@ absl::Status AttentionGroup::ApplyCopyPrefix(int64_t src_seq, int64_t dst_seq, i
   // RefCell for each cell, with the counts summed: every cell is src's, so a cell with one
   // reference is src's alone, and every cell is shared by dst afterwards.
   const uint64_t dst_id = static_cast<uint64_t>(dst_seq);
-  const auto end = length > src.rbegin()->first ? src.end() : src.lower_bound(length);
   int32_t newly_shared = 0, copied = 0;
-  for (auto it = src.begin(); it != end; ++it) {
-    const int32_t cell = it->second;
-    newly_shared += refs_[cell] == 1;
-    ++refs_[cell];
-    holders_[cell] ^= dst_id;
-    ++copied;
-  }
+  src.ForEachRun(Index::kBegin, length, [&](const Index::Run& run) {
+    int32_t* refs = refs_.data() + run.cell;
+    uint64_t* holders = holders_.data() + run.cell;
+    for (int32_t i = 0; i < run.length; ++i) {
+      newly_shared += refs[i] == 1;
+      ++refs[i];
+      holders[i] ^= dst_id;
+    }
+    copied += run.length;
+  });
   AddShared(src_seq, newly_shared);
   AddShared(dst_seq, copied);
   shared_cells_ += newly_shared;
-  // Positions are copied in order, which builds the btree without comparing keys.
-  seqs_.emplace(dst_seq, end == src.end() ? Index(src) : Index(src.begin(), end));
+  seqs_.emplace(dst_seq, src.Prefix(length));
   if (limited_memory()) prune_pending_.insert(dst_seq);
   return absl::OkStatus();
 }
@@ -351,19 +353,16 @@ absl::Status AttentionGroup::CheckRemove(int64_t seq, int32_t begin,
                                          std::optional<int32_t> end) const {
   const Index* index = Find(seq);
   if (index == nullptr || !end.has_value()) return absl::OkStatus();
-  auto moved = index->lower_bound(*end);
-  if (moved == index->end()) return absl::OkStatus();
+  if (index->last() < *end) return absl::OkStatus();
   if (spec_.rope.type == RopeType::kNone) {
     return absl::FailedPreconditionError(
         absl::StrCat("group ", LayerGroup::index(), " has rope NONE: removing [", begin, ", ", *end,
                      ") from sequence ", seq, " would move its positions >= ", *end,
                      " without re-rotating their keys"));
   }
-  int64_t shared = 0;
-  for (auto it = moved; it != index->end(); ++it) shared += refs_[it->second] > 1;
+  const int64_t shared = CountCells(*index, *end, Index::kEnd, /*shared=*/true);
   if (shared == 0) return absl::OkStatus();
-  int64_t freed = 0;
-  for (auto it = index->lower_bound(begin); it != moved; ++it) freed += refs_[it->second] == 1;
+  const int64_t freed = CountCells(*index, begin, *end, /*shared=*/false);
   if (free_cells() + freed < shared) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "group ", LayerGroup::index(), ": removing [", begin, ", ", *end, ") from sequence ", seq,
@@ -377,18 +376,18 @@ absl::Status AttentionGroup::ApplyRemove(int64_t seq, int32_t begin, std::option
   auto found = seqs_.find(seq);
   if (found == seqs_.end()) return absl::OkStatus();
   Index& index = found->second;
-  auto first = index.lower_bound(begin);
-  auto last = end.has_value() ? index.lower_bound(*end) : index.end();
-  ReleaseCells(first, last, seq);
-  index.erase(first, last);
+  DropRange(index, seq, begin, end.has_value() ? int64_t{*end} : Index::kEnd);
 
   absl::Status status;
   if (end.has_value()) {
-    auto moved_begin = index.lower_bound(*end);
-    if (moved_begin != index.end()) {
+    if (!index.empty() && index.last() >= *end) {
       const int32_t distance = *end - begin;
-      std::vector<std::pair<int32_t, int32_t>> moved(moved_begin, index.end());
-      index.erase(moved_begin, index.end());
+      std::vector<std::pair<int32_t, int32_t>> moved;
+      moved.reserve(static_cast<size_t>(index.size()));
+      index.ForEachRun(*end, Index::kEnd, [&moved](const Index::Run& run) {
+        for (int32_t i = 0; i < run.length; ++i) moved.emplace_back(run.pos + i, run.cell + i);
+      });
+      index.Erase(*end, Index::kEnd);
       // Shared cells get private copies before their keys are rotated.
       std::vector<int32_t> copy_src, copy_dst, rotate;
       rotate.reserve(moved.size());
@@ -414,9 +413,7 @@ absl::Status AttentionGroup::ApplyRemove(int64_t seq, int32_t begin, std::option
       }
       // The metadata follows the move even on a device error, so no cell is leaked or shared
       // wrongly; the caller (Cache) then refuses further use of the cache's data.
-      for (const auto& [pos, cell] : moved) {
-        index.emplace_hint(index.end(), pos - distance, cell);
-      }
+      for (const auto& [pos, cell] : moved) index.Insert(pos - distance, cell);
     }
   }
   if (index.empty()) {
@@ -434,8 +431,8 @@ bool AttentionGroup::CanResume(int64_t seq, int32_t pos) const {
   if (!limited_memory()) return true;
   const Index* index = Find(seq);
   if (index == nullptr) return false;
-  const int32_t first = index->begin()->first;
-  const int32_t last = index->rbegin()->first;
+  const int32_t first = index->first();
+  const int32_t last = index->last();
   const int64_t window_start = std::max<int64_t>(0, int64_t{pos} - spec_.window.window);
   return window_start >= first && int64_t{pos} <= int64_t{last} + 1;
 }
@@ -467,10 +464,9 @@ std::vector<int32_t> AttentionGroup::Visible(const Query& query) const {
   const Index* index = Find(query.seq);
   if (index == nullptr) return out;
   const auto [lo, hi] = VisibleRange(spec_.window, query);
-  for (auto it = index->lower_bound(static_cast<int32_t>(lo));
-       it != index->end() && it->first <= hi; ++it) {
-    out.push_back(it->first);
-  }
+  index->ForEachRun(lo, hi + 1, [&out](const Index::Run& run) {
+    for (int32_t i = 0; i < run.length; ++i) out.push_back(run.pos + i);
+  });
   return out;
 }
 
@@ -478,14 +474,12 @@ int64_t AttentionGroup::VisibleBound(const Query& query) const {
   const Index* index = Find(query.seq);
   if (index == nullptr) return 0;
   const auto [lo, hi] = VisibleRange(spec_.window, query);
-  const auto first = index->lower_bound(static_cast<int32_t>(lo));
-  if (first == index->end() || first->first > hi) return 0;
+  const auto first = index->lower_bound(lo);
+  if (first == index->end() || first.pos() > hi) return 0;
   // The last stored position <= hi: positions are distinct, so at most last - first + 1 of them
   // lie between (exact when the sequence stores them without gaps).
-  auto last = index->upper_bound(static_cast<int32_t>(hi));
-  --last;
-  return std::min<int64_t>(static_cast<int64_t>(index->size()),
-                           int64_t{last->first} - first->first + 1);
+  const int32_t last = *index->LastAtOrBelow(hi);
+  return std::min<int64_t>(index->size(), int64_t{last} - first.pos() + 1);
 }
 
 // ---- Snapshots ----------------------------------------------------------------------------
@@ -541,8 +535,7 @@ absl::Status AttentionGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap
       const int32_t cell = AllocateCell(seq);
       src_rows.push_back(segment.first_row + i);
       cells.push_back(cell);
-      Index& index = seqs_[seq];
-      index.emplace_hint(index.end(), pos, cell);
+      seqs_[seq].Insert(pos, cell);
     }
     if (cells.empty()) continue;
     const absl::Status s = CopyFromChunk(*segment.chunk, src_rows, cells);

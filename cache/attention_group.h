@@ -3,8 +3,10 @@
 //
 // Cells form a pool shared by all sequences. Each cell holds one token's K and V in every layer
 // of the group and a reference count: the number of sequences whose index points at it. A cell
-// is free at count zero. Each sequence has an ordered index position -> cell, so every
-// operation costs in proportion to the positions it touches, never to the pool size.
+// is free at count zero. Each sequence has an ordered index position -> cell kept as runs
+// (RunIndex), so every operation costs in proportion to the runs and cells it touches, never to
+// the pool size, and a prefix copy shares whole runs. Cells are taken from the free pool in
+// ascending order, so a sequence appended in one piece is held in consecutive cells: one run.
 //
 // Pending speculative tokens are ordinary cells; sliding-window pruning stops short of what a
 // rejected speculation would need (AppendBatch::pending_first).
@@ -18,7 +20,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
@@ -26,13 +27,14 @@
 #include "cache/cache.h"
 #include "cache/device/device.h"
 #include "cache/layer_group.h"
+#include "cache/run_index.h"
 #include "cache/spec.h"
 
 namespace kvmesh {
 
-class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, int32_t>> {
+class AttentionGroup final : public SequenceMapGroup<RunIndex> {
  public:
-  using Index = absl::btree_map<int32_t, int32_t>;  // position -> cell
+  using Index = RunIndex;  // position -> cell
 
   AttentionGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device);
 
@@ -78,9 +80,6 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   int64_t free_cells() const { return int64_t(free_.size()) + (geo_.cells - next_fresh_); }
   size_t arena_bytes() const { return arena_.size(); }
 
-  const absl::flat_hash_map<int64_t, Index>& sequences() const { return seqs_; }
-  int32_t SharedCells(const Index& index) const;
-
   // Stored positions of `seq` in [begin, end) and their cells.
   void Collect(int64_t seq, int64_t begin, int64_t end, std::vector<int32_t>* positions,
                std::vector<int32_t>* cells) const;
@@ -109,6 +108,9 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   void Truncate(int64_t seq, int32_t from);
   // Cells of `seq` at positions >= from that no other sequence references.
   int64_t PrivateCellsFrom(int64_t seq, int32_t from) const;
+  // Cells of index's positions in [begin, end) that other sequences reference too (shared) or
+  // that no other sequence references (!shared).
+  int64_t CountCells(const Index& index, int64_t begin, int64_t end, bool shared) const;
   void ApplyPrune(const AppendPlan& plan);
   // Every reference of a sequence to a cell is taken and dropped here, which keeps the shared
   // counts (shared_, shared_cells_) without ever visiting a sequence's positions: a cell with
@@ -117,8 +119,9 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   int32_t AllocateCell(int64_t seq);            // a free cell, referenced by seq only
   void RefCell(int32_t cell, int64_t seq);      // seq references a used cell too
   void ReleaseCell(int32_t cell, int64_t seq);  // seq drops its reference
-  // ReleaseCell for the cells of [first, last) of seq's index, with the counts summed.
-  void ReleaseCells(Index::const_iterator first, Index::const_iterator last, int64_t seq);
+  // Drops seq's positions in [begin, end) from its index, and ReleaseCell for their cells with
+  // the counts summed. Freed cells go back so that they are taken again in ascending order.
+  void DropRange(Index& index, int64_t seq, int64_t begin, int64_t end);
   void AddShared(int64_t seq, int32_t delta);
   bool limited_memory() const { return geo_.memory != kUnlimitedMemory; }
 
@@ -132,7 +135,7 @@ class AttentionGroup final : public SequenceMapGroup<absl::btree_map<int32_t, in
   std::vector<uint64_t> holders_;
   absl::flat_hash_map<int64_t, int32_t> shared_;  // seq -> its cells with refs_ > 1; absent: 0
   int64_t shared_cells_ = 0;                      // cells with refs_ > 1
-  std::vector<int32_t> free_;                     // released cells, reused first
+  std::vector<int32_t> free_;                     // released cells, reused first, from the back
   int64_t next_fresh_ = 0;                        // cells >= this have never been used
   // Sequences changed since their last prune as non-batch sequences (sliding groups only):
   // pruning a sequence outside the batch drops below last+1-memory, which cannot change
