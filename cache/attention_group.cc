@@ -1,6 +1,7 @@
 #include "cache/attention_group.h"
 
 #include <algorithm>
+#include <memory>
 #include <cstdint>
 #include <utility>
 
@@ -210,37 +211,77 @@ void AttentionGroup::ApplyPrune(const AppendPlan& plan) {
   for (int64_t seq : plan.pruned_pending) prune_pending_.erase(seq);
 }
 
-absl::Status AttentionGroup::WriteAppend(const AppendBatch& batch, const uint8_t* section) {
+bool AttentionGroup::TakeCells(const AppendBatch& batch, TakenCells* taken) {
   const absl::Span<const Token> tokens = batch.tokens;
-  pruned_early_ = free_cells() < static_cast<int64_t>(tokens.size());
-  if (pruned_early_) ApplyPrune(plan_);
-  cells_.resize(tokens.size());
-  cell_seqs_.resize(tokens.size());
+  const bool prune = free_cells() < static_cast<int64_t>(tokens.size());
+  if (prune) ApplyPrune(plan_);
+  taken->cells.resize(tokens.size());
+  taken->cell_seqs.resize(tokens.size());
   for (size_t i = 0; i < tokens.size(); ++i) {
-    cells_[i] = AllocateCell(tokens[i].seq);
-    cell_seqs_[i] = tokens[i].seq;
+    taken->cells[i] = AllocateCell(tokens[i].seq);
+    taken->cell_seqs[i] = tokens[i].seq;
   }
-  return device_->Scatter(arena_, planes_, cells_, section);
+  return prune;
+}
+
+void AttentionGroup::IndexTakenCells(const AppendBatch& batch, TakenCells* taken) {
+  const absl::Span<const Token> tokens = batch.tokens;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    seqs_[tokens[i].seq].Insert(tokens[i].pos, taken->cells[i]);
+    if (limited_memory()) prune_pending_.insert(tokens[i].seq);
+  }
+  taken->cells.clear();
+  taken->cell_seqs.clear();
+}
+
+void AttentionGroup::ReturnTakenCells(TakenCells* taken) {
+  // From the last, so that the free pool gives the cells back in the order it gave them.
+  for (size_t i = taken->cells.size(); i-- > 0;) ReleaseCell(taken->cells[i], taken->cell_seqs[i]);
+  taken->cells.clear();
+  taken->cell_seqs.clear();
+}
+
+absl::Status AttentionGroup::WriteAppend(const AppendBatch& batch, const uint8_t* section) {
+  pruned_early_ = TakeCells(batch, &taken_);
+  return device_->Scatter(arena_, planes_, taken_.cells, section);
 }
 
 void AttentionGroup::AbandonAppend() {
-  // From the last, so that the free pool gives the cells back in the order it gave them.
-  for (size_t i = cells_.size(); i-- > 0;) ReleaseCell(cells_[i], cell_seqs_[i]);
-  cells_.clear();
-  cell_seqs_.clear();
+  ReturnTakenCells(&taken_);
   pruned_early_ = false;
 }
 
 void AttentionGroup::CommitAppend(const AppendBatch& batch) {
-  const absl::Span<const Token> tokens = batch.tokens;
   if (!pruned_early_) ApplyPrune(plan_);
   pruned_early_ = false;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    seqs_[tokens[i].seq].Insert(tokens[i].pos, cells_[i]);
-    if (limited_memory()) prune_pending_.insert(tokens[i].seq);
+  IndexTakenCells(batch, &taken_);
+}
+
+class AttentionGroup::AppendReservation final : public LayerGroup::Reservation {
+ public:
+  explicit AppendReservation(AttentionGroup* group) : group_(group) {}
+
+  absl::Status Write(const uint8_t* section) const override {
+    return group_->device_->Scatter(group_->arena_, group_->planes_, taken_.cells, section);
   }
-  cells_.clear();
-  cell_seqs_.clear();
+  void Commit(const AppendBatch& batch) override {
+    // The pruning this batch allows now; what TakeCells pruned early stays done.
+    group_->ApplyPrune(group_->PlanAppend(batch.lowest, batch.pending_first));
+    group_->IndexTakenCells(batch, &taken_);
+  }
+  void Abandon() override { group_->ReturnTakenCells(&taken_); }
+
+  TakenCells* taken() { return &taken_; }
+
+ private:
+  AttentionGroup* const group_;
+  TakenCells taken_;
+};
+
+std::unique_ptr<LayerGroup::Reservation> AttentionGroup::ReserveAppend(const AppendBatch& batch) {
+  auto reservation = std::make_unique<AppendReservation>(this);
+  TakeCells(batch, reservation->taken());
+  return reservation;
 }
 
 absl::Status AttentionGroup::CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,

@@ -16,6 +16,7 @@
 #define KVMESH_CACHE_ATTENTION_GROUP_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -52,6 +53,8 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
   absl::Status WriteAppend(const AppendBatch& batch, const uint8_t* section) override;
   void CommitAppend(const AppendBatch& batch) override;
   void AbandonAppend() override;
+  bool SupportsReservedAppend() const override { return true; }
+  std::unique_ptr<Reservation> ReserveAppend(const AppendBatch& batch) override;
   absl::Status CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
                                  int32_t accepted) override;
   ReadPart PlanRead(int64_t seq, int64_t begin, int64_t end, int32_t seq_offset) const override;
@@ -94,6 +97,13 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
     absl::flat_hash_set<int64_t> pruned_pending;     // non-batch sequences pruned to `last`
     int64_t freed = 0;                               // cells the pruning frees
   };
+  // The cells an Append took for its tokens, not yet in any sequence's index.
+  struct TakenCells {
+    std::vector<int32_t> cells;      // one per token of the batch, in order
+    std::vector<int64_t> cell_seqs;  // the sequence of each
+  };
+  class AppendReservation;
+
   // Sliding-window pruning for a batch whose sequences have the given lowest positions;
   // sequences in `pending_first` are never pruned past (first pending - memory).
   AppendPlan PlanAppend(const absl::flat_hash_map<int64_t, int32_t>& batch_lowest,
@@ -103,6 +113,10 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
   // AbandonAppend gives them back. Cells come from the free pool first; only when it is short
   // does WriteAppend apply the plan's pruning early to reuse the cells it frees (then an
   // abandoned append leaves that pruning done, with metadata and data consistent).
+  // Takes cells for the batch (pruning early by plan_ when short); returns whether it pruned.
+  bool TakeCells(const AppendBatch& batch, TakenCells* taken);
+  void IndexTakenCells(const AppendBatch& batch, TakenCells* taken);
+  void ReturnTakenCells(TakenCells* taken);
 
   // Drops `seq`'s positions >= from (no device work).
   void Truncate(int64_t seq, int32_t from);
@@ -141,10 +155,9 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
   // pruning a sequence outside the batch drops below last+1-memory, which cannot change
   // until the sequence does, so only these need looking at.
   absl::flat_hash_set<int64_t> prune_pending_;
-  bool pruned_early_ = false;       // WriteAppend applied the plan's pruning already
-  AppendPlan plan_;                 // of the Append in progress
-  std::vector<int32_t> cells_;      // taken by the Append in progress, for the batch's tokens
-  std::vector<int64_t> cell_seqs_;  // the sequence of each of cells_
+  bool pruned_early_ = false;  // WriteAppend applied the plan's pruning already
+  AppendPlan plan_;            // of the Append being prepared, or written under the lock
+  TakenCells taken_;           // by the Append written under the lock
 };
 
 }  // namespace kvmesh

@@ -95,6 +95,10 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
       }
     }
   }
+  cache->reserved_append_ = true;
+  for (const auto& group : cache->groups_) {
+    cache->reserved_append_ &= group->SupportsReservedAppend();
+  }
   return cache;
 }
 
@@ -145,9 +149,27 @@ int32_t Cache::OffsetLocked(int64_t seq) const {
   return offset;
 }
 
+int32_t Cache::ClaimedCountLocked() const {
+  int32_t claimed = LiveCountLocked();
+  for (int64_t seq : appending_) claimed += !IsLiveLocked(seq);
+  return claimed;
+}
+
+void Cache::AwaitNotAppendingLocked(absl::Span<const int64_t> seqs) {
+  // Each wake-up starts over: an Append may have begun on a sequence already looked at.
+  for (size_t i = 0; i < seqs.size();) {
+    if (appending_.contains(seqs[i])) {
+      appended_.wait(mu_);
+      i = 0;
+    } else {
+      ++i;
+    }
+  }
+}
+
 absl::Status Cache::CheckRoomForLocked(int64_t seq, const char* what) const {
   if (IsLiveLocked(seq)) return absl::OkStatus();
-  const int32_t live = LiveCountLocked();
+  const int32_t live = ClaimedCountLocked();
   if (live + 1 <= spec_.max_sequences) return absl::OkStatus();
   return absl::ResourceExhaustedError(
       absl::StrCat(what, " would make sequence ", seq, " live beside ", live,
@@ -207,13 +229,63 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
         " sequences", speculative ? " (speculative)" : "", " need ", expected));
   }
 
+  std::vector<const uint8_t*> sections(spec_.groups.size());
+  std::vector<std::unique_ptr<LayerGroup::Reservation>> reservations;
+  {
+    MutexLock lock(&mu_);
+    AwaitNotAppendingLocked(batch.seqs);
+    RETURN_IF_ERROR(CheckAppendLocked(batch, count));
+    for (const auto& [seq, positions] : pending_) batch.pending_first.emplace(seq, positions[0]);
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      const absl::Status prepared = groups_[g]->PrepareAppend(batch);
+      if (!prepared.ok()) {
+        for (size_t h = 0; h <= g; ++h) groups_[h]->AbandonAppend();
+        return prepared;
+      }
+    }
+    const uint8_t* section = payload.data();
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      sections[g] = section;
+      section += groups_[g]->SectionBytes(batch);
+    }
+    if (!reserved_append_) return WriteAndCommitAppendLocked(batch, sections);
+    // Take the cells now and move the bytes with the lock released, so that operations on other
+    // sequences do not wait behind the copy; those on the batch's sequences do (appending_).
+    for (const auto& group : groups_) reservations.push_back(group->ReserveAppend(batch));
+    appending_.insert(batch.seqs.begin(), batch.seqs.end());
+  }
+
+  absl::Status written;
+  for (size_t g = 0; g < reservations.size() && written.ok(); ++g) {
+    written = reservations[g]->Write(sections[g]);
+  }
   MutexLock lock(&mu_);
+  for (int64_t seq : batch.seqs) appending_.erase(seq);
+  appended_.notify_all();  // the waiters run once this commit has released mu_
+  if (written.ok()) written = CheckUsableLocked();
+  if (!written.ok()) {
+    for (const auto& reservation : reservations) reservation->Abandon();
+    return written;
+  }
+  // Other sequences' speculation may have begun or ended meanwhile; this batch's cannot.
+  batch.pending_first.clear();
+  for (const auto& [seq, positions] : pending_) batch.pending_first.emplace(seq, positions[0]);
+  for (const auto& reservation : reservations) reservation->Commit(batch);
+  if (batch.speculative) {
+    for (const Token& t : batch.tokens) pending_[t.seq].push_back(t.pos);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Cache::CheckAppendLocked(const AppendBatch& batch,
+                                      const absl::flat_hash_map<int64_t, int32_t>& count) const {
   RETURN_IF_ERROR(CheckUsableLocked());
+  const absl::Span<const Token> tokens = batch.tokens;
   for (int64_t seq : batch.seqs) {
-    if (!speculative) RETURN_IF_ERROR(CheckNotPendingLocked(seq, "a plain Append"));
+    if (!batch.speculative) RETURN_IF_ERROR(CheckNotPendingLocked(seq, "a plain Append"));
     const int32_t offset = OffsetLocked(seq);
     const int32_t first = batch.lowest.at(seq);
-    if (speculative) {
+    if (batch.speculative) {
       if (first < offset) {
         return absl::InvalidArgumentError(
             absl::StrCat("speculative position ", first, " of sequence ", seq,
@@ -245,26 +317,17 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
   }
   int32_t new_sequences = 0;
   for (int64_t seq : batch.seqs) new_sequences += !IsLiveLocked(seq);
-  const int32_t live = LiveCountLocked();
+  const int32_t live = ClaimedCountLocked();
   if (live + new_sequences > spec_.max_sequences) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the batch adds ", new_sequences, " new sequences to ", live,
                      " live ones, more than max_sequences = ", spec_.max_sequences));
   }
-  for (const auto& [seq, positions] : pending_) batch.pending_first.emplace(seq, positions[0]);
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    const absl::Status prepared = groups_[g]->PrepareAppend(batch);
-    if (!prepared.ok()) {
-      for (size_t h = 0; h <= g; ++h) groups_[h]->AbandonAppend();
-      return prepared;
-    }
-  }
-  std::vector<const uint8_t*> sections(groups_.size());
-  const uint8_t* section = payload.data();
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    sections[g] = section;
-    section += groups_[g]->SectionBytes(batch);
-  }
+  return absl::OkStatus();
+}
+
+absl::Status Cache::WriteAndCommitAppendLocked(const AppendBatch& batch,
+                                               absl::Span<const uint8_t* const> sections) {
   // Write every group before committing any: first those that write into fresh storage, then
   // those that overwrite in place, so that an error in the first kind leaves nothing changed.
   for (bool in_place : {false, true}) {
@@ -278,8 +341,8 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
     }
   }
   for (const auto& group : groups_) group->CommitAppend(batch);
-  if (speculative) {
-    for (const Token& t : tokens) pending_[t.seq].push_back(t.pos);
+  if (batch.speculative) {
+    for (const Token& t : batch.tokens) pending_[t.seq].push_back(t.pos);
   }
   return absl::OkStatus();
 }
@@ -288,6 +351,7 @@ absl::Status Cache::CommitSpeculation(int64_t seq, int32_t accepted) {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("accepted", accepted));
   MutexLock lock(&mu_);
+  AwaitNotAppendingLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   auto it = pending_.find(seq);
   if (it == pending_.end()) {
@@ -419,6 +483,7 @@ absl::Status Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length)
                                                    "; a prefix copy needs two sequences"));
   }
   MutexLock lock(&mu_);
+  AwaitNotAppendingLocked({dst_seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(src_seq, "CopyPrefix from it"));
   RETURN_IF_ERROR(CheckNotPendingLocked(dst_seq, "CopyPrefix into it"));
@@ -447,6 +512,7 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
   }
   if (end.has_value() && *end == begin) return absl::OkStatus();
   MutexLock lock(&mu_);
+  AwaitNotAppendingLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Remove"));
   for (const auto& group : groups_) RETURN_IF_ERROR(group->CheckRemove(seq, begin, end));
@@ -616,6 +682,7 @@ absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, in
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("target", target));
   MutexLock lock(&mu_);
+  AwaitNotAppendingLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Restore"));
   const int32_t offset = OffsetLocked(seq);

@@ -11,6 +11,7 @@
 #define KVMESH_CACHE_CACHE_H_
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -20,6 +21,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -30,6 +32,7 @@
 
 namespace kvmesh {
 
+struct AppendBatch;
 class LayerGroup;
 struct SnapshotRecord;
 
@@ -329,9 +332,23 @@ class Cache {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // One past the largest position any group holds for `seq` (pending included).
   int32_t OffsetLocked(int64_t seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Append's checks that need the lock (count: tokens per sequence of the batch).
+  absl::Status CheckAppendLocked(const AppendBatch& batch,
+                                 const absl::flat_hash_map<int64_t, int32_t>& count) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Append under the lock throughout, for caches with a group that cannot reserve.
+  absl::Status WriteAndCommitAppendLocked(const AppendBatch& batch,
+                                          absl::Span<const uint8_t* const> sections)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Live sequences plus those an Append in flight is about to make live: what max_sequences
+  // bounds.
+  int32_t ClaimedCountLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when making `seq` live would exceed max_sequences.
   absl::Status CheckRoomForLocked(int64_t seq, const char* what) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Waits (releasing mu_ meanwhile) until no Append in flight writes to any of `seqs`. An
+  // operation that changes a sequence calls it first, before it looks at anything.
+  void AwaitNotAppendingLocked(absl::Span<const int64_t> seqs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records a device error that left stored data damaged; returns it.
   absl::Status FailLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SnapshotInfo InfoLocked(const SnapshotRecord& record) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -343,11 +360,17 @@ class Cache {
   const CacheSpec spec_;
   const bool contiguous_;     // has a Rotating or Recurrent group
   const bool has_attention_;  // has an Attention group
+  // Every group can reserve an Append's cells and have its bytes written without mu_ held.
+  bool reserved_append_ = false;
 
   mutable Mutex mu_;
   std::vector<std::unique_ptr<LayerGroup>> groups_ ABSL_GUARDED_BY(mu_);
   // Sequences with pending speculative tokens: their pending positions, ascending.
   absl::flat_hash_map<int64_t, std::vector<int32_t>> pending_ ABSL_GUARDED_BY(mu_);
+  // Sequences whose Append is writing its bytes with mu_ released: their new cells are taken
+  // but in no index yet. appended_ is notified whenever one leaves.
+  absl::flat_hash_set<int64_t> appending_ ABSL_GUARDED_BY(mu_);
+  mutable std::condition_variable_any appended_;
   std::map<uint64_t, std::unique_ptr<SnapshotRecord>> snapshots_ ABSL_GUARDED_BY(mu_);
   uint64_t next_snapshot_id_ ABSL_GUARDED_BY(mu_) = 1;
   // Set when a device call failed half-way through rewriting stored data (Remove's copy or RoPE

@@ -145,6 +145,24 @@ class LayerGroup {
   virtual void CommitAppend(const AppendBatch& batch) = 0;
   virtual void AbandonAppend() = 0;
 
+  // Appending without the cache's lock held while the bytes move (Cache::Append, when every
+  // group of the cache supports it). After PrepareAppend, ReserveAppend takes the batch's cells
+  // under the lock; the reservation's Write fills them without it (they belong to no sequence
+  // yet, so nothing else reads or writes them); its Commit or Abandon finishes under the lock
+  // again. Between the two the cache may change in every other way except the batch's own
+  // sequences, so Commit plans its own sliding-window pruning from `batch`, whose pending_first
+  // the caller refreshes. A reservation must end in Commit or Abandon.
+  class Reservation {
+   public:
+    virtual ~Reservation() = default;
+    virtual absl::Status Write(const uint8_t* section) const = 0;
+    virtual void Commit(const AppendBatch& batch) = 0;
+    virtual void Abandon() = 0;
+  };
+  virtual bool SupportsReservedAppend() const { return false; }
+  // Only called where SupportsReservedAppend(); PrepareAppend must have succeeded just before.
+  virtual std::unique_ptr<Reservation> ReserveAppend(const AppendBatch& batch) { return nullptr; }
+
   // Keeps the first `accepted` of `pending` (the sequence's pending positions, ascending).
   virtual absl::Status CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
                                          int32_t accepted) = 0;
