@@ -11,8 +11,9 @@
 // says it could not), so host buffers passed in may be reused at once.
 //
 // Thread safety: a Device is shared by every cache of a node. Allocate/Free and the accounting
-// are thread-safe. Row operations on distinct arenas may run concurrently; callers serialize
-// operations on the same arena (the engine holds the cache's lock).
+// are thread-safe. Row operations may run concurrently, on one arena too, as long as no row one
+// of them writes is touched by another: the engine reads under a shared lock, and an Append
+// scatters into cells that belong to no sequence yet without holding the cache's lock at all.
 #ifndef KVMESH_CACHE_DEVICE_DEVICE_H_
 #define KVMESH_CACHE_DEVICE_DEVICE_H_
 
