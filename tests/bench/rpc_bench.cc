@@ -10,7 +10,10 @@
 //    control call's req/s as a ratio of Health/Check's with "met" when it is >= 0.8;
 //  - bulk payloads on one stream: AppendStream, unary Append and Read of --large-tokens tokens
 //    (512 x Llama-3-8B shape = 64 MiB), GB/s, with the read payload verified against the
-//    pattern that was appended (wrong elements reported, as nccl-tests does).
+//    pattern that was appended (wrong elements reported, as nccl-tests does);
+//  - isolation: p50/p99 of a 1-token unary Append (a decode step) for --duration alone, then for
+//    --duration while another connection appends --large-tokens tokens to another sequence of
+//    the same cache back to back, with "met" when the p99 ratio is <= 2.
 //
 // The cache has the Llama-3-8B KV shape (32 layers, 8 KV heads, head dim 128, F16, NEOX RoPE).
 // Without --addr the bench starts its own kvmesh-node on 127.0.0.1:0 and stops it at the end;
@@ -427,6 +430,122 @@ std::vector<BulkResult> RunBulk(const Options& o, Client& client, const CacheSpe
   return results;
 }
 
+// Goal 2 of issue 17: a decode step (a 1-token unary Append) on its own sequence, for
+// o.duration alone and for o.duration while another connection appends o.large_tokens tokens
+// (unary, one message) to another sequence of the same cache back to back.
+struct IsolationResult {
+  std::vector<double> alone_us;
+  std::vector<double> during_us;
+  int64_t prefills = 0;  // large Appends that completed during the second phase
+  std::string error;
+};
+
+IsolationResult RunIsolation(const Options& o, const std::string& addr, Client& client,
+                             const CacheSpec& spec) {
+  IsolationResult result;
+  const int64_t decode_seq = kAppendSeqBase;
+  const std::string step = ctl::MakePatternPayload(spec, {0}, kSeed);
+  int32_t next = 0;
+  auto decode = [&](std::vector<double>* out) -> grpc::Status {
+    if (next + 1 > kAppendWindow) {  // untimed truncation, as in the Append op
+      grpc::Status s = Remove(client, o.cache, decode_seq, 0);
+      if (!s.ok()) return s;
+      next = 0;
+    }
+    grpc::ClientContext context;
+    SetDeadline(&context, absl::Seconds(30));
+    v1::AppendRequest request;
+    request.set_cache(o.cache);
+    v1::Token* token = request.add_tokens();
+    token->set_seq(decode_seq);
+    token->set_pos(next);
+    request.set_payload(step);
+    v1::AppendResponse response;
+    const Clock::time_point start = Clock::now();
+    grpc::Status s = client.stub->Append(&context, request, &response);
+    const Clock::time_point end = Clock::now();
+    if (s.ok()) {
+      ++next;
+      out->push_back(std::chrono::duration<double, std::micro>(end - start).count());
+    }
+    return s;
+  };
+  auto run_phase = [&](std::vector<double>* out) {
+    const absl::Time stop = absl::Now() + o.duration;
+    while (absl::Now() < stop && result.error.empty()) {
+      grpc::Status s = decode(out);
+      if (!s.ok()) result.error = absl::StrCat("decode Append: ", ErrorText(s));
+    }
+    std::sort(out->begin(), out->end());
+  };
+  if (grpc::Status s = Remove(client, o.cache, decode_seq, 0); !s.ok()) {
+    result.error = absl::StrCat("Remove: ", ErrorText(s));
+    return result;
+  }
+  run_phase(&result.alone_us);
+
+  // The prefilling client has its own connection, so that its 64 MiB messages do not queue
+  // the decode steps' frames behind them on one HTTP/2 connection.
+  Client prefill;
+  prefill.channel = NewChannel(addr, 1 << 20);
+  prefill.stub = v1::CacheService::NewStub(prefill.channel);
+  std::vector<int32_t> positions;
+  for (int32_t p = 0; p < o.large_tokens; ++p) positions.push_back(p);
+  v1::AppendRequest large;
+  large.set_cache(o.cache);
+  AddTokens(kBulkSeq, positions, large.mutable_tokens());
+  large.set_payload(ctl::MakePatternPayload(spec, positions, kSeed));
+  std::atomic<bool> stop{false};
+  absl::Notification first_started;
+  std::string prefill_error;
+  std::thread prefiller([&] {
+    while (!stop.load()) {
+      grpc::Status s = Remove(prefill, o.cache, kBulkSeq, 0);
+      if (s.ok()) {
+        grpc::ClientContext context;
+        SetDeadline(&context, absl::Seconds(120));
+        v1::AppendResponse response;
+        if (!first_started.HasBeenNotified()) first_started.Notify();
+        s = prefill.stub->Append(&context, large, &response);
+        if (s.ok()) ++result.prefills;
+      }
+      if (!s.ok()) {
+        prefill_error = absl::StrCat("prefill Append: ", ErrorText(s));
+        break;
+      }
+    }
+    if (!first_started.HasBeenNotified()) first_started.Notify();
+  });
+  first_started.WaitForNotification();
+  run_phase(&result.during_us);
+  stop = true;
+  prefiller.join();
+  if (result.error.empty()) result.error = prefill_error;
+  return result;
+}
+
+void PrintIsolation(const IsolationResult& r, const Options& o, int64_t large_bytes) {
+  std::printf("\nisolation (issue 17 goal 2): 1-token unary Append on one sequence, %s per phase\n",
+              absl::FormatDuration(o.duration).c_str());
+  if (!r.error.empty()) {
+    std::printf("  ERROR: %s\n", r.error.c_str());
+    return;
+  }
+  std::printf("  %-52s %7s %9s %9s %9s\n", "phase", "calls", "p50 us", "p99 us", "max us");
+  auto row = [](const std::string& name, const std::vector<double>& v) {
+    std::printf("  %-52s %7zu %9.0f %9.0f %9.0f\n", name.c_str(), v.size(), Percentile(v, 0.5),
+                Percentile(v, 0.99), v.empty() ? 0.0 : v.back());
+  };
+  row("alone", r.alone_us);
+  row(absl::StrFormat("while another sequence appends %.0f MiB per call (%d calls)",
+                      large_bytes / 1048576.0, r.prefills),
+      r.during_us);
+  const double alone = Percentile(r.alone_us, 0.99);
+  const double ratio = alone > 0 ? Percentile(r.during_us, 0.99) / alone : 0;
+  std::printf("  p99 while prefilling / p99 alone: %.2f (goal <= 2): %s\n", ratio,
+              ratio > 0 && ratio <= 2 ? "met" : "NOT met");
+}
+
 absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
   ASSIGN_OR_RETURN(ctl::Args args, ctl::Args::Parse(argc, argv, {}));
   RETURN_IF_ERROR(args.CheckAllowed(kFlags));
@@ -682,10 +801,13 @@ int Main(int argc, char** argv) {
               "GB/s best");
   std::vector<BulkResult> bulk = RunBulk(o, clients[0], spec);
   for (const BulkResult& r : bulk) PrintBulk(r, bulk_bytes);
+  const IsolationResult isolation = RunIsolation(o, addr, clients[0], spec);
+  PrintIsolation(isolation, o, bulk_bytes);
 
   bool failed = false;
   for (const OpResult& r : ops) failed = failed || r.errors > 0 || r.latencies_us.empty();
   for (const BulkResult& r : bulk) failed = failed || !r.error.empty() || r.wrong_elements != 0;
+  failed = failed || !isolation.error.empty();
 
   {
     grpc::ClientContext context;
