@@ -1,8 +1,8 @@
 #include "cache/attention_group.h"
 
 #include <algorithm>
-#include <memory>
 #include <cstdint>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -16,6 +16,7 @@ AttentionGroup::AttentionGroup(int index, const CacheSpec& spec, DeviceArena are
       dtype_(spec.dtype),
       geo_(ComputeAttentionGeometry(spec, index)),
       refs_(static_cast<size_t>(geo_.cells), 0),
+      pins_(static_cast<size_t>(geo_.cells), 0),
       holders_(static_cast<size_t>(geo_.cells), 0) {
   // Arena layout: for each layer, K [cells][k_row] then V [cells][v_row].
   const size_t cells = static_cast<size_t>(geo_.cells);
@@ -92,7 +93,7 @@ void AttentionGroup::ReleaseCell(int32_t cell, int64_t seq) {
   holders_[cell] ^= static_cast<uint64_t>(seq);
   const int32_t refs = --refs_[cell];
   if (refs == 0) {
-    free_.push_back(cell);
+    if (pins_[cell] == 0) free_.push_back(cell);
     return;
   }
   AddShared(seq, -1);
@@ -116,7 +117,7 @@ void AttentionGroup::DropRange(Index& index, int64_t seq, int64_t begin, int64_t
       holders_[cell] ^= id;
       const int32_t refs = --refs_[cell];
       if (refs == 0) {
-        free_.push_back(cell);
+        if (pins_[cell] == 0) free_.push_back(cell);
         continue;
       }
       ++own;
@@ -160,11 +161,12 @@ AttentionGroup::AppendPlan AttentionGroup::PlanAppend(
     // A sequence held back by its pending tokens is looked at again after its commit.
     if (!pending_first.contains(seq)) plan.pruned_pending.insert(seq);
   }
-  // A cell is freed when every sequence referencing it drops it.
+  // A cell is freed when every sequence referencing it drops it and nothing pins it.
   absl::flat_hash_map<int32_t, int32_t> drops;
   for (const auto& [seq, below] : plan.prune) {
     seqs_.at(seq).ForEachRun(Index::kBegin, below, [&](const Index::Run& run) {
       for (int32_t cell = run.cell; cell < run.cell + run.length; ++cell) {
+        if (pins_[cell] > 0) continue;
         if (refs_[cell] == 1) {
           ++plan.freed;
         } else if (++drops[cell] == refs_[cell]) {
@@ -309,7 +311,7 @@ int64_t AttentionGroup::CountCells(const Index& index, int64_t begin, int64_t en
   int64_t n = 0;
   index.ForEachRun(begin, end, [&](const Index::Run& run) {
     for (int32_t cell = run.cell; cell < run.cell + run.length; ++cell) {
-      n += (refs_[cell] > 1) == shared;
+      n += !Private(cell) == shared;
     }
   });
   return n;
@@ -433,7 +435,7 @@ absl::Status AttentionGroup::ApplyRemove(int64_t seq, int32_t begin, std::option
       std::vector<int32_t> copy_src, copy_dst, rotate;
       rotate.reserve(moved.size());
       for (auto& [pos, cell] : moved) {
-        if (refs_[cell] > 1) {
+        if (!Private(cell)) {
           const int32_t fresh = AllocateCell(seq);
           copy_src.push_back(cell);
           copy_dst.push_back(fresh);
@@ -549,6 +551,7 @@ absl::Status AttentionGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap
   if (snap == nullptr) return absl::OkStatus();
   int64_t needed = 0;
   for (const Segment& segment : snap->segments) {
+    if (segment.chunk->cells_of == this) continue;  // its cells are taken as they are
     for (int32_t pos : segment.positions) needed += pos < target;
   }
   const int64_t available = free_cells() + PrivateCellsFrom(seq, std::min(from, target));
@@ -569,6 +572,17 @@ absl::Status AttentionGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap
   Truncate(seq, std::min(from, target));
   absl::Status status;
   for (const Segment& segment : snap->segments) {
+    if (segment.chunk->cells_of == this) {
+      // Cells an import pinned and wrote: the sequence takes them; the importer unpins them.
+      for (int32_t i = 0; i < segment.rows && segment.positions[i] < target; ++i) {
+        const int32_t cell =
+            segment.chunk_rows.empty() ? segment.first_row + i : segment.chunk_rows[i];
+        refs_[cell] = 1;
+        holders_[cell] = static_cast<uint64_t>(seq);
+        seqs_[seq].Insert(segment.positions[i], cell);
+      }
+      continue;
+    }
     std::vector<int32_t> src_rows, cells;
     for (int32_t i = 0; i < segment.rows; ++i) {
       const int32_t pos = segment.positions[i];
@@ -584,6 +598,56 @@ absl::Status AttentionGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap
   }
   if (limited_memory() && seqs_.contains(seq)) prune_pending_.insert(seq);
   return status;
+}
+
+// ---- Cells lent to transfers ---------------------------------------------------------------
+
+GroupSnapshot AttentionGroup::PinSequence(int64_t seq, int32_t from, int32_t to,
+                                          std::vector<int32_t>* pinned) {
+  GroupSnapshot snap;
+  snap.row_bytes = PayloadBytes(1);
+  const Index* index = Find(seq);
+  if (index == nullptr) return snap;
+  // One segment, as TakeSnapshot makes, so that the image is the snapshot's byte for byte.
+  Segment segment;
+  index->ForEachRun(from, to, [&](const Index::Run& run) {
+    for (int32_t i = 0; i < run.length; ++i) {
+      segment.positions.push_back(run.pos + i);
+      segment.chunk_rows.push_back(run.cell + i);
+      ++pins_[run.cell + i];
+    }
+  });
+  if (segment.positions.empty()) return snap;
+  segment.rows = static_cast<int32_t>(segment.positions.size());
+  pinned->insert(pinned->end(), segment.chunk_rows.begin(), segment.chunk_rows.end());
+  snap.segments.push_back(std::move(segment));
+  return snap;
+}
+
+std::vector<int32_t> AttentionGroup::PinFreeCells(int64_t n) {
+  std::vector<int32_t> cells;
+  if (n > free_cells()) return cells;
+  cells.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t cell;
+    if (!free_.empty()) {
+      cell = free_.back();
+      free_.pop_back();
+    } else {
+      cell = static_cast<int32_t>(next_fresh_++);
+    }
+    pins_[cell] = 1;
+    cells.push_back(cell);
+  }
+  return cells;
+}
+
+void AttentionGroup::Unpin(absl::Span<const int32_t> cells) {
+  // From the last, so that the free pool gives back in ascending order what was pinned so.
+  for (size_t i = cells.size(); i-- > 0;) {
+    const int32_t cell = cells[i];
+    if (--pins_[cell] == 0 && refs_[cell] == 0) free_.push_back(cell);
+  }
 }
 
 }  // namespace kvmesh

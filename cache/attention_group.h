@@ -77,6 +77,11 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
                             int32_t target) const override;
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) override;
+  bool LendsCells() const override { return true; }
+  GroupSnapshot PinSequence(int64_t seq, int32_t from, int32_t to,
+                            std::vector<int32_t>* pinned) override;
+  std::vector<int32_t> PinFreeCells(int64_t n) override;
+  void Unpin(absl::Span<const int32_t> cells) override;
 
   const AttentionGeometry& geometry() const { return geo_; }
   const AttentionSpec& spec() const { return spec_; }
@@ -122,9 +127,10 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
   void Truncate(int64_t seq, int32_t from);
   // Cells of `seq` at positions >= from that no other sequence references.
   int64_t PrivateCellsFrom(int64_t seq, int32_t from) const;
-  // Cells of index's positions in [begin, end) that other sequences reference too (shared) or
-  // that no other sequence references (!shared).
+  // Cells of index's positions in [begin, end) that are not Private (shared: other sequences or
+  // a pin hold them too) or that are (!shared).
   int64_t CountCells(const Index& index, int64_t begin, int64_t end, bool shared) const;
+  bool Private(int32_t cell) const { return refs_[cell] == 1 && pins_[cell] == 0; }
   void ApplyPrune(const AppendPlan& plan);
   // Every reference of a sequence to a cell is taken and dropped here, which keeps the shared
   // counts (shared_, shared_cells_) without ever visiting a sequence's positions: a cell with
@@ -144,7 +150,11 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
   const AttentionGeometry geo_;
   std::vector<Plane> k_planes_;  // K0, K1, ... of planes_ (K0, V0, K1, V1, ...)
 
-  std::vector<int32_t> refs_;  // per cell
+  std::vector<int32_t> refs_;  // per cell: the sequences referencing it
+  // Per cell, transfers that pinned it (LayerGroup::PinSequence, PinFreeCells). A cell is free
+  // when neither a sequence nor a pin holds it; it may be written in place only when one
+  // sequence and no pin does (Private).
+  std::vector<int32_t> pins_;
   // Per cell, the XOR of the ids of the sequences referencing it: the holder when refs_ is 1.
   std::vector<uint64_t> holders_;
   absl::flat_hash_map<int64_t, int32_t> shared_;  // seq -> its cells with refs_ > 1; absent: 0

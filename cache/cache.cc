@@ -96,8 +96,10 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
     }
   }
   cache->reserved_append_ = true;
+  cache->lends_cells_ = true;
   for (const auto& group : cache->groups_) {
     cache->reserved_append_ &= group->SupportsReservedAppend();
+    cache->lends_cells_ &= group->LendsCells();
   }
   return cache;
 }
@@ -637,8 +639,8 @@ absl::Status Cache::CheckRoomForSequence(int64_t seq, absl::Span<const int64_t> 
   return absl::OkStatus();
 }
 
-absl::StatusOr<SnapshotInfo> Cache::Snapshot(int64_t seq, int32_t from_offset,
-                                             std::optional<int32_t> to) {
+absl::Status Cache::CheckSnapshotArgs(int64_t seq, int32_t from_offset,
+                                      std::optional<int32_t> to) const {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("from_offset", from_offset));
   if (to.has_value()) {
@@ -654,7 +656,11 @@ absl::StatusOr<SnapshotInfo> Cache::Snapshot(int64_t seq, int32_t from_offset,
                        *to));
     }
   }
-  MutexLock lock(&mu_);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> Cache::CheckSnapshotLocked(int64_t seq, int32_t from_offset,
+                                                   std::optional<int32_t> to) const {
   RETURN_IF_ERROR(CheckUsableLocked());
   if (!IsLiveLocked(seq)) {
     return absl::NotFoundError(absl::StrCat("cache '", spec_.name, "' has no sequence ", seq));
@@ -667,10 +673,17 @@ absl::StatusOr<SnapshotInfo> Cache::Snapshot(int64_t seq, int32_t from_offset,
                      " of sequence ", seq, ": the snapshot would be empty"));
   }
   for (const auto& group : groups_) RETURN_IF_ERROR(group->CheckSnapshot(seq, from_offset));
+  return to.has_value() ? std::min(*to, offset) : offset;
+}
+
+absl::StatusOr<SnapshotInfo> Cache::Snapshot(int64_t seq, int32_t from_offset,
+                                             std::optional<int32_t> to) {
+  RETURN_IF_ERROR(CheckSnapshotArgs(seq, from_offset, to));
+  MutexLock lock(&mu_);
   SnapshotRecord record;
   record.seq = seq;
   record.from = from_offset;
-  record.to = to.has_value() ? std::min(*to, offset) : offset;
+  ASSIGN_OR_RETURN(record.to, CheckSnapshotLocked(seq, from_offset, to));
   for (const auto& group : groups_) {
     ASSIGN_OR_RETURN(GroupSnapshot g, group->TakeSnapshot(seq, from_offset, record.to));
     record.groups.push_back(std::move(g));
@@ -685,20 +698,27 @@ absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, in
   AwaitNotAppendingLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Restore"));
-  const int32_t offset = OffsetLocked(seq);
   const SnapshotRecord* record = nullptr;
   if (snapshot_id.has_value()) {
     ASSIGN_OR_RETURN(record, FindSnapshotLocked(*snapshot_id));
+  }
+  return RestoreLocked(seq, record, target);
+}
+
+absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target) {
+  const int32_t offset = OffsetLocked(seq);
+  if (record != nullptr) {
+    const std::string name = record->id > 0 ? absl::StrCat("snapshot ", record->id)
+                                            : std::string("the imported sequence");
     if (target > record->to) {
       return absl::FailedPreconditionError(absl::StrCat("target = ", target, " is past the end ",
-                                                        record->to, " of snapshot ", record->id,
-                                                        " [", record->from, ", ", record->to, ")"));
+                                                        record->to, " of ", name, " [",
+                                                        record->from, ", ", record->to, ")"));
     }
     if (has_attention_ && offset < record->from) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("sequence ", seq, " has offset ", offset, ", below the start ", record->from,
-                       " of snapshot ", record->id, ": restoring it would leave positions [",
-                       offset, ", ", record->from, ") missing"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", seq, " has offset ", offset, ", below the start ", record->from, " of ",
+          name, ": restoring it would leave positions [", offset, ", ", record->from, ") missing"));
     }
     // A new sequence counts against max_sequences only if the restore leaves it holding
     // something: a ring or state (target > 0), or snapshot positions below target.
@@ -895,6 +915,166 @@ absl::StatusOr<std::unique_ptr<SnapshotImportWriter>> Cache::BeginSnapshotImport
                                    MutexLock lock(&mu_);
                                    return AddSnapshotLocked(std::move(record));
                                  });
+}
+
+// ---- Moving a sequence without a snapshot copy ---------------------------------------------
+
+void Cache::UnpinCells(size_t group, absl::Span<const int32_t> cells) {
+  MutexLock lock(&mu_);
+  groups_[group]->Unpin(cells);
+}
+
+absl::StatusOr<std::unique_ptr<SnapshotExportReader>> Cache::OpenSequenceExport(
+    const std::shared_ptr<Cache>& cache, int64_t seq, int32_t from_offset,
+    std::optional<int32_t> to) {
+  Cache& c = *cache;
+  if (!c.lends_cells_) {
+    ASSIGN_OR_RETURN(const SnapshotInfo taken, c.Snapshot(seq, from_offset, to));
+    absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader = c.OpenSnapshotExport(taken.id);
+    // The reader shares the snapshot's chunks: the snapshot itself can go.
+    (void)c.DropSnapshot(taken.id);
+    return reader;
+  }
+  RETURN_IF_ERROR(c.CheckSnapshotArgs(seq, from_offset, to));
+  SnapshotRecord record;
+  SnapshotInfo info;
+  std::vector<ChunkFormat> formats;
+  {
+    MutexLock lock(&c.mu_);
+    record.seq = seq;
+    record.from = from_offset;
+    ASSIGN_OR_RETURN(record.to, c.CheckSnapshotLocked(seq, from_offset, to));
+    for (size_t g = 0; g < c.groups_.size(); ++g) {
+      LayerGroup& group = *c.groups_[g];
+      std::vector<int32_t> pinned;
+      GroupSnapshot snap = group.PinSequence(seq, from_offset, record.to, &pinned);
+      if (!pinned.empty()) {
+        // The last reference to the borrowed cells unpins them, outside the cache's lock: the
+        // reader and the slices of a transfer hold them, never an operation of the cache.
+        std::shared_ptr<const RowChunk> cells(
+            new RowChunk(group.BorrowCells()),
+            [cache, g, pinned = std::move(pinned)](const RowChunk* chunk) {
+              cache->UnpinCells(g, pinned);
+              delete chunk;
+            });
+        for (Segment& segment : snap.segments) segment.chunk = cells;
+      }
+      record.groups.push_back(std::move(snap));
+      formats.push_back(group.SnapshotChunkFormat());
+    }
+    info = c.InfoLocked(record);
+  }
+  const size_t bytes = info.bytes;
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<SnapshotExportReader> reader,
+      NewSnapshotExportReader(c.spec_, std::move(record), std::move(info), std::move(formats)));
+  return std::unique_ptr<SnapshotExportReader>(
+      new CountedExportReader(std::move(reader), c.export_bytes_, bytes));
+}
+
+struct SequenceImport::State {
+  // Guarded by the cache's lock once the writer exists.
+  std::vector<std::vector<int32_t>> pinned;  // per group, the cells the import pinned
+  bool in_cells = false;
+  bool committed = false;
+  bool used = false;      // by RestoreImport
+  SnapshotRecord record;  // once committed
+};
+
+SequenceImport::~SequenceImport() {
+  writer_.reset();
+  for (size_t g = 0; g < state_->pinned.size(); ++g) {
+    if (!state_->pinned[g].empty()) cache_->UnpinCells(g, state_->pinned[g]);
+  }
+}
+
+bool SequenceImport::in_cells() const {
+  ReaderMutexLock lock(&cache_->mu_);
+  return state_->in_cells;
+}
+
+absl::StatusOr<std::unique_ptr<SequenceImport>> Cache::BeginSequenceImport(size_t total_bytes) {
+  const size_t min_bytes = MinSnapshotHeaderBytes(spec_);
+  if (total_bytes < min_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "total_bytes = ", total_bytes, " is smaller than the smallest snapshot image (", min_bytes,
+        " bytes) of cache '", spec_.name, "'"));
+  }
+  auto state = std::make_shared<SequenceImport::State>();
+  std::vector<ChunkFormat> formats;
+  {
+    ReaderMutexLock lock(&mu_);
+    for (const auto& group : groups_) formats.push_back(group->SnapshotChunkFormat());
+  }
+  SnapshotPlaceFn place;
+  if (lends_cells_) {
+    place = [this, state](SnapshotRecord* record) -> absl::StatusOr<bool> {
+      MutexLock lock(&mu_);
+      RETURN_IF_ERROR(CheckUsableLocked());
+      std::vector<std::vector<int32_t>> pinned(groups_.size());
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        const int32_t rows = record->groups[g].stored();
+        if (rows == 0) continue;
+        pinned[g] = groups_[g]->PinFreeCells(rows);
+        if (pinned[g].size() == static_cast<size_t>(rows)) continue;
+        // Too few free cells now: the rows go to the snapshot pool, and the Restore copies them
+        // (maybe into cells that the sequence's own old ones free).
+        for (size_t h = 0; h < g; ++h) groups_[h]->Unpin(pinned[h]);
+        return false;
+      }
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        if (pinned[g].empty()) continue;
+        auto cells = std::make_shared<RowChunk>(groups_[g]->BorrowCells());
+        size_t next = 0;
+        for (Segment& segment : record->groups[g].segments) {
+          segment.chunk = cells;
+          segment.chunk_rows.assign(pinned[g].begin() + next,
+                                    pinned[g].begin() + next + segment.rows);
+          next += static_cast<size_t>(segment.rows);
+        }
+      }
+      state->pinned = std::move(pinned);
+      state->in_cells = true;
+      return true;
+    };
+  }
+  std::unique_ptr<SequenceImport> import(new SequenceImport(this, state));
+  import->writer_ = NewSnapshotImportWriter(
+      spec_, std::move(formats), total_bytes,
+      [this, state](SnapshotRecord record) {
+        MutexLock lock(&mu_);
+  SnapshotInfo info = InfoLocked(record);
+  state->record = std::move(record);
+  state->committed = true;
+  return info;
+},
+      std::move(place));
+return import;
+}  // namespace kvmesh
+
+absl::Status Cache::RestoreImport(int64_t seq, SequenceImport& import, int32_t target) {
+  RETURN_IF_ERROR(ValidateSeq(seq));
+  RETURN_IF_ERROR(CheckNonNegative("target", target));
+  if (import.cache_ != this) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the import was begun on another cache than '", spec_.name, "'"));
+  }
+  SequenceImport::State& state = *import.state_;
+  MutexLock lock(&mu_);
+  if (!state.committed || state.used) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the import into cache '", spec_.name, "' ", state.used ? "was used" : "is not committed"));
+  }
+  AwaitNotAppendingLocked({seq});
+  absl::Status status = CheckUsableLocked();
+  if (status.ok()) status = CheckNotPendingLocked(seq, "Restore");
+  if (status.ok()) status = RestoreLocked(seq, &state.record, target);
+  // Used up either way: the cells the sequence did not take are free again.
+  state.used = true;
+  for (size_t g = 0; g < state.pinned.size(); ++g) groups_[g]->Unpin(state.pinned[g]);
+  state.pinned.clear();
+  state.record = SnapshotRecord();
+  return status;
 }
 
 }  // namespace kvmesh

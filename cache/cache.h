@@ -33,6 +33,7 @@
 namespace kvmesh {
 
 struct AppendBatch;
+class Cache;
 class LayerGroup;
 struct SnapshotRecord;
 
@@ -99,8 +100,9 @@ struct CacheUsage {
   size_t bytes_held = 0;  // group arenas and pending speculative data
   int32_t snapshots = 0;
   size_t snapshot_bytes = 0;  // snapshot pool bytes held by this cache's snapshots
-  // Snapshot pool bytes pinned by open export readers (exports to other nodes under a lease),
-  // whether or not their snapshot still exists.
+  // Bytes pinned by open export readers (exports to other nodes under a lease): snapshot pool
+  // bytes, whether or not their snapshot still exists, or the bytes of a sequence's cells that
+  // an export reads straight from them (Cache::OpenSequenceExport).
   size_t export_bytes = 0;
 };
 
@@ -158,6 +160,29 @@ class SnapshotImportWriter {
   // Stores the snapshot under a new id of the cache. FAILED_PRECONDITION unless exactly
   // total_bytes were written.
   virtual absl::StatusOr<SnapshotInfo> Commit() = 0;
+};
+
+// A wire image received for Cache::RestoreImport (Cache::BeginSequenceImport): Write, written
+// and Commit as SnapshotImportWriter's, but Commit stores no snapshot. Destroying it before
+// RestoreImport frees whatever it holds. One thread at a time; the cache must outlive it.
+class SequenceImport final : public SnapshotImportWriter {
+ public:
+  ~SequenceImport() override;
+  absl::Status Write(absl::Span<const uint8_t> bytes) override { return writer_->Write(bytes); }
+  size_t written() const override { return writer_->written(); }
+  absl::StatusOr<SnapshotInfo> Commit() override { return writer_->Commit(); }
+  // Whether the rows went straight into cells (decided when the header arrived).
+  bool in_cells() const;
+
+ private:
+  friend class Cache;
+  struct State;
+  SequenceImport(Cache* cache, std::shared_ptr<State> state)
+      : cache_(cache), state_(std::move(state)) {}
+
+  Cache* const cache_;
+  const std::shared_ptr<State> state_;  // shared with the writer's callbacks
+  std::unique_ptr<SnapshotImportWriter> writer_;
 };
 
 struct SplitResult {
@@ -262,6 +287,9 @@ class Cache {
   // would leave as the parent, without copying (or charging the pool for) the positions past
   // `to`. INVALID_ARGUMENT when `to` <= from_offset or the cache has a Rotating or Recurrent
   // group (a ring or a state cannot be cut at a position).
+  absl::StatusOr<SnapshotInfo> Snapshot(int64_t seq, int32_t from_offset,
+                                        std::optional<int32_t> to = std::nullopt);
+
   // Whether restoring a snapshot holding positions[g] positions in each group g into `seq`,
   // replacing all it stores, would find room now: a sequence slot when `seq` is new (as
   // max_sequences allows) and free cells. The receiver of a cross-node copy asks this before
@@ -269,9 +297,6 @@ class Cache {
   // what is short; ABORTED while `seq` has pending tokens; `what` names the operation.
   absl::Status CheckRoomForSequence(int64_t seq, absl::Span<const int64_t> positions,
                                     const char* what) const;
-
-  absl::StatusOr<SnapshotInfo> Snapshot(int64_t seq, int32_t from_offset,
-                                        std::optional<int32_t> to = std::nullopt);
 
   // Without a snapshot: rewinds `seq` to `target` using its own data (Attention: target <=
   // offset; Rotating: target == offset, or before the ring wrapped; Recurrent: target ==
@@ -317,7 +342,38 @@ class Cache {
   // INVALID_ARGUMENT when total_bytes is smaller than any header.
   absl::StatusOr<std::unique_ptr<SnapshotImportWriter>> BeginSnapshotImport(size_t total_bytes);
 
+  // ---- Moving a sequence between nodes without a snapshot copy ---------------------------
+  // In a cache whose groups all hold positions in cells (Attention only: lends_cells()), a
+  // sequence moves between nodes without the copy into a snapshot on the sender and the copy
+  // out of one on the receiver. On a cache with other groups both calls below do exactly that
+  // copy instead, so callers use them alike.
+  //
+  // The wire image of Snapshot(seq, from_offset, to) (its id 0), with the same arguments and
+  // errors except for the snapshot pool, read straight from the sequence's cells: they are
+  // pinned, neither freed nor written in place, until the reader is gone (the reader keeps
+  // `cache` alive, and a transfer's reference to the reader keeps it). The cells count as used
+  // meanwhile, and their bytes as export_bytes (not as snapshot bytes).
+  static absl::StatusOr<std::unique_ptr<SnapshotExportReader>> OpenSequenceExport(
+      const std::shared_ptr<Cache>& cache, int64_t seq, int32_t from_offset,
+      std::optional<int32_t> to);
+
+  // Receives a wire image as BeginSnapshotImport does, but for RestoreImport rather than as a
+  // stored snapshot: once the header has arrived, the rows go straight into free cells, pinned
+  // for the import, when there are enough (otherwise into the snapshot pool, as a snapshot's
+  // would). Commit stores nothing and returns the image's SnapshotInfo with id 0.
+  absl::StatusOr<std::unique_ptr<SequenceImport>> BeginSequenceImport(size_t total_bytes);
+
+  // Restore(seq, <the committed import>, target), with the same checks and errors, where the
+  // cells written by the import become the sequence's without a copy. The import is used up
+  // whatever the outcome: its cells are free again unless the sequence took them.
+  // FAILED_PRECONDITION when `import` is not committed, was used, or is another cache's.
+  absl::Status RestoreImport(int64_t seq, SequenceImport& import, int32_t target);
+
+  // Whether every group lends cells (see above).
+  bool lends_cells() const { return lends_cells_; }
+
  private:
+  friend class SequenceImport;
   explicit Cache(const CacheSpec& spec);
 
   absl::Status ValidateSeq(int64_t seq) const;
@@ -356,12 +412,25 @@ class Cache {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Gives `record` a new id and stores it.
   SnapshotInfo AddSnapshotLocked(SnapshotRecord record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Snapshot's checks of its arguments; then, under the lock, of the sequence. The latter
+  // returns the snapshot's end.
+  absl::Status CheckSnapshotArgs(int64_t seq, int32_t from_offset, std::optional<int32_t> to) const;
+  absl::StatusOr<int32_t> CheckSnapshotLocked(int64_t seq, int32_t from_offset,
+                                              std::optional<int32_t> to) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Restore's work once the snapshot is found (record null: a rewind without one).
+  absl::Status RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops a pin of each of `cells` of group `group` (LayerGroup::Unpin).
+  void UnpinCells(size_t group, absl::Span<const int32_t> cells);
 
   const CacheSpec spec_;
   const bool contiguous_;     // has a Rotating or Recurrent group
   const bool has_attention_;  // has an Attention group
   // Every group can reserve an Append's cells and have its bytes written without mu_ held.
   bool reserved_append_ = false;
+  // Every group lends cells to transfers (OpenSequenceExport, BeginSequenceImport).
+  bool lends_cells_ = false;
 
   mutable Mutex mu_;
   std::vector<std::unique_ptr<LayerGroup>> groups_ ABSL_GUARDED_BY(mu_);

@@ -29,12 +29,18 @@
 
 namespace kvmesh {
 
+class LayerGroup;
+
 // Rows held in one device allocation: a snapshot's data, or the pending tokens of a
 // speculative batch. Several snapshots (after Split/Merge) or sequences (one speculative batch)
 // may reference one chunk; its memory returns to the device with the last reference.
 struct RowChunk {
   DeviceArena arena;
   std::vector<Plane> planes;  // in the owning group's plane order
+  // Set when the rows are cells of that group's own arena, borrowed (DeviceArena::Borrow), not
+  // a chunk of their own: an export straight from a sequence's cells, or an import straight
+  // into free cells (Cache::OpenSequenceExport, Cache::BeginSequenceImport).
+  const LayerGroup* cells_of = nullptr;
 };
 
 // Allocates a chunk of `rows` rows for planes of the given row sizes, laid out plane after
@@ -62,6 +68,9 @@ struct Segment {
   int32_t first_row = 0;
   int32_t rows = 0;
   std::vector<int32_t> positions;
+  // When not empty (an import straight into cells): row i is chunk row chunk_rows[i], not
+  // first_row + i.
+  std::vector<int32_t> chunk_rows;
 };
 
 // One group's part of a snapshot.
@@ -207,6 +216,29 @@ class LayerGroup {
   // The device, stream and plane row sizes of the group's snapshot chunks: a chunk has the
   // arena's planes, so that rows copy between the two plane by plane.
   ChunkFormat SnapshotChunkFormat() const;
+
+  // ---- Cells lent to transfers (groups that hold positions in cells) ---------------------
+  // A transfer between nodes may use cells in place of a snapshot's copy. An export pins the
+  // cells of a sequence's positions, so that they are neither freed nor written while their
+  // bytes are sent; an import pins free cells and writes the received rows into them, and a
+  // Restore of its record then hands them to the sequence (ApplyRestore of a segment whose
+  // chunk is this group's cells takes the cells, not a copy). A pinned cell counts as used, and
+  // an operation that would write a pinned cell in place writes a copy instead.
+  virtual bool LendsCells() const { return false; }
+  // Pins the cells of `seq`'s positions in [from, to) and returns them as this group's part of
+  // a snapshot, segments as TakeSnapshot makes them but with the cells as chunk_rows (chunk
+  // unset), appending the cells to `pinned`.
+  virtual GroupSnapshot PinSequence(int64_t seq, int32_t from, int32_t to,
+                                    std::vector<int32_t>* pinned) {
+    return GroupSnapshot();
+  }
+  // Pins `n` free cells, in the order the free pool gives them; none when fewer are free.
+  virtual std::vector<int32_t> PinFreeCells(int64_t n) { return {}; }
+  // Drops one pin of each cell; a cell that no sequence references and nothing pins is free.
+  virtual void Unpin(absl::Span<const int32_t> cells) {}
+  // The group's cells as a chunk (arena borrowed, cells_of this group). Valid while the group
+  // exists.
+  RowChunk BorrowCells() const { return RowChunk{DeviceArena::Borrow(arena_), planes_, this}; }
 
  protected:
   // The kind lays out planes_ in its constructor.

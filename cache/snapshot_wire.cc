@@ -175,6 +175,11 @@ struct DataSegment {
   int32_t first_row = 0;
   int32_t rows = 0;
   const std::vector<size_t>* row_bytes = nullptr;  // the group's ChunkFormat::row_bytes
+  const int32_t* chunk_rows = nullptr;             // Segment::chunk_rows, when not empty
+
+  int32_t ChunkRow(size_t i) const {
+    return chunk_rows != nullptr ? chunk_rows[i] : first_row + static_cast<int32_t>(i);
+  }
 };
 
 // The row of the image that holds a given byte.
@@ -192,11 +197,12 @@ class DataMap {
   explicit DataMap(size_t begin = 0) : end_(begin) {}
 
   // Appends a segment of `rows` rows of `row_bytes` planes at the current end.
-  void Add(const RowChunk* chunk, int32_t first_row, int32_t rows,
-           const std::vector<size_t>* row_bytes) {
-    const size_t bytes = size_t(rows) * Sum(*row_bytes);
+  void Add(const Segment& s, const std::vector<size_t>* row_bytes) {
+    const size_t bytes = size_t(s.rows) * Sum(*row_bytes);
     if (bytes == 0) return;
-    segments_.push_back(DataSegment{end_, end_ + bytes, chunk, first_row, rows, row_bytes});
+    segments_.push_back(DataSegment{end_, end_ + bytes, s.chunk.get(), s.first_row, s.rows,
+                                    row_bytes,
+                                    s.chunk_rows.empty() ? nullptr : s.chunk_rows.data()});
     end_ += bytes;
   }
 
@@ -212,10 +218,18 @@ class DataMap {
     size_t start = s.begin;
     while (start + size_t(s.rows) * rb[ref.plane] <= at) start += size_t(s.rows) * rb[ref.plane++];
     const size_t index = (at - start) / rb[ref.plane];
-    ref.row = s.first_row + static_cast<int32_t>(index);
+    ref.row = s.ChunkRow(index);
     ref.bytes = rb[ref.plane];
     ref.begin = start + index * ref.bytes;
     return ref;
+  }
+
+  // Where the rows of `ref`'s plane in its segment start in the image.
+  size_t PlaneBegin(const RowRef& ref) const {
+    const DataSegment& s = segments_[ref.segment];
+    size_t start = s.begin;
+    for (size_t p = 0; p < ref.plane; ++p) start += size_t(s.rows) * (*s.row_bytes)[p];
+    return start;
   }
 
   // The last row boundary at or before `at` (the end of the data is one).
@@ -250,7 +264,7 @@ class DataMap {
         while (q < rb.size() && stop + n * rb[q] <= limit) stop += n * rb[q++];
         if (q > p) {
           rows.resize(n);
-          std::iota(rows.begin(), rows.end(), s.first_row);
+          for (size_t i = 0; i < n; ++i) rows[i] = s.ChunkRow(i);
           RETURN_IF_ERROR(fn(*s.chunk, absl::MakeConstSpan(s.chunk->planes).subspan(p, q - p),
                              absl::MakeConstSpan(rows), a));
           a = stop;
@@ -263,7 +277,7 @@ class DataMap {
             absl::StrCat(kImage, "data range ends inside a row at offset ", limit));
       }
       rows.resize(r1 - r0);
-      std::iota(rows.begin(), rows.end(), s.first_row + static_cast<int32_t>(r0));
+      for (size_t i = r0; i < r1; ++i) rows[i - r0] = s.ChunkRow(i);
       RETURN_IF_ERROR(fn(*s.chunk, absl::MakeConstSpan(s.chunk->planes).subspan(p, 1),
                          absl::MakeConstSpan(rows), a));
       a += (r1 - r0) * rb[p];
@@ -357,7 +371,7 @@ class ExportReader final : public SnapshotExportReader {
     map_ = DataMap(h.size());
     for (size_t g = 0; g < record_.groups.size(); ++g) {
       for (const Segment& s : record_.groups[g].segments) {
-        if (s.rows > 0) map_.Add(s.chunk.get(), s.first_row, s.rows, &formats_[g].row_bytes);
+        if (s.rows > 0) map_.Add(s, &formats_[g].row_bytes);
       }
     }
     return absl::OkStatus();
@@ -375,9 +389,17 @@ class ExportReader final : public SnapshotExportReader {
     const DataSegment& s = map_.segment(row.segment);
     const uint8_t* base = device_->HostAddress(s.chunk->arena);
     if (base == nullptr) return {};
-    // The plane's rows of the segment lie one after another, in the image as in the arena.
-    const size_t index = size_t(row.row - s.first_row);
-    const size_t plane_end = row.begin + (size_t(s.rows) - index) * row.bytes;
+    // The plane's rows of the segment lie one after another in the image; in the arena, those
+    // of consecutive chunk rows do.
+    const size_t index = (row.begin - map_.PlaneBegin(row)) / row.bytes;
+    size_t run = size_t(s.rows) - index;
+    if (s.chunk_rows != nullptr) {
+      const size_t wanted = (offset - row.begin + max_bytes + row.bytes - 1) / row.bytes;
+      const size_t limit = std::min(run, wanted);
+      run = 1;
+      while (run < limit && s.chunk_rows[index + run] == row.row + static_cast<int32_t>(run)) ++run;
+    }
+    const size_t plane_end = row.begin + run * row.bytes;
     const uint8_t* at = base + s.chunk->planes[row.plane].offset + size_t(row.row) * row.bytes +
                         (offset - row.begin);
     return {at, std::min(max_bytes, plane_end - offset)};
@@ -439,8 +461,12 @@ class ExportReader final : public SnapshotExportReader {
 class ImportWriter final : public SnapshotImportWriter {
  public:
   ImportWriter(const CacheSpec& spec, std::vector<ChunkFormat> formats, size_t total_bytes,
-               SnapshotCommitFn commit)
-      : spec_(spec), formats_(std::move(formats)), total_(total_bytes), commit_(std::move(commit)) {
+               SnapshotCommitFn commit, SnapshotPlaceFn place)
+      : spec_(spec),
+        formats_(std::move(formats)),
+        total_(total_bytes),
+        commit_(std::move(commit)),
+        place_(std::move(place)) {
     for (const ChunkFormat& f : formats_) {
       for (size_t bytes : f.row_bytes) staging_capacity_ = std::max(staging_capacity_, bytes);
     }
@@ -585,9 +611,13 @@ class ImportWriter final : public SnapshotImportWriter {
 
   absl::Status ReadHeader() {
     ASSIGN_OR_RETURN(SnapshotRecord record, ParseHeader());
-    // Allocate every group's rows in one chunk; the segments are runs of it.
+    bool placed = false;
+    if (place_) {
+      ASSIGN_OR_RETURN(placed, place_(&record));
+    }
+    // Otherwise every group's rows go to one chunk; the segments are runs of it.
     std::vector<std::shared_ptr<RowChunk>> chunks(record.groups.size());
-    for (size_t g = 0; g < record.groups.size(); ++g) {
+    for (size_t g = 0; g < record.groups.size() && !placed; ++g) {
       int32_t rows = 0;
       for (const Segment& s : record.groups[g].segments) rows += s.rows;
       if (rows == 0) continue;
@@ -604,9 +634,7 @@ class ImportWriter final : public SnapshotImportWriter {
     }
     map_ = DataMap(header_bytes_);
     for (size_t g = 0; g < record.groups.size(); ++g) {
-      for (const Segment& s : record.groups[g].segments) {
-        map_.Add(s.chunk.get(), s.first_row, s.rows, &formats_[g].row_bytes);
-      }
+      for (const Segment& s : record.groups[g].segments) map_.Add(s, &formats_[g].row_bytes);
     }
     record_ = std::move(record);
     chunks_ = std::move(chunks);
@@ -791,6 +819,7 @@ class ImportWriter final : public SnapshotImportWriter {
   const std::vector<ChunkFormat> formats_;
   const size_t total_;
   const SnapshotCommitFn commit_;
+  const SnapshotPlaceFn place_;
 
   absl::Status error_;
   bool committed_ = false;
@@ -879,8 +908,10 @@ absl::StatusOr<std::unique_ptr<SnapshotExportReader>> NewSnapshotExportReader(
 std::unique_ptr<SnapshotImportWriter> NewSnapshotImportWriter(const CacheSpec& spec,
                                                               std::vector<ChunkFormat> formats,
                                                               size_t total_bytes,
-                                                              SnapshotCommitFn commit) {
-  return std::make_unique<ImportWriter>(spec, std::move(formats), total_bytes, std::move(commit));
+                                                              SnapshotCommitFn commit,
+                                                              SnapshotPlaceFn place) {
+  return std::make_unique<ImportWriter>(spec, std::move(formats), total_bytes, std::move(commit),
+                                        std::move(place));
 }
 
 }  // namespace kvmesh

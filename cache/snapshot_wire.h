@@ -116,12 +116,20 @@ absl::StatusOr<std::unique_ptr<SnapshotExportReader>> NewSnapshotExportReader(
 // Called by Commit with the complete snapshot; stores it and returns its info.
 using SnapshotCommitFn = std::function<SnapshotInfo(SnapshotRecord record)>;
 
+// Says where an import's rows go, once its header is checked and before any data row arrives:
+// given the record the header describes (segments without chunks), it either sets every
+// segment's chunk and rows (Segment::chunk_rows) and returns true, or leaves the record alone
+// and returns false, and the writer allocates snapshot-pool chunks as it does without one. An
+// error fails the import.
+using SnapshotPlaceFn = std::function<absl::StatusOr<bool>(SnapshotRecord* record)>;
+
 // A writer of an image of `total_bytes` for a cache of `spec` whose groups have `formats`.
 // REQUIRES: total_bytes >= MinSnapshotHeaderBytes(spec).
 std::unique_ptr<SnapshotImportWriter> NewSnapshotImportWriter(const CacheSpec& spec,
                                                               std::vector<ChunkFormat> formats,
                                                               size_t total_bytes,
-                                                              SnapshotCommitFn commit);
+                                                              SnapshotCommitFn commit,
+                                                              SnapshotPlaceFn place = nullptr);
 
 }  // namespace kvmesh
 

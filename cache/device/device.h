@@ -61,6 +61,12 @@ class DeviceArena {
   DeviceArena(const DeviceArena&) = delete;
   DeviceArena& operator=(const DeviceArena&) = delete;
 
+  // The memory of `arena` as an arena that frees nothing when it goes: a group's cells lent to
+  // a transfer. `arena` must outlive it.
+  static DeviceArena Borrow(const DeviceArena& arena) {
+    return DeviceArena(nullptr, arena.pool_, arena.data_, arena.size_, arena.stream_);
+  }
+
   // Device address of the first byte; only the owning Device may dereference it.
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }

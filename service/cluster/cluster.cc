@@ -162,8 +162,7 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
         absl::StrCat("lease_ms = ", request.lease_ms(), " is negative"));
   }
   v1::ExportResponse response;
-  uint64_t snapshot_id = 0;
-  bool temporary = false;
+  absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader;
   if (request.has_sequence()) {
     const v1::ExportSequence& seq = request.sequence();
     if (seq.seq() < 0) {
@@ -196,27 +195,21 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
       response.set_empty(true);
       return response;
     }
-    // CopyPrefix of an Attention-only cache sends only the positions below `length`: the
-    // snapshot stops there, so its cost (and its charge to the snapshot pool) is the prefix's,
-    // whatever the source's length.
+    // CopyPrefix of an Attention-only cache sends only the positions below `length`, so its
+    // cost is the prefix's, whatever the source's length. Such a cache sends them straight from
+    // the sequence's cells (pinned while the lease lasts); others through a snapshot.
     bool attention_only = true;
     for (const GroupSpec& g : cache->spec().groups) {
       if (g.kind != GroupKind::kAttention) attention_only = false;
     }
     const std::optional<int32_t> to =
         attention_only && seq.length() > 0 ? std::optional<int32_t>(seq.length()) : std::nullopt;
-    ASSIGN_OR_RETURN(const SnapshotInfo taken, cache->Snapshot(seq.seq(), 0, to));
-    snapshot_id = taken.id;
-    temporary = true;
+    reader = Cache::OpenSequenceExport(cache, seq.seq(), 0, to);
   } else if (request.what_case() == v1::ExportRequest::kSnapshotId) {
-    snapshot_id = request.snapshot_id();
+    reader = cache->OpenSnapshotExport(request.snapshot_id());
   } else {
     return absl::InvalidArgumentError("what is missing: export a sequence or a snapshot_id");
   }
-  absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
-      cache->OpenSnapshotExport(snapshot_id);
-  // The reader pins the data: the temporary snapshot can go now.
-  if (temporary) (void)cache->DropSnapshot(snapshot_id);
   if (!reader.ok()) return reader.status();
   *response.mutable_snapshot() = SnapshotInfoToProto((*reader)->info());
   auto payload = std::make_shared<ReaderPayload>(*std::move(reader));
@@ -402,12 +395,28 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
       return room;
     }
   }
-  absl::StatusOr<std::unique_ptr<SnapshotImportWriter>> writer =
-      cache->BeginSnapshotImport(static_cast<size_t>(exported.payload_bytes()));
-  if (!writer.ok()) {
-    release(false);
-    return writer.status();
+  // A sequence pull is received straight into free cells where the cache lends them
+  // (Cache::BeginSequenceImport); a snapshot pull becomes a snapshot.
+  std::shared_ptr<SequenceImport> import;
+  std::unique_ptr<SnapshotImportWriter> snapshot_writer;
+  absl::Status begun;
+  const size_t payload_bytes = static_cast<size_t>(exported.payload_bytes());
+  if (into_seq.has_value()) {
+    absl::StatusOr<std::unique_ptr<SequenceImport>> writer =
+        cache->BeginSequenceImport(payload_bytes);
+    begun = writer.status();
+    if (writer.ok()) import = *std::move(writer);
+  } else {
+    absl::StatusOr<std::unique_ptr<SnapshotImportWriter>> writer =
+        cache->BeginSnapshotImport(payload_bytes);
+    begun = writer.status();
+    if (writer.ok()) snapshot_writer = *std::move(writer);
   }
+  if (!begun.ok()) {
+    release(false);
+    return begun;
+  }
+  SnapshotImportWriter* const sink = import != nullptr ? import.get() : snapshot_writer.get();
   transport::Lease lease;
   lease.sender_name = member.name;
   lease.sender_address = member.address;
@@ -416,7 +425,7 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
   lease.has_crc32c = exported.has_crc32c();
   lease.crc32c = exported.crc32c();
   const absl::Status moved = transport->Receive(
-      lease, [&](absl::Span<const uint8_t> bytes) { return (*writer)->Write(bytes); }, deadline);
+      lease, [sink](absl::Span<const uint8_t> bytes) { return sink->Write(bytes); }, deadline);
   if (options_.metrics != nullptr) {
     options_.metrics->Transfer(transport->name(), member.name, "receive",
                                absl::StatusCodeToString(moved.code()), lease.payload_bytes,
@@ -426,10 +435,11 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
     release(false);
     return moved;  // the writer is dropped: nothing of it reaches the cache
   }
-  absl::StatusOr<SnapshotInfo> committed = (*writer)->Commit();
+  absl::StatusOr<SnapshotInfo> committed = sink->Commit();
   release(committed.ok());
   if (!committed.ok()) return committed.status();
   pulled.snapshot = *std::move(committed);
+  pulled.import = std::move(import);
   pulled.stats.set_bytes(exported.payload_bytes());
   pulled.stats.set_micros(Micros(absl::Now() - start));
   return pulled;
@@ -444,7 +454,7 @@ absl::Status Cluster::CommitSequence(const std::string& tenant, const std::share
     const std::shared_ptr<Cache>& cache;
     const Pulled& pulled;
     ~DropPulled() {
-      if (!pulled.empty) (void)cache->DropSnapshot(pulled.snapshot.id);
+      if (!pulled.empty && pulled.import == nullptr) (void)cache->DropSnapshot(pulled.snapshot.id);
     }
   } drop_pulled{cache, pulled};
   const int64_t dst[] = {dst_seq};
@@ -467,7 +477,8 @@ absl::Status Cluster::CommitSequence(const std::string& tenant, const std::share
     committed = cache->Remove(dst_seq, 0, std::nullopt);
   } else {
     const int32_t target = length > 0 ? std::min(length, pulled.snapshot.to) : pulled.snapshot.to;
-    committed = cache->Restore(dst_seq, pulled.snapshot.id, target);
+    committed = pulled.import != nullptr ? cache->RestoreImport(dst_seq, *pulled.import, target)
+                                         : cache->Restore(dst_seq, pulled.snapshot.id, target);
   }
   if (committed.ok() && !commit_key.empty()) RememberCommitted(commit_key);
   return committed;

@@ -145,13 +145,17 @@ class Cluster {
   struct Pulled {
     bool empty = false;     // the sender had nothing to send
     SnapshotInfo snapshot;  // imported into the local cache (when !empty)
+    // A sequence pull's import (when !empty), restored by CommitSequence; without it the
+    // pull is a stored snapshot, `snapshot`.
+    std::shared_ptr<SequenceImport> import;
     v1::TransferStats stats;
   };
 
   // Receiver side of the pull protocol: imports `what` of `cache` from member `source` as a
   // new local snapshot. With `into_seq` (a sequence pull, restored into that sequence up to
   // `length`, 0: all), the room it needs here (a sequence slot, free cells) is checked once the
-  // sender has said what it holds and before any byte moves.
+  // sender has said what it holds and before any byte moves, and the rows are received as a
+  // SequenceImport (straight into free cells where the cache lends them), not a snapshot.
   absl::StatusOr<Pulled> PullInto(const std::string& tenant, const std::shared_ptr<Cache>& cache,
                                   const std::string& source, const v1::ExportRequest& what,
                                   absl::Time deadline,

@@ -1,0 +1,405 @@
+// Moving a sequence between caches without a snapshot copy (cache/cache.h "Moving a sequence
+// between nodes without a snapshot copy"): Cache::OpenSequenceExport reads the wire image
+// straight from pinned cells, and Cache::BeginSequenceImport / RestoreImport write it straight
+// into free cells that the sequence then takes. Every image is compared with the one a snapshot
+// gives, every restore with Restore of an imported snapshot in a twin cache, and the cells a
+// transfer pins with what Usage and later operations see.
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "cache/cache.h"
+#include "gtest/gtest.h"
+#include "tests/unit/cache_test_util.h"
+
+namespace kvmesh {
+namespace {
+
+using testutil::AppendRange;
+using testutil::CacheState;
+using testutil::CaptureState;
+using testutil::Chunked;
+using testutil::Full;
+using testutil::Group;
+using testutil::IsError;
+using testutil::RecurrentGroup;
+using testutil::Rope;
+using testutil::SameState;
+using testutil::Sliding;
+using testutil::Spec;
+using testutil::TestCache;
+
+using Image = std::vector<uint8_t>;
+constexpr auto kNoEnd = std::nullopt;
+constexpr size_t kWhole = SIZE_MAX;
+
+// A cache held as a node holds it (OpenSequenceExport keeps it alive through a shared_ptr).
+struct SharedCache {
+  explicit SharedCache(const CacheSpec& spec) {
+    TestCache made(spec);
+    device = std::move(made.device);
+    cache = std::move(made.cache);
+  }
+  std::unique_ptr<Device> device;  // declared first: outlives the cache
+  std::shared_ptr<Cache> cache;
+};
+
+absl::StatusOr<Image> ReadImage(SnapshotExportReader& reader) {
+  Image image(reader.size());
+  const absl::Status read = reader.ReadAt(0, absl::MakeSpan(image));
+  if (!read.ok()) return read;
+  return image;
+}
+
+// The image of Snapshot(seq, from, to), the snapshot dropped again.
+absl::StatusOr<Image> SnapshotImage(Cache& cache, int64_t seq, int32_t from,
+                                    std::optional<int32_t> to) {
+  absl::StatusOr<SnapshotInfo> snap = cache.Snapshot(seq, from, to);
+  if (!snap.ok()) return snap.status();
+  absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader = cache.OpenSnapshotExport(snap->id);
+  (void)cache.DropSnapshot(snap->id);
+  if (!reader.ok()) return reader.status();
+  return ReadImage(**reader);
+}
+
+absl::StatusOr<Image> SequenceImage(const std::shared_ptr<Cache>& cache, int64_t seq, int32_t from,
+                                    std::optional<int32_t> to) {
+  absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
+      Cache::OpenSequenceExport(cache, seq, from, to);
+  if (!reader.ok()) return reader.status();
+  return ReadImage(**reader);
+}
+
+// Writes `image` in pieces of `piece` bytes and commits.
+absl::StatusOr<std::unique_ptr<SequenceImport>> Import(Cache& cache, const Image& image,
+                                                       size_t piece = kWhole) {
+  absl::StatusOr<std::unique_ptr<SequenceImport>> import = cache.BeginSequenceImport(image.size());
+  if (!import.ok()) return import.status();
+  for (size_t at = 0; at < image.size();) {
+    const size_t n = std::min(piece, image.size() - at);
+    const absl::Status written = (*import)->Write(absl::MakeConstSpan(image).subspan(at, n));
+    if (!written.ok()) return written;
+    at += n;
+  }
+  absl::StatusOr<SnapshotInfo> committed = (*import)->Commit();
+  if (!committed.ok()) return committed.status();
+  return import;
+}
+
+int64_t CellsUsed(const Cache& cache) {
+  int64_t used = 0;
+  for (const GroupUsage& g : cache.Usage().groups) used += g.cells_used;
+  return used;
+}
+
+// Two sequences appended in turns (their cells interleave), one with a gap and a shared prefix
+// copied into a third: runs of every length.
+void Fragment(Cache& cache) {
+  for (int32_t p = 0; p < 12; p += 3) {
+    ASSERT_TRUE(AppendRange(cache, 0, p, p + 3).ok());
+    ASSERT_TRUE(AppendRange(cache, 1, p, p + 1).ok());
+  }
+  ASSERT_TRUE(cache.Remove(0, 4, 6).ok());  // context shift: positions 6.. move down by 2
+  ASSERT_TRUE(cache.CopyPrefix(0, 2, 5).ok());
+  ASSERT_TRUE(AppendRange(cache, 2, 5, 9).ok());
+}
+
+CacheSpec AttentionSpec(const WindowSpec& window) {
+  return Spec(DType::kF16, 4, 40, 8, {Group(window, 2, 2, 4, 6, Rope(RopeType::kNeox, 4))});
+}
+
+TEST(SequenceExportTest, TheImageIsTheSnapshotsByteForByte) {
+  for (const WindowSpec& window : {Full(), Sliding(4, 6), Chunked(8)}) {
+    SCOPED_TRACE(::testing::Message() << "window kind " << static_cast<int>(window.kind));
+    SharedCache src(AttentionSpec(window));
+    ASSERT_NE(src.cache, nullptr);
+    ASSERT_TRUE(src.cache->lends_cells());
+    Fragment(*src.cache);
+    const struct {
+      int64_t seq;
+      int32_t from;
+      std::optional<int32_t> to;
+    } cases[] = {{0, 0, kNoEnd}, {0, 0, 5}, {0, 3, 9}, {1, 0, kNoEnd}, {2, 0, kNoEnd}, {2, 4, 6}};
+    for (const auto& c : cases) {
+      SCOPED_TRACE(::testing::Message() << "seq " << c.seq << " from " << c.from << " to "
+                                        << (c.to.has_value() ? *c.to : -1));
+      absl::StatusOr<Image> expected = SnapshotImage(*src.cache, c.seq, c.from, c.to);
+      absl::StatusOr<Image> image = SequenceImage(src.cache, c.seq, c.from, c.to);
+      ASSERT_EQ(expected.status().code(), image.status().code()) << image.status();
+      if (expected.ok()) {
+        EXPECT_TRUE(*image == *expected);
+      }
+    }
+    // Views, where the device has host memory, are the ReadAt bytes.
+    absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
+        Cache::OpenSequenceExport(src.cache, 0, 0, kNoEnd);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    absl::StatusOr<Image> image = ReadImage(**reader);
+    ASSERT_TRUE(image.ok());
+    for (size_t at = 0; at < image->size();) {
+      const absl::Span<const uint8_t> view = (*reader)->View(at, 1000);
+      if (view.empty()) break;  // not in host memory
+      ASSERT_TRUE(std::equal(view.begin(), view.end(), image->begin() + at)) << "at " << at;
+      at += view.size();
+    }
+    EXPECT_TRUE(src.cache->ListSnapshots().empty());
+    // The cells' bytes count as pinned by the export, until the reader goes.
+    EXPECT_EQ(src.cache->Usage().export_bytes, (*reader)->info().bytes);
+    EXPECT_GT((*reader)->info().bytes, 0u);
+    reader->reset();
+    EXPECT_EQ(src.cache->Usage().export_bytes, 0u);
+  }
+}
+
+TEST(SequenceExportTest, RefusesAsSnapshotDoes) {
+  SharedCache src(AttentionSpec(Full()));
+  ASSERT_TRUE(AppendRange(*src.cache, 0, 0, 4).ok());
+  const CacheState before = CaptureState(*src.cache);
+  EXPECT_TRUE(IsError(Cache::OpenSequenceExport(src.cache, 7, 0, kNoEnd).status(),
+                      absl::StatusCode::kNotFound, {"no sequence 7"}));
+  EXPECT_TRUE(IsError(Cache::OpenSequenceExport(src.cache, -1, 0, kNoEnd).status(),
+                      absl::StatusCode::kInvalidArgument, {"seq"}));
+  EXPECT_TRUE(IsError(Cache::OpenSequenceExport(src.cache, 0, 4, kNoEnd).status(),
+                      absl::StatusCode::kFailedPrecondition, {"from_offset = 4"}));
+  EXPECT_TRUE(IsError(Cache::OpenSequenceExport(src.cache, 0, 2, 2).status(),
+                      absl::StatusCode::kInvalidArgument, {"to = 2"}));
+  EXPECT_TRUE(SameState(before, CaptureState(*src.cache)));
+}
+
+TEST(SequenceExportTest, PinnedCellsAreNeitherFreedNorRewritten) {
+  // 16 cells (max_sequences x capacity): sequence 0 holds 8 of them, and the reader pins those.
+  const CacheSpec spec =
+      Spec(DType::kF16, 2, 8, 8, {Group(Full(), 2, 2, 4, 6, Rope(RopeType::kNeox, 4))});
+  SharedCache src(spec);
+  SharedCache twin(spec);  // the same operations without a pin
+  for (Cache* c : {src.cache.get(), twin.cache.get()}) ASSERT_TRUE(AppendRange(*c, 0, 0, 8).ok());
+  absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
+      Cache::OpenSequenceExport(src.cache, 0, 0, kNoEnd);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const absl::StatusOr<Image> image = ReadImage(**reader);
+  ASSERT_TRUE(image.ok());
+
+  // A context shift rotates copies of the pinned cells: the sequence reads as in the twin.
+  for (Cache* c : {src.cache.get(), twin.cache.get()}) ASSERT_TRUE(c->Remove(0, 1, 3).ok());
+  const CacheState shifted = CaptureState(*twin.cache);
+  const CacheState pinned = CaptureState(*src.cache);
+  EXPECT_EQ(shifted.positions, pinned.positions);
+  EXPECT_TRUE(shifted.payloads == pinned.payloads);
+  EXPECT_EQ(CellsUsed(*twin.cache), 6);
+  EXPECT_EQ(CellsUsed(*src.cache), 8 + 5);  // the 8 pinned, and copies of the 5 shifted
+
+  // Gone from every sequence, the pinned cells stay used, and no Append gets them.
+  ASSERT_TRUE(src.cache->Remove(0, 0, kNoEnd).ok());
+  EXPECT_EQ(CellsUsed(*src.cache), 8);
+  ASSERT_TRUE(AppendRange(*src.cache, 1, 0, 8).ok());
+  const CacheState full = CaptureState(*src.cache);
+  EXPECT_TRUE(IsError(AppendRange(*src.cache, 1, 8, 9), absl::StatusCode::kResourceExhausted,
+                      {"free cells"}));
+  EXPECT_TRUE(SameState(full, CaptureState(*src.cache)));
+  absl::StatusOr<Image> again = ReadImage(**reader);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(*again == *image);
+
+  // The last reference gone, the cells are free.
+  reader->reset();
+  EXPECT_EQ(CellsUsed(*src.cache), 8);
+  EXPECT_TRUE(AppendRange(*src.cache, 2, 0, 8).ok());
+}
+
+TEST(SequenceExportTest, AContextShiftThatNeedsCopiesOfPinnedCellsMayFindNoRoom) {
+  const CacheSpec spec =  // 8 cells
+      Spec(DType::kF16, 1, 8, 8, {Group(Full(), 1, 1, 4, 4, Rope(RopeType::kNeox, 4))});
+  SharedCache src(spec);
+  ASSERT_TRUE(AppendRange(*src.cache, 0, 0, 8).ok());
+  absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
+      Cache::OpenSequenceExport(src.cache, 0, 0, kNoEnd);
+  ASSERT_TRUE(reader.ok());
+  // Removing [0, 2) frees no cell (both are pinned) and the 6 shifted need copies.
+  const CacheState before = CaptureState(*src.cache);
+  EXPECT_TRUE(IsError(src.cache->Remove(0, 0, 2), absl::StatusCode::kResourceExhausted,
+                      {"shared with other sequences"}));
+  EXPECT_TRUE(SameState(before, CaptureState(*src.cache)));
+  reader->reset();
+  EXPECT_TRUE(src.cache->Remove(0, 0, 2).ok());
+}
+
+TEST(SequenceExportTest, SlidingPruningDoesNotCountPinnedCellsAsFreed) {
+  // One sequence, a batch of one: max_sequences x memory + max_batch cells, all used once the
+  // sequence holds that many positions; the next Append prunes its oldest to make room.
+  const CacheSpec spec = Spec(DType::kF16, 1, 8, 1, {Group(Sliding(2, 2), 1, 1, 4, 4)});
+  SharedCache src(spec);
+  const int64_t total = src.cache->Usage().groups[0].cells_total;
+  int32_t next = 0;
+  while (CellsUsed(*src.cache) < total) {
+    ASSERT_TRUE(AppendRange(*src.cache, 0, next, next + 1).ok());
+    ++next;
+  }
+  absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
+      Cache::OpenSequenceExport(src.cache, 0, 0, kNoEnd);
+  ASSERT_TRUE(reader.ok());
+  // Pinned, the cells pruning would drop stay used: no room.
+  const CacheState before = CaptureState(*src.cache);
+  EXPECT_TRUE(IsError(AppendRange(*src.cache, 0, next, next + 1),
+                      absl::StatusCode::kResourceExhausted, {"free cells"}));
+  EXPECT_TRUE(SameState(before, CaptureState(*src.cache)));
+  reader->reset();
+  EXPECT_TRUE(AppendRange(*src.cache, 0, next, next + 1).ok());
+}
+
+// Imports `image` into `dst` as a SequenceImport and into `twin` as a snapshot, restores both
+// into `seq` with `target`: the same status and the same cache.
+void ExpectSameRestore(const Image& image, Cache& dst, Cache& twin, int64_t seq, int32_t target,
+                       bool in_cells, size_t piece = kWhole) {
+  absl::StatusOr<std::unique_ptr<SequenceImport>> import = Import(dst, image, piece);
+  ASSERT_TRUE(import.ok()) << import.status();
+  EXPECT_EQ((*import)->in_cells(), in_cells);
+  absl::StatusOr<std::unique_ptr<SnapshotImportWriter>> writer =
+      twin.BeginSnapshotImport(image.size());
+  ASSERT_TRUE(writer.ok());
+  ASSERT_TRUE((*writer)->Write(image).ok());
+  absl::StatusOr<SnapshotInfo> snap = (*writer)->Commit();
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  const absl::Status restored = dst.RestoreImport(seq, **import, target);
+  const absl::Status expected = twin.Restore(seq, snap->id, target);
+  ASSERT_TRUE(twin.DropSnapshot(snap->id).ok());
+  EXPECT_EQ(restored.code(), expected.code()) << restored << " vs " << expected;
+  import->reset();
+  EXPECT_TRUE(SameState(CaptureState(twin), CaptureState(dst)));
+}
+
+TEST(SequenceImportTest, RestoresWhatASnapshotRestoreWould) {
+  for (const WindowSpec& window : {Full(), Sliding(4, 6), Chunked(8)}) {
+    SCOPED_TRACE(::testing::Message() << "window kind " << static_cast<int>(window.kind));
+    const CacheSpec spec = AttentionSpec(window);
+    SharedCache src(spec);
+    Fragment(*src.cache);
+    for (int64_t seq : {0, 1, 2}) {
+      absl::StatusOr<Image> image = SequenceImage(src.cache, seq, 0, kNoEnd);
+      ASSERT_TRUE(image.ok()) << image.status();
+      const int32_t to = src.cache->GetSequence(seq)->offset;
+      for (int32_t target : {to, to / 2, 0}) {
+        for (size_t piece : {kWhole, size_t{1}, size_t{7}, size_t{100}}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "seq " << seq << " target " << target << " piece " << piece);
+          SharedCache dst(spec);
+          SharedCache twin(spec);
+          // The destination holds something already, and another sequence shares it.
+          for (Cache* c : {dst.cache.get(), twin.cache.get()}) {
+            ASSERT_TRUE(AppendRange(*c, 3, 0, 5).ok());
+            ASSERT_TRUE(c->CopyPrefix(3, 1, 3).ok());
+          }
+          ExpectSameRestore(*image, *dst.cache, *twin.cache, 3, target, /*in_cells=*/true, piece);
+        }
+      }
+    }
+  }
+}
+
+TEST(SequenceImportTest, TooFewFreeCellsGoThroughTheSnapshotPool) {
+  // 16 cells, 12 held by the destination itself: an image of 8 rows finds 4 free, so it is
+  // received as a snapshot, and the restore reuses the destination's own cells.
+  const CacheSpec spec = Spec(DType::kF16, 1, 16, 16, {Group(Full(), 1, 1, 4, 4)});
+  SharedCache src(spec);
+  ASSERT_TRUE(AppendRange(*src.cache, 0, 0, 8).ok());
+  absl::StatusOr<Image> image = SequenceImage(src.cache, 0, 0, kNoEnd);
+  ASSERT_TRUE(image.ok());
+  SharedCache dst(spec);
+  SharedCache twin(spec);
+  for (Cache* c : {dst.cache.get(), twin.cache.get()}) ASSERT_TRUE(AppendRange(*c, 2, 0, 12).ok());
+  ExpectSameRestore(*image, *dst.cache, *twin.cache, 2, 8, /*in_cells=*/false);
+  EXPECT_EQ(CellsUsed(*dst.cache), 8);
+}
+
+TEST(SequenceImportTest, AnImportGoneWithoutRestoreLeavesNothing) {
+  const CacheSpec spec = AttentionSpec(Full());
+  SharedCache src(spec);
+  Fragment(*src.cache);
+  absl::StatusOr<Image> image = SequenceImage(src.cache, 0, 0, kNoEnd);
+  ASSERT_TRUE(image.ok());
+  SharedCache dst(spec);
+  ASSERT_TRUE(AppendRange(*dst.cache, 1, 0, 3).ok());
+  const CacheState before = CaptureState(*dst.cache);
+  {  // committed
+    absl::StatusOr<std::unique_ptr<SequenceImport>> import = Import(*dst.cache, *image);
+    ASSERT_TRUE(import.ok());
+    EXPECT_GT(CellsUsed(*dst.cache), 3);
+  }
+  EXPECT_TRUE(SameState(before, CaptureState(*dst.cache)));
+  {  // half written
+    absl::StatusOr<std::unique_ptr<SequenceImport>> import =
+        dst.cache->BeginSequenceImport(image->size());
+    ASSERT_TRUE(import.ok());
+    ASSERT_TRUE((*import)->Write(absl::MakeConstSpan(*image).first(image->size() / 2)).ok());
+    EXPECT_TRUE((*import)->in_cells());
+    EXPECT_TRUE(IsError((*import)->Commit().status(), absl::StatusCode::kFailedPrecondition,
+                        {"incomplete"}));
+  }
+  EXPECT_TRUE(SameState(before, CaptureState(*dst.cache)));
+  {  // a refused header
+    Image bad = *image;
+    bad[0] ^= 1;
+    absl::StatusOr<std::unique_ptr<SequenceImport>> import =
+        dst.cache->BeginSequenceImport(bad.size());
+    ASSERT_TRUE(import.ok());
+    EXPECT_TRUE(IsError((*import)->Write(bad), absl::StatusCode::kInvalidArgument, {"magic"}));
+  }
+  EXPECT_TRUE(SameState(before, CaptureState(*dst.cache)));
+}
+
+TEST(SequenceImportTest, RestoreImportRefusals) {
+  const CacheSpec spec = AttentionSpec(Full());
+  SharedCache src(spec);
+  ASSERT_TRUE(AppendRange(*src.cache, 0, 0, 6).ok());
+  absl::StatusOr<Image> image = SequenceImage(src.cache, 0, 0, kNoEnd);
+  ASSERT_TRUE(image.ok());
+  SharedCache dst(spec);
+  SharedCache other(spec);
+  ASSERT_TRUE(AppendRange(*dst.cache, 1, 0, 3).ok());
+  const CacheState before = CaptureState(*dst.cache);
+
+  absl::StatusOr<std::unique_ptr<SequenceImport>> uncommitted =
+      dst.cache->BeginSequenceImport(image->size());
+  ASSERT_TRUE(uncommitted.ok());
+  EXPECT_TRUE(IsError(dst.cache->RestoreImport(2, **uncommitted, 6),
+                      absl::StatusCode::kFailedPrecondition, {"not committed"}));
+  uncommitted->reset();
+
+  absl::StatusOr<std::unique_ptr<SequenceImport>> import = Import(*dst.cache, *image);
+  ASSERT_TRUE(import.ok());
+  EXPECT_TRUE(IsError(other.cache->RestoreImport(2, **import, 6),
+                      absl::StatusCode::kFailedPrecondition, {"another cache"}));
+  EXPECT_TRUE(IsError(dst.cache->RestoreImport(-2, **import, 6), absl::StatusCode::kInvalidArgument,
+                      {"seq"}));
+  // Refused by Restore's own checks: nothing changes, and the import's cells are free again.
+  EXPECT_TRUE(IsError(dst.cache->RestoreImport(2, **import, 7),
+                      absl::StatusCode::kFailedPrecondition, {"target = 7"}));
+  EXPECT_TRUE(SameState(before, CaptureState(*dst.cache)));
+  EXPECT_TRUE(IsError(dst.cache->RestoreImport(2, **import, 6),
+                      absl::StatusCode::kFailedPrecondition, {"was used"}));
+  EXPECT_TRUE(SameState(before, CaptureState(*dst.cache)));
+}
+
+TEST(SequenceTransferTest, ACacheWithoutCellsForEveryGroupCopiesBothWays) {
+  const CacheSpec spec =
+      Spec(DType::kF32, 4, 16, 8, {Group(Full(), 1, 1, 4, 4), RecurrentGroup(1, 2, 3, 2, 2, 2)});
+  SharedCache src(spec);
+  ASSERT_FALSE(src.cache->lends_cells());
+  ASSERT_TRUE(AppendRange(*src.cache, 0, 0, 5).ok());
+  absl::StatusOr<Image> expected = SnapshotImage(*src.cache, 0, 0, kNoEnd);
+  absl::StatusOr<Image> image = SequenceImage(src.cache, 0, 0, kNoEnd);
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_TRUE(*image == *expected);
+  EXPECT_TRUE(src.cache->ListSnapshots().empty());
+  SharedCache dst(spec);
+  SharedCache twin(spec);
+  ExpectSameRestore(*image, *dst.cache, *twin.cache, 2, 5, /*in_cells=*/false);
+}
+
+}  // namespace
+}  // namespace kvmesh
