@@ -132,6 +132,11 @@ ABSL_FLAG(kvmesh::ByteSize, kept_arena_limit,
           "--backend=host: most memory of freed cache arenas kept mapped for reuse (a new cache "
           "or snapshot of the same size then skips the page faults); RSS stays up to this much "
           "above what the caches hold after a DeleteCache. 0: unmap every freed arena at once");
+ABSL_FLAG(bool, prefault_memory, false,
+          "--backend=host: fault in every page of a new cache or snapshot arena when it is "
+          "allocated, so that the first operation to write it (a new cache's first migration "
+          "into it) does not pay for fresh memory; CreateCache takes that time instead and the "
+          "RSS holds the whole cache from then on");
 ABSL_FLAG(std::string, peers, "",
           "the other members of the cluster: name=host:port,name=host:port,... where host:port "
           "is each member's peer plane (its --peer-listen, or its --listen in development "
@@ -569,7 +574,8 @@ int Run() {
     }
   } else {
     device = std::make_unique<HostDevice>(memory_budget, snapshot_budget,
-                                          absl::GetFlag(FLAGS_kept_arena_limit).bytes);
+                                          absl::GetFlag(FLAGS_kept_arena_limit).bytes,
+                                          absl::GetFlag(FLAGS_prefault_memory));
   }
   // Declared after the device: the registry's caches hold device memory and are destroyed first.
   CacheRegistry registry(device.get());

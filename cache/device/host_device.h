@@ -34,8 +34,12 @@ class HostDevice : public Device {
 
   // The snapshot pool defaults to the size of the cache pool.
   explicit HostDevice(size_t budget_bytes) : HostDevice(budget_bytes, budget_bytes) {}
+  // With `prefault`, a freshly mapped arena has every page faulted in before it is handed out
+  // (MADV_POPULATE_WRITE), so the cost of fresh memory is paid when a cache or snapshot is
+  // allocated rather than by the first operation that writes it (a new cache's first import,
+  // which on a VM costs several times the copy itself). Reused kept arenas are warm already.
   HostDevice(size_t budget_bytes, size_t snapshot_budget_bytes,
-             size_t kept_limit = kDefaultKeptLimit);
+             size_t kept_limit = kDefaultKeptLimit, bool prefault = false);
   // Unmaps the kept arenas. REQUIRES: every arena was freed.
   ~HostDevice() override;
 
@@ -72,6 +76,7 @@ class HostDevice : public Device {
   void TrimKept(size_t limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const size_t kept_limit_;
+  const bool prefault_;
   mutable Mutex mu_;
   // Freed mapped arenas (mapped length, address), oldest first.
   std::deque<std::pair<size_t, uint8_t*>> kept_ ABSL_GUARDED_BY(mu_);

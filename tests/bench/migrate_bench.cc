@@ -10,6 +10,10 @@
 //    (bytes of the wire image, micros from the export request to the commit on the receiver).
 //    After each call the source must no longer list the sequence; after the last one a Read of
 //    it on its holder must match the appended pattern (wrong elements counted, as rpc_bench does).
+//  - Then --reps cross-node CopyPrefix calls of the whole sequence from its holder into sequence 1
+//    of the other node (emptied first, untimed), timed likewise and verified by a Read.
+//  - Targets (issue 17): migrate and CopyPrefix medians >= 0.5 x raw TCP; the first migration
+//    (into a cache that never held data on its node) within 2 x the median.
 //  - Raw loopback TCP: (1) built in: a sender thread writes the same number of bytes through a
 //    TCP socket on 127.0.0.1 to a receiver thread that reads them into a buffer (4 MiB buffers
 //    on both sides, SO_SNDBUF/SO_RCVBUF left default), 5 reps on one connection; (2) iperf3 when
@@ -76,6 +80,7 @@ constexpr absl::string_view kFlags[] = {"reps", "tokens", "node-flags", "help"};
 constexpr char kCacheName[] = "migrate-bench";
 constexpr char kNodeNames[2][8] = {"bench-a", "bench-b"};
 constexpr int64_t kSeq = 0;
+constexpr int64_t kCopySeq = 1;  // the destination of the cross-node CopyPrefix phase
 constexpr uint64_t kSeed = 7;
 constexpr int32_t kAppendBatch = 512;  // tokens per AppendStream while filling node a
 // AppendStream / Read chunks of the client (untimed): a message with its header fits the
@@ -280,14 +285,56 @@ absl::StatusOr<MigrateRep> MigrateOnce(Node& from, Node& to) {
   return rep;
 }
 
-// Reads sequence kSeq from `node` and compares it with the pattern; the wrong elements.
+// A cross-node CopyPrefix of `tokens` tokens of kSeq on `source` into kCopySeq on `dest`, timed
+// on the client; kCopySeq is emptied first (untimed), so that the copy finds its cells free.
+absl::StatusOr<MigrateRep> CopyOnce(Node& source, Node& dest, int32_t tokens) {
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context, absl::Seconds(60));
+    v1::RemoveRequest request;
+    request.set_cache(kCacheName);
+    request.set_seq(kCopySeq);
+    request.set_begin(0);
+    v1::RemoveResponse response;
+    const grpc::Status s = dest.stub->Remove(&context, request, &response);
+    if (!s.ok()) {
+      return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                          absl::StrCat("Remove on ", dest.name, ": ", s.error_message()));
+    }
+  }
+  grpc::ClientContext context;
+  SetDeadline(&context, absl::Seconds(300));
+  v1::CopyPrefixRequest request;
+  request.set_cache(kCacheName);
+  request.set_src_seq(kSeq);
+  request.set_dst_seq(kCopySeq);
+  request.set_length(tokens);
+  request.set_source_node(source.name);
+  v1::CopyPrefixResponse response;
+  const Clock::time_point start = Clock::now();
+  const grpc::Status s = dest.stub->CopyPrefix(&context, request, &response);
+  const Clock::time_point end = Clock::now();
+  if (!s.ok()) {
+    return absl::Status(
+        static_cast<absl::StatusCode>(s.error_code()),
+        absl::StrCat("CopyPrefix ", source.name, " -> ", dest.name, ": ", s.error_message()));
+  }
+  MigrateRep rep;
+  rep.wall_s = Seconds(end - start);
+  rep.bytes = response.transfer().bytes();
+  rep.micros = response.transfer().micros();
+  rep.transport = response.transfer().transport();
+  return rep;
+}
+
+// Reads sequence `seq` from `node` and compares it with the pattern; the wrong elements.
 absl::StatusOr<ctl::PatternCheck> Verify(Node& node, const CacheSpec& spec, int32_t tokens,
-                                         double* read_s) {
+                                         double* read_s, int64_t seq = kSeq) {
   grpc::ClientContext context;
   SetDeadline(&context, absl::Seconds(300));
   v1::ReadRequest request;
   request.set_cache(kCacheName);
-  request.set_seq(kSeq);
+  request.set_seq(seq);
   request.set_max_chunk_bytes(static_cast<int32_t>(kChunkBytes));
   std::string received;
   received.reserve(AppendPayloadBytes(spec, tokens, 1));
@@ -687,6 +734,45 @@ int Main(int argc, char** argv) {
     }
   }
 
+  // Cross-node CopyPrefix of the whole sequence from its holder to the other node.
+  std::vector<double> copy_gbps, copy_ms;
+  if (!failed) {
+    Node& source = nodes[holder];
+    Node& dest = nodes[1 - holder];
+    std::printf("\ncross-node CopyPrefix of %d tokens, %s -> %s (destination emptied first, "
+                "untimed)\n",
+                o.tokens, source.name.c_str(), dest.name.c_str());
+    std::printf("%-4s %9s %9s %10s %11s %10s %10s\n", "rep", "wall ms", "server ms", "bytes",
+                "GB/s wall", "cpu src ms", "cpu dst ms");
+    for (int rep = 0; rep < o.reps; ++rep) {
+      const double cpu_from = CpuSeconds(source.process->pid());
+      const double cpu_to = CpuSeconds(dest.process->pid());
+      absl::StatusOr<MigrateRep> r = CopyOnce(source, dest, o.tokens);
+      if (!r.ok()) {
+        fail(r.status());
+        break;
+      }
+      std::printf("%-4d %9.1f %9.1f %10" PRId64 " %11.2f %10.0f %10.0f  %s\n", rep + 1,
+                  r->wall_s * 1e3, r->micros / 1e3, r->bytes, r->bytes / r->wall_s / 1e9,
+                  (CpuSeconds(source.process->pid()) - cpu_from) * 1e3,
+                  (CpuSeconds(dest.process->pid()) - cpu_to) * 1e3, r->transport.c_str());
+      std::fflush(stdout);
+      copy_ms.push_back(r->wall_s * 1e3);
+      copy_gbps.push_back(r->bytes / r->wall_s / 1e9);
+    }
+    if (!failed) {
+      double read_s = 0;
+      absl::StatusOr<ctl::PatternCheck> check = Verify(dest, spec, o.tokens, &read_s, kCopySeq);
+      if (!check.ok()) {
+        fail(check.status());
+      } else {
+        std::printf("verify: Read of sequence %" PRId64 " on %s: wrong elements: %zu of %zu\n",
+                    kCopySeq, dest.name.c_str(), check->mismatches, check->elements);
+        if (check->mismatches != 0) failed = true;
+      }
+    }
+  }
+
   // Raw loopback TCP, in the same run (the nodes stay up, idle).
   std::optional<double> tcp_builtin, tcp_iperf;
   Stats builtin_stats;
@@ -741,6 +827,13 @@ int Main(int argc, char** argv) {
                 wall.min, wall.max);
     std::printf("%-44s %8.1f %8.1f %8.1f\n", "migrate, server TransferStats.micros (ms)",
                 server.median, server.min, server.max);
+    if (!copy_gbps.empty()) {
+      PrintRow("cross-node CopyPrefix, client wall clock (GB/s)", Summarize(copy_gbps),
+               tcp_builtin, tcp_iperf);
+      const Stats copy = Summarize(copy_ms);
+      std::printf("%-44s %8.1f %8.1f %8.1f\n", "cross-node CopyPrefix, client wall clock (ms)",
+                  copy.median, copy.min, copy.max);
+    }
     const double migrate = Summarize(wall_gbps).median;
     for (const auto& [name, raw] :
          {std::pair<const char*, std::optional<double>>{"raw TCP built in", tcp_builtin},
@@ -748,7 +841,16 @@ int Main(int argc, char** argv) {
       if (!raw.has_value()) continue;
       std::printf("target: migrate (wall, median) >= 0.5 x %s: %s (%s)\n", name,
                   migrate >= 0.5 * *raw ? "met" : "NOT met", Ratio(migrate, raw).c_str());
+      if (copy_gbps.empty()) continue;
+      const double copy = Summarize(copy_gbps).median;
+      std::printf("target: cross-node CopyPrefix (wall, median) >= 0.5 x %s: %s (%s)\n", name,
+                  copy >= 0.5 * *raw ? "met" : "NOT met", Ratio(copy, raw).c_str());
     }
+    // The first migration goes into a cache that has never held data on that node.
+    const double first = wall_ms.front();
+    std::printf("target: first migration (wall) <= 2 x median: %s (%.2f x, %.1f ms vs %.1f ms)\n",
+                first <= 2 * wall.median ? "met" : "NOT met", first / wall.median, first,
+                wall.median);
   }
   std::printf("load average at end: %s\n", LoadAverage().c_str());
 
