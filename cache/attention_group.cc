@@ -602,7 +602,7 @@ absl::Status AttentionGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap
 
 // ---- Cells lent to transfers ---------------------------------------------------------------
 
-GroupSnapshot AttentionGroup::PinSequence(int64_t seq, int32_t from, int32_t to,
+GroupSnapshot AttentionGroup::PinSequence(int64_t seq, int64_t from, int64_t to,
                                           std::vector<int32_t>* pinned) {
   GroupSnapshot snap;
   snap.row_bytes = PayloadBytes(1);

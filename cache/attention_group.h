@@ -78,7 +78,7 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) override;
   bool LendsCells() const override { return true; }
-  GroupSnapshot PinSequence(int64_t seq, int32_t from, int32_t to,
+  GroupSnapshot PinSequence(int64_t seq, int64_t from, int64_t to,
                             std::vector<int32_t>* pinned) override;
   std::vector<int32_t> PinFreeCells(int64_t n) override;
   void Unpin(absl::Span<const int32_t> cells) override;

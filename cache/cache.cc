@@ -1,6 +1,7 @@
 #include "cache/cache.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/container/btree_set.h"
@@ -382,14 +383,19 @@ absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin,
   return Read(seq, begin, end, [](size_t) { return absl::OkStatus(); });
 }
 
-absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin, std::optional<int32_t> end,
-                                       absl::FunctionRef<absl::Status(size_t)> admit) const {
+absl::Status Cache::CheckReadArgs(int64_t seq, int32_t begin, std::optional<int32_t> end) const {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("begin", begin));
   if (end.has_value() && *end < begin) {
     return absl::InvalidArgumentError(
         absl::StrCat("begin = ", begin, " is greater than end = ", *end));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin, std::optional<int32_t> end,
+                                       absl::FunctionRef<absl::Status(size_t)> admit) const {
+  RETURN_IF_ERROR(CheckReadArgs(seq, begin, end));
   ReaderMutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckUsableLocked());
   if (!IsLiveLocked(seq)) {
@@ -941,27 +947,8 @@ absl::StatusOr<std::unique_ptr<SnapshotExportReader>> Cache::OpenSequenceExport(
   std::vector<ChunkFormat> formats;
   {
     MutexLock lock(&c.mu_);
-    record.seq = seq;
-    record.from = from_offset;
-    ASSIGN_OR_RETURN(record.to, c.CheckSnapshotLocked(seq, from_offset, to));
-    for (size_t g = 0; g < c.groups_.size(); ++g) {
-      LayerGroup& group = *c.groups_[g];
-      std::vector<int32_t> pinned;
-      GroupSnapshot snap = group.PinSequence(seq, from_offset, record.to, &pinned);
-      if (!pinned.empty()) {
-        // The last reference to the borrowed cells unpins them, outside the cache's lock: the
-        // reader and the slices of a transfer hold them, never an operation of the cache.
-        std::shared_ptr<const RowChunk> cells(
-            new RowChunk(group.BorrowCells()),
-            [cache, g, pinned = std::move(pinned)](const RowChunk* chunk) {
-              cache->UnpinCells(g, pinned);
-              delete chunk;
-            });
-        for (Segment& segment : snap.segments) segment.chunk = cells;
-      }
-      record.groups.push_back(std::move(snap));
-      formats.push_back(group.SnapshotChunkFormat());
-    }
+    ASSIGN_OR_RETURN(const int32_t end, c.CheckSnapshotLocked(seq, from_offset, to));
+    record = c.PinRecordLocked(cache, seq, from_offset, end, &formats);
     info = c.InfoLocked(record);
   }
   const size_t bytes = info.bytes;
@@ -970,6 +957,122 @@ absl::StatusOr<std::unique_ptr<SnapshotExportReader>> Cache::OpenSequenceExport(
       NewSnapshotExportReader(c.spec_, std::move(record), std::move(info), std::move(formats)));
   return std::unique_ptr<SnapshotExportReader>(
       new CountedExportReader(std::move(reader), c.export_bytes_, bytes));
+}
+
+SnapshotRecord Cache::PinRecordLocked(const std::shared_ptr<Cache>& self, int64_t seq, int32_t from,
+                                      int64_t to, std::vector<ChunkFormat>* formats) {
+  SnapshotRecord record;
+  record.seq = seq;
+  record.from = from;
+  record.to = static_cast<int32_t>(std::min<int64_t>(to, INT32_MAX));
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    LayerGroup& group = *groups_[g];
+    std::vector<int32_t> pinned;
+    GroupSnapshot snap = group.PinSequence(seq, from, to, &pinned);
+    if (!pinned.empty()) {
+      // The last reference to the borrowed cells unpins them, outside the cache's lock: a
+      // reader or cursor and the slices of a transfer hold them, never an operation of the
+      // cache.
+      std::shared_ptr<const RowChunk> cells(
+          new RowChunk(group.BorrowCells()),
+          [self, g, pinned = std::move(pinned)](const RowChunk* chunk) {
+            self->UnpinCells(g, pinned);
+            delete chunk;
+          });
+      for (Segment& segment : snap.segments) segment.chunk = cells;
+    }
+    record.groups.push_back(std::move(snap));
+    formats->push_back(group.SnapshotChunkFormat());
+  }
+  return record;
+}
+
+namespace {
+
+absl::Status CheckPayloadRange(size_t offset, size_t bytes, size_t size) {
+  if (offset <= size && bytes <= size - offset) return absl::OkStatus();
+  return absl::OutOfRangeError(absl::StrCat("ReadAt of ", bytes, " bytes at offset ", offset,
+                                            " goes past the end of the ", size, "-byte payload"));
+}
+
+// A Read's payload as the data part of a wire image over pinned cells: for each group, each
+// plane's rows in position order, which is Read's layout.
+class PinnedReadCursor final : public ReadCursor {
+ public:
+  PinnedReadCursor(ReadResult header, std::unique_ptr<SnapshotExportReader> image,
+                   size_t data_begin)
+      : header_(std::move(header)), image_(std::move(image)), data_begin_(data_begin) {}
+  const ReadResult& header() const override { return header_; }
+  size_t size() const override { return image_->size() - data_begin_; }
+  absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) override {
+    RETURN_IF_ERROR(CheckPayloadRange(offset, dst.size(), size()));
+    return image_->ReadAt(data_begin_ + offset, dst);
+  }
+
+ private:
+  const ReadResult header_;
+  const std::unique_ptr<SnapshotExportReader> image_;
+  const size_t data_begin_;
+};
+
+// A Read done at once, its payload kept.
+class CopiedReadCursor final : public ReadCursor {
+ public:
+  explicit CopiedReadCursor(ReadResult result) : result_(std::move(result)) {}
+  const ReadResult& header() const override { return result_; }
+  size_t size() const override { return result_.payload.size(); }
+  absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) override {
+    RETURN_IF_ERROR(CheckPayloadRange(offset, dst.size(), size()));
+    if (!dst.empty()) std::memcpy(dst.data(), result_.payload.data() + offset, dst.size());
+    return absl::OkStatus();
+  }
+
+ private:
+  const ReadResult result_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ReadCursor>> Cache::OpenRead(const std::shared_ptr<Cache>& cache,
+                                                            int64_t seq, int32_t begin,
+                                                            std::optional<int32_t> end) {
+  Cache& c = *cache;
+  if (!c.lends_cells_) {
+    ASSIGN_OR_RETURN(ReadResult result, c.Read(seq, begin, end));
+    // Its header() has the payload too; callers use size() and ReadAt.
+    return std::unique_ptr<ReadCursor>(new CopiedReadCursor(std::move(result)));
+  }
+  RETURN_IF_ERROR(c.CheckReadArgs(seq, begin, end));
+  SnapshotRecord record;
+  SnapshotInfo info;
+  std::vector<ChunkFormat> formats;
+  {
+    MutexLock lock(&c.mu_);
+    RETURN_IF_ERROR(c.CheckUsableLocked());
+    if (!c.IsLiveLocked(seq)) {
+      return absl::NotFoundError(absl::StrCat("cache '", c.spec_.name, "' has no sequence ", seq));
+    }
+    const int64_t stop = end.has_value() ? int64_t{*end} : int64_t{INT32_MAX} + 1;
+    record = c.PinRecordLocked(cache, seq, begin, stop, &formats);
+    info = c.InfoLocked(record);
+  }
+  ReadResult header;
+  for (const GroupSnapshot& g : record.groups) {
+    std::vector<int32_t> positions;
+    for (const Segment& segment : g.segments) {
+      positions.insert(positions.end(), segment.positions.begin(), segment.positions.end());
+    }
+    header.positions.push_back(std::move(positions));
+    header.states.push_back(StateStatus::kNone);
+  }
+  // The image's header is not part of the payload: the data follows it.
+  const size_t data_bytes = info.bytes;
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<SnapshotExportReader> image,
+      NewSnapshotExportReader(c.spec_, std::move(record), std::move(info), std::move(formats)));
+  const size_t data_begin = image->size() - data_bytes;
+  return std::unique_ptr<ReadCursor>(
+      new PinnedReadCursor(std::move(header), std::move(image), data_begin));
 }
 
 struct SequenceImport::State {

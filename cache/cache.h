@@ -33,6 +33,7 @@
 namespace kvmesh {
 
 struct AppendBatch;
+struct ChunkFormat;
 class Cache;
 class LayerGroup;
 struct SnapshotRecord;
@@ -183,6 +184,21 @@ class SequenceImport final : public SnapshotImportWriter {
   Cache* const cache_;
   const std::shared_ptr<State> state_;  // shared with the writer's callbacks
   std::unique_ptr<SnapshotImportWriter> writer_;
+};
+
+// A Read whose payload is copied out piece by piece after the call (Cache::OpenRead): what
+// Read would return, as of the call, with the payload read by ReadAt. One thread at a time;
+// it keeps its cache alive.
+class ReadCursor {
+ public:
+  virtual ~ReadCursor() = default;
+  // Read's positions and states (payload empty).
+  virtual const ReadResult& header() const = 0;
+  // Bytes of the payload Read would return.
+  virtual size_t size() const = 0;
+  // Copies payload bytes [offset, offset + dst.size()) into dst (host memory). OUT_OF_RANGE
+  // past size(); device errors as Device::Gather.
+  virtual absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) = 0;
 };
 
 struct SplitResult {
@@ -372,6 +388,14 @@ class Cache {
   // Whether every group lends cells (see above).
   bool lends_cells() const { return lends_cells_; }
 
+  // Read(seq, begin, end) with the same checks and errors, but without copying the payload
+  // at once: in a cache that lends cells, the cells read are pinned (as OpenSequenceExport
+  // pins them) and ReadAt gathers from them later, so a caller can send a large payload chunk
+  // by chunk while holding one chunk; other caches read the payload into the cursor at once.
+  static absl::StatusOr<std::unique_ptr<ReadCursor>> OpenRead(const std::shared_ptr<Cache>& cache,
+                                                              int64_t seq, int32_t begin,
+                                                              std::optional<int32_t> end);
+
  private:
   friend class SequenceImport;
   explicit Cache(const CacheSpec& spec);
@@ -423,6 +447,14 @@ class Cache {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops a pin of each of `cells` of group `group` (LayerGroup::Unpin).
   void UnpinCells(size_t group, absl::Span<const int32_t> cells);
+  // Pins `seq`'s cells of positions in [from, to) in every group (all lend cells) and returns
+  // them as a record whose chunks unpin them when the last reference goes.
+  // `self` is this cache, which the chunks keep alive.
+  SnapshotRecord PinRecordLocked(const std::shared_ptr<Cache>& self, int64_t seq, int32_t from,
+                                 int64_t to, std::vector<ChunkFormat>* formats)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Read's checks of its arguments.
+  absl::Status CheckReadArgs(int64_t seq, int32_t begin, std::optional<int32_t> end) const;
 
   const CacheSpec spec_;
   const bool contiguous_;     // has a Rotating or Recurrent group

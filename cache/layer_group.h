@@ -228,7 +228,7 @@ class LayerGroup {
   // Pins the cells of `seq`'s positions in [from, to) and returns them as this group's part of
   // a snapshot, segments as TakeSnapshot makes them but with the cells as chunk_rows (chunk
   // unset), appending the cells to `pinned`.
-  virtual GroupSnapshot PinSequence(int64_t seq, int32_t from, int32_t to,
+  virtual GroupSnapshot PinSequence(int64_t seq, int64_t from, int64_t to,
                                     std::vector<int32_t>* pinned) {
     return GroupSnapshot();
   }

@@ -109,17 +109,17 @@ absl::Status AdmitVisible(const std::string& cache, int32_t group, size_t querie
   }
   const uint64_t wire = VisibleWireBound(queries, positions);
   if (wire > max_send_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "Visible of ", queries, " queries in group ", group, " of cache '", cache,
-        "' would list up to ", positions, " positions in an answer of up to ", wire,
-        " bytes, more than this node's message limit of ", max_send_bytes,
-        " bytes (--max-message-bytes); split the queries over calls"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("Visible of ", queries, " queries in group ", group, " of cache '", cache,
+                     "' would list up to ", positions, " positions in an answer of up to ", wire,
+                     " bytes, more than this node's message limit of ", max_send_bytes,
+                     " bytes (--max-message-bytes); split the queries over calls"));
   }
   const uint64_t bytes = kVisibleBytesPerPosition * static_cast<uint64_t>(positions) +
                          kVisibleBytesPerQuery * static_cast<uint64_t>(queries);
-  ASSIGN_OR_RETURN(*reservation,
-                   budget->Reserve(bytes, absl::StrCat("Visible of ", queries, " queries and up to ",
-                                                       positions, " positions")));
+  ASSIGN_OR_RETURN(*reservation, budget->Reserve(bytes, absl::StrCat("Visible of ", queries,
+                                                                     " queries and up to ",
+                                                                     positions, " positions")));
   return absl::OkStatus();
 }
 
@@ -278,10 +278,10 @@ class CacheServiceImpl::AppendStreamReactor final
     // The message is here already (its data and its parsed tokens, which the stream keeps):
     // count it before anything else can pile up behind it.
     tokens_bytes_ = ParsedBytes<v1::Token, Token>(header_.tokens_size());
-    absl::StatusOr<InflightBudget::Reservation> reservation = service_->inflight_->Reserve(
-        payload_.size() + tokens_bytes_,
-        absl::StrCat("AppendStream message 0 of ", payload_.size(), " bytes and ",
-                     header_.tokens_size(), " tokens"));
+    absl::StatusOr<InflightBudget::Reservation> reservation =
+        service_->inflight_->Reserve(payload_.size() + tokens_bytes_,
+                                     absl::StrCat("AppendStream message 0 of ", payload_.size(),
+                                                  " bytes and ", header_.tokens_size(), " tokens"));
     if (!reservation.ok()) {
       Done(ToGrpcStatus(reservation.status()));
       return;
@@ -360,9 +360,8 @@ class CacheServiceImpl::AppendStreamReactor final
       Done(CancelledStatus());
       return;
     }
-    const absl::Status status =
-        service_->AppendGuarded(caller_.tenant, *cache_, tokens_, AsBytes(payload_),
-                                header_.speculative(), "AppendStream");
+    const absl::Status status = service_->AppendGuarded(
+        caller_.tenant, *cache_, tokens_, AsBytes(payload_), header_.speculative(), "AppendStream");
     if (status.ok()) *response_->mutable_usage() = UsageToProto(cache_->Usage());
     Done(ToGrpcStatus(status));
   }
@@ -379,7 +378,7 @@ class CacheServiceImpl::AppendStreamReactor final
   std::shared_ptr<Cache> cache_;
   std::vector<Token> tokens_;
   std::string payload_;
-  uint64_t tokens_bytes_ = 0;  // ParsedBytes of header_'s tokens (and tokens_)
+  uint64_t tokens_bytes_ = 0;                // ParsedBytes of header_'s tokens (and tokens_)
   InflightBudget::Reservation reservation_;  // payload_'s and the tokens' bytes in flight
 
   // Between the owner of the reactor and the idle reaper.
@@ -445,29 +444,53 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
       Done(CancelledStatus());
       return;
     }
-    absl::StatusOr<std::shared_ptr<Cache>> cache = service_->FindCache(*context_, request_->cache());
+    absl::StatusOr<std::shared_ptr<Cache>> cache =
+        service_->FindCache(*context_, request_->cache());
     if (!cache.ok()) {
       Done(ToGrpcStatus(cache.status()));
       return;
     }
     const std::optional<int32_t> end =
         request_->has_end() ? std::optional<int32_t>(request_->end()) : std::nullopt;
-    // The payload is counted in flight until the last chunk is sent, and refused before the
-    // engine copies it out when it does not fit.
-    absl::StatusOr<ReadResult> result = (*cache)->Read(
-        request_->seq(), request_->begin(), end, [this](size_t bytes) -> absl::Status {
-          ASSIGN_OR_RETURN(reservation_,
-                           service_->inflight_->Reserve(
-                               bytes, absl::StrCat("Read of ", bytes, " payload bytes")));
-          return absl::OkStatus();
-        });
-    if (!result.ok()) {
-      Done(ToGrpcStatus(result.status()));
-      return;
+    if ((*cache)->lends_cells()) {
+      // The cells read stay pinned until the last chunk is sent, and each chunk is gathered
+      // into the message as it goes: one chunk is in flight, whatever the payload's size.
+      absl::StatusOr<std::unique_ptr<ReadCursor>> cursor =
+          Cache::OpenRead(*cache, request_->seq(), request_->begin(), end);
+      if (!cursor.ok()) {
+        Done(ToGrpcStatus(cursor.status()));
+        return;
+      }
+      cursor_ = *std::move(cursor);
+      total_ = cursor_->size();
+      absl::StatusOr<InflightBudget::Reservation> reserved = service_->inflight_->Reserve(
+          std::min(total_, chunk_bytes_),
+          absl::StrCat("a chunk of a Read of ", total_, " payload bytes"));
+      if (!reserved.ok()) {
+        Done(ToGrpcStatus(reserved.status()));
+        return;
+      }
+      reservation_ = *std::move(reserved);
+      *response_.mutable_header() = ReadHeaderToProto(cursor_->header());
+    } else {
+      // The payload is counted in flight until the last chunk is sent, and refused before the
+      // engine copies it out when it does not fit.
+      absl::StatusOr<ReadResult> result = (*cache)->Read(
+          request_->seq(), request_->begin(), end, [this](size_t bytes) -> absl::Status {
+            ASSIGN_OR_RETURN(reservation_,
+                             service_->inflight_->Reserve(
+                                 bytes, absl::StrCat("Read of ", bytes, " payload bytes")));
+            return absl::OkStatus();
+          });
+      if (!result.ok()) {
+        Done(ToGrpcStatus(result.status()));
+        return;
+      }
+      *response_.mutable_header() = ReadHeaderToProto(*result);
+      payload_ = std::move(result->payload);
+      total_ = payload_.size();
     }
-    *response_.mutable_header() = ReadHeaderToProto(*result);
-    payload_ = std::move(result->payload);
-    total_ = payload_.size();
+    response_.mutable_header()->set_payload_bytes(static_cast<int64_t>(total_));
     const size_t header_bytes = response_.header().ByteSizeLong();
     if (header_bytes + 2 * kReadMessageSlack > service_->options_.max_send_message_bytes) {
       Done(grpc::Status(
@@ -485,13 +508,25 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
   }
 
   void WriteNext() {
-    response_.Clear();
+    // The data field keeps its buffer: the next chunk is gathered over the last one (resize to
+    // the same size is free, where clearing it would zero-fill it again).
+    response_.clear_header();
+    if (cursor_ == nullptr) response_.clear_data();
     WriteChunk(chunk_bytes_);
   }
 
   void WriteChunk(size_t max_bytes) {
     const size_t n = std::min(max_bytes, total_ - sent_);
-    if (n == total_) {
+    if (cursor_ != nullptr) {
+      std::string* data = response_.mutable_data();
+      data->resize(n);
+      const absl::Status read =
+          cursor_->ReadAt(sent_, absl::MakeSpan(reinterpret_cast<uint8_t*>(data->data()), n));
+      if (!read.ok()) {
+        Done(ToGrpcStatus(read));
+        return;
+      }
+    } else if (n == total_) {
       *response_.mutable_data() = std::move(payload_);  // a single message: no copy
     } else {
       response_.set_data(payload_.data() + sent_, n);
@@ -510,9 +545,10 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
   grpc::CallbackServerContext* const context_;
   const v1::ReadRequest* const request_;
   size_t chunk_bytes_ = 0;
-  std::string payload_;
-  size_t total_ = 0;  // payload bytes of the whole read
-  size_t sent_ = 0;   // payload bytes handed to writes so far
+  std::unique_ptr<ReadCursor> cursor_;  // a cache that lends cells: the pinned read
+  std::string payload_;                 // otherwise: the whole payload, read at once
+  size_t total_ = 0;                    // payload bytes of the whole read
+  size_t sent_ = 0;                     // payload bytes handed to writes so far
   v1::ReadResponse response_;
   InflightBudget::Reservation reservation_;  // payload_'s bytes in the in-flight budget
 };
@@ -567,14 +603,15 @@ absl::Status CacheServiceImpl::AppendGuarded(const std::string& tenant, Cache& c
   std::sort(seqs.begin(), seqs.end());
   seqs.erase(std::unique(seqs.begin(), seqs.end()), seqs.end());
   ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                   Guard(Reservations::Kind::kSequence, Reservations::Key(tenant, cache.spec().name),
-                         seqs, what));
+                   Guard(Reservations::Kind::kSequence,
+                         Reservations::Key(tenant, cache.spec().name), seqs, what));
   ASSIGN_OR_RETURN(const DrainGate::Ticket admitted, AdmitSequences(cache, seqs, what));
   return cache.Append(tokens, payload, speculative);
 }
 
-absl::StatusOr<DrainGate::Ticket> CacheServiceImpl::AdmitSequences(
-    const Cache& cache, absl::Span<const int64_t> seqs, const char* what) const {
+absl::StatusOr<DrainGate::Ticket> CacheServiceImpl::AdmitSequences(const Cache& cache,
+                                                                   absl::Span<const int64_t> seqs,
+                                                                   const char* what) const {
   if (options_.gate == nullptr) return DrainGate::Ticket();
   return options_.gate->AdmitSequences(cache, seqs, what);
 }
@@ -625,8 +662,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CreateCache(grpc::CallbackServerCont
     // A draining node creates no cache; asking for one it has stays idempotent.
     DrainGate::Ticket admitted;
     if (options_.gate != nullptr && !registry_->Get(caller.tenant, spec.name).ok()) {
-      ASSIGN_OR_RETURN(admitted,
-                       options_.gate->Admit(absl::StrCat("new cache '", spec.name, "'")));
+      ASSIGN_OR_RETURN(admitted, options_.gate->Admit(absl::StrCat("new cache '", spec.name, "'")));
     }
     const TenantQuota quota =
         options_.auth != nullptr ? options_.auth->Quota(caller.tenant) : TenantQuota();
@@ -657,10 +693,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::GetCache(grpc::CallbackServerContext
                                                      v1::GetCacheResponse* response) {
   return RunOnCache(context, request,
                     [response](Cache& cache, const Principal& caller) -> absl::Status {
-    *response->mutable_cache() = CacheInfoToProto(cache);
-    response->mutable_cache()->set_tenant(caller.tenant);
-    return absl::OkStatus();
-  });
+                      *response->mutable_cache() = CacheInfoToProto(cache);
+                      response->mutable_cache()->set_tenant(caller.tenant);
+                      return absl::OkStatus();
+                    });
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::ListCaches(grpc::CallbackServerContext* context,
@@ -669,9 +705,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListCaches(grpc::CallbackServerConte
   return RunUnary(context, [this, context, response]() -> absl::Status {
     ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     // An admin that names no tenant (kvmesh-tenant) sees every tenant's caches.
-    const bool everyone =
-        caller.admin() &&
-        context->client_metadata().find(kTenantMetadata) == context->client_metadata().end();
+    const bool everyone = caller.admin() && context->client_metadata().find(kTenantMetadata) ==
+                                                context->client_metadata().end();
     if (everyone) {
       for (const CacheRegistry::Entry& entry : registry_->ListAll()) {
         v1::CacheInfo* info = response->add_caches();
@@ -699,17 +734,18 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* 
       absl::StrCat("Append of ", request->payload().size(), " payload bytes and ",
                    request->tokens_size(), " tokens"));
   if (!reservation.ok()) return FinishNow(context, reservation.status());
-  return RunOnCache(context, request,
-                    [this, request, response, reservation = *std::move(reservation)](
-                        Cache& cache, const Principal& caller) -> absl::Status {
-    ASSIGN_OR_RETURN(const std::vector<Token> tokens, TokensFromProto(request->tokens()));
-    RETURN_IF_ERROR(CheckAppendShape(cache.spec(), tokens, request->speculative(), "payload",
-                                     static_cast<int64_t>(request->payload().size())));
-    RETURN_IF_ERROR(AppendGuarded(caller.tenant, cache, tokens, AsBytes(request->payload()),
-                                  request->speculative(), "Append"));
-    *response->mutable_usage() = UsageToProto(cache.Usage());
-    return absl::OkStatus();
-  });
+  return RunOnCache(
+      context, request,
+      [this, request, response, reservation = *std::move(reservation)](
+          Cache& cache, const Principal& caller) -> absl::Status {
+        ASSIGN_OR_RETURN(const std::vector<Token> tokens, TokensFromProto(request->tokens()));
+        RETURN_IF_ERROR(CheckAppendShape(cache.spec(), tokens, request->speculative(), "payload",
+                                         static_cast<int64_t>(request->payload().size())));
+        RETURN_IF_ERROR(AppendGuarded(caller.tenant, cache, tokens, AsBytes(request->payload()),
+                                      request->speculative(), "Append"));
+        *response->mutable_usage() = UsageToProto(cache.Usage());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerReadReactor<v1::AppendStreamRequest>* CacheServiceImpl::AppendStream(
@@ -732,23 +768,23 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Visible(grpc::CallbackServerContext*
       inflight_->Reserve(ParsedBytes<v1::Query, Query>(request->queries_size()),
                          absl::StrCat("Visible of ", request->queries_size(), " queries"));
   if (!queries_reservation.ok()) return FinishNow(context, queries_reservation.status());
-  return RunOnCache(context, request,
-                    [this, request, response, queries_reservation = *std::move(queries_reservation),
-                     reservation = InflightBudget::Reservation()](
-                        Cache& cache) mutable -> absl::Status {
-    ASSIGN_OR_RETURN(const std::vector<Query> queries, QueriesFromProto(request->queries()));
-    ASSIGN_OR_RETURN(const std::vector<std::vector<int32_t>> visible,
-                     cache.Visible(request->group(), queries, [&](int64_t positions) {
-                       return AdmitVisible(cache.spec().name, request->group(), queries.size(),
-                                           positions, options_.max_visible_positions,
-                                           options_.max_send_message_bytes, inflight_,
-                                           &reservation);
-                     }));
-    for (const std::vector<int32_t>& positions : visible) {
-      response->add_visible()->mutable_positions()->Add(positions.begin(), positions.end());
-    }
-    return absl::OkStatus();
-  });
+  return RunOnCache(
+      context, request,
+      [this, request, response, queries_reservation = *std::move(queries_reservation),
+       reservation = InflightBudget::Reservation()](Cache& cache) mutable -> absl::Status {
+        ASSIGN_OR_RETURN(const std::vector<Query> queries, QueriesFromProto(request->queries()));
+        ASSIGN_OR_RETURN(const std::vector<std::vector<int32_t>> visible,
+                         cache.Visible(request->group(), queries, [&](int64_t positions) {
+                           return AdmitVisible(cache.spec().name, request->group(), queries.size(),
+                                               positions, options_.max_visible_positions,
+                                               options_.max_send_message_bytes, inflight_,
+                                               &reservation);
+                         }));
+        for (const std::vector<int32_t>& positions : visible) {
+          response->add_visible()->mutable_positions()->Add(positions.begin(), positions.end());
+        }
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerContext* context,
@@ -761,22 +797,23 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerConte
       ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
       RETURN_IF_ERROR(
           CheckNames({{"cache", request->cache()}, {"source_node", request->source_node()}}));
-      ASSIGN_OR_RETURN(*response->mutable_transfer(),
-                       options_.cluster->CopyPrefixFrom(
-                           caller.tenant, *request,
-                           options_.cluster->Deadline(ContextDeadline(*context))));
+      ASSIGN_OR_RETURN(
+          *response->mutable_transfer(),
+          options_.cluster->CopyPrefixFrom(caller.tenant, *request,
+                                           options_.cluster->Deadline(ContextDeadline(*context))));
       return absl::OkStatus();
     });
   }
-  return RunOnCache(context, request,
-                    [this, request](Cache& cache, const Principal& caller) -> absl::Status {
-    ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     GuardSequence(Reservations::Key(caller.tenant, request->cache()),
-                                   request->dst_seq(), "CopyPrefix"));
-    const int64_t dst[] = {request->dst_seq()};
-    ASSIGN_OR_RETURN(const DrainGate::Ticket admitted, AdmitSequences(cache, dst, "CopyPrefix"));
-    return cache.CopyPrefix(request->src_seq(), request->dst_seq(), request->length());
-  });
+  return RunOnCache(
+      context, request, [this, request](Cache& cache, const Principal& caller) -> absl::Status {
+        ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                         GuardSequence(Reservations::Key(caller.tenant, request->cache()),
+                                       request->dst_seq(), "CopyPrefix"));
+        const int64_t dst[] = {request->dst_seq()};
+        ASSIGN_OR_RETURN(const DrainGate::Ticket admitted,
+                         AdmitSequences(cache, dst, "CopyPrefix"));
+        return cache.CopyPrefix(request->src_seq(), request->dst_seq(), request->length());
+      });
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* context,
@@ -798,9 +835,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* 
       // The local part runs on the engine executor's terms too: it is an engine call.
       ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
       RETURN_IF_ERROR(CheckNameLength("cache", request->cache()));
-      ASSIGN_OR_RETURN(*response, options_.cluster->RemoveEverywhere(
-                                      caller.tenant, *request,
-                                      options_.cluster->Deadline(ContextDeadline(*context)), local));
+      ASSIGN_OR_RETURN(*response,
+                       options_.cluster->RemoveEverywhere(
+                           caller.tenant, *request,
+                           options_.cluster->Deadline(ContextDeadline(*context)), local));
       return absl::OkStatus();
     });
   }
@@ -853,61 +891,66 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Snapshot(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* CacheServiceImpl::Restore(grpc::CallbackServerContext* context,
                                                     const v1::RestoreRequest* request,
                                                     v1::RestoreResponse* response) {
-  return RunOnCache(context, request,
-                    [this, request](Cache& cache, const Principal& caller) -> absl::Status {
-    RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
-    RETURN_IF_ERROR(CheckNotNegative("target", request->target()));
-    const std::optional<uint64_t> snapshot_id =
-        request->has_snapshot_id() ? std::optional<uint64_t>(request->snapshot_id()) : std::nullopt;
-    ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     GuardSequence(Reservations::Key(caller.tenant, request->cache()), request->seq(), "Restore"));
-    const int64_t seq[] = {request->seq()};
-    ASSIGN_OR_RETURN(const DrainGate::Ticket admitted, AdmitSequences(cache, seq, "Restore"));
-    return cache.Restore(request->seq(), snapshot_id, request->target());
-  });
+  return RunOnCache(
+      context, request, [this, request](Cache& cache, const Principal& caller) -> absl::Status {
+        RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
+        RETURN_IF_ERROR(CheckNotNegative("target", request->target()));
+        const std::optional<uint64_t> snapshot_id =
+            request->has_snapshot_id() ? std::optional<uint64_t>(request->snapshot_id())
+                                       : std::nullopt;
+        ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                         GuardSequence(Reservations::Key(caller.tenant, request->cache()),
+                                       request->seq(), "Restore"));
+        const int64_t seq[] = {request->seq()};
+        ASSIGN_OR_RETURN(const DrainGate::Ticket admitted, AdmitSequences(cache, seq, "Restore"));
+        return cache.Restore(request->seq(), snapshot_id, request->target());
+      });
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::MergeSnapshots(grpc::CallbackServerContext* context,
                                                            const v1::MergeSnapshotsRequest* request,
                                                            v1::MergeSnapshotsResponse* response) {
-  return RunOnCache(context, request,
-                    [this, request, response](Cache& cache,
-                                              const Principal& caller) -> absl::Status {
-    ASSIGN_OR_RETURN(
-        const Reservations::Guard guard,
-        GuardSnapshots(Reservations::Key(caller.tenant, request->cache()), {request->parent(), request->child()}, "MergeSnapshots"));
-    ASSIGN_OR_RETURN(const SnapshotInfo merged,
-                     cache.MergeSnapshots(request->parent(), request->child()));
-    *response->mutable_snapshot() = SnapshotInfoToProto(merged);
-    return absl::OkStatus();
-  });
+  return RunOnCache(
+      context, request,
+      [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
+        ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                         GuardSnapshots(Reservations::Key(caller.tenant, request->cache()),
+                                        {request->parent(), request->child()}, "MergeSnapshots"));
+        ASSIGN_OR_RETURN(const SnapshotInfo merged,
+                         cache.MergeSnapshots(request->parent(), request->child()));
+        *response->mutable_snapshot() = SnapshotInfoToProto(merged);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::SplitSnapshot(grpc::CallbackServerContext* context,
                                                           const v1::SplitSnapshotRequest* request,
                                                           v1::SplitSnapshotResponse* response) {
-  return RunOnCache(context, request,
-                    [this, request, response](Cache& cache,
-                                              const Principal& caller) -> absl::Status {
-    ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     GuardSnapshots(Reservations::Key(caller.tenant, request->cache()), {request->snapshot_id()}, "SplitSnapshot"));
-    ASSIGN_OR_RETURN(const SplitResult split,
-                     cache.SplitSnapshot(request->snapshot_id(), request->at()));
-    if (split.parent.has_value()) *response->mutable_parent() = SnapshotInfoToProto(*split.parent);
-    if (split.child.has_value()) *response->mutable_child() = SnapshotInfoToProto(*split.child);
-    return absl::OkStatus();
-  });
+  return RunOnCache(
+      context, request,
+      [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
+        ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                         GuardSnapshots(Reservations::Key(caller.tenant, request->cache()),
+                                        {request->snapshot_id()}, "SplitSnapshot"));
+        ASSIGN_OR_RETURN(const SplitResult split,
+                         cache.SplitSnapshot(request->snapshot_id(), request->at()));
+        if (split.parent.has_value())
+          *response->mutable_parent() = SnapshotInfoToProto(*split.parent);
+        if (split.child.has_value()) *response->mutable_child() = SnapshotInfoToProto(*split.child);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::DropSnapshot(grpc::CallbackServerContext* context,
                                                          const v1::DropSnapshotRequest* request,
                                                          v1::DropSnapshotResponse* response) {
-  return RunOnCache(context, request,
-                    [this, request](Cache& cache, const Principal& caller) -> absl::Status {
-    ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     GuardSnapshots(Reservations::Key(caller.tenant, request->cache()), {request->snapshot_id()}, "DropSnapshot"));
-    return cache.DropSnapshot(request->snapshot_id());
-  });
+  return RunOnCache(
+      context, request, [this, request](Cache& cache, const Principal& caller) -> absl::Status {
+        ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                         GuardSnapshots(Reservations::Key(caller.tenant, request->cache()),
+                                        {request->snapshot_id()}, "DropSnapshot"));
+        return cache.DropSnapshot(request->snapshot_id());
+      });
 }
 
 grpc::ServerUnaryReactor* CacheServiceImpl::ListSnapshots(grpc::CallbackServerContext* context,
@@ -924,25 +967,26 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListSnapshots(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* CacheServiceImpl::CommitSpeculation(
     grpc::CallbackServerContext* context, const v1::CommitSpeculationRequest* request,
     v1::CommitSpeculationResponse* response) {
-  return RunOnCache(context, request,
-                    [this, request, response](Cache& cache,
-                                              const Principal& caller) -> absl::Status {
-    RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
-    RETURN_IF_ERROR(CheckNotNegative("accepted", request->accepted()));
-    ASSIGN_OR_RETURN(const Reservations::Guard guard,
-                     GuardSequence(Reservations::Key(caller.tenant, request->cache()), request->seq(), "CommitSpeculation"));
-    RETURN_IF_ERROR(cache.CommitSpeculation(request->seq(), request->accepted()));
-    // The sequence's offset afterwards; a commit of 0 tokens may leave it storing nothing.
-    int32_t offset = 0;
-    for (const SequenceInfo& info : cache.ListSequences()) {
-      if (info.seq == request->seq()) {
-        offset = info.offset;
-        break;
-      }
-    }
-    response->set_offset(offset);
-    return absl::OkStatus();
-  });
+  return RunOnCache(
+      context, request,
+      [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
+        RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
+        RETURN_IF_ERROR(CheckNotNegative("accepted", request->accepted()));
+        ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                         GuardSequence(Reservations::Key(caller.tenant, request->cache()),
+                                       request->seq(), "CommitSpeculation"));
+        RETURN_IF_ERROR(cache.CommitSpeculation(request->seq(), request->accepted()));
+        // The sequence's offset afterwards; a commit of 0 tokens may leave it storing nothing.
+        int32_t offset = 0;
+        for (const SequenceInfo& info : cache.ListSequences()) {
+          if (info.seq == request->seq()) {
+            offset = info.offset;
+            break;
+          }
+        }
+        response->set_offset(offset);
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace kvmesh
@@ -958,9 +1002,9 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Migrate(grpc::CallbackServerContext*
     ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     RETURN_IF_ERROR(
         CheckNames({{"cache", request->cache()}, {"target_node", request->target_node()}}));
-    ASSIGN_OR_RETURN(*response,
-                     options_.cluster->Migrate(caller.tenant, *request,
-                                               options_.cluster->Deadline(ContextDeadline(*context))));
+    ASSIGN_OR_RETURN(*response, options_.cluster->Migrate(
+                                    caller.tenant, *request,
+                                    options_.cluster->Deadline(ContextDeadline(*context))));
     return absl::OkStatus();
   });
 }
@@ -1021,7 +1065,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Drain(grpc::CallbackServerContext* c
     }
     // --drain-timeout-ms=0 turns the drain on SIGTERM off, not the RPC's default.
     const absl::Duration timeout =
-        request->timeout_ms() > 0 ? absl::Milliseconds(request->timeout_ms())
+        request->timeout_ms() > 0                       ? absl::Milliseconds(request->timeout_ms())
         : options_.drain_timeout > absl::ZeroDuration() ? options_.drain_timeout
                                                         : kDefaultDrainTimeout;
     // The drain ends a margin before the caller's deadline, so that the caller gets the answer
@@ -1030,7 +1074,8 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Drain(grpc::CallbackServerContext* c
     absl::Time end = now + timeout;
     const absl::Time caller_deadline = ContextDeadline(*context);
     if (caller_deadline != absl::InfiniteFuture()) {
-      end = std::min(end, caller_deadline - std::max(absl::Seconds(1), (caller_deadline - now) / 20));
+      end =
+          std::min(end, caller_deadline - std::max(absl::Seconds(1), (caller_deadline - now) / 20));
     }
     ASSIGN_OR_RETURN(*response, options_.drainer->Drain(end, Drainer::Mode::kRequest));
     return absl::OkStatus();

@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <iterator>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -57,7 +57,8 @@ uint8_t* MapAligned(size_t length) {
   const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
   if (aligned > start) munmap(raw, aligned - start);
   const uintptr_t end = start + length + kHugePage;
-  if (end > aligned + length) munmap(reinterpret_cast<void*>(aligned + length), end - aligned - length);
+  if (end > aligned + length)
+    munmap(reinterpret_cast<void*>(aligned + length), end - aligned - length);
   // Advice only: without THP the arena works the same, with small pages.
   (void)madvise(reinterpret_cast<void*>(aligned), length, MADV_HUGEPAGE);
   return reinterpret_cast<uint8_t*>(aligned);

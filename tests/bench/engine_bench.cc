@@ -15,6 +15,7 @@
 // Counters: bytes_per_second is the K/V bytes the operation produces or delivers (see each
 // benchmark); items_per_second is tokens.
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -138,6 +139,47 @@ void BM_Read(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(bytes));
 }
 BENCHMARK(BM_Read)->Arg(512)->Arg(4096)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// Cache::OpenRead of the same sequence, its payload gathered in 4 MiB pieces into one reused,
+// touched buffer (as the Read RPC sends it: one chunk at a time). Bytes: the payload.
+void BM_ReadCursor(benchmark::State& state) {
+  const int32_t n = static_cast<int32_t>(state.range(0));
+  HostDevice device(kBudgetBytes);
+  std::unique_ptr<Cache> made = MakeCache(state, &device, 1, kSequenceTokens);
+  if (made == nullptr || !Check(state, Fill(*made, 0, 0, n))) return;
+  const std::shared_ptr<Cache> cache = std::move(made);
+  std::vector<uint8_t> chunk(size_t{4} << 20, 1);
+  size_t bytes = 0;
+  for (auto _ : state) {
+    absl::StatusOr<std::unique_ptr<ReadCursor>> cursor = Cache::OpenRead(cache, 0, 0, std::nullopt);
+    if (!Check(state, cursor.status())) break;
+    bytes = (*cursor)->size();
+    for (size_t at = 0; at < bytes; at += chunk.size()) {
+      const size_t len = std::min(chunk.size(), bytes - at);
+      if (!Check(state, (*cursor)->ReadAt(at, absl::MakeSpan(chunk.data(), len)))) return;
+      benchmark::DoNotOptimize(chunk.data());
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(bytes));
+}
+BENCHMARK(BM_ReadCursor)->Arg(512)->Arg(4096)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// The reference for both Reads: memcpy of a sequence's payload (state.range(0) tokens) from
+// one touched buffer into another, in 4 MiB pieces. Bytes: the payload.
+void BM_MemcpyReference(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(state.range(0)) * TokenBytes();
+  std::vector<uint8_t> src(bytes, 1);
+  std::vector<uint8_t> dst(size_t{4} << 20, 2);
+  for (auto _ : state) {
+    for (size_t at = 0; at < bytes; at += dst.size()) {
+      std::memcpy(dst.data(), src.data() + at, std::min(dst.size(), bytes - at));
+      benchmark::DoNotOptimize(dst.data());
+    }
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(bytes));
+}
+BENCHMARK(BM_MemcpyReference)->Arg(512)->Arg(4096)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 // CopyPrefix of state.range(0) tokens of a 4K-token sequence into one of 15 other sequences in
 // turn (16 live sequences, each dst's old fork released). Cells are shared, not copied; bytes
@@ -320,8 +362,12 @@ void BM_RecurrentState(benchmark::State& state) {
   }
   state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(snap->bytes));
 }
-BENCHMARK(BM_RecurrentState)->Arg(0)->Arg(1)->Iterations(16)->UseRealTime()->Unit(
-    benchmark::kMillisecond);
+BENCHMARK(BM_RecurrentState)
+    ->Arg(0)
+    ->Arg(1)
+    ->Iterations(16)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace kvmesh

@@ -68,6 +68,7 @@
 #include "service/common/convert.h"
 #include "service/ctl/args.h"
 #include "service/ctl/payload.h"
+#include "tests/bench/tcp_reference.h"
 #include "tests/testing/llama_spec.h"
 #include "tests/testing/node_process.h"
 
@@ -86,8 +87,7 @@ constexpr int32_t kAppendBatch = 512;  // tokens per AppendStream while filling 
 // AppendStream / Read chunks of the client (untimed): a message with its header fits the
 // nodes' --max-message-bytes down to 256KiB (smaller values cap the migration's chunks too).
 constexpr int64_t kChunkBytes = 128 << 10;
-constexpr size_t kTcpBufferBytes = 4 << 20;  // built-in TCP: user buffers on both sides
-constexpr int kTcpReps = 5;                  // built-in TCP reps (median)
+constexpr int kTcpReps = 5;  // built-in TCP reps (median)
 constexpr int kIperfSeconds = 3;
 
 struct Options {
@@ -379,88 +379,6 @@ absl::StatusOr<ctl::PatternCheck> Verify(Node& node, const CacheSpec& spec, int3
 
 // ---- raw loopback TCP ----------------------------------------------------------------------
 
-absl::Status Errno(absl::string_view what) {
-  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
-}
-
-// Writes `bytes` bytes (from one 4 MiB buffer) through a loopback TCP connection to a thread
-// that reads them into another 4 MiB buffer, kTcpReps times on one connection; the seconds of
-// each rep, from the sender's first write to the receiver's last read.
-absl::StatusOr<std::vector<double>> BuiltInTcp(size_t bytes) {
-  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (listener < 0) return Errno("socket");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      listen(listener, 1) != 0 ||
-      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const absl::Status s = Errno("bind/listen on 127.0.0.1");
-    close(listener);
-    return s;
-  }
-  const int sender = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (sender < 0 || connect(sender, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    const absl::Status s = Errno("connect to 127.0.0.1");
-    if (sender >= 0) close(sender);
-    close(listener);
-    return s;
-  }
-  const int receiver = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-  close(listener);
-  if (receiver < 0) {
-    const absl::Status s = Errno("accept");
-    close(sender);
-    return s;
-  }
-
-  // Touched once, so that neither side measures first-touch page faults.
-  std::vector<char> out(kTcpBufferBytes, 'x');
-  std::vector<char> in(kTcpBufferBytes, 0);
-  std::vector<double> seconds;
-  absl::Status status;
-  for (int rep = 0; rep < kTcpReps && status.ok(); ++rep) {
-    Clock::time_point received_at;
-    absl::Status receive_status;
-    std::thread reader([&] {
-      size_t got = 0;
-      while (got < bytes) {
-        const ssize_t n = recv(receiver, in.data(), std::min(in.size(), bytes - got), 0);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-          receive_status =
-              n == 0 ? absl::DataLossError("recv: the connection closed early") : Errno("recv");
-          return;
-        }
-        got += static_cast<size_t>(n);
-      }
-      received_at = Clock::now();
-    });
-    const Clock::time_point start = Clock::now();
-    size_t sent = 0;
-    while (sent < bytes) {
-      const size_t want = std::min(out.size(), bytes - sent);
-      const ssize_t n = send(sender, out.data(), want, MSG_NOSIGNAL);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        status = Errno("send");
-        shutdown(sender, SHUT_RDWR);  // ends the reader's recv
-        break;
-      }
-      sent += static_cast<size_t>(n);
-    }
-    reader.join();
-    if (status.ok()) status = receive_status;
-    if (status.ok()) seconds.push_back(Seconds(received_at - start));
-  }
-  close(sender);
-  close(receiver);
-  if (!status.ok()) return status;
-  return seconds;
-}
-
 // The path of `name` on PATH, or "" when it is not there.
 std::string FindOnPath(const std::string& name) {
   const char* path = std::getenv("PATH");
@@ -483,7 +401,7 @@ absl::StatusOr<double> Iperf3(const std::string& iperf3) {
   for (std::string& a : server_args) argv.push_back(a.data());
   argv.push_back(nullptr);
   const pid_t server = fork();
-  if (server < 0) return Errno("fork");
+  if (server < 0) return testutil::ErrnoStatus("fork");
   if (server == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     const int devnull = open("/dev/null", O_RDWR);
@@ -504,7 +422,7 @@ absl::StatusOr<double> Iperf3(const std::string& iperf3) {
     json.clear();
     FILE* f = popen(client.c_str(), "r");
     if (f == nullptr) {
-      status = Errno("popen iperf3 client");
+      status = testutil::ErrnoStatus("popen iperf3 client");
       break;
     }
     char buf[4096];
@@ -739,9 +657,10 @@ int Main(int argc, char** argv) {
   if (!failed) {
     Node& source = nodes[holder];
     Node& dest = nodes[1 - holder];
-    std::printf("\ncross-node CopyPrefix of %d tokens, %s -> %s (destination emptied first, "
-                "untimed)\n",
-                o.tokens, source.name.c_str(), dest.name.c_str());
+    std::printf(
+        "\ncross-node CopyPrefix of %d tokens, %s -> %s (destination emptied first, "
+        "untimed)\n",
+        o.tokens, source.name.c_str(), dest.name.c_str());
     std::printf("%-4s %9s %9s %10s %11s %10s %10s\n", "rep", "wall ms", "server ms", "bytes",
                 "GB/s wall", "cpu src ms", "cpu dst ms");
     for (int rep = 0; rep < o.reps; ++rep) {
@@ -777,7 +696,7 @@ int Main(int argc, char** argv) {
   std::optional<double> tcp_builtin, tcp_iperf;
   Stats builtin_stats;
   if (!failed) {
-    absl::StatusOr<std::vector<double>> tcp = BuiltInTcp(payload_bytes);
+    absl::StatusOr<std::vector<double>> tcp = testutil::LoopbackTcpSeconds(payload_bytes, kTcpReps);
     if (!tcp.ok()) {
       fail(absl::Status(tcp.status().code(),
                         absl::StrCat("built-in TCP: ", tcp.status().message())));
@@ -828,8 +747,8 @@ int Main(int argc, char** argv) {
     std::printf("%-44s %8.1f %8.1f %8.1f\n", "migrate, server TransferStats.micros (ms)",
                 server.median, server.min, server.max);
     if (!copy_gbps.empty()) {
-      PrintRow("cross-node CopyPrefix, client wall clock (GB/s)", Summarize(copy_gbps),
-               tcp_builtin, tcp_iperf);
+      PrintRow("cross-node CopyPrefix, client wall clock (GB/s)", Summarize(copy_gbps), tcp_builtin,
+               tcp_iperf);
       const Stats copy = Summarize(copy_ms);
       std::printf("%-44s %8.1f %8.1f %8.1f\n", "cross-node CopyPrefix, client wall clock (ms)",
                   copy.median, copy.min, copy.max);

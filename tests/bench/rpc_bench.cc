@@ -10,7 +10,9 @@
 //    control call's req/s as a ratio of Health/Check's with "met" when it is >= 0.8;
 //  - bulk payloads on one stream: AppendStream, unary Append and Read of --large-tokens tokens
 //    (512 x Llama-3-8B shape = 64 MiB), GB/s, with the read payload verified against the
-//    pattern that was appended (wrong elements reported, as nccl-tests does);
+//    pattern that was appended (wrong elements reported, as nccl-tests does), and raw loopback
+//    TCP moving the same bytes (4 MiB buffers) in the same run, with "met" where AppendStream
+//    or Read reaches 0.5 of it;
 //  - isolation: p50/p99 of a 1-token unary Append (a decode step) for --duration alone, then for
 //    --duration while another connection appends --large-tokens tokens to another sequence of
 //    the same cache back to back, with "met" when the p99 ratio is <= 2.
@@ -51,6 +53,7 @@
 #include "service/common/health_client.h"
 #include "service/ctl/args.h"
 #include "service/ctl/payload.h"
+#include "tests/bench/tcp_reference.h"
 #include "tests/testing/llama_spec.h"
 #include "tests/testing/node_process.h"
 
@@ -221,6 +224,11 @@ struct BulkResult {
   int64_t wrong_elements = 0;  // Read: elements that differ from what was appended
 };
 
+double MedianSeconds(std::vector<double> s) {
+  std::sort(s.begin(), s.end());
+  return s[s.size() / 2];
+}
+
 void PrintBulk(const BulkResult& r, int64_t bytes) {
   if (!r.error.empty()) {
     std::printf("%-40s failed: %s\n", r.name.c_str(), r.error.c_str());
@@ -228,7 +236,7 @@ void PrintBulk(const BulkResult& r, int64_t bytes) {
   }
   std::vector<double> s = r.seconds;
   std::sort(s.begin(), s.end());
-  const double median = s[s.size() / 2];
+  const double median = MedianSeconds(s);
   std::printf("%-40s %6zu %10.1f %10.1f %9.2f %9.2f  %s\n", r.name.c_str(), s.size(), median * 1e3,
               s.front() * 1e3, bytes / median / 1e9, bytes / s.front() / 1e9, r.note.c_str());
 }
@@ -801,6 +809,22 @@ int Main(int argc, char** argv) {
               "GB/s best");
   std::vector<BulkResult> bulk = RunBulk(o, clients[0], spec);
   for (const BulkResult& r : bulk) PrintBulk(r, bulk_bytes);
+  // The reference: the same bytes through raw loopback TCP, in this run.
+  absl::StatusOr<std::vector<double>> tcp =
+      testutil::LoopbackTcpSeconds(static_cast<size_t>(bulk_bytes), o.large_reps);
+  if (!tcp.ok()) {
+    std::printf("raw loopback TCP: failed: %s\n", tcp.status().ToString().c_str());
+  } else {
+    const double tcp_gbps = bulk_bytes / MedianSeconds(*tcp) / 1e9;
+    std::printf("%-40s %6zu %10.1f %10s %9.2f %9s  (4 MiB buffers)\n", "raw loopback TCP",
+                tcp->size(), MedianSeconds(*tcp) * 1e3, "", tcp_gbps, "");
+    std::printf("bulk as a ratio of raw loopback TCP's GB/s (goal >= 0.5, issue 17 goal 3):\n");
+    for (const BulkResult& r : bulk) {
+      if (!r.error.empty() || r.name.rfind("Append (unary", 0) == 0) continue;
+      const double ratio = bulk_bytes / MedianSeconds(r.seconds) / 1e9 / tcp_gbps;
+      std::printf("  %-38s %5.2f  %s\n", r.name.c_str(), ratio, ratio >= 0.5 ? "met" : "NOT met");
+    }
+  }
   const IsolationResult isolation = RunIsolation(o, addr, clients[0], spec);
   PrintIsolation(isolation, o, bulk_bytes);
 

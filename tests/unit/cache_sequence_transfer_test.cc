@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -22,6 +23,7 @@ namespace kvmesh {
 namespace {
 
 using testutil::AppendRange;
+using testutil::AppendSpeculative;
 using testutil::CacheState;
 using testutil::CaptureState;
 using testutil::Chunked;
@@ -399,6 +401,106 @@ TEST(SequenceTransferTest, ACacheWithoutCellsForEveryGroupCopiesBothWays) {
   SharedCache dst(spec);
   SharedCache twin(spec);
   ExpectSameRestore(*image, *dst.cache, *twin.cache, 2, 5, /*in_cells=*/false);
+}
+
+// ---- OpenRead ----------------------------------------------------------------------------
+
+// The payload of `cursor`, read in pieces of `piece` bytes.
+absl::StatusOr<std::string> CursorPayload(ReadCursor& cursor, size_t piece) {
+  std::string payload(cursor.size(), '\0');
+  for (size_t at = 0; at < payload.size();) {
+    const size_t n = std::min(piece, payload.size() - at);
+    const absl::Status read =
+        cursor.ReadAt(at, absl::MakeSpan(reinterpret_cast<uint8_t*>(payload.data()) + at, n));
+    if (!read.ok()) return read;
+    at += n;
+  }
+  return payload;
+}
+
+// OpenRead gives what Read gives, with the same status.
+::testing::AssertionResult SameAsRead(const std::shared_ptr<Cache>& cache, int64_t seq,
+                                      int32_t begin, std::optional<int32_t> end, size_t piece) {
+  absl::StatusOr<ReadResult> expected = cache->Read(seq, begin, end);
+  absl::StatusOr<std::unique_ptr<ReadCursor>> cursor = Cache::OpenRead(cache, seq, begin, end);
+  if (expected.status().code() != cursor.status().code()) {
+    return ::testing::AssertionFailure() << expected.status() << " vs " << cursor.status();
+  }
+  if (!expected.ok()) {
+    if (expected.status().message() != cursor.status().message()) {
+      return ::testing::AssertionFailure() << expected.status() << " vs " << cursor.status();
+    }
+    return ::testing::AssertionSuccess();
+  }
+  if ((*cursor)->header().positions != expected->positions ||
+      (*cursor)->header().states != expected->states) {
+    return ::testing::AssertionFailure() << "positions or states differ";
+  }
+  absl::StatusOr<std::string> payload = CursorPayload(**cursor, piece);
+  if (!payload.ok()) return ::testing::AssertionFailure() << payload.status();
+  if (*payload != expected->payload) return ::testing::AssertionFailure() << "payload differs";
+  return ::testing::AssertionSuccess();
+}
+
+TEST(OpenReadTest, GivesWhatReadGives) {
+  for (const WindowSpec& window : {Full(), Sliding(4, 6), Chunked(8)}) {
+    SCOPED_TRACE(::testing::Message() << "window kind " << static_cast<int>(window.kind));
+    SharedCache c(AttentionSpec(window));
+    Fragment(*c.cache);
+    const absl::Status pending = AppendSpeculative(*c.cache, 1, 10, 12);  // read too
+    ASSERT_TRUE(pending.ok()) << pending;
+    const struct {
+      int64_t seq;
+      int32_t begin;
+      std::optional<int32_t> end;
+    } cases[] = {{0, 0, kNoEnd},  {0, 2, 7},       {0, 5, 5},  {0, 30, kNoEnd},
+                 {1, 0, kNoEnd},  {1, 3, 5},       {2, 0, 20}, {7, 0, kNoEnd},
+                 {-1, 0, kNoEnd}, {0, -1, kNoEnd}, {0, 4, 2}};
+    for (const auto& r : cases) {
+      for (size_t piece : {size_t{1}, size_t{7}, size_t{4096}, kWhole}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "seq " << r.seq << " [" << r.begin << ", "
+                     << (r.end.has_value() ? *r.end : -1) << ") piece " << piece);
+        EXPECT_TRUE(SameAsRead(c.cache, r.seq, r.begin, r.end, piece));
+      }
+    }
+  }
+  // A cache that does not lend cells reads at once, the same.
+  const CacheSpec hybrid =
+      Spec(DType::kF32, 4, 16, 8, {Group(Full(), 1, 1, 4, 4), RecurrentGroup(1, 2, 3, 2, 2, 2)});
+  SharedCache h(hybrid);
+  ASSERT_TRUE(AppendRange(*h.cache, 0, 0, 5).ok());
+  EXPECT_TRUE(SameAsRead(h.cache, 0, 0, kNoEnd, 3));
+  EXPECT_TRUE(SameAsRead(h.cache, 0, 2, 4, 3));
+  EXPECT_TRUE(SameAsRead(h.cache, 3, 0, kNoEnd, 3));
+}
+
+TEST(OpenReadTest, TheCursorReadsTheSequenceAsItWasWhenOpened) {
+  const CacheSpec spec =
+      Spec(DType::kF16, 2, 8, 8, {Group(Full(), 2, 2, 4, 6, Rope(RopeType::kNeox, 4))});
+  SharedCache c(spec);
+  ASSERT_TRUE(AppendRange(*c.cache, 0, 0, 8).ok());
+  absl::StatusOr<ReadResult> before = c.cache->Read(0, 0, kNoEnd);
+  ASSERT_TRUE(before.ok());
+  absl::StatusOr<std::unique_ptr<ReadCursor>> cursor = Cache::OpenRead(c.cache, 0, 0, kNoEnd);
+  ASSERT_TRUE(cursor.ok());
+  // Shifted, removed, and its cells wanted by another sequence: the cursor's bytes stay.
+  ASSERT_TRUE(c.cache->Remove(0, 0, 3).ok());
+  ASSERT_TRUE(c.cache->Remove(0, 0, kNoEnd).ok());
+  ASSERT_TRUE(AppendRange(*c.cache, 1, 0, 8).ok());
+  EXPECT_TRUE(IsError(AppendRange(*c.cache, 1, 8, 9), absl::StatusCode::kResourceExhausted,
+                      {"free cells"}));
+  absl::StatusOr<std::string> payload = CursorPayload(**cursor, 1000);
+  ASSERT_TRUE(payload.ok());
+  EXPECT_TRUE(*payload == before->payload);
+  EXPECT_EQ((*cursor)->header().positions, before->positions);
+  uint8_t byte = 0;
+  EXPECT_TRUE((*cursor)->ReadAt((*cursor)->size(), absl::MakeSpan(&byte, 0)).ok());
+  EXPECT_TRUE(IsError((*cursor)->ReadAt((*cursor)->size(), absl::MakeSpan(&byte, 1)),
+                      absl::StatusCode::kOutOfRange, {"goes past the end"}));
+  cursor->reset();
+  EXPECT_EQ(CellsUsed(*c.cache), 8);
+  EXPECT_TRUE(AppendRange(*c.cache, 0, 0, 8).ok());
 }
 
 }  // namespace

@@ -2,6 +2,10 @@
 // (tests/testing/test_device.h: HostDevice, or CudaDevice with KVMESH_TEST_DEVICE=cuda). Arena
 // memory may be a GPU address, so the tests reach it only through Scatter and Gather (WriteArena,
 // ArenaBytes), never through DeviceArena::data().
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -246,6 +250,36 @@ TEST(HostDeviceTest, SnapshotBudgetDefaultsToTheCacheBudget) {
   HostDevice device(500);
   EXPECT_EQ(device.budget_bytes(MemoryPool::kSnapshot), 500u);
   EXPECT_EQ(device.name(), "host");
+}
+
+// Pages of [data, data + bytes) resident in memory (mincore).
+size_t ResidentPages(const uint8_t* data, size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident((bytes + page - 1) / page);
+  if (mincore(const_cast<uint8_t*>(data), bytes, resident.data()) != 0) return 0;
+  size_t n = 0;
+  for (unsigned char r : resident) n += r & 1;
+  return n;
+}
+
+TEST(HostDeviceTest, PrefaultMakesNewArenasResidentAtAllocation) {
+  if (testutil::TestOnCuda()) GTEST_SKIP() << "HostDevice only";
+  if (!HostDevice::KeepsArenas()) GTEST_SKIP() << "sanitizer build: arenas come from malloc";
+  constexpr size_t kMiB = size_t{1} << 20;
+  const size_t pages = 8 * kMiB / static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  HostDevice lazy(64 * kMiB, 64 * kMiB, /*kept_limit=*/0, /*prefault=*/false);
+  HostDevice eager(64 * kMiB, 64 * kMiB, /*kept_limit=*/0, /*prefault=*/true);
+  absl::StatusOr<DeviceArena> untouched = lazy.Allocate(8 * kMiB);
+  ASSERT_TRUE(untouched.ok());
+  EXPECT_EQ(ResidentPages(untouched->data(), untouched->size()), 0u);
+  for (MemoryPool pool : {MemoryPool::kCache, MemoryPool::kSnapshot}) {
+    absl::StatusOr<DeviceArena> faulted = eager.Allocate(8 * kMiB, pool);
+    ASSERT_TRUE(faulted.ok());
+    EXPECT_EQ(ResidentPages(faulted->data(), faulted->size()), pages);
+    // Still zero-filled, as fresh memory is.
+    const uint8_t* data = faulted->data();
+    EXPECT_TRUE(std::all_of(data, data + faulted->size(), [](uint8_t b) { return b == 0; }));
+  }
 }
 
 TEST(HostDeviceTest, FreedLargeArenasAreKeptAndReusedBySize) {
