@@ -463,9 +463,10 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
       }
       cursor_ = *std::move(cursor);
       total_ = cursor_->size();
+      const size_t in_flight = std::min(total_, chunk_bytes_);
       absl::StatusOr<InflightBudget::Reservation> reserved = service_->inflight_->Reserve(
-          std::min(total_, chunk_bytes_),
-          absl::StrCat("a chunk of a Read of ", total_, " payload bytes"));
+          in_flight, absl::StrCat("Read of ", total_, " payload bytes (", in_flight,
+                                  " of them in flight at a time)"));
       if (!reserved.ok()) {
         Done(ToGrpcStatus(reserved.status()));
         return;
