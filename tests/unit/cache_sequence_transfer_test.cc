@@ -5,15 +5,19 @@
 // gives, every restore with Restore of an imported snapshot in a twin cache, and the cells a
 // transfer pins with what Usage and later operations see.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "cache/cache.h"
 #include "gtest/gtest.h"
@@ -501,6 +505,73 @@ TEST(OpenReadTest, TheCursorReadsTheSequenceAsItWasWhenOpened) {
   cursor->reset();
   EXPECT_EQ(CellsUsed(*c.cache), 8);
   EXPECT_TRUE(AppendRange(*c.cache, 0, 0, 8).ok());
+}
+
+TEST(SequenceTransferConcurrencyTest, PinnedReadsExportsAndImportsBesideOtherOperations) {
+  // Sequence 0 never changes; sequence 1's cells come and go, sequence 3 shares sequence 0's
+  // cells and is context-shifted and copied again. Readers of sequence 0 (cursors, exports
+  // imported into a second cache) must see its bytes, whatever the others do meanwhile.
+  const CacheSpec spec =
+      Spec(DType::kF16, 4, 32, 8, {Group(Full(), 2, 2, 4, 6, Rope(RopeType::kNeox, 4))});
+  SharedCache src(spec);
+  SharedCache dst(spec);
+  for (int32_t p = 0; p < 16; p += 8) ASSERT_TRUE(AppendRange(*src.cache, 0, p, p + 8).ok());
+  const absl::StatusOr<ReadResult> expected = src.cache->Read(0, 0, kNoEnd);
+  ASSERT_TRUE(expected.ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  threads.emplace_back([&] {  // cursors
+    while (!stop.load()) {
+      absl::StatusOr<std::unique_ptr<ReadCursor>> cursor = Cache::OpenRead(src.cache, 0, 0, kNoEnd);
+      if (!cursor.ok()) {
+        ++wrong;
+        continue;
+      }
+      absl::StatusOr<std::string> payload = CursorPayload(**cursor, 333);
+      if (!payload.ok() || *payload != expected->payload) ++wrong;
+    }
+  });
+  threads.emplace_back([&] {  // exports imported into dst
+    while (!stop.load()) {
+      absl::StatusOr<Image> image = SequenceImage(src.cache, 0, 0, kNoEnd);
+      if (!image.ok()) {
+        ++wrong;
+        continue;
+      }
+      absl::StatusOr<std::unique_ptr<SequenceImport>> import = Import(*dst.cache, *image, 1000);
+      if (!import.ok() || !dst.cache->RestoreImport(2, **import, 16).ok()) {
+        ++wrong;
+        continue;
+      }
+      absl::StatusOr<ReadResult> read = dst.cache->Read(2, 0, kNoEnd);
+      if (!read.ok() || read->payload != expected->payload) ++wrong;
+    }
+  });
+  threads.emplace_back([&] {  // churn: cells freed and taken again
+    while (!stop.load()) {
+      (void)AppendRange(*src.cache, 1, 0, 8);
+      (void)src.cache->Remove(1, 0, kNoEnd);
+    }
+  });
+  threads.emplace_back([&] {  // shares sequence 0's cells, then rotates copies of them
+    while (!stop.load()) {
+      (void)src.cache->CopyPrefix(0, 3, 16);
+      (void)src.cache->Remove(3, 0, 4);
+    }
+  });
+  absl::SleepFor(absl::Seconds(2));
+  stop.store(true);
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  // Every pin is gone: only sequences 0, 1 (maybe) and 3 hold cells.
+  ASSERT_TRUE(src.cache->Remove(1, 0, kNoEnd).ok());
+  ASSERT_TRUE(src.cache->Remove(3, 0, kNoEnd).ok());
+  EXPECT_EQ(CellsUsed(*src.cache), 16);
+  EXPECT_EQ(src.cache->Usage().export_bytes, 0u);
+  const absl::StatusOr<ReadResult> after = src.cache->Read(0, 0, kNoEnd);
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->payload == expected->payload);
 }
 
 }  // namespace
