@@ -66,14 +66,15 @@ void AttentionGroup::AddShared(int64_t seq, int32_t delta) {
   if (count == 0) shared_.erase(seq);
 }
 
+int32_t AttentionGroup::TakeFreeCell() {
+  if (free_.empty()) return static_cast<int32_t>(next_fresh_++);
+  const int32_t cell = free_.back();
+  free_.pop_back();
+  return cell;
+}
+
 int32_t AttentionGroup::AllocateCell(int64_t seq) {
-  int32_t cell;
-  if (!free_.empty()) {
-    cell = free_.back();
-    free_.pop_back();
-  } else {
-    cell = static_cast<int32_t>(next_fresh_++);
-  }
+  const int32_t cell = TakeFreeCell();
   refs_[cell] = 1;
   holders_[cell] = static_cast<uint64_t>(seq);
   return cell;
@@ -629,13 +630,7 @@ std::vector<int32_t> AttentionGroup::PinFreeCells(int64_t n) {
   if (n > free_cells()) return cells;
   cells.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
-    int32_t cell;
-    if (!free_.empty()) {
-      cell = free_.back();
-      free_.pop_back();
-    } else {
-      cell = static_cast<int32_t>(next_fresh_++);
-    }
+    const int32_t cell = TakeFreeCell();
     pins_[cell] = 1;
     cells.push_back(cell);
   }

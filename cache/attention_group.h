@@ -136,6 +136,7 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
   // counts (shared_, shared_cells_) without ever visiting a sequence's positions: a cell with
   // one reference knows its holder from holders_, so the holder's count drops when the others
   // let go of the cell.
+  int32_t TakeFreeCell();                       // REQUIRES: free_cells() > 0
   int32_t AllocateCell(int64_t seq);            // a free cell, referenced by seq only
   void RefCell(int32_t cell, int64_t seq);      // seq references a used cell too
   void ReleaseCell(int32_t cell, int64_t seq);  // seq drops its reference

@@ -259,6 +259,21 @@ struct MigrateRep {
   std::string transport;
 };
 
+// A transfer call's outcome: its status, or its wall time and what the node reported.
+absl::StatusOr<MigrateRep> Timed(const grpc::Status& s, const std::string& what,
+                                 Clock::duration wall, const v1::TransferStats& stats) {
+  if (!s.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                        absl::StrCat(what, ": ", s.error_message()));
+  }
+  MigrateRep rep;
+  rep.wall_s = Seconds(wall);
+  rep.bytes = stats.bytes();
+  rep.micros = stats.micros();
+  rep.transport = stats.transport();
+  return rep;
+}
+
 absl::StatusOr<MigrateRep> MigrateOnce(Node& from, Node& to) {
   grpc::ClientContext context;
   SetDeadline(&context, absl::Seconds(300));
@@ -271,18 +286,8 @@ absl::StatusOr<MigrateRep> MigrateOnce(Node& from, Node& to) {
   v1::MigrateResponse response;
   const Clock::time_point start = Clock::now();
   const grpc::Status s = from.stub->Migrate(&context, request, &response);
-  const Clock::time_point end = Clock::now();
-  if (!s.ok()) {
-    return absl::Status(
-        static_cast<absl::StatusCode>(s.error_code()),
-        absl::StrCat("Migrate ", from.name, " -> ", to.name, ": ", s.error_message()));
-  }
-  MigrateRep rep;
-  rep.wall_s = Seconds(end - start);
-  rep.bytes = response.transfer().bytes();
-  rep.micros = response.transfer().micros();
-  rep.transport = response.transfer().transport();
-  return rep;
+  return Timed(s, absl::StrCat("Migrate ", from.name, " -> ", to.name), Clock::now() - start,
+               response.transfer());
 }
 
 // A cross-node CopyPrefix of `tokens` tokens of kSeq on `source` into kCopySeq on `dest`, timed
@@ -313,18 +318,8 @@ absl::StatusOr<MigrateRep> CopyOnce(Node& source, Node& dest, int32_t tokens) {
   v1::CopyPrefixResponse response;
   const Clock::time_point start = Clock::now();
   const grpc::Status s = dest.stub->CopyPrefix(&context, request, &response);
-  const Clock::time_point end = Clock::now();
-  if (!s.ok()) {
-    return absl::Status(
-        static_cast<absl::StatusCode>(s.error_code()),
-        absl::StrCat("CopyPrefix ", source.name, " -> ", dest.name, ": ", s.error_message()));
-  }
-  MigrateRep rep;
-  rep.wall_s = Seconds(end - start);
-  rep.bytes = response.transfer().bytes();
-  rep.micros = response.transfer().micros();
-  rep.transport = response.transfer().transport();
-  return rep;
+  return Timed(s, absl::StrCat("CopyPrefix ", source.name, " -> ", dest.name), Clock::now() - start,
+               response.transfer());
 }
 
 // Reads sequence `seq` from `node` and compares it with the pattern; the wrong elements.
