@@ -410,7 +410,9 @@ absl::Status AttentionGroup::CheckRemove(int64_t seq, int32_t begin,
   if (free_cells() + freed < shared) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "group ", LayerGroup::index(), ": removing [", begin, ", ", *end, ") from sequence ", seq,
-        " moves ", shared, " cells shared with other sequences, which need private copies; only ",
+        " moves ", shared,
+        " cells shared with other sequences (or pinned by transfers), which need private copies; "
+        "only ",
         free_cells() + freed, " cells are free"));
   }
   return absl::OkStatus();

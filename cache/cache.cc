@@ -1096,60 +1096,67 @@ bool SequenceImport::in_cells() const {
   return state_->in_cells;
 }
 
-absl::StatusOr<std::unique_ptr<SequenceImport>> Cache::BeginSequenceImport(size_t total_bytes) {
-  const size_t min_bytes = MinSnapshotHeaderBytes(spec_);
+absl::StatusOr<bool> Cache::PlaceImport(SequenceImport::State& state, SnapshotRecord* record) {
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUsableLocked());
+  std::vector<std::vector<int32_t>> pinned(groups_.size());
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const int32_t rows = record->groups[g].stored();
+    if (rows == 0) continue;
+    pinned[g] = groups_[g]->PinFreeCells(rows);
+    if (pinned[g].size() == static_cast<size_t>(rows)) continue;
+    // Too few free cells now: the rows go to the snapshot pool, and the Restore copies them
+    // (maybe into cells that the sequence's own old ones free).
+    for (size_t h = 0; h < g; ++h) groups_[h]->Unpin(pinned[h]);
+    return false;
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (pinned[g].empty()) continue;
+    auto cells = std::make_shared<RowChunk>(groups_[g]->BorrowCells());
+    size_t next = 0;
+    for (Segment& segment : record->groups[g].segments) {
+      segment.chunk = cells;
+      segment.chunk_rows.assign(pinned[g].begin() + next, pinned[g].begin() + next + segment.rows);
+      next += static_cast<size_t>(segment.rows);
+    }
+  }
+  state.pinned = std::move(pinned);
+  state.in_cells = true;
+  return true;
+}
+
+SnapshotInfo Cache::CommitImport(SequenceImport::State& state, SnapshotRecord record) {
+  MutexLock lock(&mu_);
+  SnapshotInfo info = InfoLocked(record);
+  state.record = std::move(record);
+  state.committed = true;
+  return info;
+}
+
+absl::StatusOr<std::unique_ptr<SequenceImport>> Cache::BeginSequenceImport(
+    const std::shared_ptr<Cache>& cache, size_t total_bytes) {
+  Cache& c = *cache;
+  const size_t min_bytes = MinSnapshotHeaderBytes(c.spec_);
   if (total_bytes < min_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "total_bytes = ", total_bytes, " is smaller than the smallest snapshot image (", min_bytes,
-        " bytes) of cache '", spec_.name, "'"));
+        " bytes) of cache '", c.spec_.name, "'"));
   }
   auto state = std::make_shared<SequenceImport::State>();
   std::vector<ChunkFormat> formats;
   {
-    ReaderMutexLock lock(&mu_);
-    for (const auto& group : groups_) formats.push_back(group->SnapshotChunkFormat());
+    ReaderMutexLock lock(&c.mu_);
+    for (const auto& group : c.groups_) formats.push_back(group->SnapshotChunkFormat());
   }
+  // The callbacks run on the writer's thread while the import (which holds the cache) exists.
   SnapshotPlaceFn place;
-  if (lends_cells_) {
-    place = [this, state](SnapshotRecord* record) -> absl::StatusOr<bool> {
-      MutexLock lock(&mu_);
-      RETURN_IF_ERROR(CheckUsableLocked());
-      std::vector<std::vector<int32_t>> pinned(groups_.size());
-      for (size_t g = 0; g < groups_.size(); ++g) {
-        const int32_t rows = record->groups[g].stored();
-        if (rows == 0) continue;
-        pinned[g] = groups_[g]->PinFreeCells(rows);
-        if (pinned[g].size() == static_cast<size_t>(rows)) continue;
-        // Too few free cells now: the rows go to the snapshot pool, and the Restore copies them
-        // (maybe into cells that the sequence's own old ones free).
-        for (size_t h = 0; h < g; ++h) groups_[h]->Unpin(pinned[h]);
-        return false;
-      }
-      for (size_t g = 0; g < groups_.size(); ++g) {
-        if (pinned[g].empty()) continue;
-        auto cells = std::make_shared<RowChunk>(groups_[g]->BorrowCells());
-        size_t next = 0;
-        for (Segment& segment : record->groups[g].segments) {
-          segment.chunk = cells;
-          segment.chunk_rows.assign(pinned[g].begin() + next,
-                                    pinned[g].begin() + next + segment.rows);
-          next += static_cast<size_t>(segment.rows);
-        }
-      }
-      state->pinned = std::move(pinned);
-      state->in_cells = true;
-      return true;
-    };
+  if (c.lends_cells_) {
+    place = [&c, state](SnapshotRecord* record) { return c.PlaceImport(*state, record); };
   }
-  std::unique_ptr<SequenceImport> import(new SequenceImport(this, state));
+  std::unique_ptr<SequenceImport> import(new SequenceImport(cache, state));
   import->writer_ = NewSnapshotImportWriter(
-      spec_, std::move(formats), total_bytes,
-      [this, state](SnapshotRecord record) {
-        MutexLock lock(&mu_);
-  SnapshotInfo info = InfoLocked(record);
-  state->record = std::move(record);
-  state->committed = true;
-  return info;
+      c.spec_, std::move(formats), total_bytes,
+      [&c, state](SnapshotRecord record) { return c.CommitImport(*state, std::move(record));
 },
       std::move(place));
 return import;
@@ -1158,7 +1165,7 @@ return import;
 absl::Status Cache::RestoreImport(int64_t seq, SequenceImport& import, int32_t target) {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("target", target));
-  if (import.cache_ != this) {
+  if (import.cache_.get() != this) {
     return absl::FailedPreconditionError(
         absl::StrCat("the import was begun on another cache than '", spec_.name, "'"));
   }
@@ -1169,10 +1176,12 @@ absl::Status Cache::RestoreImport(int64_t seq, SequenceImport& import, int32_t t
         "the import into cache '", spec_.name, "' ", state.used ? "was used" : "is not committed"));
   }
   AwaitNotAppendingLocked({seq});
-  absl::Status status = CheckUsableLocked();
-  if (status.ok()) status = CheckNotPendingLocked(seq, "Restore");
-  if (status.ok()) status = RestoreLocked(seq, &state.record, target);
-  // Used up either way: the cells the sequence did not take are free again.
+  RETURN_IF_ERROR(CheckUsableLocked());
+  RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Restore"));
+  const absl::Status status = RestoreLocked(seq, &state.record, target);
+  // A refusal changed nothing, and the import may be restored still. Otherwise it is used up:
+  // the sequence took the cells it restored, and the others are free again.
+  if (!status.ok() && device_failure_.ok()) return status;
   state.used = true;
   for (size_t g = 0; g < state.pinned.size(); ++g) groups_[g]->Unpin(state.pinned[g]);
   state.pinned.clear();

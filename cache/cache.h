@@ -165,7 +165,7 @@ class SnapshotImportWriter {
 
 // A wire image received for Cache::RestoreImport (Cache::BeginSequenceImport): Write, written
 // and Commit as SnapshotImportWriter's, but Commit stores no snapshot. Destroying it before
-// RestoreImport frees whatever it holds. One thread at a time; the cache must outlive it.
+// RestoreImport frees whatever it holds. One thread at a time; it keeps its cache alive.
 class SequenceImport final : public SnapshotImportWriter {
  public:
   ~SequenceImport() override;
@@ -178,10 +178,10 @@ class SequenceImport final : public SnapshotImportWriter {
  private:
   friend class Cache;
   struct State;
-  SequenceImport(Cache* cache, std::shared_ptr<State> state)
-      : cache_(cache), state_(std::move(state)) {}
+  SequenceImport(std::shared_ptr<Cache> cache, std::shared_ptr<State> state)
+      : cache_(std::move(cache)), state_(std::move(state)) {}
 
-  Cache* const cache_;
+  const std::shared_ptr<Cache> cache_;  // kept alive: the writer writes into its cells
   const std::shared_ptr<State> state_;  // shared with the writer's callbacks
   std::unique_ptr<SnapshotImportWriter> writer_;
 };
@@ -377,12 +377,14 @@ class Cache {
   // stored snapshot: once the header has arrived, the rows go straight into free cells, pinned
   // for the import, when there are enough (otherwise into the snapshot pool, as a snapshot's
   // would). Commit stores nothing and returns the image's SnapshotInfo with id 0.
-  absl::StatusOr<std::unique_ptr<SequenceImport>> BeginSequenceImport(size_t total_bytes);
+  static absl::StatusOr<std::unique_ptr<SequenceImport>> BeginSequenceImport(
+      const std::shared_ptr<Cache>& cache, size_t total_bytes);
 
   // Restore(seq, <the committed import>, target), with the same checks and errors, where the
-  // cells written by the import become the sequence's without a copy. The import is used up
-  // whatever the outcome: its cells are free again unless the sequence took them.
-  // FAILED_PRECONDITION when `import` is not committed, was used, or is another cache's.
+  // cells written by the import become the sequence's without a copy. A refusal changes
+  // nothing, the import included; once restored (or after a device error) the import is used
+  // up: its cells are free again unless the sequence took them. FAILED_PRECONDITION when
+  // `import` is not committed, was used, or is another cache's.
   absl::Status RestoreImport(int64_t seq, SequenceImport& import, int32_t target);
 
   // Whether every group lends cells (see above).
@@ -391,7 +393,10 @@ class Cache {
   // Read(seq, begin, end) with the same checks and errors, but without copying the payload
   // at once: in a cache that lends cells, the cells read are pinned (as OpenSequenceExport
   // pins them) and ReadAt gathers from them later, so a caller can send a large payload chunk
-  // by chunk while holding one chunk; other caches read the payload into the cursor at once.
+  // by chunk while holding one chunk; other caches read the payload into the cursor at once
+  // (without Read's `admit`: a caller that bounds memory reads such caches with Read). The
+  // cursor keeps the cache alive, and its pinned cells stay used (not in export_bytes) until
+  // it goes, even after the cache is deleted from its registry.
   static absl::StatusOr<std::unique_ptr<ReadCursor>> OpenRead(const std::shared_ptr<Cache>& cache,
                                                               int64_t seq, int32_t begin,
                                                               std::optional<int32_t> end);
@@ -445,6 +450,10 @@ class Cache {
   // Restore's work once the snapshot is found (record null: a rewind without one).
   absl::Status RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // BeginSequenceImport's callbacks: pins free cells for the image's rows (or returns false),
+  // and stores the complete record in `state`.
+  absl::StatusOr<bool> PlaceImport(SequenceImport::State& state, SnapshotRecord* record);
+  SnapshotInfo CommitImport(SequenceImport::State& state, SnapshotRecord record);
   // Drops a pin of each of `cells` of group `group` (LayerGroup::Unpin).
   void UnpinCells(size_t group, absl::Span<const int32_t> cells);
   // Pins `seq`'s cells of positions in [from, to) in every group (all lend cells) and returns

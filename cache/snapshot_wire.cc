@@ -394,7 +394,11 @@ class ExportReader final : public SnapshotExportReader {
     const size_t index = (row.begin - map_.PlaneBegin(row)) / row.bytes;
     size_t run = size_t(s.rows) - index;
     if (s.chunk_rows != nullptr) {
-      const size_t wanted = (offset - row.begin + max_bytes + row.bytes - 1) / row.bytes;
+      // Rows that max_bytes reaches into (saturating: max_bytes may be SIZE_MAX).
+      const size_t reach = max_bytes > SIZE_MAX - (offset - row.begin) - row.bytes
+                               ? SIZE_MAX
+                               : offset - row.begin + max_bytes + row.bytes - 1;
+      const size_t wanted = reach / row.bytes;
       const size_t limit = std::min(run, wanted);
       run = 1;
       while (run < limit && s.chunk_rows[index + run] == row.row + static_cast<int32_t>(run)) ++run;

@@ -424,6 +424,9 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
       Done(CancelledStatus());
       return;
     }
+    // A pinned read gathers the next chunk from the device, which on a GPU waits for a copy:
+    // on the executor, not on gRPC's thread (inline only when the executor's queue is full).
+    if (cursor_ != nullptr && service_->executor_->Submit([this] { WriteNext(); })) return;
     WriteNext();
   }
 

@@ -403,7 +403,7 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
   const size_t payload_bytes = static_cast<size_t>(exported.payload_bytes());
   if (into_seq.has_value()) {
     absl::StatusOr<std::unique_ptr<SequenceImport>> writer =
-        cache->BeginSequenceImport(payload_bytes);
+        Cache::BeginSequenceImport(cache, payload_bytes);
     begun = writer.status();
     if (writer.ok()) import = *std::move(writer);
   } else {
