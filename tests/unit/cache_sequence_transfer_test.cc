@@ -291,7 +291,11 @@ TEST(SequenceImportTest, RestoresWhatASnapshotRestoreWould) {
       ASSERT_TRUE(image.ok()) << image.status();
       const int32_t to = src.cache->GetSequence(seq)->offset;
       for (int32_t target : {to, to / 2, 0}) {
-        for (size_t piece : {kWhole, size_t{1}, size_t{7}, size_t{100}}) {
+        // More piece sizes only once per window: each case makes two caches, which is slow on
+        // the simulated GPU.
+        std::vector<size_t> pieces = {kWhole, size_t{7}};
+        if (seq == 0 && target == to) pieces.insert(pieces.end(), {size_t{1}, size_t{100}});
+        for (size_t piece : pieces) {
           SCOPED_TRACE(::testing::Message()
                        << "seq " << seq << " target " << target << " piece " << piece);
           SharedCache dst(spec);
