@@ -1153,14 +1153,14 @@ absl::StatusOr<std::unique_ptr<SequenceImport>> Cache::BeginSequenceImport(
   if (c.lends_cells_) {
     place = [&c, state](SnapshotRecord* record) { return c.PlaceImport(*state, record); };
   }
+  SnapshotCommitFn commit = [&c, state](SnapshotRecord record) {
+    return c.CommitImport(*state, std::move(record));
+  };
   std::unique_ptr<SequenceImport> import(new SequenceImport(cache, state));
-  import->writer_ = NewSnapshotImportWriter(
-      c.spec_, std::move(formats), total_bytes,
-      [&c, state](SnapshotRecord record) { return c.CommitImport(*state, std::move(record));
-},
-      std::move(place));
-return import;
-}  // namespace kvmesh
+  import->writer_ = NewSnapshotImportWriter(c.spec_, std::move(formats), total_bytes,
+                                            std::move(commit), std::move(place));
+  return import;
+}
 
 absl::Status Cache::RestoreImport(int64_t seq, SequenceImport& import, int32_t target) {
   RETURN_IF_ERROR(ValidateSeq(seq));

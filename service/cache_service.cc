@@ -455,9 +455,25 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
     }
     const std::optional<int32_t> end =
         request_->has_end() ? std::optional<int32_t>(request_->end()) : std::nullopt;
-    if ((*cache)->lends_cells()) {
-      // The cells read stay pinned until the last chunk is sent, and each chunk is gathered
-      // into the message as it goes: one chunk is in flight, whatever the payload's size.
+    // A payload of at most one chunk is copied out at once under the cache's shared lock and
+    // counted in flight whole. A larger one, in a cache that lends cells, is read from pinned
+    // cells chunk by chunk, one chunk in flight whatever its size; in other caches it is copied
+    // out at once too, counted in flight until the last chunk is sent, and refused before the
+    // engine copies it when it does not fit.
+    const bool pin_large = (*cache)->lends_cells();
+    bool large = false;
+    absl::StatusOr<ReadResult> result =
+        (*cache)->Read(request_->seq(), request_->begin(), end, [&](size_t bytes) -> absl::Status {
+          if (pin_large && bytes > chunk_bytes_) {
+            large = true;
+            return absl::AbortedError("read from pinned cells instead");
+          }
+          ASSIGN_OR_RETURN(reservation_,
+                           service_->inflight_->Reserve(
+                               bytes, absl::StrCat("Read of ", bytes, " payload bytes")));
+          return absl::OkStatus();
+        });
+    if (large) {
       absl::StatusOr<std::unique_ptr<ReadCursor>> cursor =
           Cache::OpenRead(*cache, request_->seq(), request_->begin(), end);
       if (!cursor.ok()) {
@@ -477,15 +493,6 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
       reservation_ = *std::move(reserved);
       *response_.mutable_header() = ReadHeaderToProto(cursor_->header());
     } else {
-      // The payload is counted in flight until the last chunk is sent, and refused before the
-      // engine copies it out when it does not fit.
-      absl::StatusOr<ReadResult> result = (*cache)->Read(
-          request_->seq(), request_->begin(), end, [this](size_t bytes) -> absl::Status {
-            ASSIGN_OR_RETURN(reservation_,
-                             service_->inflight_->Reserve(
-                                 bytes, absl::StrCat("Read of ", bytes, " payload bytes")));
-            return absl::OkStatus();
-          });
       if (!result.ok()) {
         Done(ToGrpcStatus(result.status()));
         return;
