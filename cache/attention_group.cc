@@ -528,6 +528,29 @@ int64_t AttentionGroup::VisibleBound(const Query& query) const {
   return std::min<int64_t>(index->size(), int64_t{last} - first.pos() + 1);
 }
 
+void AttentionGroup::VisibleRanges(const Query& query, std::vector<PositionRange>* out) const {
+  const Index* index = Find(query.seq);
+  if (index == nullptr) return;
+  const auto [lo, hi] = VisibleRange(spec_.window, query);
+  const size_t first = out->size();
+  // Runs are maximal in (position, cell); two of them may still hold consecutive positions in
+  // cells that are not consecutive, and those join into one range.
+  index->ForEachRun(lo, hi + 1, [out, first](const Index::Run& run) {
+    const int32_t last = run.pos + (run.length - 1);
+    if (out->size() > first && int64_t{out->back().last} + 1 == run.pos) {
+      out->back().last = last;
+    } else {
+      out->push_back(PositionRange{run.pos, last});
+    }
+  });
+}
+
+int64_t AttentionGroup::VisibleRangesBound(const Query& query) const {
+  const Index* index = Find(query.seq);
+  if (index == nullptr) return 0;
+  return std::min<int64_t>(VisibleBound(query), static_cast<int64_t>(index->run_count()));
+}
+
 // ---- Snapshots ----------------------------------------------------------------------------
 
 absl::StatusOr<GroupSnapshot> AttentionGroup::TakeSnapshot(int64_t seq, int32_t from,

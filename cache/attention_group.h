@@ -61,6 +61,8 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
   absl::Status Gather(int64_t seq, const ReadPart& part, uint8_t* dst) const override;
   std::vector<int32_t> Visible(const Query& query) const override;
   int64_t VisibleBound(const Query& query) const override;
+  void VisibleRanges(const Query& query, std::vector<PositionRange>* out) const override;
+  int64_t VisibleRangesBound(const Query& query) const override;
   bool CanResume(int64_t seq, int32_t pos) const override;
   absl::Status CheckCopyPrefix(int64_t, int64_t, int32_t) const override {
     return absl::OkStatus();

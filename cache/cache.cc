@@ -464,6 +464,19 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> Cache::Visible(
   return out;
 }
 
+absl::StatusOr<std::vector<std::vector<PositionRange>>> Cache::VisibleRanges(
+    int group, absl::Span<const Query> queries,
+    absl::FunctionRef<absl::Status(int64_t max_ranges)> admit) const {
+  RETURN_IF_ERROR(CheckVisibleRequest(spec_, group, queries));
+  ReaderMutexLock lock(&mu_);
+  int64_t bound = 0;  // at most queries x 2^31: no overflow
+  for (const Query& q : queries) bound += groups_[group]->VisibleRangesBound(q);
+  RETURN_IF_ERROR(admit(bound));
+  std::vector<std::vector<PositionRange>> out(queries.size());
+  for (size_t i = 0; i < queries.size(); ++i) groups_[group]->VisibleRanges(queries[i], &out[i]);
+  return out;
+}
+
 int64_t Cache::VisibleBoundLocked(int group, absl::Span<const Query> queries) const {
   int64_t bound = 0;  // at most queries x 2^31: no overflow
   for (const Query& q : queries) bound += groups_[group]->VisibleBound(q);

@@ -51,6 +51,16 @@ struct Query {
   bool non_causal = false;  // when set, positions after `pos` are visible too
 };
 
+// Consecutive positions first, first + 1, ..., last (both included, so that a range may end at
+// INT32_MAX). A Visible answer in ranges lists maximal ones, ascending.
+struct PositionRange {
+  int32_t first = 0;
+  int32_t last = 0;
+  bool operator==(const PositionRange& other) const {
+    return first == other.first && last == other.last;
+  }
+};
+
 // Recurrent state of a sequence in a Recurrent group. kNone: the group is not Recurrent, the
 // sequence has no state there, or (in a Read) the range stops before the state's offset.
 enum class StateStatus { kNone, kValid, kInvalid };
@@ -261,6 +271,13 @@ class Cache {
   absl::StatusOr<std::vector<std::vector<int32_t>>> Visible(
       int group, absl::Span<const Query> queries,
       absl::FunctionRef<absl::Status(int64_t max_positions)> admit) const;
+  // The same answer as maximal ranges of consecutive positions: a query over a sequence stored
+  // without gaps is one range whatever its length. `admit` is given an upper bound of the
+  // ranges listed in all (at most the positions' bound; for Attention groups, also at most the
+  // sequence's runs of consecutive positions in consecutive cells).
+  absl::StatusOr<std::vector<std::vector<PositionRange>>> VisibleRanges(
+      int group, absl::Span<const Query> queries,
+      absl::FunctionRef<absl::Status(int64_t max_ranges)> admit) const;
 
   // dst's old contents go; dst gets src's stored positions < length, sharing src's cells.
   // INVALID_ARGUMENT for src == dst or negative arguments; RESOURCE_EXHAUSTED when dst would be

@@ -47,6 +47,16 @@ size_t GroupSnapshot::bytes() const {
   return n;
 }
 
+void LayerGroup::VisibleRanges(const Query& query, std::vector<PositionRange>* out) const {
+  const std::vector<int32_t> positions = Visible(query);
+  for (size_t i = 0; i < positions.size();) {
+    size_t j = i + 1;
+    while (j < positions.size() && int64_t{positions[j]} == int64_t{positions[j - 1]} + 1) ++j;
+    out->push_back(PositionRange{positions[i], positions[j - 1]});
+    i = j;
+  }
+}
+
 ChunkFormat LayerGroup::SnapshotChunkFormat() const {
   return ChunkFormat{device_, arena_.stream(), RowBytes(planes_)};
 }

@@ -184,6 +184,10 @@ class LayerGroup {
   // An upper bound of Visible(query).size() found without listing the positions (O(log n)),
   // so that a Visible request too large to serve is refused before any work.
   virtual int64_t VisibleBound(const Query& query) const = 0;
+  // Visible(query) as maximal ranges, appended to *out. The default compresses Visible().
+  virtual void VisibleRanges(const Query& query, std::vector<PositionRange>* out) const;
+  // An upper bound of what VisibleRanges(query) appends, found as VisibleBound is.
+  virtual int64_t VisibleRangesBound(const Query& query) const { return VisibleBound(query); }
   virtual bool CanResume(int64_t seq, int32_t pos) const = 0;
 
   // ---- CopyPrefix -----------------------------------------------------------------------

@@ -89,37 +89,48 @@ grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* context,
   return reactor;
 }
 
-// Upper bound of a serialized VisibleResponse: per position at most 5 bytes of varint, per
-// query a Visibility's tag, length and packed-field header.
-uint64_t VisibleWireBound(size_t queries, int64_t positions) {
-  return 5 * static_cast<uint64_t>(positions) + 16 * static_cast<uint64_t>(queries) + 16;
+// What a Visible answer lists: positions, or ranges of them (as_ranges).
+struct VisibleUnit {
+  const char* name;         // "positions" or "ranges"
+  uint64_t wire_bytes;      // most bytes one takes serialized
+  uint64_t building_bytes;  // bytes one holds while the answer is built and sent
+};
+constexpr VisibleUnit kVisiblePositions = {"positions", 5, kVisibleBytesPerPosition};
+constexpr VisibleUnit kVisibleRanges = {"ranges", 14, kVisibleBytesPerRange};
+
+// Upper bound of a serialized VisibleResponse listing `entries` of `unit`: per query a
+// Visibility's tag, length and packed-field header.
+uint64_t VisibleWireBound(const VisibleUnit& unit, size_t queries, int64_t entries) {
+  return unit.wire_bytes * static_cast<uint64_t>(entries) + 16 * static_cast<uint64_t>(queries) +
+         16;
 }
 
 // Decides, before the engine lists anything, whether a Visible of `queries` queries that lists
-// at most `positions` positions may run: within max_positions (--max-visible-positions), an
-// answer that fits the send limit, and its memory reserved in `budget` (into *reservation).
+// at most `entries` positions or ranges may run: within max_entries (--max-visible-positions),
+// an answer that fits the send limit, and its memory reserved in `budget` (into *reservation).
 absl::Status AdmitVisible(const std::string& cache, int32_t group, size_t queries,
-                          int64_t positions, int64_t max_positions, size_t max_send_bytes,
-                          InflightBudget* budget, InflightBudget::Reservation* reservation) {
-  if (positions > max_positions) {
+                          const VisibleUnit& unit, int64_t entries, int64_t max_entries,
+                          size_t max_send_bytes, InflightBudget* budget,
+                          InflightBudget::Reservation* reservation) {
+  if (entries > max_entries) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "Visible of ", queries, " queries in group ", group, " of cache '", cache,
-        "' would list up to ", positions, " positions, more than this node's limit of ",
-        max_positions, " per call (--max-visible-positions); split the queries over calls"));
+        "' would list up to ", entries, " ", unit.name, ", more than this node's limit of ",
+        max_entries, " per call (--max-visible-positions); split the queries over calls"));
   }
-  const uint64_t wire = VisibleWireBound(queries, positions);
+  const uint64_t wire = VisibleWireBound(unit, queries, entries);
   if (wire > max_send_bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("Visible of ", queries, " queries in group ", group, " of cache '", cache,
-                     "' would list up to ", positions, " positions in an answer of up to ", wire,
-                     " bytes, more than this node's message limit of ", max_send_bytes,
+                     "' would list up to ", entries, " ", unit.name, " in an answer of up to ",
+                     wire, " bytes, more than this node's message limit of ", max_send_bytes,
                      " bytes (--max-message-bytes); split the queries over calls"));
   }
-  const uint64_t bytes = kVisibleBytesPerPosition * static_cast<uint64_t>(positions) +
+  const uint64_t bytes = unit.building_bytes * static_cast<uint64_t>(entries) +
                          kVisibleBytesPerQuery * static_cast<uint64_t>(queries);
   ASSIGN_OR_RETURN(*reservation, budget->Reserve(bytes, absl::StrCat("Visible of ", queries,
-                                                                     " queries and up to ",
-                                                                     positions, " positions")));
+                                                                     " queries and up to ", entries,
+                                                                     " ", unit.name)));
   return absl::OkStatus();
 }
 
@@ -784,13 +795,28 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Visible(grpc::CallbackServerContext*
       [this, request, response, queries_reservation = *std::move(queries_reservation),
        reservation = InflightBudget::Reservation()](Cache& cache) mutable -> absl::Status {
         ASSIGN_OR_RETURN(const std::vector<Query> queries, QueriesFromProto(request->queries()));
+        const VisibleUnit& unit = request->as_ranges() ? kVisibleRanges : kVisiblePositions;
+        auto admit = [&](int64_t entries) {
+          return AdmitVisible(cache.spec().name, request->group(), queries.size(), unit, entries,
+                              options_.max_visible_positions, options_.max_send_message_bytes,
+                              inflight_, &reservation);
+        };
+        if (request->as_ranges()) {
+          ASSIGN_OR_RETURN(const std::vector<std::vector<PositionRange>> visible,
+                           cache.VisibleRanges(request->group(), queries, admit));
+          for (const std::vector<PositionRange>& ranges : visible) {
+            v1::Visibility* out = response->add_visible();
+            out->mutable_ranges()->Reserve(static_cast<int>(ranges.size()));
+            for (const PositionRange& range : ranges) {
+              v1::PositionRange* r = out->add_ranges();
+              r->set_first(range.first);
+              r->set_last(range.last);
+            }
+          }
+          return absl::OkStatus();
+        }
         ASSIGN_OR_RETURN(const std::vector<std::vector<int32_t>> visible,
-                         cache.Visible(request->group(), queries, [&](int64_t positions) {
-                           return AdmitVisible(cache.spec().name, request->group(), queries.size(),
-                                               positions, options_.max_visible_positions,
-                                               options_.max_send_message_bytes, inflight_,
-                                               &reservation);
-                         }));
+                         cache.Visible(request->group(), queries, admit));
         for (const std::vector<int32_t>& positions : visible) {
           response->add_visible()->mutable_positions()->Add(positions.begin(), positions.end());
         }

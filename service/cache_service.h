@@ -32,8 +32,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "absl/functional/any_invocable.h"
@@ -67,6 +67,9 @@ inline constexpr int64_t kDefaultMaxVisiblePositions = int64_t{1} << 22;
 // Bytes a Visible answer holds per position listed while it is built: the engine's int32, the
 // response's int32 and at most 5 bytes of varint once serialized.
 inline constexpr uint64_t kVisibleBytesPerPosition = 13;
+// The same per range of an answer in ranges (as_ranges): the engine's pair, the response's
+// PositionRange message with its allocation and pointer, and at most 14 bytes serialized.
+inline constexpr uint64_t kVisibleBytesPerRange = 96;
 // Bytes per query of a Visible answer beyond its positions: the engine's vector and the
 // response's Visibility message with their allocations.
 inline constexpr uint64_t kVisibleBytesPerQuery = 128;
@@ -189,19 +192,20 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
   // caller's caches (FindCache's errors finish the call) and returns what `fn(Cache&)` or
   // `fn(Cache&, const Principal& caller)` returns.
   template <typename Request, typename Fn>
-  grpc::ServerUnaryReactor* RunOnCache(grpc::CallbackServerContext* context,
-                                       const Request* request, Fn fn) {
+  grpc::ServerUnaryReactor* RunOnCache(grpc::CallbackServerContext* context, const Request* request,
+                                       Fn fn) {
     return RunUnary(context,
                     [this, context, request, fn = std::move(fn)]() mutable -> absl::Status {
-      Principal caller;
-      absl::StatusOr<std::shared_ptr<Cache>> cache = FindCache(*context, request->cache(), &caller);
-      if (!cache.ok()) return cache.status();
-      if constexpr (std::is_invocable_v<Fn&, Cache&, const Principal&>) {
-        return fn(**cache, caller);
-      } else {
-        return fn(**cache);
-      }
-    });
+                      Principal caller;
+                      absl::StatusOr<std::shared_ptr<Cache>> cache =
+                          FindCache(*context, request->cache(), &caller);
+                      if (!cache.ok()) return cache.status();
+                      if constexpr (std::is_invocable_v<Fn&, Cache&, const Principal&>) {
+                        return fn(**cache, caller);
+                      } else {
+                        return fn(**cache);
+                      }
+                    });
   }
 
   // A DrainGate ticket for an operation that writes `seqs` (an empty one without a gate, or

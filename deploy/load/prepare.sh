@@ -7,11 +7,12 @@
 #      max_batch 512: 16384 cells = 2 GiB, allocated when the cache is created (the host
 #      device maps it untouched: memory becomes resident as tokens are written),
 #   3. appends the prefix: seq 0, positions 0..4095 (512 MiB of kvmeshctl's pattern, seed 1),
-#   4. forks it into seqs 1..8 with CopyPrefix (cells shared, nothing copied).
+#   4. forks it into seqs 1..16 with CopyPrefix (cells shared, nothing copied): 17 sequences of
+#      4096 tokens, the state the control-plane goal of docs/benchmarks.md is measured in.
 #
-# The configs then use: seq 0 (CanResume at 4096, the CopyPrefix source), seqs 1..8 and 11..14
-# (CopyPrefix destinations), seqs 100..103 and 200..203 (Append, at positions
-# {{.RequestNumber}}: empty after this script). The node needs --memory-budget of at least
+# The configs then use: seq 0 (CanResume at 4096, the CopyPrefix source, Visible), seqs 1..8
+# and 11..14 (CopyPrefix destinations), seqs 9..16 (Remove), seqs 100..103 and 200..203
+# (Append, at positions {{.RequestNumber}}: empty after this script). The node needs --memory-budget of at least
 # 2GiB; run.sh starts its node with 3GiB.
 #
 #   deploy/load/prepare.sh [--addr=HOST:PORT] [--ctl=PATH] [--prefix-tokens=N]
@@ -70,8 +71,8 @@ fi
 k create --name="$cache" --dtype=f16 --max-sequences=32 --capacity=512 --max-batch=512 \
   --group=attention:layers=32,heads=8,head_dim=128,window=full,rope=neox:128:500000:1 >/dev/null
 k append --cache="$cache" --seq=0 --positions=0:"$prefix" --seed=1 --stream >/dev/null
-for dst in 1 2 3 4 5 6 7 8; do
+for dst in $(seq 1 16); do
   k copy-prefix --cache="$cache" --src=0 --dst="$dst" --length="$prefix" >/dev/null
 done
 echo "prepare.sh: $addr: cache $cache (Llama-3-8B shape, 16384 cells), seq 0 holds" \
-     "positions 0..$((prefix - 1)), seqs 1..8 fork it"
+     "positions 0..$((prefix - 1)), seqs 1..16 fork it"

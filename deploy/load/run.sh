@@ -4,9 +4,9 @@
 #   deploy/load/run.sh [--addr=HOST:PORT] [--reports=DIR] [PROFILE...]
 #
 #   PROFILE      health (the reference: grpc.health.v1.Health/Check), canresume, copyprefix,
-#                getcache, listsequences, append (one ghz run each, deploy/load/NAME.json),
-#                mixed (the five configs of deploy/load/mixed/ started together); default: all
-#                of them, in this order
+#                getcache, listsequences, remove, visible, visible-ranges, listmembers, append
+#                (one ghz run each, deploy/load/NAME.json), mixed (the five configs of
+#                deploy/load/mixed/ started together); default: all of them, in this order
 #   --addr       a node that is already running (it must have --memory-budget of 2GiB or more
 #                free; the cache load-llama3-8b on it is deleted and recreated); default: start
 #                BUILD/service/kvmesh-node on 127.0.0.1 (a free port) with --memory-budget=3GiB
@@ -18,6 +18,9 @@
 # state. When BUILD/tests/load/ghz_config_check exists, every config is first checked against
 # the node (the check of ctest's ghz_configs_test). Each ghz run writes its JSON report to
 # the reports directory; run.sh prints a summary of each and machine.txt records the machine.
+# When health ran, the control calls' req/s are printed at the end as ratios of its req/s, each
+# "met" at >= 0.8 (the control-plane goal of docs/benchmarks.md: 16 calls in flight on one
+# connection).
 #
 # BUILD is $KVMESH_BUILD_DIR (default <repo>/build); ghz is $GHZ or ghz on PATH. A node with
 # tokens: $KVMESH_TOKEN is sent as "authorization: Bearer ..." (kvmeshctl and ghz).
@@ -29,12 +32,16 @@ build=${KVMESH_BUILD_DIR:-$root/build}
 addr=
 reports=
 profiles=()
-all_profiles=(health canresume copyprefix getcache listsequences append mixed)
+all_profiles=(health canresume copyprefix getcache listsequences remove visible visible-ranges
+              listmembers append mixed)
+# The scheduler-facing control calls, compared with health at the end.
+control_profiles=(canresume getcache listsequences copyprefix remove visible visible-ranges
+                  listmembers)
 for arg in "$@"; do
   case "$arg" in
     --addr=*) addr=${arg#--addr=} ;;
     --reports=*) reports=${arg#--reports=} ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     -*) echo "run.sh: unknown flag '$arg' (--help)" >&2; exit 2 ;;
     *)
       case " ${all_profiles[*]} " in
@@ -171,7 +178,7 @@ for profile in "${profiles[@]}"; do
       # the single-method configs. ghz finds its messages through the node's reflection, as for
       # kvmesh's own services (the node links grpc.health.v1's descriptors for that).
       "$ghz" --call=grpc.health.v1.Health.Check --insecure \
-        --data='{"service":""}' --concurrency=8 --connections=1 --duration=10s \
+        --data='{"service":""}' --concurrency=16 --connections=1 --duration=10s \
         --duration-stop=wait --skipFirst=200 --timeout=5s --name="reference: Health/Check" \
         --output="$reports/health.json" --format=json "${metadata[@]}" "$addr" || failed=1
       summarize "$reports/health.json" || failed=1 ;;
@@ -190,6 +197,27 @@ for profile in "${profiles[@]}"; do
       summarize "$reports/$profile.json" || failed=1 ;;
   esac
 done
+
+# The control-plane goal: each control call's req/s as a ratio of Health/Check's in this run.
+ratio_reports=()
+for profile in "${control_profiles[@]}"; do
+  [ -s "$reports/$profile.json" ] && ratio_reports+=("$reports/$profile.json")
+done
+if [ -s "$reports/health.json" ] && [ ${#ratio_reports[@]} -gt 0 ]; then
+  echo
+  python3 - "$reports/health.json" "${ratio_reports[@]}" <<'PY'
+import json, sys
+def rps(path):
+    with open(path) as f:
+        return json.load(f)["rps"]
+health = rps(sys.argv[1])
+print(f"control calls as a ratio of Health/Check's req/s ({health:.0f}; goal >= 0.8):")
+for path in sys.argv[2:]:
+    name = path.rsplit("/", 1)[-1][:-5]
+    ratio = rps(path) / health if health > 0 else 0.0
+    print(f"  {name:<16} {ratio:5.2f}  {'met' if ratio >= 0.8 else 'NOT met'}")
+PY
+fi
 echo
 echo "run.sh: reports in $reports"
 exit "$failed"

@@ -268,6 +268,19 @@ absl::StatusOr<std::vector<int32_t>> ParsePositions(absl::string_view text) {
   return out;
 }
 
+namespace {
+
+void AppendRange(int32_t first, int32_t last, std::string* out) {
+  if (!out->empty()) *out += ',';
+  if (first == last) {
+    absl::StrAppend(out, first);
+  } else {
+    absl::StrAppend(out, first, "-", last);
+  }
+}
+
+}  // namespace
+
 std::string FormatPositions(const std::vector<int32_t>& positions) {
   if (positions.empty()) return "-";
   std::string out;
@@ -275,14 +288,16 @@ std::string FormatPositions(const std::vector<int32_t>& positions) {
   while (i < positions.size()) {
     size_t j = i;
     while (j + 1 < positions.size() && positions[j + 1] == positions[j] + 1) ++j;
-    if (!out.empty()) out += ',';
-    if (j == i) {
-      absl::StrAppend(&out, positions[i]);
-    } else {
-      absl::StrAppend(&out, positions[i], "-", positions[j]);
-    }
+    AppendRange(positions[i], positions[j], &out);
     i = j + 1;
   }
+  return out;
+}
+
+std::string FormatRanges(const google::protobuf::RepeatedPtrField<v1::PositionRange>& ranges) {
+  if (ranges.empty()) return "-";
+  std::string out;
+  for (const v1::PositionRange& range : ranges) AppendRange(range.first(), range.last(), &out);
   return out;
 }
 

@@ -45,6 +45,8 @@ absl::StatusOr<std::vector<int32_t>> ParsePositions(absl::string_view text);
 
 // Ascending positions as compact ranges, e.g. "0-15,144-511" (inclusive ends); "-" when empty.
 std::string FormatPositions(const std::vector<int32_t>& positions);
+// The same text for ascending, maximal ranges (a Visible answer in ranges); "-" when empty.
+std::string FormatRanges(const google::protobuf::RepeatedPtrField<v1::PositionRange>& ranges);
 
 }  // namespace ctl
 }  // namespace kvmesh

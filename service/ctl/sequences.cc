@@ -59,6 +59,10 @@ absl::Status Visible(const Client& client, const Args& args) {
   if (request.queries().empty()) {
     return absl::InvalidArgumentError("give --query=SEQ:POS[:nc] or --seq=N --pos=LIST");
   }
+  // The text answer prints ranges either way, so it asks for them (a long sequence is then a
+  // few bytes on the wire); --json prints what was asked for.
+  ASSIGN_OR_RETURN(const bool ranges, args.GetBool("ranges"));
+  request.set_as_ranges(ranges || !client.json());
   v1::VisibleResponse response;
   RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::Visible, request, &response));
   if (client.json()) return PrintJson(response);
@@ -66,10 +70,13 @@ absl::Status Visible(const Client& client, const Args& args) {
     const v1::Query& q = request.queries(i);
     const v1::Visibility empty;
     const v1::Visibility& v = i < response.visible_size() ? response.visible(i) : empty;
-    std::printf(
-        "group %d query seq %" PRId64 " pos %d%s: %d visible: %s\n", group, q.seq(), q.pos(),
-        q.non_causal() ? " (non-causal)" : "", v.positions_size(),
-        FormatPositions(std::vector<int32_t>(v.positions().begin(), v.positions().end())).c_str());
+    int64_t count = 0;
+    for (const v1::PositionRange& range : v.ranges()) {
+      count += int64_t{range.last()} - range.first() + 1;
+    }
+    std::printf("group %d query seq %" PRId64 " pos %d%s: %" PRId64 " visible: %s\n", group,
+                q.seq(), q.pos(), q.non_causal() ? " (non-causal)" : "", count,
+                FormatRanges(v.ranges()).c_str());
   }
   return absl::OkStatus();
 }
@@ -204,8 +211,8 @@ absl::Status CommitSpeculation(const Client& client, const Args& args) {
   return absl::OkStatus();
 }
 
-constexpr absl::string_view kVisibleFlags[] = {"cache", "name", "group",     "query",
-                                               "seq",   "pos",  "non-causal"};
+constexpr absl::string_view kVisibleFlags[] = {"cache", "name", "group",      "query",
+                                               "seq",   "pos",  "non-causal", "ranges"};
 constexpr absl::string_view kCopyPrefixFlags[] = {"cache", "name",   "src",
                                                   "dst",   "length", "source-node"};
 constexpr absl::string_view kRemoveFlags[] = {"cache", "name", "seq", "begin", "end", "scope"};
@@ -218,7 +225,7 @@ constexpr absl::string_view kCommitSpeculationFlags[] = {"cache", "name", "seq",
 const Command kVisibleCommand = {
     "visible", kVisibleFlags,
     R"(  visible       --cache=CACHE [--group=G] (--query=SEQ:POS[:nc]... | --seq=N --pos=LIST
-                [--non-causal]))",
+                [--non-causal]) [--ranges]  (--ranges: --json prints ranges, not positions))",
     &Visible};
 
 const Command kCopyPrefixCommand = {

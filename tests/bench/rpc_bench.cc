@@ -4,10 +4,11 @@
 //    after a --warmup: grpc.health.v1.Health/Check (the trivial baseline on the same server),
 //    then the scheduler-facing calls on a cache holding a --prefix-tokens sequence and 16 forks of
 //    it: CanResume, GetCache, ListSequences, CopyPrefix of the whole prefix, Remove (a truncation
-//    of a fork, re-forked untimed before each), Visible of one query, ListMembers, and an
-//    Append of a few tokens (a decode step; every thread truncates its sequence, untimed,
-//    before it reaches the capacity); requests/s and p50/p99 latency per op, and each
-//    control call's req/s as a ratio of Health/Check's with "met" when it is >= 0.8;
+//    of a fork, re-forked untimed before each), Visible of one query (answered as positions,
+//    then as ranges), ListMembers, and an Append of a few tokens (a decode step; every thread
+//    truncates its sequence, untimed, before it reaches the capacity); requests/s and p50/p99
+//    latency per op, and each control call's req/s as a ratio of Health/Check's with "met" when
+//    it is >= 0.8;
 //  - bulk payloads on one stream: AppendStream, unary Append and Read of --large-tokens tokens
 //    (512 x Llama-3-8B shape = 64 MiB), GB/s, with the read payload verified against the
 //    pattern that was appended (wrong elements reported, as nccl-tests does), and raw loopback
@@ -737,19 +738,24 @@ int Main(int argc, char** argv) {
                         }));
     PrintOp(ops.back(), o.threads);
   }
-  ops.push_back(RunOp("Visible (1 query)", o, clients, [&](int, Client& c, bool*) {
-    grpc::ClientContext context;
-    SetDeadline(&context, absl::Seconds(10));
-    v1::VisibleRequest request;
-    request.set_cache(o.cache);
-    request.set_group(0);
-    v1::Query* query = request.add_queries();
-    query->set_seq(kSourceSeq);
-    query->set_pos(o.prefix_tokens - 1);
-    v1::VisibleResponse response;
-    return c.stub->Visible(&context, request, &response);
-  }));
-  PrintOp(ops.back(), o.threads);
+  // Visible of one query at the prefix's last position, answered as positions and as ranges.
+  for (const bool as_ranges : {false, true}) {
+    ops.push_back(RunOp(as_ranges ? "Visible (1 query, ranges)" : "Visible (1 query, positions)", o,
+                        clients, [&](int, Client& c, bool*) {
+                          grpc::ClientContext context;
+                          SetDeadline(&context, absl::Seconds(10));
+                          v1::VisibleRequest request;
+                          request.set_cache(o.cache);
+                          request.set_group(0);
+                          request.set_as_ranges(as_ranges);
+                          v1::Query* query = request.add_queries();
+                          query->set_seq(kSourceSeq);
+                          query->set_pos(o.prefix_tokens - 1);
+                          v1::VisibleResponse response;
+                          return c.stub->Visible(&context, request, &response);
+                        }));
+    PrintOp(ops.back(), o.threads);
+  }
   ops.push_back(RunOp("ListMembers", o, clients, [&](int, Client& c, bool*) {
     grpc::ClientContext context;
     SetDeadline(&context, absl::Seconds(10));

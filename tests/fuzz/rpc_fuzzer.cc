@@ -805,9 +805,24 @@ class Harness {
               KVMESH_FUZZ_CHECK(static_cast<size_t>(r.visible_size()) == expected->size(),
                                 r.visible_size());
               for (int i = 0; i < r.visible_size(); ++i) {
-                const auto& got = r.visible(i).positions();
-                KVMESH_FUZZ_CHECK(std::vector<int32_t>(got.begin(), got.end()) == (*expected)[i],
-                                  absl::StrCat("query ", i, ": ", Show(r.visible(i))));
+                const v1::Visibility& v = r.visible(i);
+                std::vector<int32_t> got(v.positions().begin(), v.positions().end());
+                if (q.as_ranges()) {
+                  // Ranges instead of positions: ascending, maximal, and the same positions.
+                  KVMESH_FUZZ_CHECK(got.empty(), Show(v));
+                  int64_t after = -2;  // the last position of the range before
+                  for (const v1::PositionRange& range : v.ranges()) {
+                    KVMESH_FUZZ_CHECK(range.first() <= range.last() && range.first() > after + 1,
+                                      absl::StrCat("query ", i, ": ", Show(v)));
+                    for (int64_t p = range.first(); p <= range.last(); ++p) {
+                      got.push_back(static_cast<int32_t>(p));
+                    }
+                    after = range.last();
+                  }
+                } else {
+                  KVMESH_FUZZ_CHECK(v.ranges().empty(), Show(v));
+                }
+                KVMESH_FUZZ_CHECK(got == (*expected)[i], absl::StrCat("query ", i, ": ", Show(v)));
               }
             });
       case Rpc::kCopyPrefix:

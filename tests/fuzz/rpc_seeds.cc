@@ -94,6 +94,8 @@ absl::Status RpcSeeds(std::vector<Seed>* out) {
     }
     visible.add_queries()->set_seq(1);
     AppendRecord(&in, Rpc::kVisible, visible);
+    visible.set_as_ranges(true);
+    AppendRecord(&in, Rpc::kVisible, visible);
     v1::CopyPrefixRequest copy = WithCache<v1::CopyPrefixRequest>("attn");
     copy.set_src_seq(0);
     copy.set_dst_seq(2);

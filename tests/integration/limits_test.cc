@@ -245,6 +245,17 @@ TEST(LimitsTest, VisibleTooLargeFailsFastAndTheNodeStaysSmall) {
   KVMESH_ASSERT_OK(Visible(*stub, VisibleOf("vis", 20000, 9), &response));
   ASSERT_EQ(response.visible_size(), 20000);
   EXPECT_EQ(response.visible(19999).positions_size(), 10);
+  // In ranges the limit counts ranges: the refused request lists one range per query.
+  v1::VisibleRequest ranges = VisibleOf("vis", 20000, 16383);
+  ranges.set_as_ranges(true);
+  KVMESH_ASSERT_OK(Visible(*stub, ranges, &response));
+  ASSERT_EQ(response.visible_size(), 20000);
+  for (const v1::Visibility& v : response.visible()) {
+    ASSERT_EQ(v.positions_size(), 0);
+    ASSERT_EQ(v.ranges_size(), 1);
+    EXPECT_EQ(v.ranges(0).first(), 0);
+    EXPECT_EQ(v.ranges(0).last(), 16383);
+  }
   stub.reset();
   StopLimitsNode(std::move(node));
 }
@@ -266,6 +277,17 @@ TEST(LimitsTest, VisibleAnswerLargerThanTheMessageLimitIsRefusedBeforeTheWork) {
   // Ten queries fit.
   KVMESH_EXPECT_OK(Visible(*stub, VisibleOf("vis", 10, 16383), &response));
   EXPECT_EQ(response.visible_size(), 10);
+  // In ranges the answer is 100 ranges, and fits; 80,000 of them (~1.1 MB) do not.
+  v1::VisibleRequest ranges = VisibleOf("vis", 100, 16383);
+  ranges.set_as_ranges(true);
+  KVMESH_EXPECT_OK(Visible(*stub, ranges, &response));
+  EXPECT_EQ(response.visible_size(), 100);
+  ranges = VisibleOf("vis", 80000, 16383);
+  ranges.set_as_ranges(true);
+  const grpc::Status too_many = Visible(*stub, ranges, &response);
+  EXPECT_EQ(too_many.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(too_many);
+  EXPECT_THAT(too_many.error_message(),
+              AllOf(HasSubstr("80000 ranges"), HasSubstr("--max-message-bytes")));
   stub.reset();
   StopLimitsNode(std::move(node));
 }

@@ -369,6 +369,26 @@ TEST_F(ServiceTest, SlidingGroupReadHeaderVisibleAndCanResume) {
   EXPECT_THAT(visible.visible(1).positions(), ElementsAreArray(Range(0, 6)));
   EXPECT_THAT(visible.visible(2).positions(), ElementsAreArray(Range(0, 7)));
   EXPECT_THAT(visible.visible(3).positions(), IsEmpty());
+
+  // The same answers as ranges.
+  request.set_as_ranges(true);
+  for (int32_t group : {0, 1}) {
+    request.set_group(group);
+    KVMESH_ASSERT_OK(Visible(stub(), request, &visible));
+    ASSERT_EQ(visible.visible_size(), 4);
+    std::vector<std::vector<std::pair<int32_t, int32_t>>> got;
+    for (const v1::Visibility& v : visible.visible()) {
+      EXPECT_THAT(v.positions(), IsEmpty());
+      std::vector<std::pair<int32_t, int32_t>>& ranges = got.emplace_back();
+      for (const v1::PositionRange& r : v.ranges()) ranges.emplace_back(r.first(), r.last());
+    }
+    using Ranges = std::vector<std::pair<int32_t, int32_t>>;
+    if (group == 0) {
+      EXPECT_THAT(got, ElementsAre(Ranges{{0, 6}}, Ranges{{0, 5}}, Ranges{{0, 6}}, IsEmpty()));
+    } else {
+      EXPECT_THAT(got, ElementsAre(Ranges{{4, 6}}, Ranges{{3, 5}}, Ranges{{3, 6}}, IsEmpty()));
+    }
+  }
   KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-sliding"));
 }
 

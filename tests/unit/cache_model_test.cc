@@ -1887,6 +1887,41 @@ class Episode {
     return ::testing::AssertionSuccess();
   }
 
+  // The same queries answered in ranges: maximal, ascending, the model's positions when
+  // expanded, and no more of them than the bound handed to admission.
+  ::testing::AssertionResult CompareVisibleRanges(int group, const std::vector<Query>& queries) {
+    int64_t bound = -1;
+    absl::StatusOr<std::vector<std::vector<PositionRange>>> got =
+        cache_->VisibleRanges(group, queries, [&bound](int64_t b) {
+          bound = b;
+          return absl::OkStatus();
+        });
+    if (!got.ok()) return ::testing::AssertionFailure() << "VisibleRanges: " << got.status();
+    std::vector<std::vector<int32_t>> expanded;
+    int64_t listed = 0;
+    for (const std::vector<PositionRange>& ranges : *got) {
+      listed += static_cast<int64_t>(ranges.size());
+      std::vector<int32_t>& positions = expanded.emplace_back();
+      for (size_t i = 0; i < ranges.size(); ++i) {
+        if (ranges[i].first > ranges[i].last ||
+            (i > 0 && int64_t{ranges[i].first} <= int64_t{ranges[i - 1].last} + 1)) {
+          return ::testing::AssertionFailure()
+                 << "VisibleRanges: range " << i << " [" << ranges[i].first << ", "
+                 << ranges[i].last << "] is empty, out of order or not maximal";
+        }
+        for (int64_t p = ranges[i].first; p <= ranges[i].last; ++p) {
+          positions.push_back(static_cast<int32_t>(p));
+        }
+      }
+    }
+    if (listed > bound) {
+      return ::testing::AssertionFailure()
+             << "VisibleRanges listed " << listed << " ranges, more than its bound " << bound;
+    }
+    ++outcomes["Visible in ranges compared"];
+    return CompareVisible(group, queries, expanded);
+  }
+
   ::testing::AssertionResult CompareCanResume(int64_t seq, int32_t pos, bool got) {
     const bool want = model_.CanResume(seq, pos);
     if (got != want) {
@@ -2320,6 +2355,8 @@ class Episode {
       if (!got.ok()) return ::testing::AssertionFailure() << "Visible: " << got.status();
       ::testing::AssertionResult r = CompareVisible(static_cast<int>(g), queries, *got);
       if (!r) return r;
+      r = CompareVisibleRanges(static_cast<int>(g), queries);
+      if (!r) return r;
     }
     for (int64_t seq : pool_) {
       const int32_t offset = model_.Offset(seq);
@@ -2410,6 +2447,7 @@ TEST(CacheModelTest, RandomOperationsMatchTheModel) {
                                 "Read INVALID_ARGUMENT",
                                 "Visible OK",
                                 "Visible INVALID_ARGUMENT",
+                                "Visible in ranges compared",
                                 "CanResume OK",
                                 "CanResume INVALID_ARGUMENT",
                                 "Snapshot OK",

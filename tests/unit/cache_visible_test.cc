@@ -193,5 +193,134 @@ TEST(VisiblePruneTest, PrunedPositionsAreNotVisible) {
   EXPECT_EQ(*v, (Lists{Range(0, 4)}));
 }
 
+// ---- VisibleRanges: the same answer as maximal ranges ---------------------------------------
+
+using RangeLists = std::vector<std::vector<PositionRange>>;
+
+// Expands ranges to positions, failing on ranges that are empty, out of order or not maximal.
+std::vector<int32_t> Expand(const std::vector<PositionRange>& ranges) {
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    EXPECT_LE(ranges[i].first, ranges[i].last) << "range " << i;
+    if (i > 0) {
+      EXPECT_GT(int64_t{ranges[i].first}, int64_t{ranges[i - 1].last} + 1)
+          << "range " << i << " is not apart from the one before";
+    }
+    for (int64_t p = ranges[i].first; p <= ranges[i].last; ++p) {
+      out.push_back(static_cast<int32_t>(p));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<RangeLists> Ranges(const Cache& cache, int group, const std::vector<Query>& queries,
+                                  int64_t* bound) {
+  return cache.VisibleRanges(group, queries, [bound](int64_t b) {
+    *bound = b;
+    return absl::OkStatus();
+  });
+}
+
+TEST_F(VisibleTest, RangesAnswerWhatPositionsAnswer) {
+  std::vector<Query> queries;
+  for (int64_t seq : {0, 1, 2, 7}) {
+    for (int32_t pos : {0, 1, 2, 3, 4, 5, 6, 9, 10, 100}) {
+      queries.push_back(Query{seq, pos, false});
+      queries.push_back(Query{seq, pos, true});
+    }
+  }
+  for (int group : {kFull, kSliding, kChunked}) {
+    SCOPED_TRACE(absl::StrCat("group ", group));
+    int64_t bound = -1;
+    absl::StatusOr<RangeLists> ranges = Ranges(cache(), group, queries, &bound);
+    ASSERT_TRUE(ranges.ok()) << ranges.status();
+    const Lists positions = Visible(group, queries);
+    ASSERT_EQ(ranges->size(), queries.size());
+    int64_t listed = 0;
+    for (size_t i = 0; i < queries.size(); ++i) {
+      EXPECT_EQ(Expand((*ranges)[i]), positions[i]) << "query " << i;
+      listed += static_cast<int64_t>((*ranges)[i].size());
+    }
+    EXPECT_GE(bound, listed);
+  }
+  // Seq 2 stores 1, 5, 9: one range each; seq 0 (0..9) one range whatever the query.
+  int64_t bound = -1;
+  absl::StatusOr<RangeLists> ranges =
+      Ranges(cache(), kFull, {Query{2, 9, false}, Query{0, 9, false}, Query{7, 3, false}}, &bound);
+  ASSERT_TRUE(ranges.ok()) << ranges.status();
+  EXPECT_EQ(*ranges, (RangeLists{{{1, 1}, {5, 5}, {9, 9}}, {{0, 9}}, {}}));
+  EXPECT_EQ(bound, 3 + 1 + 0);  // seq 2 has 3 runs; seq 0 one; seq 7 none
+}
+
+// Consecutive positions held in cells that are not consecutive are two runs of the index but
+// one range of the answer.
+TEST(VisibleRangesTest, ConsecutivePositionsInScatteredCellsAreOneRange) {
+  const CacheSpec spec = Spec(DType::kF32, 3, 64, 16, {Group(Full())});
+  TestCache tc(spec);
+  ASSERT_NE(tc.cache, nullptr);
+  ASSERT_TRUE(AppendRange(*tc.cache, 0, 0, 2).ok());
+  ASSERT_TRUE(AppendRange(*tc.cache, 1, 0, 2).ok());
+  ASSERT_TRUE(AppendRange(*tc.cache, 0, 2, 4).ok());  // cells of seq 1 lie between
+  int64_t bound = -1;
+  absl::StatusOr<RangeLists> ranges = Ranges(*tc.cache, 0, {Query{0, 3, false}}, &bound);
+  ASSERT_TRUE(ranges.ok()) << ranges.status();
+  EXPECT_EQ(*ranges, (RangeLists{{{0, 3}}}));
+  EXPECT_EQ(bound, 2);  // the index's two runs: the cells really are apart
+}
+
+// The highest position a sequence may store is INT32_MAX - 1 (its offset must stay an int32);
+// a query may still ask at INT32_MAX.
+TEST(VisibleRangesTest, RangesReachTheLastPosition) {
+  const CacheSpec spec = Spec(DType::kF32, 1, 64, 16, {Group(Full())});
+  TestCache tc(spec);
+  ASSERT_NE(tc.cache, nullptr);
+  constexpr int32_t kLast = INT32_MAX - 1;
+  ASSERT_TRUE(AppendTokens(*tc.cache, {{0, 0}, {0, kLast - 1}, {0, kLast}}).ok());
+  int64_t bound = -1;
+  absl::StatusOr<RangeLists> ranges =
+      Ranges(*tc.cache, 0,
+             {Query{0, INT32_MAX, false}, Query{0, 0, true}, Query{0, kLast - 1, false},
+              Query{0, 0, false}, Query{0, 1, false}},
+             &bound);
+  ASSERT_TRUE(ranges.ok()) << ranges.status();
+  const std::vector<PositionRange> all = {{0, 0}, {kLast - 1, kLast}};
+  EXPECT_EQ(*ranges, (RangeLists{all, all, {{0, 0}, {kLast - 1, kLast - 1}}, {{0, 0}}, {{0, 0}}}));
+  EXPECT_GE(bound, 2 + 2 + 2 + 1 + 1);
+}
+
+TEST(VisibleRangesTest, RotatingRingIsOneRange) {
+  const CacheSpec spec = Spec(DType::kF32, 2, 64, 16, {testutil::RotatingGroup(4)});
+  TestCache tc(spec);
+  ASSERT_NE(tc.cache, nullptr);
+  ASSERT_TRUE(AppendRange(*tc.cache, 0, 0, 10).ok());  // the ring keeps 6..9
+  int64_t bound = -1;
+  absl::StatusOr<RangeLists> ranges =
+      Ranges(*tc.cache, 0, {Query{0, 9, false}, Query{0, 7, false}, Query{1, 0, false}}, &bound);
+  ASSERT_TRUE(ranges.ok()) << ranges.status();
+  EXPECT_EQ(*ranges, (RangeLists{{{6, 9}}, {{6, 7}}, {}}));
+  EXPECT_GE(bound, 2);
+}
+
+TEST_F(VisibleTest, RangesRefuseWhatPositionsRefuseAndReturnAdmitErrors) {
+  for (const auto& [group, query] :
+       std::vector<std::pair<int, Query>>{{-1, Query{0, 1, false}},
+                                          {3, Query{0, 1, false}},
+                                          {kFull, Query{-1, 1, false}},
+                                          {kFull, Query{0, -1, false}}}) {
+    int calls = 0;
+    absl::StatusOr<RangeLists> ranges = cache().VisibleRanges(group, {query}, [&](int64_t) {
+      ++calls;
+      return absl::OkStatus();
+    });
+    EXPECT_EQ(ranges.status().code(), absl::StatusCode::kInvalidArgument) << group;
+    EXPECT_EQ(ranges.status(), cache().Visible(group, {query}).status());
+    EXPECT_EQ(calls, 0);
+  }
+  absl::StatusOr<RangeLists> ranges = cache().VisibleRanges(
+      kFull, {Query{0, 9, false}, Query{2, 9, false}},
+      [](int64_t b) { return absl::ResourceExhaustedError(absl::StrCat("bound ", b)); });
+  EXPECT_EQ(ranges.status(), absl::ResourceExhaustedError("bound 4"));
+}
+
 }  // namespace
 }  // namespace kvmesh

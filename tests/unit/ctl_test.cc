@@ -200,6 +200,18 @@ TEST(FormatPositionsTest, Ranges) {
   EXPECT_EQ(FormatPositions({0, 1, 2, 5, 7, 8}), "0-2,5,7-8");
 }
 
+TEST(FormatRangesTest, SameTextAsThePositions) {
+  google::protobuf::RepeatedPtrField<v1::PositionRange> ranges;
+  EXPECT_EQ(FormatRanges(ranges), "-");
+  for (const auto& [first, last] : std::vector<std::pair<int32_t, int32_t>>{
+           {0, 2}, {5, 5}, {7, 8}, {INT32_MAX - 1, INT32_MAX}}) {
+    v1::PositionRange* range = ranges.Add();
+    range->set_first(first);
+    range->set_last(last);
+  }
+  EXPECT_EQ(FormatRanges(ranges), "0-2,5,7-8,2147483646-2147483647");
+}
+
 TEST(ArgsTest, FlagsAnywhereRepeatedAndBool) {
   const char* argv[] = {"kvmeshctl", "--json",   "create", "--group=a", "--group",
                         "b",         "--stream", "--name", "x"};

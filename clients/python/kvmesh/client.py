@@ -304,11 +304,25 @@ class Client:
                 timeout: Optional[float] = None) -> List[List[int]]:
         """Per (seq, pos) query, the stored positions it attends to in ``group`` (an Attention
         or Rotating group); ``non_causal`` drops the upper bound for every query."""
-        r = self._call("Visible", pb.VisibleRequest(
-            cache=cache, group=group,
-            queries=[pb.Query(seq=s, pos=p, non_causal=non_causal) for s, p in queries]),
-            timeout)
+        r = self._call("Visible", self._visible_request(cache, group, queries, non_causal,
+                                                         as_ranges=False), timeout)
         return [list(v.positions) for v in r.visible]
+
+    def visible_ranges(self, cache: str, group: int, queries: Sequence[Tuple[int, int]], *,
+                       non_causal: bool = False,
+                       timeout: Optional[float] = None) -> List[List[Tuple[int, int]]]:
+        """The same answer as ``visible``, as maximal (first, last) ranges of consecutive
+        positions, both included: a sequence stored without gaps is one range."""
+        r = self._call("Visible", self._visible_request(cache, group, queries, non_causal,
+                                                         as_ranges=True), timeout)
+        return [[(x.first, x.last) for x in v.ranges] for v in r.visible]
+
+    @staticmethod
+    def _visible_request(cache: str, group: int, queries: Sequence[Tuple[int, int]],
+                         non_causal: bool, as_ranges: bool) -> "pb.VisibleRequest":
+        return pb.VisibleRequest(
+            cache=cache, group=group, as_ranges=as_ranges,
+            queries=[pb.Query(seq=s, pos=p, non_causal=non_causal) for s, p in queries])
 
     # ---- sequences -------------------------------------------------------------------------
 

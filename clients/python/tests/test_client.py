@@ -355,6 +355,11 @@ class ClientTest(nodes.NodeTestCase):
                          [[4, 5, 6, 7, 8, 9]])
         with self.assertRaises(kvmesh.InvalidArgument):
             self.client.visible(spec.name, 3, [(0, 7)])
+        self.assertEqual(
+            self.client.visible_ranges(spec.name, 0, [(0, 9), (0, 5), (1, 0)], non_causal=True),
+            [[(7, 9)], [(4, 9)], []])
+        with self.assertRaises(kvmesh.InvalidArgument):
+            self.client.visible_ranges(spec.name, 3, [(0, 7)])
 
     # ---- snapshots -------------------------------------------------------------------------
 
