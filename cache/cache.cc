@@ -1021,6 +1021,10 @@ class PinnedReadCursor final : public ReadCursor {
     RETURN_IF_ERROR(CheckPayloadRange(offset, dst.size(), size()));
     return image_->ReadAt(data_begin_ + offset, dst);
   }
+  absl::Span<const uint8_t> View(size_t offset, size_t max_bytes) const override {
+    if (offset >= size()) return {};
+    return image_->View(data_begin_ + offset, std::min(max_bytes, size() - offset));
+  }
 
  private:
   const ReadResult header_;
@@ -1039,12 +1043,22 @@ class CopiedReadCursor final : public ReadCursor {
     if (!dst.empty()) std::memcpy(dst.data(), result_.payload.data() + offset, dst.size());
     return absl::OkStatus();
   }
+  absl::Span<const uint8_t> View(size_t offset, size_t max_bytes) const override {
+    if (offset >= size()) return {};
+    return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(result_.payload.data()),
+                                     result_.payload.size())
+        .subspan(offset, max_bytes);
+  }
 
  private:
   const ReadResult result_;
 };
 
 }  // namespace
+
+std::unique_ptr<ReadCursor> NewCopiedReadCursor(ReadResult result) {
+  return std::make_unique<CopiedReadCursor>(std::move(result));
+}
 
 absl::StatusOr<std::unique_ptr<ReadCursor>> Cache::OpenRead(const std::shared_ptr<Cache>& cache,
                                                             int64_t seq, int32_t begin,
@@ -1053,7 +1067,7 @@ absl::StatusOr<std::unique_ptr<ReadCursor>> Cache::OpenRead(const std::shared_pt
   if (!c.lends_cells_) {
     ASSIGN_OR_RETURN(ReadResult result, c.Read(seq, begin, end));
     // Its header() has the payload too; callers use size() and ReadAt.
-    return std::unique_ptr<ReadCursor>(new CopiedReadCursor(std::move(result)));
+    return NewCopiedReadCursor(std::move(result));
   }
   RETURN_IF_ERROR(c.CheckReadArgs(seq, begin, end));
   SnapshotRecord record;

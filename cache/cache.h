@@ -209,7 +209,16 @@ class ReadCursor {
   // Copies payload bytes [offset, offset + dst.size()) into dst (host memory). OUT_OF_RANGE
   // past size(); device errors as Device::Gather.
   virtual absl::Status ReadAt(size_t offset, absl::Span<uint8_t> dst) = 0;
+  // The payload's bytes from `offset` on where they lie in host memory, without a copy: the
+  // longest contiguous run there, at most `max_bytes` (a pinned read's run ends at the end of
+  // one plane of one run of cells). Empty when offset >= size(), max_bytes == 0, or the bytes
+  // are not in host memory: use ReadAt then. The bytes stay valid and unchanged while the
+  // cursor exists. Thread-safe, also against ReadAt.
+  virtual absl::Span<const uint8_t> View(size_t offset, size_t max_bytes) const = 0;
 };
+
+// A cursor over a Read already done (`result`, its payload kept and viewed in place).
+std::unique_ptr<ReadCursor> NewCopiedReadCursor(ReadResult result);
 
 struct SplitResult {
   std::optional<SnapshotInfo> parent;  // [from, at), absent when nothing lies below `at`

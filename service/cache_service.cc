@@ -12,8 +12,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "cache/status_macros.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
 #include "service/cluster/cluster.h"
 #include "service/common/convert.h"
+#include "service/common/log.h"
 #include "service/peer_service.h"
 #include "tests/sanitizers/tsan_handoff.h"
 
@@ -401,18 +405,54 @@ class CacheServiceImpl::AppendStreamReactor final
 
 // ---- Read ---------------------------------------------------------------------------------
 //
+// Read is served raw (WithRawCallbackMethod_Read): the node writes each ReadResponse's bytes
+// itself, so that the payload goes to gRPC as slices of the memory it lies in (the pinned cells
+// of a large read, the payload of a small one) instead of being gathered into a message and
+// serialized into a second buffer. The bytes are those of ReadResponse as protobuf would write
+// them: `header` (field 1) in the first message, `data` (field 2) in every message with data.
+//
 // The engine read runs on the executor, which then starts the first write; every later write
-// is started by OnWriteDone of the one before. One operation at a time owns the reactor.
-class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::ReadResponse> {
+// is started by OnWriteDone of the one before (on the executor when the next chunk must be
+// copied from a device). One operation at a time owns the reactor.
+namespace {
+
+// A slice's reference to the cursor whose memory it shows, dropped on whichever thread gRPC
+// releases the slice; the last one ends the cursor (and unpins its cells).
+void ReleaseCursorRef(void* ref) { delete static_cast<std::shared_ptr<ReadCursor>*>(ref); }
+
+// A chunk's data in more pieces than this is copied into one slice instead.
+constexpr size_t kMaxReadViewsPerChunk = 64;
+
+void AppendVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+}  // namespace
+
+//
+// A client that stops taking messages stalls the write in flight, and with it the cells a
+// pinned read holds. The idle reaper cancels a Read whose write has not completed for
+// --stream-idle-timeout-ms: gRPC then drops the write's slices, and the cells are unpinned.
+class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
+                                            public IdleReaper::Stream {
  public:
   ReadReactor(CacheServiceImpl* service, grpc::CallbackServerContext* context,
-              const v1::ReadRequest* request)
-      : service_(service), context_(context), request_(request) {
+              const grpc::ByteBuffer* raw)
+      : service_(service), context_(context) {
+    service_->idle_reaper_->Add(this);
     if (const absl::StatusOr<Principal> caller = service_->Caller(*context_); !caller.ok()) {
       Done(ToGrpcStatus(caller.status()));  // who calls comes first, as in every RPC
       return;
     }
-    const int32_t requested = request->max_chunk_bytes();
+    if (const grpc::Status parsed = Parse(*raw); !parsed.ok()) {
+      Done(parsed);
+      return;
+    }
+    const int32_t requested = request_.max_chunk_bytes();
     if (requested < 0 || requested > kMaxReadChunkBytes) {
       Done(
           InvalidArgument(absl::StrCat("max_chunk_bytes = ", requested, " is out of range [0, ",
@@ -430,20 +470,62 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
 
   void OnWriteDone(bool ok) override {
     TakeOver(this);
+    {
+      MutexLock lock(&mu_);
+      writing_ = false;
+      if (expired_) return;  // the idle reaper cancelled the call; EndIdle finishes it
+    }
     if (!ok) {
       // The stream is broken (cancelled or the client went away); nothing more can be sent.
       Done(CancelledStatus());
       return;
     }
-    // A pinned read gathers the next chunk from the device, which on a GPU waits for a copy:
+    // A chunk not in host memory is copied from the device, which on a GPU waits for the copy:
     // on the executor, not on gRPC's thread (inline only when the executor's queue is full).
-    if (cursor_ != nullptr && service_->executor_->Submit([this] { WriteNext(); })) return;
-    WriteNext();
+    if (cursor_->View(sent_, 1).empty() &&
+        service_->executor_->Submit([this] { WriteChunk(chunk_bytes_); })) {
+      return;
+    }
+    WriteChunk(chunk_bytes_);
   }
 
   void OnDone() override {
     TakeOver(this);
+    service_->idle_reaper_->Remove(this);
     delete this;
+  }
+
+  bool ExpireIfIdle(absl::Time now, absl::Duration timeout) override {
+    MutexLock lock(&mu_);
+    if (expired_ || !writing_ || now - write_started_ < timeout) return false;
+    expired_ = true;
+    return true;
+  }
+
+  void EndIdle(absl::Duration timeout) override {
+    // The write in flight owns the reactor, but it has stalled; its completion (ok or not)
+    // stops at expired_. Only fields that no owner changes while a write is in flight are read.
+    bool finish_sent;
+    {
+      MutexLock lock(&mu_);
+      finish_sent = finish_sent_;
+    }
+    Log(LogLevel::kWarning, "Read cancelled: the client took no message",
+        {{"cache", request_.cache()},
+         {"seq", absl::StrCat(request_.seq())},
+         {"idle_ms", absl::StrCat(absl::ToInt64Milliseconds(timeout))},
+         {"sent_bytes", absl::StrCat(sent_)},
+         {"payload_bytes", absl::StrCat(total_)}});
+    // Cancelling drops the stalled write and the slices it holds, so a pinned read's cells are
+    // released; the client sees CANCELLED (a status could not reach it past the stalled data).
+    context_->TryCancel();
+    if (finish_sent) return;  // OnDone follows; nothing of this reactor is touched from here
+    HandOff(this);
+    Finish(
+        grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                     absl::StrCat("Read took no message for ", absl::ToInt64Milliseconds(timeout),
+                                  " ms (the node's --stream-idle-timeout-ms) after ", sent_, " of ",
+                                  total_, " payload bytes; the call is cancelled")));
   }
 
  private:
@@ -452,20 +534,29 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
     Finish(status);
   }
 
+  grpc::Status Parse(const grpc::ByteBuffer& raw) {
+    grpc::ByteBuffer bytes(raw);  // shares the slices; Deserialize empties its argument
+    const size_t n = bytes.Length();
+    if (!grpc::SerializationTraits<v1::ReadRequest>::Deserialize(&bytes, &request_).ok()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("the ReadRequest of ", n, " bytes does not parse"));
+    }
+    return grpc::Status::OK;
+  }
+
   // On the executor.
   void ReadAndStart() {
     if (context_->IsCancelled()) {
       Done(CancelledStatus());
       return;
     }
-    absl::StatusOr<std::shared_ptr<Cache>> cache =
-        service_->FindCache(*context_, request_->cache());
+    absl::StatusOr<std::shared_ptr<Cache>> cache = service_->FindCache(*context_, request_.cache());
     if (!cache.ok()) {
       Done(ToGrpcStatus(cache.status()));
       return;
     }
     const std::optional<int32_t> end =
-        request_->has_end() ? std::optional<int32_t>(request_->end()) : std::nullopt;
+        request_.has_end() ? std::optional<int32_t>(request_.end()) : std::nullopt;
     // A payload of at most one chunk is copied out at once under the cache's shared lock and
     // counted in flight whole. A larger one, in a cache that lends cells, is read from pinned
     // cells chunk by chunk, one chunk in flight whatever its size; in other caches it is copied
@@ -474,7 +565,7 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
     const bool pin_large = (*cache)->lends_cells();
     bool large = false;
     absl::StatusOr<ReadResult> result =
-        (*cache)->Read(request_->seq(), request_->begin(), end, [&](size_t bytes) -> absl::Status {
+        (*cache)->Read(request_.seq(), request_.begin(), end, [&](size_t bytes) -> absl::Status {
           if (pin_large && bytes > chunk_bytes_) {
             large = true;
             return absl::AbortedError("read from pinned cells instead");
@@ -486,34 +577,32 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
         });
     if (large) {
       absl::StatusOr<std::unique_ptr<ReadCursor>> cursor =
-          Cache::OpenRead(*cache, request_->seq(), request_->begin(), end);
+          Cache::OpenRead(*cache, request_.seq(), request_.begin(), end);
       if (!cursor.ok()) {
         Done(ToGrpcStatus(cursor.status()));
         return;
       }
       cursor_ = *std::move(cursor);
-      total_ = cursor_->size();
-      const size_t in_flight = std::min(total_, chunk_bytes_);
+      const size_t in_flight = std::min(cursor_->size(), chunk_bytes_);
       absl::StatusOr<InflightBudget::Reservation> reserved = service_->inflight_->Reserve(
-          in_flight, absl::StrCat("Read of ", total_, " payload bytes (", in_flight,
+          in_flight, absl::StrCat("Read of ", cursor_->size(), " payload bytes (", in_flight,
                                   " of them in flight at a time)"));
       if (!reserved.ok()) {
         Done(ToGrpcStatus(reserved.status()));
         return;
       }
       reservation_ = *std::move(reserved);
-      *response_.mutable_header() = ReadHeaderToProto(cursor_->header());
     } else {
       if (!result.ok()) {
         Done(ToGrpcStatus(result.status()));
         return;
       }
-      *response_.mutable_header() = ReadHeaderToProto(*result);
-      payload_ = std::move(result->payload);
-      total_ = payload_.size();
+      cursor_ = NewCopiedReadCursor(*std::move(result));
     }
-    response_.mutable_header()->set_payload_bytes(static_cast<int64_t>(total_));
-    const size_t header_bytes = response_.header().ByteSizeLong();
+    total_ = cursor_->size();
+    v1::ReadHeader header = ReadHeaderToProto(cursor_->header());
+    header.set_payload_bytes(static_cast<int64_t>(total_));
+    const size_t header_bytes = header.ByteSizeLong();
     if (header_bytes + 2 * kReadMessageSlack > service_->options_.max_send_message_bytes) {
       Done(grpc::Status(
           grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -524,55 +613,92 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<v1::
       return;
     }
     // The first message carries the header too, so its data is cut shorter.
+    fields_.push_back(1 << 3 | 2);  // header: field 1, length-delimited
+    AppendVarint(header_bytes, &fields_);
+    header.AppendToString(&fields_);
     const size_t room =
         service_->options_.max_send_message_bytes - kReadMessageSlack - header_bytes;
     WriteChunk(std::min(chunk_bytes_, room));
   }
 
-  void WriteNext() {
-    // The data field keeps its buffer: the next chunk is gathered over the last one (resize to
-    // the same size is free, where clearing it would zero-fill it again).
-    response_.clear_header();
-    if (cursor_ == nullptr) response_.clear_data();
-    WriteChunk(chunk_bytes_);
-  }
-
+  // Writes the next message: the fields gathered in fields_ (the header's, first), then up to
+  // max_bytes of the payload as views of its memory, or copied into a slice of its own when it
+  // is not in host memory or lies in too many pieces.
   void WriteChunk(size_t max_bytes) {
     const size_t n = std::min(max_bytes, total_ - sent_);
-    if (cursor_ != nullptr) {
-      std::string* data = response_.mutable_data();
-      data->resize(n);
-      const absl::Status read =
-          cursor_->ReadAt(sent_, absl::MakeSpan(reinterpret_cast<uint8_t*>(data->data()), n));
-      if (!read.ok()) {
-        Done(ToGrpcStatus(read));
-        return;
+    std::vector<grpc::Slice> slices(1);  // [0]: fields_, once complete
+    if (n > 0) {
+      fields_.push_back(2 << 3 | 2);  // data: field 2, length-delimited
+      AppendVarint(n, &fields_);
+      views_.clear();
+      bool viewed = true;
+      for (size_t at = sent_; at < sent_ + n;) {
+        const absl::Span<const uint8_t> view = cursor_->View(at, sent_ + n - at);
+        if (view.empty() || views_.size() == kMaxReadViewsPerChunk) {
+          viewed = false;
+          break;
+        }
+        views_.push_back(view);
+        at += view.size();
       }
-    } else if (n == total_) {
-      *response_.mutable_data() = std::move(payload_);  // a single message: no copy
-    } else {
-      response_.set_data(payload_.data() + sent_, n);
+      if (viewed) {
+        // Each slice holds a reference to the cursor, so the bytes stay pinned and unchanged
+        // whatever gRPC does with them after the write.
+        for (const absl::Span<const uint8_t> view : views_) {
+          slices.emplace_back(const_cast<uint8_t*>(view.data()), view.size(), &ReleaseCursorRef,
+                              new std::shared_ptr<ReadCursor>(cursor_));
+        }
+      } else {
+        grpc_slice copy = grpc_slice_malloc(n);
+        const absl::Status read =
+            cursor_->ReadAt(sent_, absl::MakeSpan(GRPC_SLICE_START_PTR(copy), n));
+        slices.emplace_back(copy, grpc::Slice::STEAL_REF);
+        if (!read.ok()) {
+          Done(ToGrpcStatus(read));
+          return;
+        }
+      }
     }
+    slices[0] = grpc::Slice(fields_.data(), fields_.size());
+    fields_.clear();
+    message_ = grpc::ByteBuffer(slices.data(), slices.size());
     sent_ += n;
     const bool last = sent_ == total_;
+    {
+      MutexLock lock(&mu_);
+      writing_ = true;
+      finish_sent_ = last;
+      write_started_ = absl::Now();
+    }
     HandOff(this);  // nothing of this reactor is touched from here until the reaction
     if (last) {
-      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+      StartWriteAndFinish(&message_, grpc::WriteOptions(), grpc::Status::OK);
     } else {
-      StartWrite(&response_);
+      StartWrite(&message_);
     }
   }
 
   CacheServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
-  const v1::ReadRequest* const request_;
+  v1::ReadRequest request_;
   size_t chunk_bytes_ = 0;
-  std::unique_ptr<ReadCursor> cursor_;  // a cache that lends cells: the pinned read
-  std::string payload_;                 // otherwise: the whole payload, read at once
-  size_t total_ = 0;                    // payload bytes of the whole read
-  size_t sent_ = 0;                     // payload bytes handed to writes so far
-  v1::ReadResponse response_;
-  InflightBudget::Reservation reservation_;  // payload_'s bytes in the in-flight budget
+  // The payload: pinned cells (a large read of a cache that lends cells) or a copy. Shared with
+  // the slices of the messages that show it.
+  std::shared_ptr<ReadCursor> cursor_;
+  size_t total_ = 0;                              // payload bytes of the whole read
+  size_t sent_ = 0;                               // payload bytes handed to writes so far
+  std::string fields_;                            // the next message's bytes before its data
+  std::vector<absl::Span<const uint8_t>> views_;  // WriteChunk's, kept for its capacity
+  grpc::ByteBuffer message_;                      // the message being written
+  // A copied payload's bytes, or one chunk of a pinned read, in the in-flight budget.
+  InflightBudget::Reservation reservation_;
+
+  // Between the owner and the idle reaper.
+  Mutex mu_;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;      // a write is in flight
+  bool finish_sent_ ABSL_GUARDED_BY(mu_) = false;  // it was StartWriteAndFinish
+  bool expired_ ABSL_GUARDED_BY(mu_) = false;      // the reaper has taken the call over
+  absl::Time write_started_ ABSL_GUARDED_BY(mu_);
 };
 
 // ---- the service --------------------------------------------------------------------------
@@ -775,8 +901,8 @@ grpc::ServerReadReactor<v1::AppendStreamRequest>* CacheServiceImpl::AppendStream
   return new AppendStreamReactor(this, context, response);
 }
 
-grpc::ServerWriteReactor<v1::ReadResponse>* CacheServiceImpl::Read(
-    grpc::CallbackServerContext* context, const v1::ReadRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* CacheServiceImpl::Read(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
   return new ReadReactor(this, context, request);
 }
 

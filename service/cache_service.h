@@ -16,7 +16,8 @@
 //    whole header.payload_bytes in Options::inflight before it reads any data, a unary Append
 //    its payload, a Read its payload before the engine copies it out, a Visible its answer
 //    before the engine lists it; what does not fit is RESOURCE_EXHAUSTED at once. An
-//    AppendStream idle for Options::stream_idle_timeout is ended with DEADLINE_EXCEEDED.
+//    AppendStream idle for Options::stream_idle_timeout is ended with DEADLINE_EXCEEDED, and a
+//    Read whose client takes no message for as long is cancelled (its pinned cells released).
 //  - Every name a request carries is checked with CheckNameLength before it is used.
 //  - Read runs the engine read on the executor, then streams the header and the payload in
 //    chunks of max_chunk_bytes (0: kDefaultReadChunkBytes), each message cut to fit the
@@ -77,7 +78,8 @@ inline constexpr uint64_t kVisibleBytesPerQuery = 128;
 // The Drain RPC's timeout when neither the request nor Options::drain_timeout gives one.
 inline constexpr absl::Duration kDefaultDrainTimeout = absl::Seconds(60);
 
-class CacheServiceImpl final : public v1::CacheService::CallbackService {
+class CacheServiceImpl final
+    : public v1::CacheService::WithRawCallbackMethod_Read<v1::CacheService::CallbackService> {
  public:
   struct Options {
     // The server's limit on one outgoing message; Read messages are cut to stay under it.
@@ -93,7 +95,8 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
     // Visible answers), not owned; null: not bounded (an unlimited budget of the service's own).
     InflightBudget* inflight = nullptr;
     // An AppendStream that has sent no message for this long while the node waits for one is
-    // ended with DEADLINE_EXCEEDED and its buffer freed. absl::InfiniteDuration(): never.
+    // ended with DEADLINE_EXCEEDED and its buffer freed; a Read whose write has not completed
+    // for this long (its client takes nothing) is cancelled. absl::InfiniteDuration(): never.
     absl::Duration stream_idle_timeout = absl::Seconds(30);
     // Most positions one Visible call may list in all (RESOURCE_EXHAUSTED beyond).
     int64_t max_visible_positions = kDefaultMaxVisiblePositions;
@@ -128,8 +131,10 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
                                    v1::AppendResponse* response) override;
   grpc::ServerReadReactor<v1::AppendStreamRequest>* AppendStream(
       grpc::CallbackServerContext* context, v1::AppendResponse* response) override;
-  grpc::ServerWriteReactor<v1::ReadResponse>* Read(grpc::CallbackServerContext* context,
-                                                   const v1::ReadRequest* request) override;
+  // Served raw: ReadResponse's bytes are written by the node (the payload as slices of the
+  // memory it lies in), and the request is parsed here.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Read(grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* Visible(grpc::CallbackServerContext* context,
                                     const v1::VisibleRequest* request,
                                     v1::VisibleResponse* response) override;
@@ -256,7 +261,7 @@ class CacheServiceImpl final : public v1::CacheService::CallbackService {
   // options_.inflight, or an unlimited budget of our own when that is null.
   std::unique_ptr<InflightBudget> own_inflight_;
   InflightBudget* const inflight_;
-  // Ends AppendStreams idle for options_.stream_idle_timeout.
+  // Ends AppendStreams and Reads idle for options_.stream_idle_timeout.
   const std::unique_ptr<IdleReaper> idle_reaper_;
 };
 

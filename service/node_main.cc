@@ -172,7 +172,8 @@ ABSL_FLAG(kvmesh::ByteSize, inflight_budget, kvmesh::ByteSize{0},
           "0 (default): 1GiB, or 4 x --max-message-bytes when that is more");
 ABSL_FLAG(int64_t, stream_idle_timeout_ms, 30000,
           "an AppendStream that sends no message for this long is ended with DEADLINE_EXCEEDED "
-          "and its buffer freed; 0: never");
+          "and its buffer freed, and a Read whose client takes no message for this long is "
+          "cancelled and its pinned cells released; 0: never");
 ABSL_FLAG(int64_t, max_visible_positions, kvmesh::kDefaultMaxVisiblePositions,
           "most positions one Visible call may list in all; larger requests fail with "
           "RESOURCE_EXHAUSTED before any work");

@@ -11,7 +11,10 @@
 #include "cache/mutex.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 #include "grpcpp/server_context.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "kvmesh/v1/kvmesh.pb.h"
 #include "service/common/convert.h"
 #include "service/common/log.h"
 
@@ -29,11 +32,18 @@ bool KnownService(absl::string_view service) {
          service == "grpc.reflection.v1alpha.ServerReflection";
 }
 
-// Whether the method's messages are generated protobuf classes: kvmesh's, but PeerService/Fetch
-// is served raw (a ByteBuffer), and health and reflection are raw inside gRPC.
-bool ProtobufMessages(absl::string_view service, absl::string_view method) {
-  if (service == "kvmesh.v1.CacheService") return true;
-  return service == "kvmesh.v1.PeerService" && method != "Fetch";
+// How the method's request reaches the interceptor: as its generated protobuf class (kvmesh's
+// methods), as a ByteBuffer of a kvmesh request (CacheService/Read, served raw, whose request
+// is parsed here for the log), or as neither (PeerService/Fetch's request names nothing worth
+// logging; health and reflection are raw inside gRPC).
+enum class RequestForm { kNone, kProtobuf, kRawRead };
+
+RequestForm FormOf(absl::string_view service, absl::string_view method) {
+  if (service == "kvmesh.v1.CacheService") {
+    return method == "Read" ? RequestForm::kRawRead : RequestForm::kProtobuf;
+  }
+  if (service == "kvmesh.v1.PeerService" && method != "Fetch") return RequestForm::kProtobuf;
+  return RequestForm::kNone;
 }
 
 std::string GrpcCodeName(grpc::StatusCode code) {
@@ -122,7 +132,7 @@ class RpcObserver final : public grpc::experimental::Interceptor {
       service = "other";
       method = "other";
     }
-    protobuf_ = ProtobufMessages(service, method);
+    form_ = FormOf(service, method);
     const size_t dot = service.rfind('.');
     short_service_ =
         std::string(dot == absl::string_view::npos ? service : service.substr(dot + 1));
@@ -148,10 +158,20 @@ class RpcObserver final : public grpc::experimental::Interceptor {
     // AppendStream that the node ends): one hook at a time.
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
       MutexLock lock(&mu_);
-      if (!received_ && !finished_ && protobuf_ && LogEnabled(LogLevel::kWarning)) {
+      if (!received_ && !finished_ && form_ != RequestForm::kNone &&
+          LogEnabled(LogLevel::kWarning)) {
         received_ = true;
-        if (const void* message = methods->GetRecvMessage(); message != nullptr) {
+        if (const void* message = methods->GetRecvMessage(); message == nullptr) {
+        } else if (form_ == RequestForm::kProtobuf) {
           Extract(*static_cast<const google::protobuf::Message*>(message), &named_);
+        } else {
+          // A copy of the raw bytes (a ReadRequest is small); one that does not parse names
+          // nothing, and the handler refuses it.
+          v1::ReadRequest request;
+          grpc::ByteBuffer raw(*static_cast<const grpc::ByteBuffer*>(message));
+          if (grpc::SerializationTraits<v1::ReadRequest>::Deserialize(&raw, &request).ok()) {
+            Extract(request, &named_);
+          }
         }
       }
     }
@@ -198,7 +218,7 @@ class RpcObserver final : public grpc::experimental::Interceptor {
   const absl::Time start_ = absl::Now();
   std::string short_service_;
   std::string method_;
-  bool protobuf_ = false;
+  RequestForm form_ = RequestForm::kNone;
   Metrics::Rpc* rpc_ = nullptr;
   Mutex mu_;
   bool received_ ABSL_GUARDED_BY(mu_) = false;

@@ -484,42 +484,55 @@ grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const st
   return rpc;
 }
 
+grpc::Status CallRaw(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                     const std::string& request, std::vector<std::string>* responses) {
+  responses->clear();
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  grpc::CompletionQueue cq;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      stub.PrepareCall(&context, method, &cq);
+  int tags[4];
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  bool ok = true;
+  call->StartCall(&tags[0]);
+  ok = ok && Await(&cq, &tags[0]);
+  if (ok) call->Write(ToByteBuffer(request), &tags[1]);
+  ok = ok && Await(&cq, &tags[1]);
+  if (ok) call->WritesDone(&tags[2]);
+  ok = ok && Await(&cq, &tags[2]);
+  while (ok) {
+    call->Read(&response, &tags[3]);
+    ok = Await(&cq, &tags[3]);
+    if (ok) responses->push_back(FromByteBuffer(response));
+  }
+  call->Finish(&status, &tags[0]);
+  void* got = nullptr;
+  bool finished = false;
+  // Finish completes even when an earlier step failed; it reports why.
+  while (cq.Next(&got, &finished) && got != &tags[0]) {
+  }
+  Drain(&cq);
+  return status;
+}
+
 namespace {
 
 // One request on a grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo stream: the
 // string field `field` of ServerReflectionRequest set to `value`; the response's fields.
 grpc::Status AskReflection(const std::shared_ptr<grpc::Channel>& channel, int field,
                            const std::string& value, google::protobuf::UnknownFieldSet* fields) {
-  grpc::GenericStub stub(channel);
-  grpc::ClientContext context;
-  SetDeadline(&context);
-  grpc::CompletionQueue cq;
-  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call = stub.PrepareCall(
-      &context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
-  int tags[5];
-  grpc::ByteBuffer response;
-  grpc::Status status;
-  bool ok = true;
-  call->StartCall(&tags[0]);
-  ok = ok && Await(&cq, &tags[0]);
-  if (ok) call->Write(ToByteBuffer(StringField(field, value)), &tags[1]);
-  ok = ok && Await(&cq, &tags[1]);
-  if (ok) call->WritesDone(&tags[2]);
-  ok = ok && Await(&cq, &tags[2]);
-  if (ok) call->Read(&response, &tags[3]);
-  const bool got_response = ok && Await(&cq, &tags[3]);
-  call->Finish(&status, &tags[4]);
-  void* got = nullptr;
-  bool finished = false;
-  // Finish completes even when an earlier step failed; it reports why.
-  while (cq.Next(&got, &finished) && got != &tags[4]) {
-  }
-  Drain(&cq);
+  std::vector<std::string> responses;
+  const grpc::Status status =
+      CallRaw(channel, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+              StringField(field, value), &responses);
   if (!status.ok()) return status;
-  if (!got_response) {
+  if (responses.empty()) {
     return grpc::Status(grpc::StatusCode::INTERNAL, "reflection stream sent no response");
   }
-  if (!fields->ParseFromString(FromByteBuffer(response))) {
+  if (!fields->ParseFromString(responses[0])) {
     return grpc::Status(grpc::StatusCode::INTERNAL, "reflection response does not parse");
   }
   return status;

@@ -173,9 +173,15 @@ grpc::Status CommitSpeculation(Stub& stub, const std::string& cache, int64_t seq
                                int32_t* offset = nullptr);
 
 // grpc.health.v1.Health/Check of `service` ("" = the server), through kvmesh::HealthClient
-// (service/common/health_client.h). *serving_status is the response's enum value (1 = SERVING, 2 = NOT_SERVING).
+// (service/common/health_client.h). *serving_status is the response's enum value (1 = SERVING, 2 =
+// NOT_SERVING).
 grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
                          int* serving_status);
+
+// Calls `method` ("/package.Service/Method") with `request`'s bytes as its one message and
+// collects the bytes of every response until the server ends the call; its status.
+grpc::Status CallRaw(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                     const std::string& request, std::vector<std::string>* responses);
 
 // grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo with list_services.
 grpc::Status ListReflectedServices(const std::shared_ptr<grpc::Channel>& channel,

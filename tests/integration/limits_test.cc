@@ -607,6 +607,60 @@ TEST(LimitsTest, RequestsLargerThanTheWholeInflightBudgetAreRefused) {
   StopLimitsNode(std::move(node));
 }
 
+// A client that opens a Read and stops taking messages: the node's write stalls on flow
+// control while the Read pins the sequence's cells. The idle reaper cancels the call after
+// --stream-idle-timeout-ms, which releases the cells (the sequence was removed meanwhile, so
+// nothing else holds them).
+TEST(LimitsTest, StalledReadIsCancelledAndItsPinnedCellsReleased) {
+  std::unique_ptr<NodeProcess> node =
+      StartLimitsNode({"--memory-budget=160MiB", "--stream-idle-timeout-ms=1000"});
+  ASSERT_NE(node, nullptr);
+  std::unique_ptr<Stub> stub = node->NewStub();
+  constexpr int32_t kTokens = 8192;  // 64 MiB: more than loopback and HTTP/2 windows hold
+  KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenSpec("stall", 1, kTokens, 1024)));
+  AppendZeros(*stub, "stall", 0, kTokens, 1024, kBigTokenBytes);
+  auto cells_used = [&]() -> int64_t {
+    v1::GetCacheResponse response;
+    const grpc::Status status = GetCache(*stub, "stall", &response);
+    EXPECT_TRUE(status.ok()) << StatusText(status);
+    return response.cache().usage().groups(0).cells_used();
+  };
+
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader =
+      stub->Read(&context, ReadRequest("stall", 0));
+  v1::ReadResponse first;
+  ASSERT_TRUE(reader->Read(&first));
+  ASSERT_TRUE(first.has_header());
+  const absl::Time started = absl::Now();
+  // The Read answers the sequence as it was: its cells stay pinned after the sequence goes.
+  KVMESH_ASSERT_OK(Remove(*stub, "stall", 0, 0));
+  EXPECT_EQ(cells_used(), kTokens);
+  int64_t used = kTokens;
+  while (used > 0 && absl::Now() - started < absl::Seconds(20)) {
+    absl::SleepFor(absl::Milliseconds(100));
+    used = cells_used();
+  }
+  const absl::Duration took = absl::Now() - started;
+  EXPECT_EQ(used, 0) << "the stalled Read still pins cells after " << took;
+  EXPECT_GE(took, absl::Milliseconds(500));  // not before the timeout (less a write's start)
+  std::printf("limits_test: stalled Read cancelled and its cells released after %s\n",
+              absl::FormatDuration(took).c_str());
+  // The client finds its stream cancelled (whatever it had buffered comes first).
+  v1::ReadResponse more;
+  while (reader->Read(&more)) {
+  }
+  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED) << StatusText(status);
+  // The node still serves, and the cache is whole again.
+  AppendZeros(*stub, "stall", 1, 16, 16, kBigTokenBytes);
+  EXPECT_EQ(cells_used(), 16);
+  EXPECT_THAT(node->ReadStderr(), HasSubstr("Read cancelled: the client took no message"));
+  stub.reset();
+  StopLimitsNode(std::move(node));
+}
+
 // ---- start-up ---------------------------------------------------------------------------------
 
 TEST(LimitsTest, StartupRefusesLimitsThatCannotWork) {

@@ -299,6 +299,46 @@ TEST_F(ServiceTest, AppendStreamWithManyChunksAndChunkedReads) {
   KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-stream"));
 }
 
+// Read is served raw (the node writes ReadResponse's bytes itself): a request that does not
+// parse is refused with a message, and the bytes of a good one parse as ReadResponses whose
+// data, in order, is the payload a typed client reads.
+TEST_F(ServiceTest, RawReadRequestsAndResponses) {
+  std::vector<std::string> responses;
+  grpc::Status status = CallRaw(node().channel(), "/kvmesh.v1.CacheService/Read",
+                                std::string("\xff\xff\xff", 3), &responses);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("the ReadRequest of 3 bytes does not parse"));
+  EXPECT_THAT(responses, IsEmpty());
+
+  const v1::CacheSpec spec =
+      SpecProto("svc-raw-read", 2, 64, 64, {AttentionGroupProto(AttentionOptions())});
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 0, Range(0, 40))));
+  ReadOutput typed;
+  v1::ReadRequest request = ReadRequest(spec.name(), 0);
+  request.set_max_chunk_bytes(1000);  // several messages, each of several cells' views
+  KVMESH_ASSERT_OK(Read(stub(), request, &typed));
+  status = CallRaw(node().channel(), "/kvmesh.v1.CacheService/Read", request.SerializeAsString(),
+                   &responses);
+  KVMESH_ASSERT_OK(status);
+  ASSERT_GT(responses.size(), 2u);
+  std::string payload;
+  for (size_t i = 0; i < responses.size(); ++i) {
+    v1::ReadResponse response;
+    ASSERT_TRUE(response.ParseFromString(responses[i])) << "message " << i;
+    EXPECT_EQ(response.has_header(), i == 0) << "message " << i;
+    EXPECT_LE(response.data().size(), 1000u);
+    payload += response.data();
+  }
+  EXPECT_EQ(payload.size(), typed.payload.size());
+  EXPECT_TRUE(payload == typed.payload);
+  v1::ReadResponse first;
+  ASSERT_TRUE(first.ParseFromString(responses[0]));
+  EXPECT_EQ(first.header().payload_bytes(), static_cast<int64_t>(payload.size()));
+  EXPECT_EQ(HeaderPositions(first.header()), HeaderPositions(typed.header));
+  KVMESH_ASSERT_OK(DeleteCache(stub(), spec.name()));
+}
+
 TEST_F(ServiceTest, SlidingGroupReadHeaderVisibleAndCanResume) {
   AttentionOptions full;
   full.num_layers = 1;
