@@ -187,10 +187,15 @@ class CacheServiceImpl::AppendStreamReactor final
 
   void OnReadDone(bool ok) override {
     TakeOver(this);
+    bool finished;
     {
       MutexLock lock(&mu_);
       reading_ = false;
-      if (finished_) return;  // ended by the idle reaper while this read was outstanding
+      finished = finished_;
+    }
+    if (finished) {
+      HandOff(this);  // ended by the idle reaper while this read was outstanding; to OnDone
+      return;
     }
     if (!ok) {
       OnEndOfStream();
@@ -470,10 +475,15 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
 
   void OnWriteDone(bool ok) override {
     TakeOver(this);
+    bool expired;
     {
       MutexLock lock(&mu_);
       writing_ = false;
-      if (expired_) return;  // the idle reaper cancelled the call; EndIdle finishes it
+      expired = expired_;
+    }
+    if (expired) {
+      HandOff(this);  // the idle reaper cancelled the call (EndIdle finishes it); to OnDone
+      return;
     }
     if (!ok) {
       // The stream is broken (cancelled or the client went away); nothing more can be sent.
@@ -518,9 +528,9 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
          {"payload_bytes", absl::StrCat(total_)}});
     // Cancelling drops the stalled write and the slices it holds, so a pinned read's cells are
     // released; the client sees CANCELLED (a status could not reach it past the stalled data).
+    HandOff(this);  // to OnDone, which may follow the cancellation at once
     context_->TryCancel();
-    if (finish_sent) return;  // OnDone follows; nothing of this reactor is touched from here
-    HandOff(this);
+    if (finish_sent) return;  // nothing of this reactor is touched from here
     Finish(
         grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                      absl::StrCat("Read took no message for ", absl::ToInt64Milliseconds(timeout),

@@ -78,8 +78,31 @@ inline constexpr uint64_t kVisibleBytesPerQuery = 128;
 // The Drain RPC's timeout when neither the request nor Options::drain_timeout gives one.
 inline constexpr absl::Duration kDefaultDrainTimeout = absl::Seconds(60);
 
-class CacheServiceImpl final
-    : public v1::CacheService::WithRawCallbackMethod_Read<v1::CacheService::CallbackService> {
+// v1::CacheService::CallbackService with Read served raw: the generated chain of callback
+// methods, with WithRawCallbackMethod_Read in the place of WithCallbackMethod_Read (a raw Read
+// on top of the typed one would hide it, which -Woverloaded-virtual rejects). A method added to
+// the service and left out here does not compile: its override in CacheServiceImpl has nothing
+// to override.
+namespace internal {
+using S = v1::CacheService;
+using CacheServiceBase = S::WithCallbackMethod_CreateCache<S::WithCallbackMethod_DeleteCache<
+    S::WithCallbackMethod_GetCache<S::WithCallbackMethod_ListCaches<S::WithCallbackMethod_Append<
+        S::WithCallbackMethod_AppendStream<S::WithRawCallbackMethod_Read<
+            S::WithCallbackMethod_Visible<S::WithCallbackMethod_CopyPrefix<
+                S::WithCallbackMethod_Remove<S::WithCallbackMethod_CanResume<
+                    S::WithCallbackMethod_ListSequences<S::WithCallbackMethod_Snapshot<
+                        S::WithCallbackMethod_Restore<S::WithCallbackMethod_MergeSnapshots<
+                            S::WithCallbackMethod_SplitSnapshot<S::WithCallbackMethod_DropSnapshot<
+                                S::WithCallbackMethod_ListSnapshots<
+                                    S::WithCallbackMethod_CommitSpeculation<
+                                        S::WithCallbackMethod_Migrate<
+                                            S::WithCallbackMethod_MigrateSnapshot<
+                                                S::WithCallbackMethod_ListMembers<
+                                                    S::WithCallbackMethod_Drain<
+                                                        S::Service>>>>>>>>>>>>>>>>>>>>>>>;
+}  // namespace internal
+
+class CacheServiceImpl final : public internal::CacheServiceBase {
  public:
   struct Options {
     // The server's limit on one outgoing message; Read messages are cut to stay under it.
