@@ -20,6 +20,7 @@
 #include "cache/cache.h"
 #include "cache/device/device.h"
 #include "cache/mutex.h"
+#include "cache/status_macros.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_device.h"
 #include "tests/unit/cache_test_util.h"
@@ -59,6 +60,7 @@ class FaultyDevice : public Device {
   int fail_copy_at = -1;
   int fail_rope_at = -1;
   int fail_copy_between_at = -1;
+  int fail_gather_at = -1;
   bool triggered = false;  // whether an injected fault fired since ResetCounts
 
   std::string name() const override { return "faulty " + inner_->name(); }
@@ -73,6 +75,7 @@ class FaultyDevice : public Device {
   }
   absl::Status Gather(const DeviceArena& arena, absl::Span<const Plane> planes,
                       absl::Span<const int32_t> rows, uint8_t* dst) override {
+    if (gather_calls_++ == fail_gather_at) return Fault("injected gather fault");
     return inner_->Gather(View(arena), planes, rows, dst);
   }
   absl::Status CopyRows(const DeviceArena& arena, absl::Span<const Plane> planes,
@@ -96,10 +99,12 @@ class FaultyDevice : public Device {
                                    dst_rows);
   }
   void ResetCounts() {
-    scatter_calls_ = copy_calls_ = rope_calls_ = copy_between_calls_ = 0;
+    scatter_calls_ = copy_calls_ = rope_calls_ = copy_between_calls_ = gather_calls_ = 0;
     triggered = false;
   }
-  void NoFaults() { fail_scatter_at = fail_copy_at = fail_rope_at = fail_copy_between_at = -1; }
+  void NoFaults() {
+    fail_scatter_at = fail_copy_at = fail_rope_at = fail_copy_between_at = fail_gather_at = -1;
+  }
 
  protected:
   absl::StatusOr<uint8_t*> RawAllocate(size_t bytes) override {
@@ -137,6 +142,7 @@ class FaultyDevice : public Device {
   int copy_calls_ = 0;
   int rope_calls_ = 0;
   int copy_between_calls_ = 0;
+  int gather_calls_ = 0;
 };
 
 // Group 0 sliding (window 2, memory 3 with two sequences), group 1 full: a batch far ahead
@@ -293,6 +299,8 @@ struct FaultScenario {
   std::function<void(Cache&)> setup;          // runs without faults
   std::function<absl::Status(Cache&)> op;     // runs with one fault armed
   std::function<void(const Cache&)> success;  // checks the result when no fault fired
+  // Set instead of `op` for an operation that needs the cache shared (a sequence import).
+  std::function<absl::Status(const std::shared_ptr<Cache>&)> shared_op = nullptr;
 };
 
 // One kind of fault of a sweep: `arm` makes the n-th call (from `first` on) fail, `disarm`
@@ -316,12 +324,14 @@ void Sweep(const FaultScenario& scenario, const SweepFault& fault, int* fired_ru
     FaultyDevice device;
     absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(scenario.spec, &device);
     ASSERT_TRUE(created.ok()) << created.status();
-    Cache& cache = **created;
+    const std::shared_ptr<Cache> shared = *std::move(created);
+    Cache& cache = *shared;
     scenario.setup(cache);
     if (::testing::Test::HasFatalFailure()) return;
     const testutil::CacheState before = CaptureState(cache);
     fault.arm(device, n);
-    const absl::Status status = scenario.op(cache);
+    const absl::Status status =
+        scenario.shared_op ? scenario.shared_op(shared) : scenario.op(cache);
     if (!fault.disarm(device)) {
       ASSERT_TRUE(status.ok()) << status;
       scenario.success(cache);
@@ -558,6 +568,107 @@ TEST(CacheDeviceFaultTest, SnapshotFailureCreatesNoSnapshot) {
   device.NoFaults();
   absl::StatusOr<SnapshotInfo> snap = (*cache)->Snapshot(0, 0);
   ASSERT_TRUE(snap.ok()) << snap.status();
+}
+
+// A pinned Read (Cache::OpenRead of an Attention-only cache) whose gather fails: ReadAt
+// returns the device's error, the cache is as before (a read changes nothing), the cursor still
+// reads once the device works again, and dropping it releases the cells it pinned. The wrapped
+// device shows no host addresses, so every byte goes through Gather, as on a GPU.
+TEST(CacheDeviceFaultTest, PinnedReadWithAFailingGatherReportsItAndReleasesItsCells) {
+  FaultyDevice device;
+  const CacheSpec spec = Spec(DType::kF32, 2, 64, 16, {Group(Full(), 2, 1, 4, 4)});
+  absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(spec, &device);
+  ASSERT_TRUE(created.ok()) << created.status();
+  const std::shared_ptr<Cache> cache = *std::move(created);
+  ASSERT_TRUE(AppendRange(*cache, 0, 0, 16).ok());
+  std::string whole;
+  {
+    absl::StatusOr<ReadResult> read = cache->Read(0, 0, std::nullopt);
+    ASSERT_TRUE(read.ok()) << read.status();
+    whole = read->payload;
+  }
+  const auto before = CaptureState(*cache);
+  absl::StatusOr<std::unique_ptr<ReadCursor>> cursor = Cache::OpenRead(cache, 0, 0, std::nullopt);
+  ASSERT_TRUE(cursor.ok()) << cursor.status();
+  ASSERT_EQ((*cursor)->size(), whole.size());
+  EXPECT_TRUE((*cursor)->View(0, whole.size()).empty());  // no host addresses here
+  const size_t half = whole.size() / 2;
+  std::string got(whole.size(), '\0');
+  uint8_t* out = reinterpret_cast<uint8_t*>(got.data());
+  device.ResetCounts();
+  device.fail_gather_at = 0;
+  const absl::Status failed = (*cursor)->ReadAt(0, absl::MakeSpan(out, half));
+  ASSERT_TRUE(device.triggered);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+  EXPECT_TRUE(SameState(before, CaptureState(*cache)));
+  device.NoFaults();
+  ASSERT_TRUE((*cursor)->ReadAt(0, absl::MakeSpan(out, half)).ok());
+  ASSERT_TRUE((*cursor)->ReadAt(half, absl::MakeSpan(out + half, whole.size() - half)).ok());
+  EXPECT_TRUE(got == whole);
+  // The sequence goes while the cursor pins its cells; they are freed when it goes.
+  ASSERT_TRUE(cache->Remove(0, 0, std::nullopt).ok());
+  EXPECT_EQ(cache->Usage().groups[0].cells_used, 16);
+  cursor->reset();
+  EXPECT_EQ(cache->Usage().groups[0].cells_used, 0);
+  ASSERT_TRUE(AppendRange(*cache, 1, 0, 16).ok());  // the cache is usable
+}
+
+// A sequence received from another node (Cache::BeginSequenceImport, then RestoreImport into
+// sequence 2 at target 8) with a device fault anywhere: while its bytes are written into the
+// cells it pinned, or into the snapshot pool and then copied into the cells.
+void SequenceImportSweep(const std::string& name, int32_t held_by_destination) {
+  // 16 cells. The image: 8 positions of another cache's sequence, on a healthy device.
+  const CacheSpec spec = Spec(DType::kF16, 1, 16, 16, {Group(Full(), 1, 1, 4, 4)});
+  auto host = testutil::MakeTestDevice(size_t{1} << 26, size_t{1} << 26);
+  absl::StatusOr<std::unique_ptr<Cache>> made = Cache::Create(spec, host.get());
+  ASSERT_TRUE(made.ok()) << made.status();
+  const std::shared_ptr<Cache> source = *std::move(made);
+  ASSERT_TRUE(AppendRange(*source, 0, 0, 8, /*salt=*/7).ok());
+  std::string image;
+  std::string payload;
+  {
+    absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
+        Cache::OpenSequenceExport(source, 0, 0, std::nullopt);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    image.resize((*reader)->size());
+    ASSERT_TRUE(
+        (*reader)
+            ->ReadAt(0, absl::MakeSpan(reinterpret_cast<uint8_t*>(image.data()), image.size()))
+            .ok());
+    absl::StatusOr<ReadResult> read = source->Read(0, 0, std::nullopt);
+    ASSERT_TRUE(read.ok()) << read.status();
+    payload = read->payload;
+  }
+  RunFaultSweep({name, spec,
+                 [held_by_destination](Cache& c) {
+                   ASSERT_TRUE(AppendRange(c, 2, 0, held_by_destination).ok());
+                 },
+                 nullptr,
+                 [payload](const Cache& c) {
+                   absl::StatusOr<ReadResult> read = c.Read(2, 0, std::nullopt);
+                   ASSERT_TRUE(read.ok()) << read.status();
+                   EXPECT_TRUE(read->payload == payload);
+                 },
+                 [image, held_by_destination](const std::shared_ptr<Cache>& c) -> absl::Status {
+                   absl::StatusOr<std::unique_ptr<SequenceImport>> import =
+                       Cache::BeginSequenceImport(c, image.size());
+                   if (!import.ok()) return import.status();
+                   RETURN_IF_ERROR((*import)->Write(absl::MakeConstSpan(
+                       reinterpret_cast<const uint8_t*>(image.data()), image.size())));
+                   RETURN_IF_ERROR((*import)->Commit().status());
+                   // 12 cells held by the destination leave 4 free, too few for the 8 rows: they
+                   // went through the snapshot pool.
+                   EXPECT_EQ((*import)->in_cells(), held_by_destination < 8);
+                   return c->RestoreImport(2, **import, 8);
+                 }});
+}
+
+TEST(CacheDeviceFaultTest, SequenceImportIntoPinnedCells) {
+  SequenceImportSweep("sequence import into free cells", 4);
+}
+
+TEST(CacheDeviceFaultTest, SequenceImportThroughTheSnapshotPool) {
+  SequenceImportSweep("sequence import through the snapshot pool", 12);
 }
 
 TEST(CacheDeviceFaultTest, HybridMiddleRemoval) {
