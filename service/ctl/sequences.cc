@@ -70,13 +70,17 @@ absl::Status Visible(const Client& client, const Args& args) {
     const v1::Query& q = request.queries(i);
     const v1::Visibility empty;
     const v1::Visibility& v = i < response.visible_size() ? response.visible(i) : empty;
-    int64_t count = 0;
+    // A node older than as_ranges answers in positions.
+    int64_t count = v.positions_size();
     for (const v1::PositionRange& range : v.ranges()) {
       count += int64_t{range.last()} - range.first() + 1;
     }
+    const std::string text =
+        v.ranges().empty()
+            ? FormatPositions(std::vector<int32_t>(v.positions().begin(), v.positions().end()))
+            : FormatRanges(v.ranges());
     std::printf("group %d query seq %" PRId64 " pos %d%s: %" PRId64 " visible: %s\n", group,
-                q.seq(), q.pos(), q.non_causal() ? " (non-causal)" : "", count,
-                FormatRanges(v.ranges()).c_str());
+                q.seq(), q.pos(), q.non_causal() ? " (non-causal)" : "", count, text.c_str());
   }
   return absl::OkStatus();
 }
