@@ -255,11 +255,12 @@ class CacheServiceImpl::AppendStreamReactor final
 
  private:
   void ReadNext() {
-    {
-      MutexLock lock(&mu_);
-      reading_ = true;
-      read_started_ = absl::Now();
-    }
+    // The read starts under mu_, so the idle reaper cannot end the stream between the two.
+    // gRPC never runs OnReadDone inline in StartRead (its tag is not inlineable, see grpcpp's
+    // server_callback_handlers.h), so OnReadDone's wait for mu_ cannot deadlock.
+    MutexLock lock(&mu_);
+    reading_ = true;
+    read_started_ = absl::Now();
     HandOff(this);
     StartRead(&request_);
   }
@@ -490,9 +491,14 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
       Done(CancelledStatus());
       return;
     }
-    // A chunk not in host memory is copied from the device, which on a GPU waits for the copy:
-    // on the executor, not on gRPC's thread (inline only when the executor's queue is full).
-    if (cursor_->View(sent_, 1).empty() &&
+    if (sent_ == total_) {
+      Done(grpc::Status::OK);
+      return;
+    }
+    // A chunk to copy (not in host memory, or in too many pieces) may wait for a device copy
+    // on a GPU: on the executor, not on gRPC's thread (inline only when the executor's queue
+    // is full).
+    if (!CollectViews(std::min(chunk_bytes_, total_ - sent_)) &&
         service_->executor_->Submit([this] { WriteChunk(chunk_bytes_); })) {
       return;
     }
@@ -514,12 +520,10 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
 
   void EndIdle(absl::Duration timeout) override {
     // The write in flight owns the reactor, but it has stalled; its completion (ok or not)
-    // stops at expired_. Only fields that no owner changes while a write is in flight are read.
-    bool finish_sent;
-    {
-      MutexLock lock(&mu_);
-      finish_sent = finish_sent_;
-    }
+    // stops at expired_, and the call is finished here: OnDone cannot run before this Finish.
+    // Only fields that no owner changes while a write is in flight are read (ExpireIfIdle took
+    // mu_ after the owner's HandOff).
+    TakeOver(this);
     Log(LogLevel::kWarning, "Read cancelled: the client took no message",
         {{"cache", request_.cache()},
          {"seq", absl::StrCat(request_.seq())},
@@ -528,9 +532,8 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
          {"payload_bytes", absl::StrCat(total_)}});
     // Cancelling drops the stalled write and the slices it holds, so a pinned read's cells are
     // released; the client sees CANCELLED (a status could not reach it past the stalled data).
-    HandOff(this);  // to OnDone, which may follow the cancellation at once
     context_->TryCancel();
-    if (finish_sent) return;  // nothing of this reactor is touched from here
+    HandOff(this);
     Finish(
         grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                      absl::StrCat("Read took no message for ", absl::ToInt64Milliseconds(timeout),
@@ -545,6 +548,9 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
   }
 
   grpc::Status Parse(const grpc::ByteBuffer& raw) {
+    if (!raw.Valid()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the Read carries no ReadRequest");
+    }
     grpc::ByteBuffer bytes(raw);  // shares the slices; Deserialize empties its argument
     const size_t n = bytes.Length();
     if (!grpc::SerializationTraits<v1::ReadRequest>::Deserialize(&bytes, &request_).ok()) {
@@ -634,24 +640,26 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
   // Writes the next message: the fields gathered in fields_ (the header's, first), then up to
   // max_bytes of the payload as views of its memory, or copied into a slice of its own when it
   // is not in host memory or lies in too many pieces.
+  // Fills views_ with the payload's bytes [sent_, sent_ + n) as they lie in host memory; false
+  // when they do not (a device) or lie in more than kMaxReadViewsPerChunk pieces: a copy then.
+  bool CollectViews(size_t n) {
+    views_.clear();
+    for (size_t at = sent_; at < sent_ + n;) {
+      const absl::Span<const uint8_t> view = cursor_->View(at, sent_ + n - at);
+      if (view.empty() || views_.size() == kMaxReadViewsPerChunk) return false;
+      views_.push_back(view);
+      at += view.size();
+    }
+    return true;
+  }
+
   void WriteChunk(size_t max_bytes) {
     const size_t n = std::min(max_bytes, total_ - sent_);
     std::vector<grpc::Slice> slices(1);  // [0]: fields_, once complete
     if (n > 0) {
       fields_.push_back(2 << 3 | 2);  // data: field 2, length-delimited
       AppendVarint(n, &fields_);
-      views_.clear();
-      bool viewed = true;
-      for (size_t at = sent_; at < sent_ + n;) {
-        const absl::Span<const uint8_t> view = cursor_->View(at, sent_ + n - at);
-        if (view.empty() || views_.size() == kMaxReadViewsPerChunk) {
-          viewed = false;
-          break;
-        }
-        views_.push_back(view);
-        at += view.size();
-      }
-      if (viewed) {
+      if (CollectViews(n)) {
         // Each slice holds a reference to the cursor, so the bytes stay pinned and unchanged
         // whatever gRPC does with them after the write.
         for (const absl::Span<const uint8_t> view : views_) {
@@ -673,19 +681,17 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
     fields_.clear();
     message_ = grpc::ByteBuffer(slices.data(), slices.size());
     sent_ += n;
-    const bool last = sent_ == total_;
-    {
-      MutexLock lock(&mu_);
-      writing_ = true;
-      finish_sent_ = last;
-      write_started_ = absl::Now();
-    }
-    HandOff(this);  // nothing of this reactor is touched from here until the reaction
-    if (last) {
-      StartWriteAndFinish(&message_, grpc::WriteOptions(), grpc::Status::OK);
-    } else {
-      StartWrite(&message_);
-    }
+    // The status follows from OnWriteDone, not with the write: StartWriteAndFinish has no
+    // OnWriteDone, so a stalled last write could not be told apart from a finished call (and
+    // a write marked last is held back until Finish).
+    // The write starts under mu_, so the idle reaper cannot take the call over between the
+    // two. gRPC never runs OnWriteDone inline in StartWrite (its tag is not inlineable, see
+    // grpcpp's server_callback_handlers.h), so OnWriteDone's wait for mu_ cannot deadlock.
+    MutexLock lock(&mu_);
+    writing_ = true;
+    write_started_ = absl::Now();
+    HandOff(this);  // nothing of this reactor but mu_ is touched from here until the reaction
+    StartWrite(&message_);
   }
 
   CacheServiceImpl* const service_;
@@ -705,9 +711,8 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
 
   // Between the owner and the idle reaper.
   Mutex mu_;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;      // a write is in flight
-  bool finish_sent_ ABSL_GUARDED_BY(mu_) = false;  // it was StartWriteAndFinish
-  bool expired_ ABSL_GUARDED_BY(mu_) = false;      // the reaper has taken the call over
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a write is in flight
+  bool expired_ ABSL_GUARDED_BY(mu_) = false;  // the reaper has taken the call over
   absl::Time write_started_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -628,33 +628,42 @@ TEST(LimitsTest, StalledReadIsCancelledAndItsPinnedCellsReleased) {
     return response.cache().usage().groups(0).cells_used();
   };
 
-  grpc::ClientContext context;
-  SetDeadline(&context);
-  std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader =
-      stub->Read(&context, ReadRequest("stall", 0));
-  v1::ReadResponse first;
-  ASSERT_TRUE(reader->Read(&first));
-  ASSERT_TRUE(first.has_header());
-  const absl::Time started = absl::Now();
-  // The Read answers the sequence as it was: its cells stay pinned after the sequence goes.
-  KVMESH_ASSERT_OK(Remove(*stub, "stall", 0, 0));
-  EXPECT_EQ(cells_used(), kTokens);
-  int64_t used = kTokens;
-  while (used > 0 && absl::Now() - started < absl::Seconds(20)) {  // -1: the node is gone
-    absl::SleepFor(absl::Milliseconds(100));
-    used = cells_used();
+  // Chunks of 1 MiB (the client stops after the first of 64 messages), then of 32 MiB (it stops
+  // after the first of two: the write that stalls is the last one).
+  for (const int32_t chunk : {0, 32 << 20}) {
+    SCOPED_TRACE(::testing::Message() << "max_chunk_bytes " << chunk);
+    if (chunk != 0) AppendZeros(*stub, "stall", 0, kTokens, 1024, kBigTokenBytes);
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::ReadRequest request = ReadRequest("stall", 0);
+    request.set_max_chunk_bytes(chunk);
+    std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader = stub->Read(&context, request);
+    v1::ReadResponse first;
+    ASSERT_TRUE(reader->Read(&first));
+    ASSERT_TRUE(first.has_header());
+    const absl::Time started = absl::Now();
+    // The Read answers the sequence as it was: its cells stay pinned after the sequence goes.
+    KVMESH_ASSERT_OK(Remove(*stub, "stall", 0, 0));
+    EXPECT_EQ(cells_used(), kTokens);
+    int64_t used = kTokens;
+    while (used > 0 && absl::Now() - started < absl::Seconds(20)) {  // -1: the node is gone
+      absl::SleepFor(absl::Milliseconds(100));
+      used = cells_used();
+    }
+    const absl::Duration took = absl::Now() - started;
+    EXPECT_EQ(used, 0) << "the stalled Read still pins cells after " << took;
+    EXPECT_GE(took, absl::Milliseconds(500));  // not before the timeout (less a write's start)
+    std::printf(
+        "limits_test: stalled Read (max_chunk_bytes %d) cancelled and its cells "
+        "released after %s\n",
+        chunk, absl::FormatDuration(took).c_str());
+    // The client finds its stream cancelled (whatever it had buffered comes first).
+    v1::ReadResponse more;
+    while (reader->Read(&more)) {
+    }
+    const grpc::Status status = reader->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED) << StatusText(status);
   }
-  const absl::Duration took = absl::Now() - started;
-  EXPECT_EQ(used, 0) << "the stalled Read still pins cells after " << took;
-  EXPECT_GE(took, absl::Milliseconds(500));  // not before the timeout (less a write's start)
-  std::printf("limits_test: stalled Read cancelled and its cells released after %s\n",
-              absl::FormatDuration(took).c_str());
-  // The client finds its stream cancelled (whatever it had buffered comes first).
-  v1::ReadResponse more;
-  while (reader->Read(&more)) {
-  }
-  const grpc::Status status = reader->Finish();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED) << StatusText(status);
   // The node still serves, and the cache is whole again.
   AppendZeros(*stub, "stall", 1, 16, 16, kBigTokenBytes);
   EXPECT_EQ(cells_used(), 16);

@@ -336,7 +336,41 @@ TEST_F(ServiceTest, RawReadRequestsAndResponses) {
   ASSERT_TRUE(first.ParseFromString(responses[0]));
   EXPECT_EQ(first.header().payload_bytes(), static_cast<int64_t>(payload.size()));
   EXPECT_EQ(HeaderPositions(first.header()), HeaderPositions(typed.header));
+
+  // A range that holds nothing: one message, the header alone.
+  request = ReadRequest(spec.name(), 0, 100, 200);
+  KVMESH_ASSERT_OK(CallRaw(node().channel(), "/kvmesh.v1.CacheService/Read",
+                           request.SerializeAsString(), &responses));
+  ASSERT_EQ(responses.size(), 1u);
+  v1::ReadResponse empty;
+  ASSERT_TRUE(empty.ParseFromString(responses[0]));
+  EXPECT_TRUE(empty.has_header());
+  EXPECT_EQ(empty.header().payload_bytes(), 0);
+  EXPECT_TRUE(empty.data().empty());
   KVMESH_ASSERT_OK(DeleteCache(stub(), spec.name()));
+
+  // A cache that does not lend cells (a Rotating group) copies the payload at once and sends
+  // it in the same messages.
+  RotatingOptions rotating;
+  rotating.max_size = 64;
+  const v1::CacheSpec ring = SpecProto("svc-raw-ring", 2, 64, 64, {RotatingGroupProto(rotating)});
+  KVMESH_ASSERT_OK(CreateCache(stub(), ring));
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(ring, 0, Range(0, 40))));
+  KVMESH_ASSERT_OK(Read(stub(), ReadRequest(ring.name(), 0), &typed));  // one message
+  request = ReadRequest(ring.name(), 0);
+  request.set_max_chunk_bytes(100);
+  KVMESH_ASSERT_OK(CallRaw(node().channel(), "/kvmesh.v1.CacheService/Read",
+                           request.SerializeAsString(), &responses));
+  ASSERT_GT(responses.size(), 2u);
+  payload.clear();
+  for (const std::string& bytes : responses) {
+    v1::ReadResponse response;
+    ASSERT_TRUE(response.ParseFromString(bytes));
+    EXPECT_LE(response.data().size(), 100u);
+    payload += response.data();
+  }
+  EXPECT_TRUE(payload == typed.payload);
+  KVMESH_ASSERT_OK(DeleteCache(stub(), ring.name()));
 }
 
 TEST_F(ServiceTest, SlidingGroupReadHeaderVisibleAndCanResume) {

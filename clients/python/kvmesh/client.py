@@ -40,6 +40,17 @@ def tokens(seq: int, positions: Union[range, Sequence[int]]) -> List[Token]:
     return [(int(seq), int(p)) for p in positions]
 
 
+def _ranges(positions: Sequence[int]) -> List[Tuple[int, int]]:
+    """Ascending positions as maximal (first, last) ranges."""
+    out: List[Tuple[int, int]] = []
+    for p in positions:
+        if out and out[-1][1] + 1 == p:
+            out[-1] = (out[-1][0], p)
+        else:
+            out.append((p, p))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class TlsOptions:
     """TLS to a node started with ``--tls-cert`` (docs/security.md, "TLS and mTLS").
@@ -315,7 +326,9 @@ class Client:
         positions, both included: a sequence stored without gaps is one range."""
         r = self._call("Visible", self._visible_request(cache, group, queries, non_causal,
                                                          as_ranges=True), timeout)
-        return [[(x.first, x.last) for x in v.ranges] for v in r.visible]
+        # A node older than as_ranges answers in positions.
+        return [[(x.first, x.last) for x in v.ranges] if v.ranges else _ranges(v.positions)
+                for v in r.visible]
 
     @staticmethod
     def _visible_request(cache: str, group: int, queries: Sequence[Tuple[int, int]],

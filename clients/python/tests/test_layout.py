@@ -180,5 +180,17 @@ class SpecTest(unittest.TestCase):
             CacheSpec("s", DType.F16, 1, 8, 8, [{"num_layers": 1}])
 
 
+
+class RangesTest(unittest.TestCase):
+    """visible_ranges' fallback for a node that answers in positions."""
+
+    def test_positions_become_maximal_ranges(self) -> None:
+        from kvmesh.client import _ranges
+        self.assertEqual(_ranges([]), [])
+        self.assertEqual(_ranges([5]), [(5, 5)])
+        self.assertEqual(_ranges([0, 1, 2, 4, 6, 7]), [(0, 2), (4, 4), (6, 7)])
+        self.assertEqual(_ranges([2147483645, 2147483646]), [(2147483645, 2147483646)])
+
+
 if __name__ == "__main__":
     unittest.main()
