@@ -226,16 +226,27 @@ std::vector<int32_t> RotatingGroup::Visible(const Query& query) const {
   return Positions(*s, lo, hi);
 }
 
-int64_t RotatingGroup::VisibleBound(const Query& query) const {
+std::pair<int64_t, int64_t> RotatingGroup::VisibleCounts(const Query& query) const {
   const Sequence* s = Find(query.seq);
-  if (s == nullptr) return 0;
-  // Exact and without listing: the window part of Positions() is a range, plus pending rows.
+  if (s == nullptr) return {0, 0};
+  // Without listing: the window part of Positions() is a range, plus pending rows.
   const int64_t lo = int64_t{query.pos} - geo_.max_size + 1;
   const int64_t hi = query.non_causal ? int64_t{INT32_MAX} + 1 : int64_t{query.pos} + 1;
-  int64_t n = std::max<int64_t>(
+  const int64_t window = std::max<int64_t>(
       0, std::min<int64_t>(hi, s->offset) - std::max<int64_t>(lo, WindowStart(*s)));
-  for (const PendingRow& row : s->pending) n += row.pos >= lo && row.pos < hi;
-  return n;
+  int64_t pending = 0;
+  for (const PendingRow& row : s->pending) pending += row.pos >= lo && row.pos < hi;
+  return {window, pending};
+}
+
+int64_t RotatingGroup::VisibleBound(const Query& query) const {
+  const auto [window, pending] = VisibleCounts(query);
+  return window + pending;  // exact
+}
+
+int64_t RotatingGroup::VisibleRangesBound(const Query& query) const {
+  const auto [window, pending] = VisibleCounts(query);
+  return (window > 0 ? 1 : 0) + pending;  // the window is one range; each pending row at most one
 }
 
 bool RotatingGroup::CanResume(int64_t seq, int32_t pos) const {

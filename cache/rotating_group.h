@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "cache/device/device.h"
@@ -44,6 +45,7 @@ class RotatingGroup final : public StagingGroup<RotatingSequence> {
   absl::Status Gather(int64_t seq, const ReadPart& part, uint8_t* dst) const override;
   std::vector<int32_t> Visible(const Query& query) const override;
   int64_t VisibleBound(const Query& query) const override;
+  int64_t VisibleRangesBound(const Query& query) const override;
   bool CanResume(int64_t seq, int32_t pos) const override;
 
   absl::Status CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const override;
@@ -61,6 +63,9 @@ class RotatingGroup final : public StagingGroup<RotatingSequence> {
 
  private:
   using Sequence = RotatingSequence;
+
+  // Of what `query` sees: positions of the ring's window, and pending rows.
+  std::pair<int64_t, int64_t> VisibleCounts(const Query& query) const;
 
   bool Wrapped(const Sequence& s) const { return s.offset > geo_.max_size; }
   int32_t WindowStart(const Sequence& s) const {
