@@ -179,7 +179,7 @@ AttentionGroup::AppendPlan AttentionGroup::PlanAppend(
   return plan;
 }
 
-absl::Status AttentionGroup::PrepareAppend(const AppendBatch& batch) {
+absl::Status AttentionGroup::RecheckAppend(const AppendBatch& batch) const {
   for (size_t i = 0; i < batch.tokens.size(); ++i) {
     const Index* index = Find(batch.tokens[i].seq);
     if (index != nullptr && index->contains(batch.tokens[i].pos)) {
@@ -188,6 +188,11 @@ absl::Status AttentionGroup::PrepareAppend(const AppendBatch& batch) {
                        " already stores position ", batch.tokens[i].pos));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionGroup::PrepareAppend(const AppendBatch& batch) {
+  RETURN_IF_ERROR(RecheckAppend(batch));
   plan_ = PlanAppend(batch.lowest, batch.pending_first);
   const int64_t num_tokens = static_cast<int64_t>(batch.tokens.size());
   const int64_t available = free_cells() + plan_.freed;
@@ -266,6 +271,12 @@ class AttentionGroup::AppendReservation final : public LayerGroup::Reservation {
 
   absl::Status Write(const uint8_t* section) const override {
     return group_->device_->Scatter(group_->arena_, group_->planes_, taken_.cells, section);
+  }
+  absl::Status WriteRows(size_t plane, size_t first_row, size_t num_rows,
+                         const uint8_t* src) const override {
+    return group_->device_->Scatter(group_->arena_, absl::MakeConstSpan(&group_->planes_[plane], 1),
+                                    absl::MakeConstSpan(taken_.cells).subspan(first_row, num_rows),
+                                    src);
   }
   void Commit(const AppendBatch& batch) override {
     // The pruning this batch allows now; what TakeCells pruned early stays done.

@@ -55,6 +55,10 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
   void AbandonAppend() override;
   bool SupportsReservedAppend() const override { return true; }
   std::unique_ptr<Reservation> ReserveAppend(const AppendBatch& batch) override;
+  bool CanReserveWithoutPruning(const AppendBatch& batch) const override {
+    return free_cells() >= static_cast<int64_t>(batch.tokens.size());
+  }
+  absl::Status RecheckAppend(const AppendBatch& batch) const override;
   absl::Status CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
                                  int32_t accepted) override;
   ReadPart PlanRead(int64_t seq, int64_t begin, int64_t end, int32_t seq_offset) const override;

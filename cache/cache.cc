@@ -181,19 +181,18 @@ absl::Status Cache::CheckRoomForLocked(int64_t seq, const char* what) const {
 
 // ---- Append -------------------------------------------------------------------------------
 
-absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint8_t> payload,
-                           bool speculative) {
+absl::Status Cache::CheckAppendBatch(absl::Span<const Token> tokens, size_t payload_bytes,
+                                      bool speculative, AppendBatch* batch,
+                                      absl::flat_hash_map<int64_t, int32_t>* count) const {
   if (tokens.empty()) return absl::InvalidArgumentError("tokens is empty");
   if (tokens.size() > static_cast<size_t>(spec_.max_batch)) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch of ", tokens.size(), " tokens exceeds max_batch = ", spec_.max_batch));
   }
-  AppendBatch batch;
-  batch.tokens = tokens;
-  batch.speculative = speculative;
+  batch->tokens = tokens;
+  batch->speculative = speculative;
   // Per sequence: the last position seen in the batch (to check ordering) and the lowest.
   absl::flat_hash_map<int64_t, int32_t> last_in_batch;
-  absl::flat_hash_map<int64_t, int32_t> count;
   for (size_t i = 0; i < tokens.size(); ++i) {
     const Token& t = tokens[i];
     if (t.seq < 0) {
@@ -206,7 +205,7 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
           absl::StrCat("tokens[", i, "].pos = ", t.pos, " is outside [0, ", INT32_MAX, ")"));
     }
     auto [it, inserted] = last_in_batch.emplace(t.seq, t.pos);
-    ++count[t.seq];
+    ++(*count)[t.seq];
     if (!inserted) {
       if (t.pos == it->second) {
         return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "]: position ", t.pos,
@@ -220,32 +219,32 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
       }
       it->second = t.pos;
     } else {
-      batch.lowest.emplace(t.seq, t.pos);
-      batch.seqs.push_back(t.seq);
+      batch->lowest.emplace(t.seq, t.pos);
+      batch->seqs.push_back(t.seq);
     }
   }
   const size_t expected = AppendPayloadBytes(spec_, static_cast<int64_t>(tokens.size()),
-                                             static_cast<int64_t>(batch.seqs.size()), speculative);
-  if (payload.size() != expected) {
+                                             static_cast<int64_t>(batch->seqs.size()), speculative);
+  if (payload_bytes != expected) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "payload is ", payload.size(), " bytes; ", tokens.size(), " tokens of ", batch.seqs.size(),
+        "payload is ", payload_bytes, " bytes; ", tokens.size(), " tokens of ", batch->seqs.size(),
         " sequences", speculative ? " (speculative)" : "", " need ", expected));
   }
+  return absl::OkStatus();
+}
 
+absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint8_t> payload,
+                           bool speculative) {
+  AppendBatch batch;
+  absl::flat_hash_map<int64_t, int32_t> count;
+  RETURN_IF_ERROR(CheckAppendBatch(tokens, payload.size(), speculative, &batch, &count));
   std::vector<const uint8_t*> sections(spec_.groups.size());
   std::vector<std::unique_ptr<LayerGroup::Reservation>> reservations;
   {
     MutexLock lock(&mu_);
     AwaitNotAppendingLocked(batch.seqs);
     RETURN_IF_ERROR(CheckAppendLocked(batch, count));
-    for (const auto& [seq, positions] : pending_) batch.pending_first.emplace(seq, positions[0]);
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      const absl::Status prepared = groups_[g]->PrepareAppend(batch);
-      if (!prepared.ok()) {
-        for (size_t h = 0; h <= g; ++h) groups_[h]->AbandonAppend();
-        return prepared;
-      }
-    }
+    RETURN_IF_ERROR(PrepareAppendLocked(batch));
     const uint8_t* section = payload.data();
     for (size_t g = 0; g < groups_.size(); ++g) {
       sections[g] = section;
@@ -271,13 +270,214 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
     return written;
   }
   // Other sequences' speculation may have begun or ended meanwhile; this batch's cannot.
-  batch.pending_first.clear();
-  for (const auto& [seq, positions] : pending_) batch.pending_first.emplace(seq, positions[0]);
+  RefreshPendingFirstLocked(batch);
   for (const auto& reservation : reservations) reservation->Commit(batch);
   if (batch.speculative) {
     for (const Token& t : batch.tokens) pending_[t.seq].push_back(t.pos);
   }
   return absl::OkStatus();
+}
+
+void Cache::RefreshPendingFirstLocked(AppendBatch& batch) const {
+  batch.pending_first.clear();
+  for (const auto& [seq, positions] : pending_) batch.pending_first.emplace(seq, positions[0]);
+}
+
+absl::Status Cache::PrepareAppendLocked(AppendBatch& batch) {
+  RefreshPendingFirstLocked(batch);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const absl::Status prepared = groups_[g]->PrepareAppend(batch);
+    if (!prepared.ok()) {
+      for (size_t h = 0; h <= g; ++h) groups_[h]->AbandonAppend();
+      return prepared;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- AppendWriter -------------------------------------------------------------------------
+
+struct AppendWriter::State {
+  std::shared_ptr<Cache> cache;
+  std::vector<Token> tokens;  // batch.tokens views them
+  AppendBatch batch;
+  absl::flat_hash_map<int64_t, int32_t> count;
+  size_t size = 0;
+  size_t written = 0;
+  absl::Status error;  // final
+  bool used = false;   // committed, or failed
+  // In cells: one reservation per group, the planes' row bytes per group, and the cursor (the
+  // group, plane and row the next byte belongs to). A partial row waits in `staging`.
+  std::vector<std::unique_ptr<LayerGroup::Reservation>> reservations;
+  std::vector<std::vector<size_t>> row_bytes;
+  size_t group = 0;
+  size_t plane = 0;
+  size_t row = 0;
+  std::vector<uint8_t> staging;
+  // Otherwise: the payload.
+  std::string buffer;
+};
+
+absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
+    const std::shared_ptr<Cache>& cache, absl::Span<const Token> tokens, size_t payload_bytes,
+    bool speculative) {
+  auto state = std::make_unique<AppendWriter::State>();
+  state->cache = cache;
+  state->tokens.assign(tokens.begin(), tokens.end());
+  state->size = payload_bytes;
+  RETURN_IF_ERROR(cache->CheckAppendBatch(state->tokens, payload_bytes, speculative,
+                                          &state->batch, &state->count));
+  AppendBatch& batch = state->batch;
+  {
+    MutexLock lock(&cache->mu_);
+    cache->AwaitNotAppendingLocked(batch.seqs);
+    RETURN_IF_ERROR(cache->CheckAppendLocked(batch, state->count));
+    RETURN_IF_ERROR(cache->PrepareAppendLocked(batch));
+    bool in_cells = cache->reserved_append_;
+    for (const auto& group : cache->groups_) {
+      in_cells = in_cells && group->CanReserveWithoutPruning(batch);
+    }
+    if (in_cells) {
+      for (const auto& group : cache->groups_) {
+        state->reservations.push_back(group->ReserveAppend(batch));
+        state->row_bytes.push_back(group->SnapshotChunkFormat().row_bytes);
+      }
+    } else {
+      for (const auto& group : cache->groups_) group->AbandonAppend();
+    }
+  }
+  if (state->reservations.empty()) {
+    state->buffer.reserve(payload_bytes);
+  } else {
+    size_t largest_row = 0;
+    for (const auto& rows : state->row_bytes) {
+      for (size_t bytes : rows) largest_row = std::max(largest_row, bytes);
+    }
+    state->staging.reserve(largest_row);
+  }
+  return std::unique_ptr<AppendWriter>(new AppendWriter(std::move(state)));
+}
+
+absl::Status Cache::CommitReservedAppend(AppendWriter::State& state) {
+  AppendBatch& batch = state.batch;
+  MutexLock lock(&mu_);
+  AwaitNotAppendingLocked(batch.seqs);
+  absl::Status status = CheckAppendLocked(batch, state.count);
+  for (size_t g = 0; g < groups_.size() && status.ok(); ++g) {
+    status = groups_[g]->RecheckAppend(batch);
+  }
+  if (!status.ok()) {
+    for (const auto& reservation : state.reservations) reservation->Abandon();
+    state.reservations.clear();
+    return status;
+  }
+  RefreshPendingFirstLocked(batch);
+  for (const auto& reservation : state.reservations) reservation->Commit(batch);
+  state.reservations.clear();
+  if (batch.speculative) {
+    for (const Token& t : batch.tokens) pending_[t.seq].push_back(t.pos);
+  }
+  return absl::OkStatus();
+}
+
+void Cache::AbandonReservedAppend(AppendWriter::State& state) {
+  if (state.reservations.empty()) return;
+  MutexLock lock(&mu_);
+  for (const auto& reservation : state.reservations) reservation->Abandon();
+  state.reservations.clear();
+}
+
+AppendWriter::AppendWriter(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+AppendWriter::~AppendWriter() { Abandon(); }
+
+size_t AppendWriter::size() const { return state_->size; }
+size_t AppendWriter::written() const { return state_->written; }
+bool AppendWriter::in_cells() const { return !state_->row_bytes.empty(); }
+size_t AppendWriter::host_bytes() const {
+  return in_cells() ? state_->staging.capacity() : state_->size;
+}
+
+void AppendWriter::Abandon() {
+  state_->cache->AbandonReservedAppend(*state_);
+  std::string().swap(state_->buffer);
+  std::vector<uint8_t>().swap(state_->staging);
+}
+
+absl::Status AppendWriter::Write(absl::Span<const uint8_t> bytes) {
+  State& s = *state_;
+  if (!s.error.ok()) return s.error;
+  if (s.used) return absl::FailedPreconditionError("the Append was committed already");
+  if (bytes.size() > s.size - s.written) {
+    s.error = absl::InvalidArgumentError(
+        absl::StrCat("payload data exceeds its ", s.size, " bytes: a write of ", bytes.size(),
+                     " bytes after ", s.written));
+    s.used = true;
+    Abandon();
+    return s.error;
+  }
+  s.written += bytes.size();
+  if (!in_cells()) {
+    s.buffer.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    return absl::OkStatus();
+  }
+  while (!bytes.empty()) {
+    const size_t row_bytes = s.row_bytes[s.group][s.plane];
+    if (!s.staging.empty() || bytes.size() < row_bytes) {
+      const size_t n = std::min(bytes.size(), row_bytes - s.staging.size());
+      s.staging.insert(s.staging.end(), bytes.begin(), bytes.begin() + n);
+      bytes.remove_prefix(n);
+      if (s.staging.size() < row_bytes) break;
+      absl::Status status = WriteRows(s.staging.data(), 1);
+      s.staging.clear();
+      if (!status.ok()) return status;
+      continue;
+    }
+    const size_t rows = std::min(bytes.size() / row_bytes, s.tokens.size() - s.row);
+    RETURN_IF_ERROR(WriteRows(bytes.data(), rows));
+    bytes.remove_prefix(rows * row_bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AppendWriter::WriteRows(const uint8_t* src, size_t rows) {
+  State& s = *state_;
+  const absl::Status status = s.reservations[s.group]->WriteRows(s.plane, s.row, rows, src);
+  if (!status.ok()) {
+    s.error = status;
+    s.used = true;
+    Abandon();
+    return status;
+  }
+  s.row += rows;
+  if (s.row == s.tokens.size()) {
+    s.row = 0;
+    if (++s.plane == s.row_bytes[s.group].size()) {
+      s.plane = 0;
+      ++s.group;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AppendWriter::Commit() {
+  State& s = *state_;
+  if (!s.error.ok()) return s.error;
+  if (s.used) return absl::FailedPreconditionError("the Append was committed already");
+  if (s.written != s.size) {
+    return absl::FailedPreconditionError(absl::StrCat("payload data adds up to ", s.written,
+                                                      " bytes of ", s.size));
+  }
+  s.used = true;
+  if (!in_cells()) {
+    const absl::Status status = s.cache->Append(
+        s.tokens,
+        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(s.buffer.data()), s.buffer.size()),
+        s.batch.speculative);
+    std::string().swap(s.buffer);
+    return status;
+  }
+  return s.cache->CommitReservedAppend(s);
 }
 
 absl::Status Cache::CheckAppendLocked(const AppendBatch& batch,

@@ -196,6 +196,46 @@ class SequenceImport final : public SnapshotImportWriter {
   std::unique_ptr<SnapshotImportWriter> writer_;
 };
 
+// An Append whose payload arrives piece by piece (Cache::BeginAppend). Write takes the next
+// bytes of the payload, in order; Commit, once all have arrived, makes the Append happen.
+// Nothing any other operation sees changes before Commit: destroying the writer without it (or
+// after a failed Write) frees whatever it held. Any error from Write is final: later calls
+// return it. One thread at a time; it keeps its cache alive.
+class AppendWriter {
+ public:
+  ~AppendWriter();
+  AppendWriter(const AppendWriter&) = delete;
+  AppendWriter& operator=(const AppendWriter&) = delete;
+
+  // Appends `bytes` (host memory) to the payload. INVALID_ARGUMENT beyond size(); device errors
+  // as Device::Scatter.
+  absl::Status Write(absl::Span<const uint8_t> bytes);
+  // The payload's size, and the bytes written so far.
+  size_t size() const;
+  size_t written() const;
+  // Whether the bytes go straight into the cells the Append will take (decided by BeginAppend),
+  // rather than into a host buffer of size() bytes.
+  bool in_cells() const;
+  // The most host memory the writer holds: size() when buffered; in cells, one row of the
+  // largest plane (a row split between two writes waits there).
+  size_t host_bytes() const;
+  // Cache::Append of the tokens and the payload written, judged now (the cache may have changed
+  // since BeginAppend), with Append's errors. FAILED_PRECONDITION unless exactly size() bytes
+  // were written, or after an earlier Commit or error. The writer is used up either way.
+  absl::Status Commit();
+
+ private:
+  friend class Cache;
+  struct State;
+  explicit AppendWriter(std::unique_ptr<State> state);
+  // Writes whole rows at the cursor.
+  absl::Status WriteRows(const uint8_t* src, size_t rows);
+  // Frees the cells or the buffer it holds.
+  void Abandon();
+
+  std::unique_ptr<State> state_;
+};
+
 // A Read whose payload is copied out piece by piece after the call (Cache::OpenRead): what
 // Read would return, as of the call, with the payload read by ReadAt. One thread at a time;
 // it keeps its cache alive.
@@ -252,6 +292,17 @@ class Cache {
   // Speculative Appends to a sequence may follow one another; a plain Append may not.
   absl::Status Append(absl::Span<const Token> tokens, absl::Span<const uint8_t> payload,
                       bool speculative = false);
+
+  // Append(tokens, <payload_bytes bytes written later>, speculative): the batch is checked now
+  // as Append checks it (with its errors, including a payload_bytes of the wrong size), and
+  // again when AppendWriter::Commit makes it happen. Where every group can reserve an Append's
+  // cells and they are free without pruning a sliding window, the writer takes them now and
+  // writes the payload into them as it arrives (without the cache's lock), so that Commit only
+  // indexes them; they count as used meanwhile, and other operations, on the batch's sequences
+  // too, go on. Otherwise the writer keeps the payload in a host buffer and Commit appends it.
+  static absl::StatusOr<std::unique_ptr<AppendWriter>> BeginAppend(
+      const std::shared_ptr<Cache>& cache, absl::Span<const Token> tokens, size_t payload_bytes,
+      bool speculative = false);
 
   // Keeps the first `accepted` pending tokens of `seq` and discards the others in every group
   // (the seed's Speculation.Commit). FAILED_PRECONDITION when `seq` has no pending tokens;
@@ -429,7 +480,22 @@ class Cache {
 
  private:
   friend class SequenceImport;
+  friend class AppendWriter;
   explicit Cache(const CacheSpec& spec);
+
+  // Append's checks of the batch that need no lock, into *batch (whose tokens are `tokens`) and
+  // *count (tokens per sequence).
+  absl::Status CheckAppendBatch(absl::Span<const Token> tokens, size_t payload_bytes,
+                                bool speculative, AppendBatch* batch,
+                                absl::flat_hash_map<int64_t, int32_t>* count) const;
+  // Append's group checks and plans (after CheckAppendLocked), pending_first refreshed; on an
+  // error every group has abandoned its plan.
+  absl::Status PrepareAppendLocked(AppendBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets batch.pending_first from pending_: what sliding-window pruning must not pass.
+  void RefreshPendingFirstLocked(AppendBatch& batch) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // AppendWriter::Commit of a writer in cells, and its Abandon.
+  absl::Status CommitReservedAppend(AppendWriter::State& state);
+  void AbandonReservedAppend(AppendWriter::State& state);
 
   absl::Status ValidateSeq(int64_t seq) const;
   absl::Status CheckUsableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);

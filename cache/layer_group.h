@@ -165,12 +165,23 @@ class LayerGroup {
    public:
     virtual ~Reservation() = default;
     virtual absl::Status Write(const uint8_t* section) const = 0;
+    // Writes rows [first_row, first_row + num_rows) of plane `plane` of the batch's section
+    // from `src` (num_rows x the plane's row bytes): part of what Write writes, for a payload
+    // that arrives piece by piece (Cache::BeginAppend).
+    virtual absl::Status WriteRows(size_t plane, size_t first_row, size_t num_rows,
+                                   const uint8_t* src) const = 0;
     virtual void Commit(const AppendBatch& batch) = 0;
     virtual void Abandon() = 0;
   };
   virtual bool SupportsReservedAppend() const { return false; }
   // Only called where SupportsReservedAppend(); PrepareAppend must have succeeded just before.
   virtual std::unique_ptr<Reservation> ReserveAppend(const AppendBatch& batch) { return nullptr; }
+  // Whether ReserveAppend would find the batch's cells free without pruning anything (a
+  // reservation that may be abandoned later must not have changed a sequence).
+  virtual bool CanReserveWithoutPruning(const AppendBatch& batch) const { return false; }
+  // PrepareAppend's checks of the batch against what the group stores, without its check of
+  // room: for a reservation about to commit after the cache changed (its cells are taken).
+  virtual absl::Status RecheckAppend(const AppendBatch& batch) const { return absl::OkStatus(); }
 
   // Keeps the first `accepted` of `pending` (the sequence's pending positions, ascending).
   virtual absl::Status CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,

@@ -19,6 +19,7 @@
 #include "service/common/convert.h"
 #include "service/common/log.h"
 #include "service/peer_service.h"
+#include "service/raw_append_stream.h"
 #include "tests/sanitizers/tsan_handoff.h"
 
 namespace kvmesh {
@@ -150,30 +151,40 @@ const grpc::Status& CancelledStatus() {
 
 // ---- AppendStream -------------------------------------------------------------------------
 //
-// States: reading the first message (no header yet) -> checking the header on the executor
-// (no read outstanding) -> reading data -> appending on the executor -> finished. Exactly one
-// of gRPC's reactions or one executor task owns the reactor at a time: each hands over by
-// starting the next operation (StartRead, Submit) as its last step.
+// AppendStream is served raw (WithRawCallbackMethod_AppendStream): the node reads each
+// AppendStreamRequest's fields where gRPC received them, so that the data goes from the
+// received slices straight into the cells the Append will take (Cache::BeginAppend), without a
+// parsed copy or a stream buffer in between.
 //
-// Memory: the first message's data is reserved in the in-flight budget as soon as it arrives;
-// the header check then reserves the whole header.payload_bytes (checked against the cache's
-// largest batch first) before any further data is read, and the buffer is allocated for exactly
-// that. A stream that cannot get its bytes ends at once with RESOURCE_EXHAUSTED rather than
-// waiting for them: a stream that waited would hold its first message (up to the message
-// limit) and block others, and streams that each held part of the budget while waiting for the
-// rest could stall one another. gRPC's flow control is the back-pressure for a stream that has
-// its reservation: the node reads its next message only once the last one is buffered.
+// States: reading the first message (no header yet) -> checking the header and beginning the
+// engine append on the executor (no read outstanding) -> reading data, each message written
+// into the append as it arrives -> committing on the executor -> finished. Exactly one of
+// gRPC's reactions or one executor task owns the reactor at a time: each hands over by starting
+// the next operation (StartRead, Submit) as its last step.
+//
+// Memory: the first message and its parsed tokens are reserved in the in-flight budget as soon
+// as it arrives. Once the header is checked, an append that writes into cells holds only its
+// tokens (and one partial row) there: the cells are the cache's, taken when the header is
+// checked. One that cannot (a cache with Rotating or Recurrent groups, or cells that would have
+// to be freed by pruning a sliding window) buffers the payload: the whole header.payload_bytes
+// is reserved (checked against the cache's largest batch first) before any further data is
+// read. A stream that cannot get its bytes ends at once with RESOURCE_EXHAUSTED rather than
+// waiting for them: a stream that waited would hold its first message (up to the message limit)
+// and block others, and streams that each held part of the budget while waiting for the rest
+// could stall one another. gRPC's flow control is the back-pressure: the node reads its next
+// message only once the last one is written.
 //
 // Idle streams: while a read is outstanding the stream is registered with the service's
-// IdleReaper, which may end it (DEADLINE_EXCEEDED) from its own thread. `mu_` orders that with
-// the reactions: the reaper ends a stream only while a read is outstanding, i.e. while no
-// reaction or task owns it, and a read that completes after that sees `finished_` and stops.
+// IdleReaper, which may end it (DEADLINE_EXCEEDED) from its own thread, freeing its cells or
+// buffer. `mu_` orders that with the reactions: the reaper ends a stream only while a read is
+// outstanding, i.e. while no reaction or task owns it, and a read that completes after that sees
+// `finished_` and stops.
 class CacheServiceImpl::AppendStreamReactor final
-    : public grpc::ServerReadReactor<v1::AppendStreamRequest>,
+    : public grpc::ServerReadReactor<grpc::ByteBuffer>,
       public IdleReaper::Stream {
  public:
   AppendStreamReactor(CacheServiceImpl* service, grpc::CallbackServerContext* context,
-                      v1::AppendResponse* response)
+                      grpc::ByteBuffer* response)
       : service_(service), context_(context), response_(response) {
     service_->idle_reaper_->Add(this);
     // Who calls comes before anything the stream sends: a caller without a valid token learns
@@ -202,27 +213,23 @@ class CacheServiceImpl::AppendStreamReactor final
       return;
     }
     const int64_t index = messages_++;
+    if (const grpc::Status parsed = Parse(index); !parsed.ok()) {
+      Done(parsed);
+      return;
+    }
     if (index == 0) {
       OnFirstMessage();
       return;
     }
-    if (request_.has_header()) {
+    if (message_.has_header) {
       Done(InvalidArgument(absl::StrCat("AppendStream message ", index,
                                         " carries a header; only the first message may")));
       return;
     }
-    std::string* data = request_.mutable_data();
-    if (data->size() > static_cast<uint64_t>(payload_bytes_) - payload_.size()) {
-      Done(InvalidArgument(absl::StrCat(
-          "AppendStream data exceeds header.payload_bytes = ", payload_bytes_, ": message ", index,
-          " brings it to ", payload_.size() + data->size(), " bytes")));
+    if (const grpc::Status written = WriteData(index); !written.ok()) {
+      Done(written);
       return;
     }
-    // Within the reservation and the buffer's capacity (both payload_bytes_): no reallocation.
-    payload_.append(*data);
-    // Free the message's copy now rather than when the next message replaces it: a stream holds
-    // its reserved payload and nothing more while it waits.
-    std::string().swap(*data);
     ReadNext();
   }
 
@@ -241,16 +248,16 @@ class CacheServiceImpl::AppendStreamReactor final
 
   void EndIdle(absl::Duration timeout) override {
     // No reaction or task owns the reactor (a read is outstanding, and its completion stops at
-    // finished_), so its buffer is the reaper's to free.
-    const size_t buffered = payload_.size();
+    // finished_), so what it holds is the reaper's to free.
+    const uint64_t received = Received();
     ReleaseMemory();
     HandOff(this);  // to OnReadDone and OnDone, which gRPC runs after this Finish
     Finish(grpc::Status(
         grpc::StatusCode::DEADLINE_EXCEEDED,
         absl::StrCat("AppendStream sent no message for ", absl::ToInt64Milliseconds(timeout),
                      " ms (the node's --stream-idle-timeout-ms) after ", messages_,
-                     " messages; the stream is closed and its ", buffered,
-                     " buffered bytes are freed: send the whole stream without long pauses")));
+                     " messages; the stream is closed and the ", received,
+                     " bytes received are dropped: send the whole stream without long pauses")));
   }
 
  private:
@@ -275,34 +282,75 @@ class CacheServiceImpl::AppendStreamReactor final
     Finish(status);
   }
 
-  // The payload and its reservation go as soon as the outcome is known, not when gRPC is done
-  // with the call.
+  // The cells or buffer, the message and the reservation go as soon as the outcome is known,
+  // not when gRPC is done with the call.
   void ReleaseMemory() {
-    std::string().swap(payload_);
+    writer_.reset();
+    ClearMessage();
     reservation_.Reset();
   }
 
+  void ClearMessage() {
+    message_ = RawAppendStreamRequest();
+    slices_.clear();
+    request_.Clear();
+  }
+
+  // Payload bytes received: those written, and those of message 0 while its header is checked.
+  uint64_t Received() const {
+    return writer_ != nullptr ? writer_->written() : message_.data_bytes;
+  }
+
+  grpc::Status Parse(int64_t index) {
+    message_ = RawAppendStreamRequest();
+    slices_.clear();
+    absl::Status status;
+    if (!request_.Dump(&slices_).ok()) {
+      status = absl::InvalidArgumentError("its bytes could not be read");
+    } else {
+      status = ParseAppendStreamRequest(slices_, &message_);
+    }
+    if (status.ok()) return grpc::Status::OK;
+    return InvalidArgument(absl::StrCat("AppendStream message ", index, " of ", request_.Length(),
+                                        " bytes does not parse: ", status.message()));
+  }
+
+  // Writes message `index`'s data into the append, then lets the message go.
+  grpc::Status WriteData(int64_t index) {
+    const uint64_t left = static_cast<uint64_t>(payload_bytes_) - writer_->written();
+    if (message_.data_bytes > left) {
+      return InvalidArgument(absl::StrCat("AppendStream data exceeds header.payload_bytes = ",
+                                          payload_bytes_, ": message ", index, " brings it to ",
+                                          writer_->written() + message_.data_bytes, " bytes"));
+    }
+    for (const absl::Span<const uint8_t> piece : message_.data) {
+      if (absl::Status status = writer_->Write(piece); !status.ok()) {
+        return ToGrpcStatus(status);
+      }
+    }
+    ClearMessage();
+    return grpc::Status::OK;
+  }
+
   void OnFirstMessage() {
-    if (!request_.has_header()) {
+    if (!message_.has_header) {
       Done(InvalidArgument(
           "AppendStream message 0 has no header: the first message must carry one"));
       return;
     }
-    header_ = std::move(*request_.mutable_header());
-    payload_ = std::move(*request_.mutable_data());
-    payload_bytes_ = header_.payload_bytes();
+    payload_bytes_ = message_.header.payload_bytes();
     if (payload_bytes_ < 0) {
       Done(
           InvalidArgument(absl::StrCat("header.payload_bytes = ", payload_bytes_, " is negative")));
       return;
     }
-    // The message is here already (its data and its parsed tokens, which the stream keeps):
+    // The message is here already (its bytes and its parsed tokens, which the stream keeps):
     // count it before anything else can pile up behind it.
-    tokens_bytes_ = ParsedBytes<v1::Token, Token>(header_.tokens_size());
-    absl::StatusOr<InflightBudget::Reservation> reservation =
-        service_->inflight_->Reserve(payload_.size() + tokens_bytes_,
-                                     absl::StrCat("AppendStream message 0 of ", payload_.size(),
-                                                  " bytes and ", header_.tokens_size(), " tokens"));
+    tokens_bytes_ = ParsedBytes<v1::Token, Token>(message_.header.tokens_size());
+    absl::StatusOr<InflightBudget::Reservation> reservation = service_->inflight_->Reserve(
+        request_.Length() + tokens_bytes_,
+        absl::StrCat("AppendStream message 0 of ", request_.Length(), " bytes and ",
+                     message_.header.tokens_size(), " tokens"));
     if (!reservation.ok()) {
       Done(ToGrpcStatus(reservation.status()));
       return;
@@ -313,22 +361,35 @@ class CacheServiceImpl::AppendStreamReactor final
     }
   }
 
-  // On the executor: everything about the header that needs the cache's spec.
+  // On the executor: everything about the header that needs the cache, then the engine append
+  // begins and message 0's data goes into it.
   void CheckHeader() {
     if (context_->IsCancelled()) {
       Done(CancelledStatus());
       return;
     }
-    const absl::Status status = CheckHeaderAgainstCache();
-    if (!status.ok()) {
+    if (const absl::Status status = BeginAppend(); !status.ok()) {
       Done(ToGrpcStatus(status));
+      return;
+    }
+    if (const grpc::Status written = WriteData(0); !written.ok()) {
+      Done(written);
+      return;
+    }
+    // Message 0 is gone: the stream holds its tokens and what the writer holds in host memory
+    // (the payload buffer, or at most one partial row when the data goes into cells).
+    if (const absl::Status resized =
+            reservation_.Resize(tokens_bytes_ + writer_->host_bytes(), "AppendStream");
+        !resized.ok()) {
+      Done(ToGrpcStatus(resized));
       return;
     }
     ReadNext();
   }
 
-  absl::Status CheckHeaderAgainstCache() {
-    ASSIGN_OR_RETURN(cache_, service_->FindCache(*context_, header_.cache(), &caller_));
+  absl::Status BeginAppend() {
+    const v1::AppendHeader& header = message_.header;
+    ASSIGN_OR_RETURN(cache_, service_->FindCache(*context_, header.cache(), &caller_));
     const CacheSpec& spec = cache_->spec();
     // A speculative batch carries one Recurrent state per token: the largest payload of all.
     const size_t max_bytes =
@@ -338,21 +399,17 @@ class CacheServiceImpl::AppendStreamReactor final
           "header.payload_bytes = ", payload_bytes_, " exceeds the largest payload cache '",
           spec.name, "' accepts: ", max_bytes, " bytes for max_batch = ", spec.max_batch));
     }
-    ASSIGN_OR_RETURN(tokens_, TokensFromProto(header_.tokens()));
-    RETURN_IF_ERROR(CheckAppendShape(spec, tokens_, header_.speculative(), "header.payload_bytes",
-                                     payload_bytes_));
-    if (payload_.size() > static_cast<uint64_t>(payload_bytes_)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("AppendStream data exceeds header.payload_bytes = ", payload_bytes_,
-                       ": message 0 brings it to ", payload_.size(), " bytes"));
-    }
-    RETURN_IF_ERROR(reservation_.Resize(
-        static_cast<uint64_t>(payload_bytes_) + tokens_bytes_,
-        absl::StrCat("AppendStream of ", payload_bytes_, " bytes to cache '", spec.name, "'")));
-    // The whole payload is reserved, so the buffer can be too: it then never reallocates (which
-    // would hold the old and the new buffer at once). Pages are touched only as data arrives.
-    payload_.reserve(static_cast<size_t>(payload_bytes_));
-    return absl::OkStatus();
+    ASSIGN_OR_RETURN(tokens_, TokensFromProto(header.tokens()));
+    speculative_ = header.speculative();
+    RETURN_IF_ERROR(
+        CheckAppendShape(spec, tokens_, speculative_, "header.payload_bytes", payload_bytes_));
+    ASSIGN_OR_RETURN(writer_, Cache::BeginAppend(cache_, tokens_,
+                                                 static_cast<size_t>(payload_bytes_), speculative_));
+    // A buffered payload is reserved whole before the buffer takes any of it.
+    return reservation_.Resize(
+        tokens_bytes_ + request_.Length() + writer_->host_bytes(),
+        absl::StrCat("AppendStream of ", payload_bytes_, " bytes to cache '", spec.name, "'",
+                     writer_->in_cells() ? "" : " (buffered: the cache cannot take its cells now)"));
   }
 
   void OnEndOfStream() {
@@ -365,8 +422,8 @@ class CacheServiceImpl::AppendStreamReactor final
           "AppendStream ended without a message: the first message must carry a header"));
       return;
     }
-    if (payload_.size() != static_cast<uint64_t>(payload_bytes_)) {
-      Done(InvalidArgument(absl::StrCat("AppendStream data adds up to ", payload_.size(),
+    if (writer_->written() != static_cast<uint64_t>(payload_bytes_)) {
+      Done(InvalidArgument(absl::StrCat("AppendStream data adds up to ", writer_->written(),
                                         " bytes, but header.payload_bytes = ", payload_bytes_)));
       return;
     }
@@ -375,32 +432,45 @@ class CacheServiceImpl::AppendStreamReactor final
     }
   }
 
-  // On the executor: the engine append.
+  // On the executor: the engine append happens.
   void Commit() {
     if (context_->IsCancelled()) {
       Done(CancelledStatus());
       return;
     }
     const absl::Status status = service_->AppendGuarded(
-        caller_.tenant, *cache_, tokens_, AsBytes(payload_), header_.speculative(), "AppendStream");
-    if (status.ok()) *response_->mutable_usage() = UsageToProto(cache_->Usage());
+        caller_.tenant, *cache_, tokens_, "AppendStream", [this] { return writer_->Commit(); });
+    writer_.reset();
+    if (status.ok()) {
+      v1::AppendResponse response;
+      *response.mutable_usage() = UsageToProto(cache_->Usage());
+      bool own_buffer;
+      const grpc::Status serialized = grpc::SerializationTraits<v1::AppendResponse>::Serialize(
+          response, response_, &own_buffer);
+      if (!serialized.ok()) {
+        Done(serialized);
+        return;
+      }
+    }
     Done(ToGrpcStatus(status));
   }
 
   CacheServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
-  v1::AppendResponse* const response_;
+  grpc::ByteBuffer* const response_;
 
-  v1::AppendStreamRequest request_;
+  grpc::ByteBuffer request_;  // the message read last
+  std::vector<grpc::Slice> slices_;  // its slices, which message_.data views
+  RawAppendStreamRequest message_;
   int64_t messages_ = 0;  // messages read so far
-  v1::AppendHeader header_;
   int64_t payload_bytes_ = 0;
   Principal caller_;  // set with cache_
   std::shared_ptr<Cache> cache_;
   std::vector<Token> tokens_;
-  std::string payload_;
-  uint64_t tokens_bytes_ = 0;                // ParsedBytes of header_'s tokens (and tokens_)
-  InflightBudget::Reservation reservation_;  // payload_'s and the tokens' bytes in flight
+  bool speculative_ = false;
+  std::unique_ptr<AppendWriter> writer_;     // once the header is checked
+  uint64_t tokens_bytes_ = 0;                // ParsedBytes of the header's tokens (and tokens_)
+  InflightBudget::Reservation reservation_;  // the message, tokens and buffer in host memory
 
   // Between the owner of the reactor and the idle reaper.
   Mutex mu_;
@@ -757,9 +827,8 @@ absl::StatusOr<Reservations::Guard> CacheServiceImpl::GuardSnapshots(
 }
 
 absl::Status CacheServiceImpl::AppendGuarded(const std::string& tenant, Cache& cache,
-                                             absl::Span<const Token> tokens,
-                                             absl::Span<const uint8_t> payload, bool speculative,
-                                             const char* what) {
+                                             absl::Span<const Token> tokens, const char* what,
+                                             absl::FunctionRef<absl::Status()> append) {
   std::vector<int64_t> seqs;
   seqs.reserve(tokens.size());
   for (const Token& t : tokens) seqs.push_back(t.seq);
@@ -769,7 +838,7 @@ absl::Status CacheServiceImpl::AppendGuarded(const std::string& tenant, Cache& c
                    Guard(Reservations::Kind::kSequence,
                          Reservations::Key(tenant, cache.spec().name), seqs, what));
   ASSIGN_OR_RETURN(const DrainGate::Ticket admitted, AdmitSequences(cache, seqs, what));
-  return cache.Append(tokens, payload, speculative);
+  return append();
 }
 
 absl::StatusOr<DrainGate::Ticket> CacheServiceImpl::AdmitSequences(const Cache& cache,
@@ -904,15 +973,16 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* 
         ASSIGN_OR_RETURN(const std::vector<Token> tokens, TokensFromProto(request->tokens()));
         RETURN_IF_ERROR(CheckAppendShape(cache.spec(), tokens, request->speculative(), "payload",
                                          static_cast<int64_t>(request->payload().size())));
-        RETURN_IF_ERROR(AppendGuarded(caller.tenant, cache, tokens, AsBytes(request->payload()),
-                                      request->speculative(), "Append"));
+        RETURN_IF_ERROR(AppendGuarded(caller.tenant, cache, tokens, "Append", [&] {
+          return cache.Append(tokens, AsBytes(request->payload()), request->speculative());
+        }));
         *response->mutable_usage() = UsageToProto(cache.Usage());
         return absl::OkStatus();
       });
 }
 
-grpc::ServerReadReactor<v1::AppendStreamRequest>* CacheServiceImpl::AppendStream(
-    grpc::CallbackServerContext* context, v1::AppendResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* CacheServiceImpl::AppendStream(
+    grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
   return new AppendStreamReactor(this, context, response);
 }
 

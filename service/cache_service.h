@@ -78,16 +78,17 @@ inline constexpr uint64_t kVisibleBytesPerQuery = 128;
 // The Drain RPC's timeout when neither the request nor Options::drain_timeout gives one.
 inline constexpr absl::Duration kDefaultDrainTimeout = absl::Seconds(60);
 
-// v1::CacheService::CallbackService with Read served raw: the generated chain of callback
-// methods, with WithRawCallbackMethod_Read in the place of WithCallbackMethod_Read (a raw Read
-// on top of the typed one would hide it, which -Woverloaded-virtual rejects). A method added to
+// v1::CacheService::CallbackService with AppendStream and Read served raw: the generated chain
+// of callback methods, with WithRawCallbackMethod_AppendStream and WithRawCallbackMethod_Read in
+// the place of the typed ones (a raw method on top of the typed one would hide it, which
+// -Woverloaded-virtual rejects). A method added to
 // the service and left out here does not compile: its override in CacheServiceImpl has nothing
 // to override.
 namespace internal {
 using S = v1::CacheService;
 using CacheServiceBase = S::WithCallbackMethod_CreateCache<S::WithCallbackMethod_DeleteCache<
     S::WithCallbackMethod_GetCache<S::WithCallbackMethod_ListCaches<S::WithCallbackMethod_Append<
-        S::WithCallbackMethod_AppendStream<S::WithRawCallbackMethod_Read<
+        S::WithRawCallbackMethod_AppendStream<S::WithRawCallbackMethod_Read<
             S::WithCallbackMethod_Visible<S::WithCallbackMethod_CopyPrefix<
                 S::WithCallbackMethod_Remove<S::WithCallbackMethod_CanResume<
                     S::WithCallbackMethod_ListSequences<S::WithCallbackMethod_Snapshot<
@@ -152,8 +153,10 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context,
                                    const v1::AppendRequest* request,
                                    v1::AppendResponse* response) override;
-  grpc::ServerReadReactor<v1::AppendStreamRequest>* AppendStream(
-      grpc::CallbackServerContext* context, v1::AppendResponse* response) override;
+  // Served raw: the data of each AppendStreamRequest goes from the received slices into the
+  // append (the cells it will take, where it can), and the AppendResponse is written here.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* AppendStream(grpc::CallbackServerContext* context,
+                                                          grpc::ByteBuffer* response) override;
   // Served raw: ReadResponse's bytes are written by the node (the payload as slices of the
   // memory it lies in), and the request is parsed here.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Read(grpc::CallbackServerContext* context,
@@ -243,9 +246,10 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
                                                    const char* what) const;
 
   // Append with the operation guard of its sequences (in `tenant`'s cache).
+  // `append` does the engine's work: Cache::Append, or AppendWriter::Commit.
   absl::Status AppendGuarded(const std::string& tenant, Cache& cache,
-                             absl::Span<const Token> tokens, absl::Span<const uint8_t> payload,
-                             bool speculative, const char* what);
+                             absl::Span<const Token> tokens, const char* what,
+                             absl::FunctionRef<absl::Status()> append);
 
   // Runs `fn` on the cluster executor, as RunUnary; FAILED_PRECONDITION without a cluster.
   grpc::ServerUnaryReactor* RunCluster(grpc::CallbackServerContext* context,

@@ -2,6 +2,7 @@
 
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -17,6 +18,7 @@
 #include "kvmesh/v1/kvmesh.pb.h"
 #include "service/common/convert.h"
 #include "service/common/log.h"
+#include "service/raw_append_stream.h"
 
 namespace kvmesh {
 namespace {
@@ -33,14 +35,17 @@ bool KnownService(absl::string_view service) {
 }
 
 // How the method's request reaches the interceptor: as its generated protobuf class (kvmesh's
-// methods), as a ByteBuffer of a kvmesh request (CacheService/Read, served raw, whose request
-// is parsed here for the log), or as neither (PeerService/Fetch's request names nothing worth
-// logging; health and reflection are raw inside gRPC).
-enum class RequestForm { kNone, kProtobuf, kRawRead };
+// methods), as a ByteBuffer of a kvmesh request (CacheService/Read and AppendStream, served raw,
+// whose request or first message's header is parsed here for the log), or as neither
+// (PeerService/Fetch's request names nothing worth logging; health and reflection are raw inside
+// gRPC).
+enum class RequestForm { kNone, kProtobuf, kRawRead, kRawAppendStream };
 
 RequestForm FormOf(absl::string_view service, absl::string_view method) {
   if (service == "kvmesh.v1.CacheService") {
-    return method == "Read" ? RequestForm::kRawRead : RequestForm::kProtobuf;
+    if (method == "Read") return RequestForm::kRawRead;
+    if (method == "AppendStream") return RequestForm::kRawAppendStream;
+    return RequestForm::kProtobuf;
   }
   if (service == "kvmesh.v1.PeerService" && method != "Fetch") return RequestForm::kProtobuf;
   return RequestForm::kNone;
@@ -164,13 +169,21 @@ class RpcObserver final : public grpc::experimental::Interceptor {
         if (const void* message = methods->GetRecvMessage(); message == nullptr) {
         } else if (form_ == RequestForm::kProtobuf) {
           Extract(*static_cast<const google::protobuf::Message*>(message), &named_);
-        } else {
+        } else if (form_ == RequestForm::kRawRead) {
           // A copy of the raw bytes (a ReadRequest is small); one that does not parse names
           // nothing, and the handler refuses it.
           v1::ReadRequest request;
           grpc::ByteBuffer raw(*static_cast<const grpc::ByteBuffer*>(message));
           if (grpc::SerializationTraits<v1::ReadRequest>::Deserialize(&raw, &request).ok()) {
             Extract(request, &named_);
+          }
+        } else {
+          // The header only: the data is viewed, never copied.
+          std::vector<grpc::Slice> slices;
+          RawAppendStreamRequest request;
+          if (static_cast<const grpc::ByteBuffer*>(message)->Dump(&slices).ok() &&
+              ParseAppendStreamRequest(slices, &request).ok() && request.has_header) {
+            Extract(request.header, &named_);
           }
         }
       }

@@ -486,6 +486,12 @@ grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const st
 
 grpc::Status CallRaw(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
                      const std::string& request, std::vector<std::string>* responses) {
+  return CallRaw(channel, method, std::vector<std::string>{request}, responses);
+}
+
+grpc::Status CallRaw(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                     const std::vector<std::string>& requests,
+                     std::vector<std::string>* responses) {
   responses->clear();
   grpc::GenericStub stub(channel);
   grpc::ClientContext context;
@@ -499,8 +505,10 @@ grpc::Status CallRaw(const std::shared_ptr<grpc::Channel>& channel, const std::s
   bool ok = true;
   call->StartCall(&tags[0]);
   ok = ok && Await(&cq, &tags[0]);
-  if (ok) call->Write(ToByteBuffer(request), &tags[1]);
-  ok = ok && Await(&cq, &tags[1]);
+  for (const std::string& request : requests) {
+    if (ok) call->Write(ToByteBuffer(request), &tags[1]);
+    ok = ok && Await(&cq, &tags[1]);
+  }
   if (ok) call->WritesDone(&tags[2]);
   ok = ok && Await(&cq, &tags[2]);
   while (ok) {

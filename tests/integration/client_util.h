@@ -182,6 +182,9 @@ grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const st
 // collects the bytes of every response until the server ends the call; its status.
 grpc::Status CallRaw(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
                      const std::string& request, std::vector<std::string>* responses);
+// The same with each of `requests` as a message, in order (a client or bidirectional stream).
+grpc::Status CallRaw(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                     const std::vector<std::string>& requests, std::vector<std::string>* responses);
 
 // grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo with list_services.
 grpc::Status ListReflectedServices(const std::shared_ptr<grpc::Channel>& channel,

@@ -164,6 +164,19 @@ v1::CacheSpec BigTokenSpec(const std::string& name, int32_t max_sequences, int32
   return SpecProto(name, max_sequences, capacity, max_batch, {AttentionGroupProto(a)});
 }
 
+// The same tokens of 8 KiB in a cache of one Rotating group (a ring of `max_size` rows per
+// sequence): an AppendStream into it buffers its payload in host memory (a ring is written in
+// place, so its rows cannot be taken before the commit), and holds the in-flight budget.
+v1::CacheSpec BigTokenRingSpec(const std::string& name, int32_t max_batch) {
+  RotatingOptions r;
+  r.num_kv_heads = 8;
+  r.head_dim_k = 128;
+  r.head_dim_v = 128;
+  r.max_size = 16;
+  r.rope = v1::ROPE_TYPE_NONE;
+  return SpecProto(name, 1, max_batch, max_batch, {RotatingGroupProto(r)});
+}
+
 // Appends positions [0, n) to `seq` in batches of `batch` with payloads of `token_bytes` each.
 void AppendZeros(Stub& stub, const std::string& cache, int64_t seq, int32_t n, int32_t batch,
                  uint64_t token_bytes) {
@@ -305,6 +318,13 @@ struct StreamResult {
   absl::Time finished;    // when the status arrived
 };
 
+// Whether gRPC itself reset the stream (RST_STREAM, ENHANCE_YOUR_CALM: its ResourceQuota
+// reclaiming memory under pressure), which clients see as RESOURCE_EXHAUSTED and retry.
+bool ResetByGrpc(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+         absl::StrContains(status.error_message(), "RST_STREAM with error code 11");
+}
+
 StreamResult RunStream(Stub& stub, const std::string& cache, int64_t seq, int32_t n, uint64_t send,
                        bool finish, uint64_t chunk = kMiB,
                        const std::function<void()>& after_writes = nullptr) {
@@ -354,6 +374,8 @@ v1::AppendRequest ZerosRequest(const std::string& cache, int64_t seq, int32_t be
 }
 
 TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAreClosed) {
+  // The streams go to a cache that buffers them ("ring", BigTokenRingSpec); the unary Append
+  // and the Read to an Attention-only one ("big").
   // --inflight-budget=260MiB: 195 MiB for what kvmesh buffers (and 65 MiB for gRPC's buffers,
   // which must hold a message: --max-message-bytes=48MiB). Each stream claims 96 MiB (and its
   // tokens), so two fit; they send all but 1 MiB and stop, and four more are then refused at
@@ -378,6 +400,7 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
   ASSERT_NE(node, nullptr);
   std::unique_ptr<Stub> stub = node->NewStub();
   KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenSpec("big", 2, kTokens, kTokens)));
+  KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenRingSpec("ring", kTokens)));
   // seq 1 stores 8 MiB for the Read below.
   KVMESH_ASSERT_OK(Append(*stub, ZerosRequest("big", 1, 0, kUnaryTokens, kBigTokenBytes)));
 
@@ -398,7 +421,7 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
   auto start = [&](Stub* streams, int i) {
     threads.emplace_back([&, streams, i] {
       results[i] =
-          RunStream(*streams, "big", 0, kTokens, kStreamBytes - kMiB, /*finish=*/false, kMiB, [&] {
+          RunStream(*streams, "ring", 0, kTokens, kStreamBytes - kMiB, /*finish=*/false, kMiB, [&] {
             const int done = ++writers_done;
             if (done == 2) two_written.Notify();
             if (done == 6) all_written.Notify();
@@ -429,10 +452,7 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
   // no longer holds what this test needs: a stream opened later is accepted in its place, and
   // the unary Append and the Read fit. Such a run checks everything else and says so; the
   // budget's refusals are checked in every run gRPC leaves alone.
-  const auto reset_by_grpc = [](const StreamResult& r) {
-    return r.status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
-           absl::StrContains(r.status.error_message(), "RST_STREAM with error code 11");
-  };
+  const auto reset_by_grpc = [](const StreamResult& r) { return ResetByGrpc(r.status); };
   const int resets = static_cast<int>(std::count_if(results.begin(), results.end(), reset_by_grpc));
   if (resets > 0) {
     std::printf(
@@ -462,10 +482,12 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
     if (r.sent < kStreamBytes - kMiB) {  // refused by kvmesh
       EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << what;
       EXPECT_THAT(r.status.error_message(),
-                  AllOf(AnyOf(HasSubstr(absl::StrCat("AppendStream of ", kStreamBytes, " bytes")),
+                  AllOf(AnyOf(HasSubstr(absl::StrCat("AppendStream of ", kStreamBytes,
+                                                     " bytes to cache 'ring' (buffered")),
                               // Refused at its header: another refused stream's header held
                               // part of what is left.
-                              HasSubstr("AppendStream message 0 of 0 bytes and 12288 tokens")),
+                              AllOf(HasSubstr("AppendStream message 0 of "),
+                                    HasSubstr(" bytes and 12288 tokens"))),
                         HasSubstr("in-flight budget"), HasSubstr("retry later")))
           << what;
       continue;
@@ -480,7 +502,8 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
     EXPECT_THAT(r.status.error_message(),
                 AllOf(HasSubstr(absl::StrCat("no message for ", kIdleMs, " ms")),
                       HasSubstr("--stream-idle-timeout-ms"),
-                      HasSubstr(absl::StrCat(kStreamBytes - kMiB, " buffered bytes are freed"))));
+                      HasSubstr(absl::StrCat("the ", kStreamBytes - kMiB,
+                                             " bytes received are dropped"))));
     // Closed after the timeout, within the reaper's tick (a quarter of it) and some slack.
     EXPECT_GE(r.finished - r.last_write, absl::Milliseconds(kIdleMs));
     EXPECT_LT(r.finished - r.last_write, absl::Milliseconds(kIdleMs) + absl::Seconds(10));
@@ -509,7 +532,7 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
       static_cast<unsigned long>(peak / kMiB), append.error_message().c_str());
 
   // The budget is whole again: a 96 MiB stream, an 8 MiB unary Append and a 16 MiB Read.
-  StreamResult whole = RunStream(*stub, "big", 0, kTokens, kStreamBytes, /*finish=*/true);
+  StreamResult whole = RunStream(*stub, "ring", 0, kTokens, kStreamBytes, /*finish=*/true);
   KVMESH_EXPECT_OK(whole.status);
   if (!append.ok()) {  // it went through above only in a run with resets
     KVMESH_EXPECT_OK(
@@ -519,6 +542,118 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
   EXPECT_EQ(read.payload.size(), 2 * kUnaryTokens * kBigTokenBytes);
   accepted_streams.reset();
   refused_streams.reset();
+  stub.reset();
+  StopLimitsNode(std::move(node));
+}
+
+// Streams into an Attention-only cache write their data into the cells they take when their
+// header is checked: unfinished ones hold cells (the cache's memory, already budgeted), not the
+// in-flight budget, so a unary Append and a Read go on beside them; streams for which the cells
+// are not free are refused at their header, before any data; idle ones are closed and their
+// cells given back.
+TEST(LimitsTest, UnfinishedAppendStreamsIntoCellsHoldCellsNotTheInflightBudget) {
+  constexpr int32_t kCells = 24576;         // 2 sequences x 12288: 192 MiB
+  constexpr int32_t kStreamTokens = 6144;   // 48 MiB per stream
+  constexpr int32_t kUnaryTokens = 1024;    // 8 MiB
+  constexpr uint64_t kStreamBytes = kStreamTokens * kBigTokenBytes;
+#if defined(KVMESH_LIMITS_ASAN) || defined(KVMESH_LIMITS_TSAN)
+  constexpr int64_t kIdleMs = 10000;
+#else
+  constexpr int64_t kIdleMs = 4000;
+#endif
+  // The in-flight budget (128 MiB: 96 for kvmesh) could not buffer three of these streams.
+  std::unique_ptr<NodeProcess> node = StartLimitsNode(
+      {"--memory-budget=208MiB", "--inflight-budget=128MiB", "--max-message-bytes=16MiB",
+       absl::StrCat("--stream-idle-timeout-ms=", kIdleMs)});
+  ASSERT_NE(node, nullptr);
+  std::unique_ptr<Stub> stub = node->NewStub();
+  KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenSpec("big", 2, kCells / 2, kCells / 2)));
+  KVMESH_ASSERT_OK(Append(*stub, ZerosRequest("big", 1, 0, kUnaryTokens, kBigTokenBytes)));
+  const uint64_t rss_before = RssBytes(node->pid());
+  RssSampler sampler(node->pid());
+
+  // Three streams fit the 23552 free cells (18432 taken), the next three do not (5120 left).
+  std::vector<StreamResult> results(6);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 6; ++i) {
+    threads.emplace_back([&, i] {
+      std::unique_ptr<Stub> own = v1::CacheService::NewStub(node->NewChannel());
+      results[i] = RunStream(*own, "big", 0, kStreamTokens, kStreamBytes - kMiB,
+                             /*finish=*/false, kMiB);
+    });
+  }
+  // Meanwhile a unary Append (into 1024 of the free cells) and a Read go through: the streams
+  // hold no budget. Some streams may not have taken their cells yet; the Append may then take
+  // cells one of them needed, so the counts below allow for it.
+  const grpc::Status append =
+      Append(*stub, ZerosRequest("big", 1, kUnaryTokens, 2 * kUnaryTokens, kBigTokenBytes));
+  KVMESH_EXPECT_OK(append);
+  ReadOutput read;
+  KVMESH_EXPECT_OK(Read(*stub, ReadRequest("big", 1), &read));
+  EXPECT_EQ(read.payload.size(), 2 * kUnaryTokens * kBigTokenBytes);
+  for (std::thread& t : threads) t.join();
+  const uint64_t peak = sampler.Stop();
+
+  int accepted = 0;
+  int refused = 0;
+  int resets = 0;
+  for (const StreamResult& r : results) {
+    const std::string what = absl::StrCat(StatusText(r.status), " after ", r.sent, " bytes");
+    if (ResetByGrpc(r.status)) {
+      // gRPC's quota, not kvmesh (see the test above): its cells, if it had taken any, are
+      // given back like an idle stream's, which the count of cells below checks.
+      ++resets;
+      std::printf("limits_test: gRPC reset a stream itself: %s\n", what.c_str());
+      continue;
+    }
+    if (r.status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++refused;
+      // Refused at its header: the node reads none of its data (the client may have pushed
+      // some into gRPC's flow-control window before the status arrived).
+      EXPECT_LT(r.sent, kStreamBytes - kMiB) << what;
+      EXPECT_THAT(r.status.error_message(),
+                  AllOf(HasSubstr("a batch of 6144 tokens needs as many free cells"),
+                        HasSubstr("of 24576 are free")))
+          << what;
+      continue;
+    }
+    ++accepted;
+    EXPECT_EQ(r.sent, kStreamBytes - kMiB) << what;
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << what;
+    EXPECT_THAT(r.status.error_message(),
+                AllOf(HasSubstr(absl::StrCat("no message for ", kIdleMs, " ms")),
+                      HasSubstr(absl::StrCat("the ", kStreamBytes - kMiB,
+                                             " bytes received are dropped"))))
+        << what;
+  }
+  EXPECT_EQ(accepted + refused + resets, 6);
+  EXPECT_GE(accepted + resets, 2);
+  EXPECT_LE(accepted, 3);
+  if (kCheckRss) {
+    // The streams' data lies in the cache's arena (within --memory-budget), and each stream holds
+    // at most a message beyond it: no in-flight copy of the streams.
+    const uint64_t bound = rss_before + 3 * kStreamBytes + kUnaryTokens * kBigTokenBytes +
+                           kOverhead + kSanitizerSlack;
+    EXPECT_LE(peak, bound) << "RSS before " << rss_before << ", peak " << peak;
+  }
+  std::printf("limits_test: %d streams into cells held them until closed idle, %d refused; RSS "
+              "before %lu MiB, peak %lu MiB\n",
+              accepted, refused, static_cast<unsigned long>(rss_before / kMiB),
+              static_cast<unsigned long>(peak / kMiB));
+  // The closed streams gave their cells back: seq 1's 2048 are all that is used.
+  v1::GetCacheResponse cache;
+  KVMESH_ASSERT_OK(GetCache(*stub, "big", &cache));
+  EXPECT_EQ(cache.cache().usage().groups(0).cells_used(), 2 * kUnaryTokens);
+  // A stream larger than kvmesh's share of the in-flight budget (96 MiB) goes through; a stream
+  // gRPC resets itself is retried, as a client would.
+  StreamResult whole;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    whole = RunStream(*stub, "big", 0, kCells / 2, kCells / 2 * kBigTokenBytes, /*finish=*/true);
+    if (!ResetByGrpc(whole.status)) break;
+    std::printf("limits_test: gRPC reset the whole stream itself (try %d): %s\n", attempt + 1,
+                StatusText(whole.status).c_str());
+  }
+  KVMESH_EXPECT_OK(whole.status);
   stub.reset();
   StopLimitsNode(std::move(node));
 }
@@ -540,7 +675,9 @@ TEST(LimitsTest, SixUnfinished256MiBStreamsAtFullScale) {
       StartLimitsNode({"--memory-budget=600MiB", "--stream-idle-timeout-ms=5000"});
   ASSERT_NE(node, nullptr);
   std::unique_ptr<Stub> stub = node->NewStub();
-  KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenSpec("big", 2, kTokens, kTokens)));
+  // Into a ring, so that the streams buffer their payloads (into an Attention-only cache they
+  // would take cells instead, and only one would fit).
+  KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenRingSpec("ring", kTokens)));
   const uint64_t rss_before = RssBytes(node->pid());
   RssSampler sampler(node->pid());
   std::vector<StreamResult> results(6);
@@ -550,7 +687,7 @@ TEST(LimitsTest, SixUnfinished256MiBStreamsAtFullScale) {
     threads.emplace_back([&, i] {
       std::unique_ptr<Stub> own = v1::CacheService::NewStub(node->NewChannel());
       results[i] =
-          RunStream(*own, "big", 0, kTokens, kStreamBytes - kMiB, /*finish=*/false, 4 * kMiB);
+          RunStream(*own, "ring", 0, kTokens, kStreamBytes - kMiB, /*finish=*/false, 4 * kMiB);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -588,19 +725,21 @@ TEST(LimitsTest, RequestsLargerThanTheWholeInflightBudgetAreRefused) {
   ASSERT_NE(node, nullptr);
   std::unique_ptr<Stub> stub = node->NewStub();
   KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenSpec("small", 1, 16384, 16384)));
+  KVMESH_ASSERT_OK(CreateCache(*stub, BigTokenRingSpec("ring", 16384)));
 
-  // Refused from its header alone: no data is sent.
-  StreamResult too_big = RunStream(*stub, "small", 0, 13312, 0, /*finish=*/true);
+  // A stream that must be buffered (into a ring) is refused from its header alone: no data is
+  // sent.
+  StreamResult too_big = RunStream(*stub, "ring", 0, 13312, 0, /*finish=*/true);
   EXPECT_EQ(too_big.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << StatusText(too_big.status);
   EXPECT_THAT(
       too_big.status.error_message(),
-      AllOf(HasSubstr("AppendStream of 109051904 bytes to cache 'small'"),
+      AllOf(HasSubstr("AppendStream of 109051904 bytes to cache 'ring' (buffered"),
             HasSubstr("more than this node's whole in-flight budget"),
             HasSubstr("--inflight-budget = 100663296 bytes"), HasSubstr("smaller requests")));
-  // Nearly the whole budget in one stream (93.75 MiB and its tokens' ~0.8 MiB), then 10.25 MiB
-  // more: 104 MiB stored.
-  KVMESH_ASSERT_OK(RunStream(*stub, "small", 0, 12000, 12000 * kBigTokenBytes, true).status);
+  // Into cells, a stream needs no more of the budget than its tokens: the same 104 MiB goes
+  // into an Attention-only cache in one stream, then 10.25 MiB more in two messages.
+  KVMESH_ASSERT_OK(RunStream(*stub, "small", 0, 13312, 13312 * kBigTokenBytes, true).status);
   {
     grpc::ClientContext context;
     SetDeadline(&context);
@@ -608,7 +747,7 @@ TEST(LimitsTest, RequestsLargerThanTheWholeInflightBudgetAreRefused) {
     auto writer = stub->AppendStream(&context, &response);
     v1::AppendStreamRequest header;
     header.mutable_header()->set_cache("small");
-    for (int32_t pos = 12000; pos < 13312; ++pos) {
+    for (int32_t pos = 13312; pos < 14624; ++pos) {
       v1::Token* token = header.mutable_header()->add_tokens();
       token->set_seq(0);
       token->set_pos(pos);
@@ -621,11 +760,11 @@ TEST(LimitsTest, RequestsLargerThanTheWholeInflightBudgetAreRefused) {
     writer->WritesDone();
     KVMESH_ASSERT_OK(writer->Finish());
   }
-  // A Read of all 104 MiB, more than the whole budget, goes through one chunk at a time (an
+  // A Read of all 114 MiB, more than the whole budget, goes through one chunk at a time (an
   // Attention-only cache's Read holds one chunk in flight).
   ReadOutput read;
   KVMESH_EXPECT_OK(Read(*stub, ReadRequest("small", 0), &read));
-  EXPECT_EQ(read.payload.size(), 13312 * kBigTokenBytes);
+  EXPECT_EQ(read.payload.size(), 14624 * kBigTokenBytes);
   KVMESH_EXPECT_OK(Read(*stub, ReadRequest("small", 0, 0, 6656), &read));
   EXPECT_EQ(read.payload.size(), 6656 * kBigTokenBytes);
   stub.reset();

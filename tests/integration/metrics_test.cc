@@ -399,14 +399,15 @@ TEST(MetricsTest, InflightRefusalsAreCounted) {
   MetricsNode node = StartNode(options);
   ASSERT_NE(node.process, nullptr);
   // Tokens of 8 KiB; a payload of up to 128 MiB is valid for the cache, but kvmesh's share of
-  // the budget is 96 MiB.
-  AttentionOptions a;
-  a.num_layers = 1;
-  a.num_kv_heads = 8;
-  a.head_dim_k = 128;
-  a.head_dim_v = 128;
-  a.rope = v1::ROPE_TYPE_NONE;
-  const v1::CacheSpec spec = SpecProto("r", 1, 16384, 16384, {AttentionGroupProto(a)});
+  // the budget is 96 MiB. The cache is a ring (a Rotating group), so an AppendStream buffers
+  // its payload (into an Attention-only cache it would write into cells and hold no budget).
+  RotatingOptions r;
+  r.num_kv_heads = 8;
+  r.head_dim_k = 128;
+  r.head_dim_v = 128;
+  r.max_size = 16;
+  r.rope = v1::ROPE_TYPE_NONE;
+  const v1::CacheSpec spec = SpecProto("r", 1, 16384, 16384, {RotatingGroupProto(r)});
   KVMESH_ASSERT_OK(CreateCache(*node.stub, spec));
   EXPECT_EQ(node.ScrapeNow().Count("kvmesh_inflight_refusals_total"), 0);
   grpc::ClientContext context;

@@ -299,6 +299,97 @@ TEST_F(ServiceTest, AppendStreamWithManyChunksAndChunkedReads) {
   KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-stream"));
 }
 
+// AppendStream is served raw (the node reads each message's fields where they were received):
+// it must take every encoding protobuf takes, with protobuf's meaning (a repeated header merges,
+// a repeated data replaces, unknown fields of every wire type are skipped), refuse bytes that do
+// not parse, naming the message, and leave the cache as it was then.
+TEST_F(ServiceTest, RawAppendStreamMessages) {
+  const std::string method = "/kvmesh.v1.CacheService/AppendStream";
+  std::vector<std::string> responses;
+  grpc::Status status =
+      CallRaw(node().channel(), method, std::vector<std::string>{"\xff\xff\xff"}, &responses);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("AppendStream message 0 of 3 bytes does not parse"));
+
+  // 2 layers x 2 heads x (4 + 4) x F16: 64 bytes per token, rows of 16 bytes.
+  AttentionOptions a;
+  a.num_layers = 2;
+  a.num_kv_heads = 2;
+  a.head_dim_k = 4;
+  a.head_dim_v = 4;
+  a.rope_dims = 4;
+  const v1::CacheSpec spec =
+      SpecProto("svc-raw-stream", 4, 64, 32, {AttentionGroupProto(a)}, v1::DTYPE_F16);
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  const v1::AppendRequest append = MakeAppend(spec, 0, Range(0, 20));
+  const std::string& payload = append.payload();
+  ASSERT_EQ(payload.size(), 20u * 64);
+  auto with_header = [](const v1::AppendHeader& header) {
+    v1::AppendStreamRequest m;
+    *m.mutable_header() = header;
+    return m.SerializeAsString();
+  };
+  auto with_data = [](const std::string& data) {
+    v1::AppendStreamRequest m;
+    m.set_data(data);
+    return m.SerializeAsString();
+  };
+  v1::AppendHeader names;  // the header in two pieces, which merge
+  names.set_cache(spec.name());
+  *names.mutable_tokens() = append.tokens();
+  v1::AppendHeader size;
+  size.set_payload_bytes(static_cast<int64_t>(payload.size()));
+  const std::string unknown_varint("\x48\x05", 2);                      // field 9, varint
+  const std::string unknown_bytes("\x7a\x03xyz", 5);                     // field 15, 3 bytes
+  const std::string unknown_fixed32("\x25\x01\x02\x03\x04", 5);          // field 4, fixed32
+  const std::string unknown_fixed64("\x29\x01\x02\x03\x04\x05\x06\x07\x08", 9);  // field 5
+  std::vector<std::string> messages = {
+      with_header(names) + unknown_varint + with_data("replaced") + with_header(size) +
+          with_data(payload.substr(0, 100)),
+      unknown_bytes + with_data(payload.substr(100, 1000)) + unknown_fixed32,
+      with_data(""),  // an empty piece
+      unknown_fixed64,  // no data at all
+      with_data(payload.substr(1100)),
+  };
+  status = CallRaw(node().channel(), method, messages, &responses);
+  KVMESH_ASSERT_OK(status);
+  ASSERT_EQ(responses.size(), 1u);
+  v1::AppendResponse response;
+  ASSERT_TRUE(response.ParseFromString(responses[0]));
+  EXPECT_EQ(response.usage().groups(0).cells_used(), 20);
+  SequenceModel model;
+  ModelAppend(spec, 0, Range(0, 20), 0, &model);
+  ExpectReadMatches(spec, 0, model);
+
+  // A later message that does not parse ends the stream; its cells are given back.
+  const v1::AppendRequest next = MakeAppend(spec, 1, Range(0, 8));
+  v1::AppendHeader header;
+  header.set_cache(spec.name());
+  *header.mutable_tokens() = next.tokens();
+  header.set_payload_bytes(static_cast<int64_t>(next.payload().size()));
+  for (const std::string& bad : {std::string("\x12\x40" "abc", 5),  // data runs past the end
+                                 std::string("\x0b", 1),             // a group's wire type
+                                 std::string("\x02\x00", 2)}) {      // field 0
+    messages = {with_header(header) + with_data(next.payload().substr(0, 64)), bad};
+    status = CallRaw(node().channel(), method, messages, &responses);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+    EXPECT_THAT(status.error_message(),
+                HasSubstr(absl::StrCat("AppendStream message 1 of ", bad.size(),
+                                       " bytes does not parse")));
+    v1::GetCacheResponse cache;
+    KVMESH_ASSERT_OK(GetCache(stub(), spec.name(), &cache));
+    EXPECT_EQ(cache.cache().usage().groups(0).cells_used(), 20);
+  }
+  // A header in a later message is refused as before.
+  messages = {with_header(header), with_header(header) + with_data(next.payload())};
+  status = CallRaw(node().channel(), method, messages, &responses);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("message 1 carries a header"));
+  ExpectReadMatches(spec, 0, model);
+  KVMESH_ASSERT_OK(DeleteCache(stub(), spec.name()));
+}
+
 // Read is served raw (the node writes ReadResponse's bytes itself): a request that does not
 // parse is refused with a message, and the bytes of a good one parse as ReadResponses whose
 // data, in order, is the payload a typed client reads.

@@ -1,0 +1,419 @@
+// Cache::BeginAppend and AppendWriter: an Append whose payload arrives piece by piece. Whatever
+// the pieces, a committed writer leaves the cache exactly as Cache::Append of the whole payload
+// does on a twin cache; a writer given up (destroyed, over-written, failed on the device) leaves
+// it exactly as before; and Commit judges the batch against the cache as it is then, since
+// other operations, on the batch's sequences too, go on while the bytes arrive.
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cache/cache.h"
+#include "cache/device/host_device.h"
+#include "gtest/gtest.h"
+#include "tests/unit/cache_test_util.h"
+
+namespace kvmesh {
+namespace {
+
+using testutil::AppendRange;
+using testutil::AppendSpeculative;
+using testutil::CaptureState;
+using testutil::Full;
+using testutil::Group;
+using testutil::IsError;
+using testutil::PayloadFor;
+using testutil::Range;
+using testutil::RecurrentGroup;
+using testutil::Rope;
+using testutil::RotatingGroup;
+using testutil::SameState;
+using testutil::Sliding;
+using testutil::Spec;
+using testutil::TestCache;
+using testutil::Tokens;
+
+std::shared_ptr<Cache> Shared(TestCache& tc) { return std::shared_ptr<Cache>(std::move(tc.cache)); }
+
+// Two groups whose planes have different row sizes (K rows 16 bytes, V rows 8; then 8 and 4).
+CacheSpec AttentionSpec() {
+  return Spec(DType::kF16, 4, 64, 32,
+              {Group(Full(), 2, 2, 4, 2, Rope(RopeType::kNormal, 4)), Group(Full(), 1, 1, 4, 2)});
+}
+
+CacheSpec SlidingSpec() { return Spec(DType::kF16, 1, 16, 16, {Group(Sliding(4), 1, 1, 4, 4)}); }
+
+CacheSpec HybridSpec() {
+  return Spec(DType::kF16, 4, 64, 16, {Group(Full(), 1, 1, 4, 4), RotatingGroup(4), RecurrentGroup()});
+}
+
+// Writes `payload` in pieces of `piece` bytes (the last one shorter).
+absl::Status WriteInPieces(AppendWriter& writer, const std::vector<uint8_t>& payload,
+                           size_t piece) {
+  for (size_t at = 0; at < payload.size(); at += piece) {
+    const size_t n = std::min(piece, payload.size() - at);
+    absl::Status status = writer.Write(absl::MakeConstSpan(payload).subspan(at, n));
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+// A writer committed equals Cache::Append on a twin, for every piece size, on caches that
+// write into cells and on one that buffers.
+TEST(CacheAppendWriterTest, CommittedEqualsAppendForEveryPieceSize) {
+  struct Case {
+    const char* name;
+    CacheSpec spec;
+    bool in_cells;
+  };
+  for (const Case& c : {Case{"attention", AttentionSpec(), true},
+                        Case{"hybrid (buffered)", HybridSpec(), false}}) {
+    // Two sequences interleaved in one batch, after each holds a few tokens already.
+    std::vector<Token> batch;
+    for (int32_t p = 3; p < 9; ++p) {
+      batch.push_back(Token{0, p});
+      batch.push_back(Token{1, p});
+    }
+    const std::vector<uint8_t> payload = PayloadFor(c.spec, batch, /*salt=*/7);
+    for (size_t piece : {size_t{1}, size_t{3}, size_t{7}, size_t{8}, size_t{15}, size_t{16},
+                         size_t{17}, size_t{100}, payload.size()}) {
+      SCOPED_TRACE(testing::Message() << c.name << ", pieces of " << piece);
+      TestCache reference_tc(c.spec);
+      TestCache tc(c.spec);
+      std::shared_ptr<Cache> cache = Shared(tc);
+      for (Cache* each : {reference_tc.cache.get(), cache.get()}) {
+        ASSERT_TRUE(AppendRange(*each, 0, 0, 3).ok());
+        ASSERT_TRUE(AppendRange(*each, 1, 0, 3).ok());
+      }
+      ASSERT_TRUE(reference_tc.cache->Append(batch, payload).ok());
+
+      absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+          Cache::BeginAppend(cache, batch, payload.size());
+      ASSERT_TRUE(writer.ok()) << writer.status();
+      EXPECT_EQ((*writer)->in_cells(), c.in_cells);
+      EXPECT_EQ((*writer)->size(), payload.size());
+      ASSERT_TRUE(WriteInPieces(**writer, payload, piece).ok());
+      EXPECT_EQ((*writer)->written(), payload.size());
+      ASSERT_TRUE((*writer)->Commit().ok());
+      EXPECT_TRUE(SameState(CaptureState(*reference_tc.cache), CaptureState(*cache)));
+      // Used up.
+      EXPECT_TRUE(IsError((*writer)->Commit(), absl::StatusCode::kFailedPrecondition,
+                          {"committed already"}));
+    }
+  }
+}
+
+TEST(CacheAppendWriterTest, SpeculativeEqualsAppend) {
+  for (const CacheSpec& spec : {AttentionSpec(), HybridSpec()}) {
+    TestCache reference_tc(spec);
+    TestCache tc(spec);
+    std::shared_ptr<Cache> cache = Shared(tc);
+    for (Cache* each : {reference_tc.cache.get(), cache.get()}) {
+      ASSERT_TRUE(AppendRange(*each, 0, 0, 4).ok());
+    }
+    ASSERT_TRUE(AppendSpeculative(*reference_tc.cache, 0, 4, 7).ok());
+    const std::vector<Token> tokens = Tokens(0, 4, 7);
+    const std::vector<uint8_t> payload = PayloadFor(spec, tokens, 0, /*speculative=*/true);
+    absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+        Cache::BeginAppend(cache, tokens, payload.size(), /*speculative=*/true);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    ASSERT_TRUE(WriteInPieces(**writer, payload, 5).ok());
+    ASSERT_TRUE((*writer)->Commit().ok());
+    EXPECT_TRUE(SameState(CaptureState(*reference_tc.cache), CaptureState(*cache)));
+    for (Cache* each : {reference_tc.cache.get(), cache.get()}) {
+      ASSERT_TRUE(each->CommitSpeculation(0, 1).ok());
+    }
+    EXPECT_TRUE(SameState(CaptureState(*reference_tc.cache), CaptureState(*cache)));
+  }
+}
+
+// The cells are taken when the writer begins (used, in no sequence) and given back when it is
+// given up at any point: the cache is then exactly as before.
+TEST(CacheAppendWriterTest, GivenUpAtAnyPointLeavesTheCacheAsBefore) {
+  const CacheSpec spec = AttentionSpec();
+  TestCache tc(spec);
+  std::shared_ptr<Cache> cache = Shared(tc);
+  ASSERT_TRUE(AppendRange(*cache, 0, 0, 5).ok());
+  const testutil::CacheState before = CaptureState(*cache);
+  const std::vector<Token> tokens = Tokens(1, 0, 20);
+  const std::vector<uint8_t> payload = PayloadFor(spec, tokens);
+  for (size_t stop : {size_t{0}, size_t{1}, payload.size() / 2, payload.size()}) {
+    SCOPED_TRACE(testing::Message() << "given up after " << stop << " bytes");
+    absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+        Cache::BeginAppend(cache, tokens, payload.size());
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    ASSERT_TRUE((*writer)->in_cells());
+    EXPECT_EQ(cache->Usage().groups[0].cells_used, 25);
+    EXPECT_FALSE(cache->IsLive(1));
+    ASSERT_TRUE((*writer)->Write(absl::MakeConstSpan(payload).first(stop)).ok());
+    writer->reset();
+    EXPECT_TRUE(SameState(before, CaptureState(*cache)));
+  }
+  // Past the payload's size: refused, final, and the cells are given back at once.
+  absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+      Cache::BeginAppend(cache, tokens, payload.size());
+  ASSERT_TRUE(writer.ok());
+  ASSERT_TRUE((*writer)->Write(absl::MakeConstSpan(payload).first(10)).ok());
+  EXPECT_TRUE(IsError((*writer)->Write(payload), absl::StatusCode::kInvalidArgument,
+                      {std::to_string(payload.size())}));
+  EXPECT_TRUE(SameState(before, CaptureState(*cache)));
+  EXPECT_TRUE(IsError((*writer)->Write(absl::MakeConstSpan(payload).first(1)),
+                      absl::StatusCode::kInvalidArgument, {"exceeds"}));
+  EXPECT_TRUE(IsError((*writer)->Commit(), absl::StatusCode::kInvalidArgument, {"exceeds"}));
+}
+
+TEST(CacheAppendWriterTest, CommitBeforeEveryByteIsRefusedAndChangesNothing) {
+  const CacheSpec spec = AttentionSpec();
+  TestCache tc(spec);
+  std::shared_ptr<Cache> cache = Shared(tc);
+  const testutil::CacheState before = CaptureState(*cache);
+  const std::vector<Token> tokens = Tokens(0, 0, 4);
+  const std::vector<uint8_t> payload = PayloadFor(spec, tokens);
+  absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+      Cache::BeginAppend(cache, tokens, payload.size());
+  ASSERT_TRUE(writer.ok());
+  ASSERT_TRUE((*writer)->Write(absl::MakeConstSpan(payload).first(payload.size() - 1)).ok());
+  EXPECT_TRUE(IsError((*writer)->Commit(), absl::StatusCode::kFailedPrecondition,
+                      {std::to_string(payload.size() - 1), std::to_string(payload.size())}));
+  // Not final: the last byte may still come.
+  ASSERT_TRUE((*writer)->Write(absl::MakeConstSpan(payload).last(1)).ok());
+  ASSERT_TRUE((*writer)->Commit().ok());
+  EXPECT_EQ(testutil::StoredPositions(*cache, 0)[0], Range(0, 4));
+  EXPECT_FALSE(SameState(before, CaptureState(*cache)));
+}
+
+// BeginAppend refuses what Append refuses, with the same errors, and changes nothing.
+TEST(CacheAppendWriterTest, BeginRefusesWhatAppendRefuses) {
+  const CacheSpec spec = AttentionSpec();
+  TestCache tc(spec);
+  std::shared_ptr<Cache> cache = Shared(tc);
+  ASSERT_TRUE(AppendRange(*cache, 0, 0, 4).ok());
+  for (int64_t seq = 1; seq < 4; ++seq) ASSERT_TRUE(AppendRange(*cache, seq, 0, 1).ok());
+  const testutil::CacheState before = CaptureState(*cache);
+  struct Case {
+    const char* name;
+    std::vector<Token> tokens;
+    std::optional<size_t> payload_bytes;  // absent: the right size
+    absl::StatusCode code;
+    std::vector<std::string> words;
+  };
+  const std::vector<Case> cases = {
+      {"empty", {}, 0, absl::StatusCode::kInvalidArgument, {"empty"}},
+      {"wrong size", Tokens(0, 4, 6), 3, absl::StatusCode::kInvalidArgument, {"3"}},
+      {"negative seq", {Token{-1, 0}}, std::nullopt, absl::StatusCode::kInvalidArgument, {"-1"}},
+      {"INT32_MAX", {Token{0, INT32_MAX}}, std::nullopt, absl::StatusCode::kInvalidArgument,
+       {"2147483647"}},
+      {"stored", Tokens(0, 3, 5), std::nullopt, absl::StatusCode::kInvalidArgument,
+       {"already stores position 3"}},
+      {"max_sequences", Tokens(9, 0, 1), std::nullopt, absl::StatusCode::kResourceExhausted,
+       {"max_sequences = 4"}},
+      {"over max_batch", Tokens(0, 4, 37), std::nullopt, absl::StatusCode::kInvalidArgument,
+       {"max_batch"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const size_t bytes = c.payload_bytes.has_value()
+                             ? *c.payload_bytes
+                             : AppendPayloadBytes(spec, static_cast<int64_t>(c.tokens.size()), 1,
+                                                  false);
+    const absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+        Cache::BeginAppend(cache, c.tokens, bytes);
+    EXPECT_TRUE(IsError(writer.status(), c.code, c.words));
+    EXPECT_TRUE(SameState(before, CaptureState(*cache)));
+  }
+}
+
+// The cells a writer takes are not free for the next one.
+TEST(CacheAppendWriterTest, WritersTakeTheirCellsAtOnce) {
+  const CacheSpec spec = Spec(DType::kF16, 2, 20, 32, {Group(Full())});  // 40 cells
+  TestCache tc(spec);
+  std::shared_ptr<Cache> cache = Shared(tc);
+  ASSERT_TRUE(AppendRange(*cache, 0, 0, 4).ok());
+  const testutil::CacheState before = CaptureState(*cache);
+  const std::vector<Token> tokens = Tokens(0, 4, 24);
+  absl::StatusOr<std::unique_ptr<AppendWriter>> first =
+      Cache::BeginAppend(cache, tokens, PayloadFor(spec, tokens).size());
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::vector<Token> more = Tokens(1, 0, 20);
+  EXPECT_TRUE(IsError(Cache::BeginAppend(cache, more, PayloadFor(spec, more).size()).status(),
+                      absl::StatusCode::kResourceExhausted, {"20 tokens", "16 of 40"}));
+  EXPECT_TRUE(IsError(AppendRange(*cache, 1, 0, 20), absl::StatusCode::kResourceExhausted,
+                      {"16 of 40"}));
+  first->reset();
+  EXPECT_TRUE(SameState(before, CaptureState(*cache)));
+  EXPECT_TRUE(AppendRange(*cache, 1, 0, 20).ok());
+}
+
+// While the bytes arrive, the cache goes on, on the batch's own sequences too; Commit judges
+// the batch against what the cache holds then.
+TEST(CacheAppendWriterTest, CommitJudgesTheBatchAgainstTheCacheAsItIsThen) {
+  const CacheSpec spec = AttentionSpec();
+  const std::vector<Token> tokens = Tokens(0, 4, 8);
+  const std::vector<uint8_t> payload = PayloadFor(spec, tokens);
+  struct Case {
+    const char* name;
+    std::function<absl::Status(Cache&)> meanwhile;
+    absl::StatusCode code;  // kOk: Commit succeeds
+    std::vector<std::string> words;
+  };
+  const std::vector<Case> cases = {
+      {"another Append stored position 5", [](Cache& c) { return AppendRange(c, 0, 5, 6, 1); },
+       absl::StatusCode::kInvalidArgument, {"already stores position 5"}},
+      {"the sequence began speculating",
+       [](Cache& c) { return AppendSpeculative(c, 0, 20, 21); }, absl::StatusCode::kAborted,
+       {"sequence 0", "pending"}},
+      {"truncated below the batch", [](Cache& c) { return c.Remove(0, 2, std::nullopt); },
+       absl::StatusCode::kOk, {}},
+      {"forked and removed", [](Cache& c) {
+         absl::Status s = c.CopyPrefix(0, 2, 4);
+         return s.ok() ? c.Remove(0, 0, std::nullopt) : s;
+       },
+       absl::StatusCode::kOk, {}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    TestCache reference_tc(spec);
+    TestCache tc(spec);
+    std::shared_ptr<Cache> cache = Shared(tc);
+    for (Cache* each : {reference_tc.cache.get(), cache.get()}) {
+      ASSERT_TRUE(AppendRange(*each, 0, 0, 4).ok());
+    }
+    absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+        Cache::BeginAppend(cache, tokens, payload.size());
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    ASSERT_TRUE((*writer)->Write(absl::MakeConstSpan(payload).first(9)).ok());
+    // Does not wait for the writer, which holds no claim on sequence 0.
+    ASSERT_TRUE(c.meanwhile(*cache).ok());
+    ASSERT_TRUE(c.meanwhile(*reference_tc.cache).ok());
+    ASSERT_TRUE((*writer)->Write(absl::MakeConstSpan(payload).subspan(9)).ok());
+    const absl::Status committed = (*writer)->Commit();
+    if (c.code == absl::StatusCode::kOk) {
+      ASSERT_TRUE(committed.ok()) << committed;
+      ASSERT_TRUE(reference_tc.cache->Append(tokens, payload).ok());
+    } else {
+      EXPECT_TRUE(IsError(committed, c.code, c.words));
+    }
+    EXPECT_TRUE(SameState(CaptureState(*reference_tc.cache), CaptureState(*cache)));
+  }
+}
+
+TEST(CacheAppendWriterTest, SequencesFilledMeanwhileRefuseTheCommit) {
+  const CacheSpec spec = AttentionSpec();  // max_sequences = 4
+  TestCache reference_tc(spec);
+  TestCache tc(spec);
+  std::shared_ptr<Cache> cache = Shared(tc);
+  const std::vector<Token> tokens = Tokens(7, 0, 2);
+  const std::vector<uint8_t> payload = PayloadFor(spec, tokens);
+  absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+      Cache::BeginAppend(cache, tokens, payload.size());
+  ASSERT_TRUE(writer.ok());
+  ASSERT_TRUE((*writer)->Write(payload).ok());
+  // The writer claims no sequence slot before its commit.
+  for (int64_t seq = 0; seq < 4; ++seq) {
+    ASSERT_TRUE(AppendRange(*cache, seq, 0, 1).ok());
+    ASSERT_TRUE(AppendRange(*reference_tc.cache, seq, 0, 1).ok());
+  }
+  EXPECT_TRUE(IsError((*writer)->Commit(), absl::StatusCode::kResourceExhausted,
+                      {"max_sequences = 4"}));
+  EXPECT_TRUE(SameState(CaptureState(*reference_tc.cache), CaptureState(*cache)));
+}
+
+// A sliding window whose free cells would come from pruning: the writer buffers, since a
+// reservation that prunes could not be given back whole; its commit prunes as Append does.
+TEST(CacheAppendWriterTest, CellsThatNeedPruningAreNotTakenEarly) {
+  const CacheSpec spec = SlidingSpec();
+  TestCache reference_tc(spec);
+  TestCache tc(spec);
+  std::shared_ptr<Cache> cache = Shared(tc);
+  ASSERT_EQ(cache->Usage().groups[0].cells_total, 20);  // memory 4 + max_batch 16
+  for (Cache* each : {reference_tc.cache.get(), cache.get()}) {
+    ASSERT_TRUE(AppendRange(*each, 0, 0, 12).ok());
+  }
+  // 8 cells are free; 16 are needed, and pruning positions below 8 gives the rest.
+  const std::vector<Token> tokens = Tokens(0, 12, 28);
+  const std::vector<uint8_t> payload = PayloadFor(spec, tokens);
+  absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+      Cache::BeginAppend(cache, tokens, payload.size());
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  EXPECT_FALSE((*writer)->in_cells());
+  EXPECT_EQ((*writer)->host_bytes(), payload.size());
+  const testutil::CacheState before = CaptureState(*cache);
+  ASSERT_TRUE(WriteInPieces(**writer, payload, 3).ok());
+  EXPECT_TRUE(SameState(before, CaptureState(*cache)));
+  ASSERT_TRUE((*writer)->Commit().ok());
+  ASSERT_TRUE(reference_tc.cache->Append(tokens, payload).ok());
+  EXPECT_TRUE(SameState(CaptureState(*reference_tc.cache), CaptureState(*cache)));
+  // With room, the same window writes into cells.
+  for (Cache* each : {reference_tc.cache.get(), cache.get()}) {
+    ASSERT_TRUE(each->Remove(0, 26, std::nullopt).ok());
+  }
+  const std::vector<Token> next = Tokens(0, 26, 28);
+  absl::StatusOr<std::unique_ptr<AppendWriter>> in_cells =
+      Cache::BeginAppend(cache, next, PayloadFor(spec, next).size());
+  ASSERT_TRUE(in_cells.ok());
+  EXPECT_TRUE((*in_cells)->in_cells());
+  EXPECT_LT((*in_cells)->host_bytes(), PayloadFor(spec, next).size());
+}
+
+// A HostDevice whose Scatter fails once armed.
+class FailingDevice : public HostDevice {
+ public:
+  FailingDevice() : HostDevice(size_t{1} << 26) {}
+  bool fail = false;
+  absl::Status Scatter(const DeviceArena& arena, absl::Span<const Plane> planes,
+                       absl::Span<const int32_t> rows, const uint8_t* src) override {
+    if (fail) return absl::DataLossError("scatter failed as told");
+    return HostDevice::Scatter(arena, planes, rows, src);
+  }
+};
+
+TEST(CacheAppendWriterTest, ADeviceErrorIsFinalAndGivesTheCellsBack) {
+  FailingDevice device;
+  absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(AttentionSpec(), &device);
+  ASSERT_TRUE(created.ok());
+  std::shared_ptr<Cache> cache = std::move(created).value();
+  ASSERT_TRUE(AppendRange(*cache, 0, 0, 4).ok());
+  const testutil::CacheState before = CaptureState(*cache);
+  const std::vector<Token> tokens = Tokens(0, 4, 12);
+  const std::vector<uint8_t> payload = PayloadFor(cache->spec(), tokens);
+  absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+      Cache::BeginAppend(cache, tokens, payload.size());
+  ASSERT_TRUE(writer.ok());
+  ASSERT_TRUE((*writer)->Write(absl::MakeConstSpan(payload).first(40)).ok());
+  device.fail = true;
+  EXPECT_TRUE(IsError((*writer)->Write(absl::MakeConstSpan(payload).subspan(40)),
+                      absl::StatusCode::kDataLoss, {"as told"}));
+  device.fail = false;
+  EXPECT_TRUE(SameState(before, CaptureState(*cache)));
+  EXPECT_TRUE(IsError((*writer)->Commit(), absl::StatusCode::kDataLoss, {"as told"}));
+  // The cache is usable: nothing it stored was touched.
+  EXPECT_TRUE(AppendRange(*cache, 0, 4, 12).ok());
+  writer->reset();
+}
+
+// The writer keeps its cache alive: a cache dropped by everything else meanwhile is deleted
+// with the writer, its cells given back first.
+TEST(CacheAppendWriterTest, TheWriterKeepsItsCacheAlive) {
+  const CacheSpec spec = AttentionSpec();
+  TestCache tc(spec);
+  std::shared_ptr<Cache> cache = Shared(tc);
+  const std::vector<Token> tokens = Tokens(0, 0, 3);
+  const std::vector<uint8_t> payload = PayloadFor(spec, tokens);
+  absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+      Cache::BeginAppend(cache, tokens, payload.size());
+  ASSERT_TRUE(writer.ok());
+  std::weak_ptr<Cache> weak = cache;
+  cache.reset();
+  EXPECT_FALSE(weak.expired());
+  ASSERT_TRUE((*writer)->Write(payload).ok());
+  ASSERT_TRUE((*writer)->Commit().ok());
+  EXPECT_TRUE(weak.lock()->IsLive(0));
+  writer->reset();
+  EXPECT_TRUE(weak.expired());
+}
+
+}  // namespace
+}  // namespace kvmesh
