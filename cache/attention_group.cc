@@ -278,6 +278,9 @@ class AttentionGroup::AppendReservation final : public LayerGroup::Reservation {
                                     absl::MakeConstSpan(taken_.cells).subspan(first_row, num_rows),
                                     src);
   }
+  bool InHostMemory() const override {
+    return group_->device_->HostAddress(group_->arena_) != nullptr;
+  }
   void Commit(const AppendBatch& batch) override {
     // The pruning this batch allows now; what TakeCells pruned early stays done.
     group_->ApplyPrune(group_->PlanAppend(batch.lowest, batch.pending_first));

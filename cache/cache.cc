@@ -314,8 +314,14 @@ struct AppendWriter::State {
   size_t plane = 0;
   size_t row = 0;
   std::vector<uint8_t> staging;
-  // Otherwise: the payload.
+  // Otherwise: the payload, allocated by the first Write.
   std::string buffer;
+  bool host_memory = true;  // every reservation's cells are in host memory
+
+  // Gives the cells back however the writer goes (a reservation never outlives its state).
+  ~State() {
+    if (!reservations.empty()) cache->AbandonReservedAppend(*this);
+  }
 };
 
 absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
@@ -341,14 +347,13 @@ absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
       for (const auto& group : cache->groups_) {
         state->reservations.push_back(group->ReserveAppend(batch));
         state->row_bytes.push_back(group->SnapshotChunkFormat().row_bytes);
+        state->host_memory = state->host_memory && state->reservations.back()->InHostMemory();
       }
     } else {
       for (const auto& group : cache->groups_) group->AbandonAppend();
     }
   }
-  if (state->reservations.empty()) {
-    state->buffer.reserve(payload_bytes);
-  } else {
+  if (!state->reservations.empty()) {
     size_t largest_row = 0;
     for (const auto& rows : state->row_bytes) {
       for (size_t bytes : rows) largest_row = std::max(largest_row, bytes);
@@ -394,6 +399,7 @@ AppendWriter::~AppendWriter() { Abandon(); }
 size_t AppendWriter::size() const { return state_->size; }
 size_t AppendWriter::written() const { return state_->written; }
 bool AppendWriter::in_cells() const { return !state_->row_bytes.empty(); }
+bool AppendWriter::in_host_memory() const { return state_->host_memory; }
 size_t AppendWriter::host_bytes() const {
   return in_cells() ? state_->staging.capacity() : state_->size;
 }
@@ -418,6 +424,8 @@ absl::Status AppendWriter::Write(absl::Span<const uint8_t> bytes) {
   }
   s.written += bytes.size();
   if (!in_cells()) {
+    // Allocated whole once, so that it never reallocates (which would hold two copies).
+    if (s.buffer.capacity() < s.size) s.buffer.reserve(s.size);
     s.buffer.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     return absl::OkStatus();
   }

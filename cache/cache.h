@@ -216,12 +216,17 @@ class AppendWriter {
   // Whether the bytes go straight into the cells the Append will take (decided by BeginAppend),
   // rather than into a host buffer of size() bytes.
   bool in_cells() const;
+  // Whether each Write is a plain memcpy into host memory: a buffered writer, or cells on a
+  // device whose memory is the host's. Otherwise each Write is a device copy that may wait for
+  // the device (write few large pieces, off latency-sensitive threads).
+  bool in_host_memory() const;
   // The most host memory the writer holds: size() when buffered; in cells, one row of the
   // largest plane (a row split between two writes waits there).
   size_t host_bytes() const;
   // Cache::Append of the tokens and the payload written, judged now (the cache may have changed
   // since BeginAppend), with Append's errors. FAILED_PRECONDITION unless exactly size() bytes
-  // were written, or after an earlier Commit or error. The writer is used up either way.
+  // were written (the writer stays usable: the rest may still come), or after an earlier Commit
+  // or error. Once it got past that check the writer is used up, whatever the outcome.
   absl::Status Commit();
 
  private:

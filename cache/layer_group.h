@@ -170,6 +170,8 @@ class LayerGroup {
     // that arrives piece by piece (Cache::BeginAppend).
     virtual absl::Status WriteRows(size_t plane, size_t first_row, size_t num_rows,
                                    const uint8_t* src) const = 0;
+    // Whether the reserved cells lie in host memory (a write is a memcpy, not a device copy).
+    virtual bool InHostMemory() const = 0;
     virtual void Commit(const AppendBatch& batch) = 0;
     virtual void Abandon() = 0;
   };

@@ -226,11 +226,13 @@ class CacheServiceImpl::AppendStreamReactor final
                                         " carries a header; only the first message may")));
       return;
     }
-    if (const grpc::Status written = WriteData(index); !written.ok()) {
-      Done(written);
+    // A device copy may wait for the device: on the executor, not on gRPC's thread (inline
+    // only when the executor's queue is full).
+    if (!writer_->in_host_memory() &&
+        service_->executor_->Submit([this, index] { WriteDataAndReadNext(index); })) {
       return;
     }
-    ReadNext();
+    WriteDataAndReadNext(index);
   }
 
   void OnDone() override {
@@ -248,8 +250,14 @@ class CacheServiceImpl::AppendStreamReactor final
 
   void EndIdle(absl::Duration timeout) override {
     // No reaction or task owns the reactor (a read is outstanding, and its completion stops at
-    // finished_), so what it holds is the reaper's to free.
+    // finished_), so what it holds is the reaper's to free. Giving cells back takes the cache's
+    // lock, which an engine operation may hold for long: the executor does that, not the
+    // reaper's thread, which has other streams to end.
     const uint64_t received = Received();
+    if (writer_ != nullptr && writer_->in_cells()) {
+      std::shared_ptr<AppendWriter> writer = std::move(writer_);
+      if (!service_->executor_->Submit([writer] {})) writer.reset();
+    }
     ReleaseMemory();
     HandOff(this);  // to OnReadDone and OnDone, which gRPC runs after this Finish
     Finish(grpc::Status(
@@ -294,6 +302,15 @@ class CacheServiceImpl::AppendStreamReactor final
     message_ = RawAppendStreamRequest();
     slices_.clear();
     request_.Clear();
+    std::string().swap(flat_);
+  }
+
+  void WriteDataAndReadNext(int64_t index) {
+    if (const grpc::Status written = WriteData(index); !written.ok()) {
+      Done(written);
+      return;
+    }
+    ReadNext();
   }
 
   // Payload bytes received: those written, and those of message 0 while its header is checked.
@@ -323,6 +340,15 @@ class CacheServiceImpl::AppendStreamReactor final
                                           payload_bytes_, ": message ", index, " brings it to ",
                                           writer_->written() + message_.data_bytes, " bytes"));
     }
+    // Into device memory, each Write is a copy that waits for the device: the message's pieces
+    // (gRPC receives a large message in many slices) go as one.
+    if (!writer_->in_host_memory() && message_.data.size() > 1) {
+      flat_.reserve(message_.data_bytes);
+      for (const absl::Span<const uint8_t> piece : message_.data) {
+        flat_.append(reinterpret_cast<const char*>(piece.data()), piece.size());
+      }
+      message_.data.assign(1, AsBytes(flat_));
+    }
     for (const absl::Span<const uint8_t> piece : message_.data) {
       if (absl::Status status = writer_->Write(piece); !status.ok()) {
         return ToGrpcStatus(status);
@@ -330,6 +356,18 @@ class CacheServiceImpl::AppendStreamReactor final
     }
     ClearMessage();
     return grpc::Status::OK;
+  }
+
+  // What the stream holds in host memory once message 0 is written: its tokens, what the writer
+  // holds (the payload buffer, or at most one partial row when the data goes into cells), and,
+  // for cells in device memory, the copy a message is gathered into before it is written.
+  uint64_t HeldBytes() const {
+    uint64_t bytes = tokens_bytes_ + writer_->host_bytes();
+    if (!writer_->in_host_memory()) {
+      bytes += std::min<uint64_t>(static_cast<uint64_t>(payload_bytes_),
+                                  service_->options_.max_send_message_bytes);
+    }
+    return bytes;
   }
 
   void OnFirstMessage() {
@@ -376,10 +414,8 @@ class CacheServiceImpl::AppendStreamReactor final
       Done(written);
       return;
     }
-    // Message 0 is gone: the stream holds its tokens and what the writer holds in host memory
-    // (the payload buffer, or at most one partial row when the data goes into cells).
-    if (const absl::Status resized =
-            reservation_.Resize(tokens_bytes_ + writer_->host_bytes(), "AppendStream");
+    // Message 0 is gone: what the stream holds from now on.
+    if (const absl::Status resized = reservation_.Resize(HeldBytes(), "AppendStream");
         !resized.ok()) {
       Done(ToGrpcStatus(resized));
       return;
@@ -403,11 +439,16 @@ class CacheServiceImpl::AppendStreamReactor final
     speculative_ = header.speculative();
     RETURN_IF_ERROR(
         CheckAppendShape(spec, tokens_, speculative_, "header.payload_bytes", payload_bytes_));
+    // A stream into a sequence that is migrating, or on a draining node, is refused before it
+    // takes cells or sends its data, with the error its commit would get (which checks again).
+    RETURN_IF_ERROR(service_->AppendGuarded(caller_.tenant, *cache_, tokens_, "AppendStream",
+                                            [] { return absl::OkStatus(); }));
     ASSIGN_OR_RETURN(writer_, Cache::BeginAppend(cache_, tokens_,
                                                  static_cast<size_t>(payload_bytes_), speculative_));
-    // A buffered payload is reserved whole before the buffer takes any of it.
+    // A buffered payload is reserved whole before the buffer takes any of it (the first Write
+    // allocates it).
     return reservation_.Resize(
-        tokens_bytes_ + request_.Length() + writer_->host_bytes(),
+        HeldBytes() + request_.Length(),
         absl::StrCat("AppendStream of ", payload_bytes_, " bytes to cache '", spec.name, "'",
                      writer_->in_cells() ? "" : " (buffered: the cache cannot take its cells now)"));
   }
@@ -462,6 +503,7 @@ class CacheServiceImpl::AppendStreamReactor final
   grpc::ByteBuffer request_;  // the message read last
   std::vector<grpc::Slice> slices_;  // its slices, which message_.data views
   RawAppendStreamRequest message_;
+  std::string flat_;  // message_'s data in one piece, for cells in device memory
   int64_t messages_ = 0;  // messages read so far
   int64_t payload_bytes_ = 0;
   Principal caller_;  // set with cache_

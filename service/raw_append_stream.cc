@@ -3,9 +3,90 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "cache/status_macros.h"
 #include "transport/slice_reader.h"
 
 namespace kvmesh {
+namespace {
+
+// Protobuf's limit on how deep groups nest (its default recursion limit).
+constexpr int kMaxGroupDepth = 100;
+
+// Reads a tag: its field number and wire type.
+absl::Status ReadTag(SliceReader& in, uint64_t* field, int* wire_type) {
+  // A tag is a varint of at most 5 bytes, of which protobuf keeps the low 32 bits.
+  uint32_t tag = 0;
+  for (int i = 0;; ++i) {
+    uint8_t b;
+    if (!in.Byte(&b)) return absl::InvalidArgumentError("a truncated tag");
+    if (i == 4 && (b & 0x80) != 0) return absl::InvalidArgumentError("a tag of over 5 bytes");
+    tag |= static_cast<uint32_t>(b & 0x7f) << (7 * i);
+    if ((b & 0x80) == 0) break;
+  }
+  *field = tag >> 3;
+  *wire_type = static_cast<int>(tag & 7);
+  if (*field == 0) return absl::InvalidArgumentError("field 0");
+  return absl::OkStatus();
+}
+
+// Skips the value of an unknown field whose tag was read (a whole group for a start-group tag).
+absl::Status SkipValue(SliceReader& in, uint64_t field, int wire_type, int depth) {
+  uint64_t value;
+  uint32_t value32;
+  bool read = true;
+  switch (wire_type) {
+    case 0:
+      read = in.Varint(&value);
+      break;
+    case 1:
+      read = in.Take(8, nullptr);
+      break;
+    case 2:
+      if (!in.Varint(&value)) {
+        read = false;
+      } else if (!in.Take(value, nullptr)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("field ", field, " of ", value, " bytes runs past the message"));
+      }
+      break;
+    case 3: {
+      if (depth >= kMaxGroupDepth) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("groups nest more than ", kMaxGroupDepth, " deep"));
+      }
+      while (true) {
+        if (in.done()) {
+          return absl::InvalidArgumentError(absl::StrCat("group ", field, " has no end"));
+        }
+        uint64_t inner;
+        int inner_type;
+        RETURN_IF_ERROR(ReadTag(in, &inner, &inner_type));
+        if (inner_type == 4) {
+          if (inner != field) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("group ", field, " ends with the end of group ", inner));
+          }
+          break;
+        }
+        RETURN_IF_ERROR(SkipValue(in, inner, inner_type, depth + 1));
+      }
+      break;
+    }
+    case 4:
+      return absl::InvalidArgumentError(
+          absl::StrCat("field ", field, " ends a group that never began"));
+    case 5:
+      read = in.Fixed32(&value32);
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("field ", field, " has wire type ", wire_type));
+  }
+  if (!read) return absl::InvalidArgumentError(absl::StrCat("field ", field, " is truncated"));
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status ParseAppendStreamRequest(const std::vector<grpc::Slice>& slices,
                                       RawAppendStreamRequest* request) {
@@ -13,56 +94,37 @@ absl::Status ParseAppendStreamRequest(const std::vector<grpc::Slice>& slices,
   std::vector<absl::Span<const uint8_t>> pieces;
   std::string header_bytes;
   while (!in.done()) {
-    uint64_t tag;
-    if (!in.Varint(&tag)) return absl::InvalidArgumentError("a truncated tag");
-    const uint64_t field = tag >> 3;
-    const int wire_type = static_cast<int>(tag & 7);
-    if (field == 0) return absl::InvalidArgumentError("field 0");
-    uint64_t value;
-    uint32_t value32;
-    bool read = true;
-    switch (wire_type) {
-      case 0:
-        read = in.Varint(&value);
-        break;
-      case 1:
-        read = in.Take(8, nullptr);
-        break;
-      case 2: {
-        if (!in.Varint(&value)) {
-          read = false;
-          break;
-        }
-        const bool known = field == 1 || field == 2;
-        pieces.clear();
-        if (!in.Take(value, known ? &pieces : nullptr)) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("field ", field, " of ", value, " bytes runs past the message"));
-        }
-        if (field == 1) {
-          request->has_header = true;
-          header_bytes.clear();
-          for (const absl::Span<const uint8_t> piece : pieces) {
-            header_bytes.append(reinterpret_cast<const char*>(piece.data()), piece.size());
-          }
-          if (!request->header.MergeFromString(header_bytes)) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("field 1 (header) of ", value, " bytes does not parse"));
-          }
-        } else if (field == 2) {
-          request->data = pieces;
-          request->data_bytes = value;
-        }
-        break;
-      }
-      case 5:
-        read = in.Fixed32(&value32);
-        break;
-      default:
-        return absl::InvalidArgumentError(
-            absl::StrCat("field ", field, " has wire type ", wire_type));
+    uint64_t field;
+    int wire_type;
+    RETURN_IF_ERROR(ReadTag(in, &field, &wire_type));
+    if ((field != 1 && field != 2) || wire_type != 2) {
+      // Unknown, or a known field with another wire type, which protobuf treats as unknown.
+      RETURN_IF_ERROR(SkipValue(in, field, wire_type, 0));
+      continue;
     }
-    if (!read) return absl::InvalidArgumentError(absl::StrCat("field ", field, " is truncated"));
+    uint64_t length;
+    if (!in.Varint(&length)) {
+      return absl::InvalidArgumentError(absl::StrCat("field ", field, " is truncated"));
+    }
+    pieces.clear();
+    if (!in.Take(length, &pieces)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("field ", field, " of ", length, " bytes runs past the message"));
+    }
+    if (field == 1) {
+      request->has_header = true;
+      header_bytes.clear();
+      for (const absl::Span<const uint8_t> piece : pieces) {
+        header_bytes.append(reinterpret_cast<const char*>(piece.data()), piece.size());
+      }
+      if (!request->header.MergeFromString(header_bytes)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("field 1 (header) of ", length, " bytes does not parse"));
+      }
+    } else {
+      request->data = pieces;
+      request->data_bytes = length;
+    }
   }
   return absl::OkStatus();
 }

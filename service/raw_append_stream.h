@@ -23,9 +23,9 @@ struct RawAppendStreamRequest {
   uint64_t data_bytes = 0;
 };
 
-// Parses as protobuf would: unknown fields are skipped, a repeated `data` replaces the earlier
-// one and a repeated `header` merges into it. INVALID_ARGUMENT naming the field otherwise.
-// The views in request->data point into `slices`.
+// Parses as protobuf would: unknown fields (groups too, nested at most 100 deep) are skipped, a
+// repeated `data` replaces the earlier one and a repeated `header` merges into it.
+// INVALID_ARGUMENT naming the field otherwise. The views in request->data point into `slices`.
 absl::Status ParseAppendStreamRequest(const std::vector<grpc::Slice>& slices,
                                       RawAppendStreamRequest* request);
 
