@@ -18,8 +18,8 @@
 #include "service/cluster/cluster.h"
 #include "service/common/convert.h"
 #include "service/common/log.h"
+#include "service/common/raw_message.h"
 #include "service/peer_service.h"
-#include "service/raw_append_stream.h"
 #include "tests/sanitizers/tsan_handoff.h"
 
 namespace kvmesh {
@@ -336,9 +336,9 @@ class CacheServiceImpl::AppendStreamReactor final
   grpc::Status WriteData(int64_t index) {
     const uint64_t left = static_cast<uint64_t>(payload_bytes_) - writer_->written();
     if (message_.data_bytes > left) {
-      return InvalidArgument(absl::StrCat("AppendStream data exceeds header.payload_bytes = ",
-                                          payload_bytes_, ": message ", index, " brings it to ",
-                                          writer_->written() + message_.data_bytes, " bytes"));
+      return InvalidArgument(absl::StrCat(
+          "AppendStream data exceeds header.payload_bytes = ", payload_bytes_, ": message ", index,
+          " brings it to ", writer_->written() + message_.data_bytes, " bytes"));
     }
     // Into device memory, each Write is a copy that waits for the device: the message's pieces
     // (gRPC receives a large message in many slices) go as one.
@@ -443,14 +443,16 @@ class CacheServiceImpl::AppendStreamReactor final
     // takes cells or sends its data, with the error its commit would get (which checks again).
     RETURN_IF_ERROR(service_->AppendGuarded(caller_.tenant, *cache_, tokens_, "AppendStream",
                                             [] { return absl::OkStatus(); }));
-    ASSIGN_OR_RETURN(writer_, Cache::BeginAppend(cache_, tokens_,
-                                                 static_cast<size_t>(payload_bytes_), speculative_));
+    ASSIGN_OR_RETURN(
+        writer_,
+        Cache::BeginAppend(cache_, tokens_, static_cast<size_t>(payload_bytes_), speculative_));
     // A buffered payload is reserved whole before the buffer takes any of it (the first Write
     // allocates it).
     return reservation_.Resize(
         HeldBytes() + request_.Length(),
-        absl::StrCat("AppendStream of ", payload_bytes_, " bytes to cache '", spec.name, "'",
-                     writer_->in_cells() ? "" : " (buffered: the cache cannot take its cells now)"));
+        absl::StrCat(
+            "AppendStream of ", payload_bytes_, " bytes to cache '", spec.name, "'",
+            writer_->in_cells() ? "" : " (buffered: the cache cannot take its cells now)"));
   }
 
   void OnEndOfStream() {
@@ -500,10 +502,10 @@ class CacheServiceImpl::AppendStreamReactor final
   grpc::CallbackServerContext* const context_;
   grpc::ByteBuffer* const response_;
 
-  grpc::ByteBuffer request_;  // the message read last
+  grpc::ByteBuffer request_;         // the message read last
   std::vector<grpc::Slice> slices_;  // its slices, which message_.data views
   RawAppendStreamRequest message_;
-  std::string flat_;  // message_'s data in one piece, for cells in device memory
+  std::string flat_;      // message_'s data in one piece, for cells in device memory
   int64_t messages_ = 0;  // messages read so far
   int64_t payload_bytes_ = 0;
   Principal caller_;  // set with cache_

@@ -18,7 +18,7 @@
 #include "kvmesh/v1/kvmesh.pb.h"
 #include "service/common/convert.h"
 #include "service/common/log.h"
-#include "service/raw_append_stream.h"
+#include "service/common/raw_message.h"
 
 namespace kvmesh {
 namespace {

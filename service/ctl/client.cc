@@ -20,7 +20,11 @@ namespace kvmesh {
 namespace ctl {
 
 Client::Client(std::shared_ptr<grpc::Channel> channel, absl::Duration timeout, bool json)
-    : stub_(v1::CacheService::NewStub(channel)), health_(channel), timeout_(timeout), json_(json) {}
+    : channel_(channel),
+      stub_(v1::CacheService::NewStub(channel)),
+      health_(channel),
+      timeout_(timeout),
+      json_(json) {}
 
 std::unique_ptr<grpc::ClientContext> Client::Context() const {
   auto context = std::make_unique<grpc::ClientContext>();

@@ -45,6 +45,8 @@ class Client {
   // The node's CacheService (for the streaming calls; unary ones go through Call) and
   // Health/Check, over the same channel.
   v1::CacheService::Stub& stub() const { return *stub_; }
+  // The channel, for the bulk streams without copies (service/common/bulk_client.h).
+  grpc::ChannelInterface* channel() const { return channel_.get(); }
   const HealthClient& health() const { return health_; }
 
   // --json: print responses as protobuf JSON (PrintJson) rather than text.
@@ -74,6 +76,7 @@ class Client {
   absl::StatusOr<int32_t> FetchOffset(const std::string& cache, int64_t seq) const;
 
  private:
+  const std::shared_ptr<grpc::Channel> channel_;
   const std::unique_ptr<v1::CacheService::Stub> stub_;
   const HealthClient health_;
   const absl::Duration timeout_;

@@ -25,6 +25,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.pb.h"
+#include "service/common/bulk_client.h"
 #include "service/common/convert.h"
 #include "service/ctl/args.h"
 #include "service/ctl/client.h"
@@ -58,30 +59,19 @@ absl::StatusOr<v1::AppendResponse> SendAppend(const Client& client, const std::s
     RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::Append, request, &response));
     return response;
   }
-  auto context = client.Context();
-  std::unique_ptr<grpc::ClientWriter<v1::AppendStreamRequest>> writer =
-      client.stub().AppendStream(context.get(), &response);
-  v1::AppendStreamRequest message;
-  v1::AppendHeader* header = message.mutable_header();
-  header->set_cache(cache);
+  v1::AppendHeader header;
+  header.set_cache(cache);
   for (int32_t pos : positions) {
-    v1::Token* t = header->add_tokens();
+    v1::Token* t = header.add_tokens();
     t->set_seq(seq);
     t->set_pos(pos);
   }
-  header->set_payload_bytes(static_cast<int64_t>(payload.size()));
-  header->set_speculative(speculative);
-  size_t sent = 0;
-  // The header goes with the first chunk; an empty payload still sends the header.
-  do {
-    const size_t n = std::min(payload.size() - sent, static_cast<size_t>(chunk_bytes));
-    message.set_data(payload.substr(sent, n));
-    sent += n;
-    if (!writer->Write(message)) break;  // the server ended the call; Finish says why
-    message.clear_header();
-  } while (sent < payload.size());
-  writer->WritesDone();
-  RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+  header.set_payload_bytes(static_cast<int64_t>(payload.size()));
+  header.set_speculative(speculative);
+  auto context = client.Context();
+  RETURN_IF_ERROR(SendAppendStream(client.channel(), context.get(), header,
+                                   std::make_shared<const std::string>(std::move(payload)),
+                                   static_cast<size_t>(chunk_bytes), &response));
   return response;
 }
 
@@ -159,43 +149,29 @@ struct ReadReply {
   absl::Duration elapsed;          // from the call's start to its end
 };
 
-// Runs the Read stream of `request`, keeping the payload when `keep`. The RPC's status when it
-// fails; DATA_LOSS for a stream without exactly one header or with other than the payload bytes
-// its header announced.
+// Runs the Read stream of `request`, keeping the payload when `keep`. ReceiveReadStream's
+// errors: the RPC's status when it fails; DATA_LOSS for a stream without exactly one header,
+// leading, or with other than the payload bytes its header announced.
 absl::StatusOr<ReadReply> ReceiveRead(const Client& client, const v1::ReadRequest& request,
                                       bool keep) {
   ReadReply reply;
   const absl::Time start = absl::Now();
   auto context = client.Context();
-  std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader =
-      client.stub().Read(context.get(), request);
-  v1::ReadResponse message;
-  bool have_header = false;
-  while (reader->Read(&message)) {
-    if (message.has_header()) {
-      if (have_header) {
-        context->TryCancel();
-        reader->Finish();
-        return absl::DataLossError("read stream carried a second header");
-      }
-      reply.header = message.header();
-      have_header = true;
-      if (keep) reply.payload.reserve(static_cast<size_t>(reply.header.payload_bytes()));
-    }
-    const std::string& data = message.data();
-    reply.fnv = Fnv1a64(
-        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data.data()), data.size()), reply.fnv);
-    reply.received += static_cast<int64_t>(data.size());
-    if (keep) reply.payload.append(data);
-  }
-  RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+  bool reserved = false;
+  RETURN_IF_ERROR(ReceiveReadStream(
+      client.channel(), context.get(), request, &reply.header,
+      [&](absl::Span<const uint8_t> piece) {
+        if (keep && !reserved) {
+          reply.payload.reserve(static_cast<size_t>(reply.header.payload_bytes()));
+          reserved = true;
+        }
+        reply.fnv = Fnv1a64(piece, reply.fnv);
+        reply.received += static_cast<int64_t>(piece.size());
+        if (keep) {
+          reply.payload.append(reinterpret_cast<const char*>(piece.data()), piece.size());
+        }
+      }));
   reply.elapsed = absl::Now() - start;
-  if (!have_header) return absl::DataLossError("read stream ended without a header");
-  if (reply.received != reply.header.payload_bytes()) {
-    return absl::DataLossError(absl::StrCat("read stream carried ", reply.received,
-                                            " payload bytes, its header announced ",
-                                            reply.header.payload_bytes()));
-  }
   return reply;
 }
 

@@ -10,7 +10,9 @@
 //    latency per op, and each control call's req/s as a ratio of Health/Check's with "met" when
 //    it is >= 0.8;
 //  - bulk payloads on one stream: AppendStream, unary Append and Read of --large-tokens tokens
-//    (512 x Llama-3-8B shape = 64 MiB), GB/s, with the read payload verified against the
+//    (512 x Llama-3-8B shape = 64 MiB), the streams each with the generated stub and with
+//    service/common/bulk_client.h (no copies in the client), GB/s, with the read payload
+//    verified against the
 //    pattern that was appended (wrong elements reported, as nccl-tests does), and raw loopback
 //    TCP moving the same bytes (4 MiB buffers) in the same run, with "met" where AppendStream
 //    or Read reaches 0.5 of it;
@@ -50,6 +52,7 @@
 #include "cache/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
+#include "service/common/bulk_client.h"
 #include "service/common/convert.h"
 #include "service/common/health_client.h"
 #include "service/ctl/args.h"
@@ -336,17 +339,69 @@ std::string ErrorText(const grpc::Status& s) {
                       s.error_message());
 }
 
+// The client side of a bulk call: the generated stub, or service/common/bulk_client.h's
+// streams without copies (the same bytes on the wire).
+enum class BulkClient { kStub, kNoCopy };
+
+const char* BulkClientName(BulkClient c) {
+  return c == BulkClient::kStub ? "generated stub" : "bulk_client";
+}
+
+grpc::Status AppendStreamWith(BulkClient c, Client& client, const std::string& cache, int64_t seq,
+                              absl::Span<const int32_t> positions,
+                              const std::shared_ptr<const std::string>& payload,
+                              int64_t chunk_bytes) {
+  if (c == BulkClient::kStub) {
+    return AppendStream(client, cache, seq, positions, *payload, chunk_bytes);
+  }
+  grpc::ClientContext context;
+  SetDeadline(&context, absl::Seconds(120));
+  v1::AppendHeader header;
+  header.set_cache(cache);
+  AddTokens(seq, positions, header.mutable_tokens());
+  header.set_payload_bytes(static_cast<int64_t>(payload->size()));
+  v1::AppendResponse response;
+  return ToGrpcStatus(SendAppendStream(client.channel.get(), &context, header, payload,
+                                       static_cast<size_t>(chunk_bytes), &response));
+}
+
+// One Read of all of `seq` into *received (cleared; its capacity kept).
+grpc::Status ReadWith(BulkClient c, Client& client, const v1::ReadRequest& request,
+                      v1::ReadHeader* header, std::string* received) {
+  received->clear();
+  grpc::ClientContext context;
+  SetDeadline(&context, absl::Seconds(120));
+  if (c == BulkClient::kNoCopy) {
+    return ToGrpcStatus(ReceiveReadStream(
+        client.channel.get(), &context, request, header, [&](absl::Span<const uint8_t> piece) {
+          received->append(reinterpret_cast<const char*>(piece.data()), piece.size());
+        }));
+  }
+  v1::ReadResponse message;
+  auto reader = client.stub->Read(&context, request);
+  while (reader->Read(&message)) {
+    if (message.has_header()) *header = message.header();
+    received->append(message.data());
+  }
+  return reader->Finish();
+}
+
 // Bulk transfers of o.large_tokens tokens to/from kBulkSeq, one call at a time.
 std::vector<BulkResult> RunBulk(const Options& o, Client& client, const CacheSpec& spec) {
   std::vector<int32_t> positions;
   for (int32_t p = 0; p < o.large_tokens; ++p) positions.push_back(p);
-  const std::string payload = ctl::MakePatternPayload(spec, positions, kSeed);
+  const auto payload =
+      std::make_shared<const std::string>(ctl::MakePatternPayload(spec, positions, kSeed));
   std::vector<BulkResult> results;
 
-  // AppendStream, then unary Append; each rep starts from an empty sequence (untimed Remove).
-  for (const bool stream : {true, false}) {
+  // AppendStream with either client, then unary Append; each rep starts from an empty sequence
+  // (untimed Remove).
+  for (const int mode : {0, 1, 2}) {
+    const bool stream = mode < 2;
+    const BulkClient c = mode == 0 ? BulkClient::kStub : BulkClient::kNoCopy;
     BulkResult r;
-    r.name = stream ? absl::StrCat("AppendStream (", o.chunk_bytes >> 10, " KiB chunks)")
+    r.name = stream ? absl::StrCat("AppendStream (", o.chunk_bytes >> 10, " KiB, ",
+                                   BulkClientName(c), ")")
                     : std::string("Append (unary, one message)");
     for (int rep = 0; rep < o.large_reps && r.error.empty(); ++rep) {
       grpc::Status removed = Remove(client, o.cache, kBulkSeq, 0);
@@ -358,13 +413,13 @@ std::vector<BulkResult> RunBulk(const Options& o, Client& client, const CacheSpe
       Clock::time_point start, end;
       if (stream) {
         start = Clock::now();
-        s = AppendStream(client, o.cache, kBulkSeq, positions, payload, o.chunk_bytes);
+        s = AppendStreamWith(c, client, o.cache, kBulkSeq, positions, payload, o.chunk_bytes);
         end = Clock::now();
       } else {
         v1::AppendRequest request;  // built before the clock starts, as a worker would have it
         request.set_cache(o.cache);
         AddTokens(kBulkSeq, positions, request.mutable_tokens());
-        request.set_payload(payload);
+        request.set_payload(*payload);
         grpc::ClientContext context;
         SetDeadline(&context, absl::Seconds(120));
         v1::AppendResponse response;
@@ -387,55 +442,48 @@ std::vector<BulkResult> RunBulk(const Options& o, Client& client, const CacheSpe
   // Make sure the sequence holds the payload for the reads, whatever happened above.
   const bool have_data =
       Remove(client, o.cache, kBulkSeq, 0).ok() &&
-      AppendStream(client, o.cache, kBulkSeq, positions, payload, o.chunk_bytes).ok();
+      AppendStream(client, o.cache, kBulkSeq, positions, *payload, o.chunk_bytes).ok();
 
-  BulkResult read;
-  read.name = absl::StrCat("Read (", o.chunk_bytes >> 10, " KiB chunks)");
-  if (!have_data) read.error = "could not append the payload to read";
   std::string received;
-  for (int rep = 0; rep < o.large_reps && read.error.empty(); ++rep) {
-    grpc::ClientContext context;
-    SetDeadline(&context, absl::Seconds(120));
-    v1::ReadRequest request;
-    request.set_cache(o.cache);
-    request.set_seq(kBulkSeq);
-    request.set_max_chunk_bytes(static_cast<int32_t>(o.chunk_bytes));
-    received.clear();
-    received.reserve(payload.size());
-    v1::ReadResponse message;
-    v1::ReadHeader header;
-    const Clock::time_point start = Clock::now();
-    auto reader = client.stub->Read(&context, request);
-    while (reader->Read(&message)) {
-      if (message.has_header()) header = message.header();
-      received.append(message.data());
-    }
-    grpc::Status s = reader->Finish();
-    const Clock::time_point end = Clock::now();
-    if (!s.ok()) {
-      read.error = ErrorText(s);
-      break;
-    }
-    read.seconds.push_back(std::chrono::duration<double>(end - start).count());
-    if (rep == 0) {
-      std::vector<std::vector<int32_t>> got(spec.groups.size());
-      for (const v1::GroupPositions& g : header.groups()) {
-        if (g.group() >= 0 && g.group() < static_cast<int>(got.size())) {
-          got[g.group()].assign(g.positions().begin(), g.positions().end());
+  received.reserve(payload->size());
+  for (const BulkClient c : {BulkClient::kStub, BulkClient::kNoCopy}) {
+    BulkResult read;
+    read.name = absl::StrCat("Read (", o.chunk_bytes >> 10, " KiB, ", BulkClientName(c), ")");
+    if (!have_data) read.error = "could not append the payload to read";
+    for (int rep = 0; rep < o.large_reps && read.error.empty(); ++rep) {
+      v1::ReadRequest request;
+      request.set_cache(o.cache);
+      request.set_seq(kBulkSeq);
+      request.set_max_chunk_bytes(static_cast<int32_t>(o.chunk_bytes));
+      v1::ReadHeader header;
+      const Clock::time_point start = Clock::now();
+      grpc::Status s = ReadWith(c, client, request, &header, &received);
+      const Clock::time_point end = Clock::now();
+      if (!s.ok()) {
+        read.error = ErrorText(s);
+        break;
+      }
+      read.seconds.push_back(std::chrono::duration<double>(end - start).count());
+      if (rep == 0) {
+        std::vector<std::vector<int32_t>> got(spec.groups.size());
+        for (const v1::GroupPositions& g : header.groups()) {
+          if (g.group() >= 0 && g.group() < static_cast<int>(got.size())) {
+            got[g.group()].assign(g.positions().begin(), g.positions().end());
+          }
+        }
+        const ctl::PatternCheck check = ctl::CheckPatternPayload(
+            spec, got,
+            absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(received.data()), received.size()),
+            kSeed);
+        read.wrong_elements = static_cast<int64_t>(check.mismatches);
+        read.note = absl::StrCat("wrong elements: ", check.mismatches, " of ", check.elements);
+        if (check.mismatches != 0) {
+          read.note += absl::StrCat(" (first at ", check.first_mismatch, ")");
         }
       }
-      const ctl::PatternCheck check = ctl::CheckPatternPayload(
-          spec, got,
-          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(received.data()), received.size()),
-          kSeed);
-      read.wrong_elements = static_cast<int64_t>(check.mismatches);
-      read.note = absl::StrCat("wrong elements: ", check.mismatches, " of ", check.elements);
-      if (check.mismatches != 0) {
-        read.note += absl::StrCat(" (first at ", check.first_mismatch, ")");
-      }
     }
+    results.push_back(std::move(read));
   }
-  results.push_back(std::move(read));
   return results;
 }
 
@@ -828,7 +876,7 @@ int Main(int argc, char** argv) {
     for (const BulkResult& r : bulk) {
       if (!r.error.empty() || r.name.rfind("Append (unary", 0) == 0) continue;
       const double ratio = bulk_bytes / MedianSeconds(r.seconds) / 1e9 / tcp_gbps;
-      std::printf("  %-38s %5.2f  %s\n", r.name.c_str(), ratio, ratio >= 0.5 ? "met" : "NOT met");
+      std::printf("  %-40s %5.2f  %s\n", r.name.c_str(), ratio, ratio >= 0.5 ? "met" : "NOT met");
     }
   }
   const IsolationResult isolation = RunIsolation(o, addr, clients[0], spec);

@@ -499,11 +499,11 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
       continue;
     }
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << what;
-    EXPECT_THAT(r.status.error_message(),
-                AllOf(HasSubstr(absl::StrCat("no message for ", kIdleMs, " ms")),
-                      HasSubstr("--stream-idle-timeout-ms"),
-                      HasSubstr(absl::StrCat("the ", kStreamBytes - kMiB,
-                                             " bytes received are dropped"))));
+    EXPECT_THAT(
+        r.status.error_message(),
+        AllOf(HasSubstr(absl::StrCat("no message for ", kIdleMs, " ms")),
+              HasSubstr("--stream-idle-timeout-ms"),
+              HasSubstr(absl::StrCat("the ", kStreamBytes - kMiB, " bytes received are dropped"))));
     // Closed after the timeout, within the reaper's tick (a quarter of it) and some slack.
     EXPECT_GE(r.finished - r.last_write, absl::Milliseconds(kIdleMs));
     EXPECT_LT(r.finished - r.last_write, absl::Milliseconds(kIdleMs) + absl::Seconds(10));
@@ -552,9 +552,9 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
 // are not free are refused at their header, before any data; idle ones are closed and their
 // cells given back.
 TEST(LimitsTest, UnfinishedAppendStreamsIntoCellsHoldCellsNotTheInflightBudget) {
-  constexpr int32_t kCells = 24576;         // 2 sequences x 12288: 192 MiB
-  constexpr int32_t kStreamTokens = 6144;   // 48 MiB per stream
-  constexpr int32_t kUnaryTokens = 1024;    // 8 MiB
+  constexpr int32_t kCells = 24576;        // 2 sequences x 12288: 192 MiB
+  constexpr int32_t kStreamTokens = 6144;  // 48 MiB per stream
+  constexpr int32_t kUnaryTokens = 1024;   // 8 MiB
   constexpr uint64_t kStreamBytes = kStreamTokens * kBigTokenBytes;
 #if defined(KVMESH_LIMITS_ASAN) || defined(KVMESH_LIMITS_TSAN)
   constexpr int64_t kIdleMs = 10000;
@@ -620,10 +620,10 @@ TEST(LimitsTest, UnfinishedAppendStreamsIntoCellsHoldCellsNotTheInflightBudget) 
     ++accepted;
     EXPECT_EQ(r.sent, kStreamBytes - kMiB) << what;
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << what;
-    EXPECT_THAT(r.status.error_message(),
-                AllOf(HasSubstr(absl::StrCat("no message for ", kIdleMs, " ms")),
-                      HasSubstr(absl::StrCat("the ", kStreamBytes - kMiB,
-                                             " bytes received are dropped"))))
+    EXPECT_THAT(
+        r.status.error_message(),
+        AllOf(HasSubstr(absl::StrCat("no message for ", kIdleMs, " ms")),
+              HasSubstr(absl::StrCat("the ", kStreamBytes - kMiB, " bytes received are dropped"))))
         << what;
   }
   EXPECT_EQ(accepted + refused + resets, 6);
@@ -632,14 +632,15 @@ TEST(LimitsTest, UnfinishedAppendStreamsIntoCellsHoldCellsNotTheInflightBudget) 
   if (kCheckRss) {
     // The streams' data lies in the cache's arena (within --memory-budget), and each stream holds
     // at most a message beyond it: no in-flight copy of the streams.
-    const uint64_t bound = rss_before + 3 * kStreamBytes + kUnaryTokens * kBigTokenBytes +
-                           kOverhead + kSanitizerSlack;
+    const uint64_t bound =
+        rss_before + 3 * kStreamBytes + kUnaryTokens * kBigTokenBytes + kOverhead + kSanitizerSlack;
     EXPECT_LE(peak, bound) << "RSS before " << rss_before << ", peak " << peak;
   }
-  std::printf("limits_test: %d streams into cells held them until closed idle, %d refused; RSS "
-              "before %lu MiB, peak %lu MiB\n",
-              accepted, refused, static_cast<unsigned long>(rss_before / kMiB),
-              static_cast<unsigned long>(peak / kMiB));
+  std::printf(
+      "limits_test: %d streams into cells held them until closed idle, %d refused; RSS "
+      "before %lu MiB, peak %lu MiB\n",
+      accepted, refused, static_cast<unsigned long>(rss_before / kMiB),
+      static_cast<unsigned long>(peak / kMiB));
   // The closed streams gave their cells back: seq 1's 2048 are all that is used.
   v1::GetCacheResponse cache;
   KVMESH_ASSERT_OK(GetCache(*stub, "big", &cache));

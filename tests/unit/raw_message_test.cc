@@ -1,7 +1,7 @@
-// ParseAppendStreamRequest (the node's raw AppendStream) against protobuf's own parser: for
+// ParseAppendStreamRequest (service/common/raw_message.h) against protobuf's own parser: for
 // every encoding, cut into slices of every size down to one byte, and for every prefix of it,
 // the raw parse succeeds exactly when protobuf's does and finds the same header and data.
-#include "service/raw_append_stream.h"
+#include "service/common/raw_message.h"
 
 #include <cstdint>
 #include <random>

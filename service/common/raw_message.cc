@@ -1,10 +1,10 @@
-#include "service/raw_append_stream.h"
+#include "service/common/raw_message.h"
 
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "cache/status_macros.h"
-#include "transport/slice_reader.h"
+#include "service/common/slice_reader.h"
 
 namespace kvmesh {
 namespace {
@@ -88,8 +88,10 @@ absl::Status SkipValue(SliceReader& in, uint64_t field, int wire_type, int depth
 
 }  // namespace
 
-absl::Status ParseAppendStreamRequest(const std::vector<grpc::Slice>& slices,
-                                      RawAppendStreamRequest* request) {
+absl::Status ParseHeaderAndData(const std::vector<grpc::Slice>& slices,
+                                google::protobuf::MessageLite* header, bool* has_header,
+                                std::vector<absl::Span<const uint8_t>>* data,
+                                uint64_t* data_bytes) {
   SliceReader in(slices);
   std::vector<absl::Span<const uint8_t>> pieces;
   std::string header_bytes;
@@ -112,18 +114,18 @@ absl::Status ParseAppendStreamRequest(const std::vector<grpc::Slice>& slices,
           absl::StrCat("field ", field, " of ", length, " bytes runs past the message"));
     }
     if (field == 1) {
-      request->has_header = true;
+      *has_header = true;
       header_bytes.clear();
       for (const absl::Span<const uint8_t> piece : pieces) {
         header_bytes.append(reinterpret_cast<const char*>(piece.data()), piece.size());
       }
-      if (!request->header.MergeFromString(header_bytes)) {
+      if (!header->MergeFromString(header_bytes)) {
         return absl::InvalidArgumentError(
             absl::StrCat("field 1 (header) of ", length, " bytes does not parse"));
       }
     } else {
-      request->data = pieces;
-      request->data_bytes = length;
+      *data = pieces;
+      *data_bytes = length;
     }
   }
   return absl::OkStatus();

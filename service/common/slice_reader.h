@@ -2,8 +2,8 @@
 // received it (grpc::ByteBuffer::Dump), so that a raw handler finds a large bytes field where it
 // lies instead of having it copied into a parsed message. Used by the grpc-stream transport's
 // Fetch client and the node's AppendStream.
-#ifndef KVMESH_TRANSPORT_SLICE_READER_H_
-#define KVMESH_TRANSPORT_SLICE_READER_H_
+#ifndef KVMESH_SERVICE_COMMON_SLICE_READER_H_
+#define KVMESH_SERVICE_COMMON_SLICE_READER_H_
 
 #include <algorithm>
 #include <cstddef>
@@ -84,4 +84,4 @@ class SliceReader {
 
 }  // namespace kvmesh
 
-#endif  // KVMESH_TRANSPORT_SLICE_READER_H_
+#endif  // KVMESH_SERVICE_COMMON_SLICE_READER_H_
