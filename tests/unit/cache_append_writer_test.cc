@@ -4,13 +4,20 @@
 // it exactly as before; and Commit judges the batch against the cache as it is then, since
 // other operations, on the batch's sequences too, go on while the bytes arrive.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "cache/cache.h"
 #include "cache/device/host_device.h"
 #include "gtest/gtest.h"
@@ -25,6 +32,7 @@ using testutil::CaptureState;
 using testutil::Full;
 using testutil::Group;
 using testutil::IsError;
+using testutil::MatchesRows;
 using testutil::PayloadFor;
 using testutil::Range;
 using testutil::RecurrentGroup;
@@ -33,8 +41,11 @@ using testutil::RotatingGroup;
 using testutil::SameState;
 using testutil::Sliding;
 using testutil::Spec;
+using testutil::StoredPositions;
 using testutil::TestCache;
 using testutil::Tokens;
+using testutil::ToString;
+using testutil::Unshifted;
 
 std::shared_ptr<Cache> Shared(TestCache& tc) { return std::shared_ptr<Cache>(std::move(tc.cache)); }
 
@@ -47,7 +58,8 @@ CacheSpec AttentionSpec() {
 CacheSpec SlidingSpec() { return Spec(DType::kF16, 1, 16, 16, {Group(Sliding(4), 1, 1, 4, 4)}); }
 
 CacheSpec HybridSpec() {
-  return Spec(DType::kF16, 4, 64, 16, {Group(Full(), 1, 1, 4, 4), RotatingGroup(4), RecurrentGroup()});
+  return Spec(DType::kF16, 4, 64, 16,
+              {Group(Full(), 1, 1, 4, 4), RotatingGroup(4), RecurrentGroup()});
 }
 
 // Writes `payload` in pieces of `piece` bytes (the last one shorter).
@@ -69,8 +81,8 @@ TEST(CacheAppendWriterTest, CommittedEqualsAppendForEveryPieceSize) {
     CacheSpec spec;
     bool in_cells;
   };
-  for (const Case& c : {Case{"attention", AttentionSpec(), true},
-                        Case{"hybrid (buffered)", HybridSpec(), false}}) {
+  for (const Case& c :
+       {Case{"attention", AttentionSpec(), true}, Case{"hybrid (buffered)", HybridSpec(), false}}) {
     // Two sequences interleaved in one batch, after each holds a few tokens already.
     std::vector<Token> batch;
     for (int32_t p = 3; p < 9; ++p) {
@@ -204,21 +216,33 @@ TEST(CacheAppendWriterTest, BeginRefusesWhatAppendRefuses) {
       {"empty", {}, 0, absl::StatusCode::kInvalidArgument, {"empty"}},
       {"wrong size", Tokens(0, 4, 6), 3, absl::StatusCode::kInvalidArgument, {"3"}},
       {"negative seq", {Token{-1, 0}}, std::nullopt, absl::StatusCode::kInvalidArgument, {"-1"}},
-      {"INT32_MAX", {Token{0, INT32_MAX}}, std::nullopt, absl::StatusCode::kInvalidArgument,
+      {"INT32_MAX",
+       {Token{0, INT32_MAX}},
+       std::nullopt,
+       absl::StatusCode::kInvalidArgument,
        {"2147483647"}},
-      {"stored", Tokens(0, 3, 5), std::nullopt, absl::StatusCode::kInvalidArgument,
+      {"stored",
+       Tokens(0, 3, 5),
+       std::nullopt,
+       absl::StatusCode::kInvalidArgument,
        {"already stores position 3"}},
-      {"max_sequences", Tokens(9, 0, 1), std::nullopt, absl::StatusCode::kResourceExhausted,
+      {"max_sequences",
+       Tokens(9, 0, 1),
+       std::nullopt,
+       absl::StatusCode::kResourceExhausted,
        {"max_sequences = 4"}},
-      {"over max_batch", Tokens(0, 4, 37), std::nullopt, absl::StatusCode::kInvalidArgument,
+      {"over max_batch",
+       Tokens(0, 4, 37),
+       std::nullopt,
+       absl::StatusCode::kInvalidArgument,
        {"max_batch"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    const size_t bytes = c.payload_bytes.has_value()
-                             ? *c.payload_bytes
-                             : AppendPayloadBytes(spec, static_cast<int64_t>(c.tokens.size()), 1,
-                                                  false);
+    const size_t bytes =
+        c.payload_bytes.has_value()
+            ? *c.payload_bytes
+            : AppendPayloadBytes(spec, static_cast<int64_t>(c.tokens.size()), 1, false);
     const absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
         Cache::BeginAppend(cache, c.tokens, bytes);
     EXPECT_TRUE(IsError(writer.status(), c.code, c.words));
@@ -240,8 +264,8 @@ TEST(CacheAppendWriterTest, WritersTakeTheirCellsAtOnce) {
   const std::vector<Token> more = Tokens(1, 0, 20);
   EXPECT_TRUE(IsError(Cache::BeginAppend(cache, more, PayloadFor(spec, more).size()).status(),
                       absl::StatusCode::kResourceExhausted, {"20 tokens", "16 of 40"}));
-  EXPECT_TRUE(IsError(AppendRange(*cache, 1, 0, 20), absl::StatusCode::kResourceExhausted,
-                      {"16 of 40"}));
+  EXPECT_TRUE(
+      IsError(AppendRange(*cache, 1, 0, 20), absl::StatusCode::kResourceExhausted, {"16 of 40"}));
   first->reset();
   EXPECT_TRUE(SameState(before, CaptureState(*cache)));
   EXPECT_TRUE(AppendRange(*cache, 1, 0, 20).ok());
@@ -260,18 +284,25 @@ TEST(CacheAppendWriterTest, CommitJudgesTheBatchAgainstTheCacheAsItIsThen) {
     std::vector<std::string> words;
   };
   const std::vector<Case> cases = {
-      {"another Append stored position 5", [](Cache& c) { return AppendRange(c, 0, 5, 6, 1); },
-       absl::StatusCode::kInvalidArgument, {"already stores position 5"}},
+      {"another Append stored position 5",
+       [](Cache& c) { return AppendRange(c, 0, 5, 6, 1); },
+       absl::StatusCode::kInvalidArgument,
+       {"already stores position 5"}},
       {"the sequence began speculating",
-       [](Cache& c) { return AppendSpeculative(c, 0, 20, 21); }, absl::StatusCode::kAborted,
+       [](Cache& c) { return AppendSpeculative(c, 0, 20, 21); },
+       absl::StatusCode::kAborted,
        {"sequence 0", "pending"}},
-      {"truncated below the batch", [](Cache& c) { return c.Remove(0, 2, std::nullopt); },
-       absl::StatusCode::kOk, {}},
-      {"forked and removed", [](Cache& c) {
+      {"truncated below the batch",
+       [](Cache& c) { return c.Remove(0, 2, std::nullopt); },
+       absl::StatusCode::kOk,
+       {}},
+      {"forked and removed",
+       [](Cache& c) {
          absl::Status s = c.CopyPrefix(0, 2, 4);
          return s.ok() ? c.Remove(0, 0, std::nullopt) : s;
        },
-       absl::StatusCode::kOk, {}},
+       absl::StatusCode::kOk,
+       {}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -316,8 +347,8 @@ TEST(CacheAppendWriterTest, SequencesFilledMeanwhileRefuseTheCommit) {
     ASSERT_TRUE(AppendRange(*cache, seq, 0, 1).ok());
     ASSERT_TRUE(AppendRange(*reference_tc.cache, seq, 0, 1).ok());
   }
-  EXPECT_TRUE(IsError((*writer)->Commit(), absl::StatusCode::kResourceExhausted,
-                      {"max_sequences = 4"}));
+  EXPECT_TRUE(
+      IsError((*writer)->Commit(), absl::StatusCode::kResourceExhausted, {"max_sequences = 4"}));
   EXPECT_TRUE(SameState(CaptureState(*reference_tc.cache), CaptureState(*cache)));
 }
 
@@ -413,6 +444,126 @@ TEST(CacheAppendWriterTest, TheWriterKeepsItsCacheAlive) {
   EXPECT_TRUE(weak.lock()->IsLive(0));
   writer->reset();
   EXPECT_TRUE(weak.expired());
+}
+
+// Writers scatter into their cells without the cache's lock while other threads read, copy,
+// append to and remove from the same cache: every Read sees whole committed rows (never a
+// writer's half-written cells), copies carry the source's rows, and writers dropped before their
+// commit leave nothing behind. Under TSan, any access to a writer's cells outside the writer is
+// reported.
+TEST(CacheAppendWriterTest, WritersRunBesideReadsCopiesAndOtherAppends) {
+  const CacheSpec spec =
+      Spec(DType::kF16, 8, 512, 32,
+           {Group(Full(), 2, 2, 4, 2, Rope(RopeType::kNormal, 4)), Group(Full(), 1, 1, 4, 2)});
+  TestCache tc(spec);
+  std::shared_ptr<Cache> cache = Shared(tc);
+  constexpr int32_t kLimit = 96;  // a sequence is truncated to empty before it grows past this
+  const absl::Time stop = absl::Now() + absl::Seconds(2);
+  std::atomic<int> failures{0};
+  std::atomic<int64_t> commits{0};
+  std::atomic<int64_t> drops{0};
+  std::atomic<int64_t> checked_reads{0};
+  auto fail = [&](const std::string& what) {
+    if (++failures <= 5) ADD_FAILURE() << what;
+  };
+  // Rows of `seq` (appended by `owner`) at positions [0, n) as read, checked against their ids.
+  auto check = [&](int64_t seq, int64_t owner) {
+    absl::StatusOr<ReadResult> read = cache->Read(seq, 0, std::nullopt);
+    if (!read.ok()) return;  // NOT_FOUND: nothing stored at the moment
+    const std::vector<int32_t>& got = read->positions[0];
+    if (got != Range(0, static_cast<int32_t>(got.size())) || read->positions[1] != got) {
+      fail(absl::StrCat("sequence ", seq, " holds positions ", ToString(got)));
+      return;
+    }
+    const ::testing::AssertionResult same =
+        MatchesRows(spec, read->payload, {Unshifted(owner, got), Unshifted(owner, got)});
+    if (!same) fail(absl::StrCat("sequence ", seq, ": ", same.message()));
+    ++checked_reads;
+  };
+  std::vector<std::thread> threads;
+  for (int64_t seq : {0, 1}) {  // writers
+    threads.emplace_back([&, seq] {
+      std::mt19937 rng(static_cast<uint32_t>(seq) + 1);
+      int32_t next = 0;
+      while (absl::Now() < stop && failures == 0) {
+        const int32_t n = 1 + static_cast<int32_t>(rng() % 12);
+        if (next + n > kLimit) {
+          if (absl::Status s = cache->Remove(seq, 0, std::nullopt); !s.ok()) {
+            fail(absl::StrCat("Remove: ", s.ToString()));
+          }
+          next = 0;
+        }
+        const std::vector<Token> tokens = Tokens(seq, next, next + n);
+        const std::vector<uint8_t> payload = PayloadFor(spec, tokens);
+        absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+            Cache::BeginAppend(cache, tokens, payload.size());
+        if (!writer.ok()) {
+          fail(absl::StrCat("BeginAppend: ", writer.status().ToString()));
+          continue;
+        }
+        if (!(*writer)->in_cells()) fail("the writer buffers");
+        if (absl::Status s = WriteInPieces(**writer, payload, 1 + rng() % 200); !s.ok()) {
+          fail(absl::StrCat("Write: ", s.ToString()));
+          continue;
+        }
+        if (rng() % 8 == 0) {  // given up: its cells go back
+          writer->reset();
+          ++drops;
+          continue;
+        }
+        if (absl::Status s = (*writer)->Commit(); !s.ok()) {
+          fail(absl::StrCat("Commit: ", s.ToString()));
+          continue;
+        }
+        ++commits;
+        next += n;
+      }
+    });
+  }
+  threads.emplace_back([&] {  // unary Appends and truncations of sequence 2
+    int32_t next = 0;
+    while (absl::Now() < stop && failures == 0) {
+      if (next + 8 > kLimit) {
+        if (absl::Status s = cache->Remove(2, 0, std::nullopt); !s.ok()) {
+          fail(absl::StrCat("Remove 2: ", s.ToString()));
+        }
+        next = 0;
+      }
+      if (absl::Status s = AppendRange(*cache, 2, next, next + 8); !s.ok()) {
+        fail(absl::StrCat("Append 2: ", s.ToString()));
+      }
+      next += 8;
+    }
+  });
+  threads.emplace_back([&] {  // readers and copies of the writers' sequences
+    int64_t i = 0;
+    while (absl::Now() < stop && failures == 0) {
+      const int64_t src = i++ % 2;
+      check(src, src);
+      check(2, 2);
+      // Sequence 3 becomes a copy of a prefix of the source (all of it, or less).
+      absl::Status copied = cache->CopyPrefix(src, 3, static_cast<int32_t>(i % 40));
+      if (!copied.ok()) fail(absl::StrCat("CopyPrefix: ", copied.ToString()));
+      check(3, src);
+    }
+  });
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_GT(commits.load(), 10);
+  EXPECT_GT(drops.load(), 0);
+  EXPECT_GT(checked_reads.load(), 10);
+  // Nothing a writer took is left over: the cells used are those the sequences store (some
+  // shared by the copy).
+  cache->Remove(3, 0, std::nullopt).IgnoreError();
+  int64_t stored = 0;
+  for (int64_t seq : {0, 1, 2}) {
+    const std::vector<std::vector<int32_t>> positions = StoredPositions(*cache, seq);
+    if (!positions.empty()) stored += static_cast<int64_t>(positions[0].size());
+  }
+  EXPECT_EQ(cache->Usage().groups[0].cells_used, stored);
+  std::printf("writers beside other operations: %lld commits, %lld given up, %lld reads checked\n",
+              static_cast<long long>(commits.load()), static_cast<long long>(drops.load()),
+              static_cast<long long>(checked_reads.load()));
 }
 
 }  // namespace
