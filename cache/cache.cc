@@ -182,8 +182,8 @@ absl::Status Cache::CheckRoomForLocked(int64_t seq, const char* what) const {
 // ---- Append -------------------------------------------------------------------------------
 
 absl::Status Cache::CheckAppendBatch(absl::Span<const Token> tokens, size_t payload_bytes,
-                                      bool speculative, AppendBatch* batch,
-                                      absl::flat_hash_map<int64_t, int32_t>* count) const {
+                                     bool speculative, AppendBatch* batch,
+                                     absl::flat_hash_map<int64_t, int32_t>* count) const {
   if (tokens.empty()) return absl::InvalidArgumentError("tokens is empty");
   if (tokens.size() > static_cast<size_t>(spec_.max_batch)) {
     return absl::InvalidArgumentError(
@@ -331,8 +331,8 @@ absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
   state->cache = cache;
   state->tokens.assign(tokens.begin(), tokens.end());
   state->size = payload_bytes;
-  RETURN_IF_ERROR(cache->CheckAppendBatch(state->tokens, payload_bytes, speculative,
-                                          &state->batch, &state->count));
+  RETURN_IF_ERROR(cache->CheckAppendBatch(state->tokens, payload_bytes, speculative, &state->batch,
+                                          &state->count));
   AppendBatch& batch = state->batch;
   {
     MutexLock lock(&cache->mu_);
@@ -415,9 +415,9 @@ absl::Status AppendWriter::Write(absl::Span<const uint8_t> bytes) {
   if (!s.error.ok()) return s.error;
   if (s.used) return absl::FailedPreconditionError("the Append was committed already");
   if (bytes.size() > s.size - s.written) {
-    s.error = absl::InvalidArgumentError(
-        absl::StrCat("payload data exceeds its ", s.size, " bytes: a write of ", bytes.size(),
-                     " bytes after ", s.written));
+    s.error = absl::InvalidArgumentError(absl::StrCat("payload data exceeds its ", s.size,
+                                                      " bytes: a write of ", bytes.size(),
+                                                      " bytes after ", s.written));
     s.used = true;
     Abandon();
     return s.error;
@@ -473,8 +473,8 @@ absl::Status AppendWriter::Commit() {
   if (!s.error.ok()) return s.error;
   if (s.used) return absl::FailedPreconditionError("the Append was committed already");
   if (s.written != s.size) {
-    return absl::FailedPreconditionError(absl::StrCat("payload data adds up to ", s.written,
-                                                      " bytes of ", s.size));
+    return absl::FailedPreconditionError(
+        absl::StrCat("payload data adds up to ", s.written, " bytes of ", s.size));
   }
   s.used = true;
   if (!in_cells()) {

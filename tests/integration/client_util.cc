@@ -130,6 +130,16 @@ v1::LayerGroup RecurrentGroupProto(const RecurrentOptions& o) {
   return group;
 }
 
+v1::CacheSpec BigTokenRingSpec(const std::string& name, int32_t max_batch) {
+  RotatingOptions r;
+  r.num_kv_heads = 8;
+  r.head_dim_k = 128;
+  r.head_dim_v = 128;
+  r.max_size = 16;
+  r.rope = v1::ROPE_TYPE_NONE;
+  return SpecProto(name, 1, max_batch, max_batch, {RotatingGroupProto(r)});
+}
+
 v1::CacheSpec SpecProto(const std::string& name, int32_t max_sequences, int32_t capacity,
                         int32_t max_batch, std::vector<v1::LayerGroup> groups, v1::DType dtype) {
   v1::CacheSpec spec;

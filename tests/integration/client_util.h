@@ -79,6 +79,12 @@ v1::CacheSpec SpecProto(const std::string& name, int32_t max_sequences, int32_t 
                         int32_t max_batch, std::vector<v1::LayerGroup> groups,
                         v1::DType dtype = v1::DTYPE_F32);
 
+// One sequence of a ring (a Rotating group of 16 rows, 8 KV heads of 128, F32: 8 KiB a token)
+// taking up to `max_batch` tokens per Append. An AppendStream into it buffers its payload in host
+// memory (a ring is written in place, so its rows cannot be taken before the commit) and holds
+// the in-flight budget: the cache of the budget's tests.
+v1::CacheSpec BigTokenRingSpec(const std::string& name, int32_t max_batch);
+
 // The engine's view of `proto`. REQUIRES: a valid spec (asserted by the caller's test).
 CacheSpec EngineSpec(const v1::CacheSpec& proto);
 

@@ -164,19 +164,6 @@ v1::CacheSpec BigTokenSpec(const std::string& name, int32_t max_sequences, int32
   return SpecProto(name, max_sequences, capacity, max_batch, {AttentionGroupProto(a)});
 }
 
-// The same tokens of 8 KiB in a cache of one Rotating group (a ring of `max_size` rows per
-// sequence): an AppendStream into it buffers its payload in host memory (a ring is written in
-// place, so its rows cannot be taken before the commit), and holds the in-flight budget.
-v1::CacheSpec BigTokenRingSpec(const std::string& name, int32_t max_batch) {
-  RotatingOptions r;
-  r.num_kv_heads = 8;
-  r.head_dim_k = 128;
-  r.head_dim_v = 128;
-  r.max_size = 16;
-  r.rope = v1::ROPE_TYPE_NONE;
-  return SpecProto(name, 1, max_batch, max_batch, {RotatingGroupProto(r)});
-}
-
 // Appends positions [0, n) to `seq` in batches of `batch` with payloads of `token_bytes` each.
 void AppendZeros(Stub& stub, const std::string& cache, int64_t seq, int32_t n, int32_t batch,
                  uint64_t token_bytes) {

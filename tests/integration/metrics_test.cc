@@ -401,13 +401,7 @@ TEST(MetricsTest, InflightRefusalsAreCounted) {
   // Tokens of 8 KiB; a payload of up to 128 MiB is valid for the cache, but kvmesh's share of
   // the budget is 96 MiB. The cache is a ring (a Rotating group), so an AppendStream buffers
   // its payload (into an Attention-only cache it would write into cells and hold no budget).
-  RotatingOptions r;
-  r.num_kv_heads = 8;
-  r.head_dim_k = 128;
-  r.head_dim_v = 128;
-  r.max_size = 16;
-  r.rope = v1::ROPE_TYPE_NONE;
-  const v1::CacheSpec spec = SpecProto("r", 1, 16384, 16384, {RotatingGroupProto(r)});
+  const v1::CacheSpec spec = BigTokenRingSpec("r", 16384);
   KVMESH_ASSERT_OK(CreateCache(*node.stub, spec));
   EXPECT_EQ(node.ScrapeNow().Count("kvmesh_inflight_refusals_total"), 0);
   grpc::ClientContext context;
