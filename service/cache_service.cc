@@ -251,13 +251,20 @@ class CacheServiceImpl::AppendStreamReactor final
   void EndIdle(absl::Duration timeout) override {
     // No reaction or task owns the reactor (a read is outstanding, and its completion stops at
     // finished_), so what it holds is the reaper's to free. Giving cells back takes the cache's
-    // lock, which an engine operation may hold for long: the executor does that, not the
-    // reaper's thread, which has other streams to end.
-    const uint64_t received = Received();
-    if (writer_ != nullptr && writer_->in_cells()) {
-      std::shared_ptr<AppendWriter> writer = std::move(writer_);
-      if (!service_->executor_->Submit([writer] {})) writer.reset();
+    // lock, which an engine operation may hold for long: the executor does that (and then
+    // finishes the call, so that the client learns of the end once its cells are free), not
+    // the reaper's thread, which has other streams to end.
+    if (writer_ != nullptr && writer_->in_cells() &&
+        service_->executor_->Submit([this, timeout] { FinishIdle(timeout); })) {
+      return;
     }
+    FinishIdle(timeout);
+  }
+
+ private:
+  // EndIdle's work: frees what the stream holds and finishes the call.
+  void FinishIdle(absl::Duration timeout) {
+    const uint64_t received = Received();
     ReleaseMemory();
     HandOff(this);  // to OnReadDone and OnDone, which gRPC runs after this Finish
     Finish(grpc::Status(
@@ -268,7 +275,6 @@ class CacheServiceImpl::AppendStreamReactor final
                      " bytes received are dropped: send the whole stream without long pauses")));
   }
 
- private:
   void ReadNext() {
     // The read starts under mu_, so the idle reaper cannot end the stream between the two.
     // gRPC never runs OnReadDone inline in StartRead (its tag is not inlineable, see grpcpp's

@@ -23,7 +23,7 @@
 #include "kvmesh/v1/peer.grpc.pb.h"
 #include "tests/sanitizers/tsan_handoff.h"
 #include "transport/checksum.h"
-#include "service/common/slice_reader.h"
+#include "proto/wire/slice_reader.h"
 
 namespace kvmesh {
 namespace transport {

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache/status_macros.h"
-#include "service/common/slice_reader.h"
+#include "proto/wire/slice_reader.h"
 
 namespace kvmesh {
 namespace {

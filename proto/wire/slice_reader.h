@@ -1,9 +1,11 @@
 // SliceReader: protobuf wire-format values read across the slices of a message as gRPC
 // received it (grpc::ByteBuffer::Dump), so that a raw handler finds a large bytes field where it
-// lies instead of having it copied into a parsed message. Used by the grpc-stream transport's
-// Fetch client and the node's AppendStream.
-#ifndef KVMESH_SERVICE_COMMON_SLICE_READER_H_
-#define KVMESH_SERVICE_COMMON_SLICE_READER_H_
+// lies instead of having it copied into a parsed message. Header-only, beside the API's .proto
+// files because both transport/ (the grpc-stream transport's Fetch client) and service/common/
+// (the raw AppendStream and Read messages of raw_message.h) read that wire format, and neither
+// layer may include the other.
+#ifndef KVMESH_PROTO_WIRE_SLICE_READER_H_
+#define KVMESH_PROTO_WIRE_SLICE_READER_H_
 
 #include <algorithm>
 #include <cstddef>
@@ -84,4 +86,4 @@ class SliceReader {
 
 }  // namespace kvmesh
 
-#endif  // KVMESH_SERVICE_COMMON_SLICE_READER_H_
+#endif  // KVMESH_PROTO_WIRE_SLICE_READER_H_
