@@ -153,6 +153,14 @@ v1::CacheSpec SmallTokenSpec(const std::string& name, int32_t capacity, int32_t 
 
 // Tokens of 8 KiB: 1 layer x 8 heads x (128 + 128) x F32.
 constexpr uint64_t kBigTokenBytes = 8192;
+
+// --stream-idle-timeout-ms of the tests of unfinished streams: long enough that a client writing
+// without pause is never idle for it, also on a loaded machine under a sanitizer.
+#if defined(KVMESH_LIMITS_ASAN) || defined(KVMESH_LIMITS_TSAN)
+constexpr int64_t kStreamIdleMs = 10000;
+#else
+constexpr int64_t kStreamIdleMs = 4000;
+#endif
 v1::CacheSpec BigTokenSpec(const std::string& name, int32_t max_sequences, int32_t capacity,
                            int32_t max_batch) {
   AttentionOptions a;
@@ -374,13 +382,7 @@ TEST(LimitsTest, UnfinishedAppendStreamsStayWithinTheInflightBudgetAndIdleOnesAr
   constexpr int32_t kUnaryTokens = 1024;  // 8 MiB
   constexpr uint64_t kStreamBytes = kTokens * kBigTokenBytes;
   constexpr uint64_t kInflight = 260 * kMiB;
-  // Long enough that a client writing without pause is never idle for it, also on a loaded
-  // machine under a sanitizer.
-#if defined(KVMESH_LIMITS_ASAN) || defined(KVMESH_LIMITS_TSAN)
-  constexpr int64_t kIdleMs = 10000;
-#else
-  constexpr int64_t kIdleMs = 4000;
-#endif
+  constexpr int64_t kIdleMs = kStreamIdleMs;
   std::unique_ptr<NodeProcess> node = StartLimitsNode(
       {"--memory-budget=208MiB", "--snapshot-budget=16MiB", "--inflight-budget=260MiB",
        "--max-message-bytes=48MiB", absl::StrCat("--stream-idle-timeout-ms=", kIdleMs)});
@@ -543,11 +545,7 @@ TEST(LimitsTest, UnfinishedAppendStreamsIntoCellsHoldCellsNotTheInflightBudget) 
   constexpr int32_t kStreamTokens = 6144;  // 48 MiB per stream
   constexpr int32_t kUnaryTokens = 1024;   // 8 MiB
   constexpr uint64_t kStreamBytes = kStreamTokens * kBigTokenBytes;
-#if defined(KVMESH_LIMITS_ASAN) || defined(KVMESH_LIMITS_TSAN)
-  constexpr int64_t kIdleMs = 10000;
-#else
-  constexpr int64_t kIdleMs = 4000;
-#endif
+  constexpr int64_t kIdleMs = kStreamIdleMs;
   // The in-flight budget (128 MiB: 96 for kvmesh) could not buffer three of these streams.
   std::unique_ptr<NodeProcess> node = StartLimitsNode(
       {"--memory-budget=208MiB", "--inflight-budget=128MiB", "--max-message-bytes=16MiB",
