@@ -18,7 +18,8 @@
 //    or Read reaches 0.5 of it;
 //  - isolation: p50/p99 of a 1-token unary Append (a decode step) for --duration alone, then for
 //    --duration while another connection appends --large-tokens tokens to another sequence of
-//    the same cache back to back, with "met" when the p99 ratio is <= 2.
+//    the same cache back to back (as unary Appends, then as AppendStreams), with "met" when the
+//    p99 ratio is <= 2.
 //
 // The cache has the Llama-3-8B KV shape (32 layers, 8 KV heads, head dim 128, F16, NEOX RoPE).
 // Without --addr the bench starts its own kvmesh-node on 127.0.0.1:0 and stops it at the end;
@@ -488,12 +489,15 @@ std::vector<BulkResult> RunBulk(const Options& o, Client& client, const CacheSpe
 }
 
 // Goal 2 of issue 17: a decode step (a 1-token unary Append) on its own sequence, for
-// o.duration alone and for o.duration while another connection appends o.large_tokens tokens
-// (unary, one message) to another sequence of the same cache back to back.
+// o.duration alone, then for o.duration while another connection appends o.large_tokens tokens
+// to another sequence of the same cache back to back: as one unary message, then as an
+// AppendStream (bulk_client, o.chunk_bytes per message).
 struct IsolationResult {
   std::vector<double> alone_us;
-  std::vector<double> during_us;
-  int64_t prefills = 0;  // large Appends that completed during the second phase
+  std::vector<double> during_us;         // beside unary prefills
+  std::vector<double> during_stream_us;  // beside streamed prefills
+  int64_t prefills = 0;                  // large unary Appends done during the second phase
+  int64_t stream_prefills = 0;           // large AppendStreams done during the third phase
   std::string error;
 };
 
@@ -552,32 +556,43 @@ IsolationResult RunIsolation(const Options& o, const std::string& addr, Client& 
   large.set_cache(o.cache);
   AddTokens(kBulkSeq, positions, large.mutable_tokens());
   large.set_payload(ctl::MakePatternPayload(spec, positions, kSeed));
-  std::atomic<bool> stop{false};
-  absl::Notification first_started;
-  std::string prefill_error;
-  std::thread prefiller([&] {
-    while (!stop.load()) {
-      grpc::Status s = Remove(prefill, o.cache, kBulkSeq, 0);
-      if (s.ok()) {
-        grpc::ClientContext context;
-        SetDeadline(&context, absl::Seconds(120));
-        v1::AppendResponse response;
-        if (!first_started.HasBeenNotified()) first_started.Notify();
-        s = prefill.stub->Append(&context, large, &response);
-        if (s.ok()) ++result.prefills;
+  const auto payload = std::make_shared<const std::string>(large.payload());
+  for (const bool stream : {false, true}) {
+    if (!result.error.empty()) break;
+    std::atomic<bool> stop{false};
+    absl::Notification first_started;
+    std::string prefill_error;
+    int64_t* done = stream ? &result.stream_prefills : &result.prefills;
+    std::thread prefiller([&] {
+      while (!stop.load()) {
+        grpc::Status s = Remove(prefill, o.cache, kBulkSeq, 0);
+        if (s.ok()) {
+          if (!first_started.HasBeenNotified()) first_started.Notify();
+          if (stream) {
+            s = AppendStreamWith(BulkClient::kNoCopy, prefill, o.cache, kBulkSeq, positions,
+                                 payload, o.chunk_bytes);
+          } else {
+            grpc::ClientContext context;
+            SetDeadline(&context, absl::Seconds(120));
+            v1::AppendResponse response;
+            s = prefill.stub->Append(&context, large, &response);
+          }
+          if (s.ok()) ++*done;
+        }
+        if (!s.ok()) {
+          prefill_error =
+              absl::StrCat("prefill ", stream ? "AppendStream" : "Append", ": ", ErrorText(s));
+          break;
+        }
       }
-      if (!s.ok()) {
-        prefill_error = absl::StrCat("prefill Append: ", ErrorText(s));
-        break;
-      }
-    }
-    if (!first_started.HasBeenNotified()) first_started.Notify();
-  });
-  first_started.WaitForNotification();
-  run_phase(&result.during_us);
-  stop = true;
-  prefiller.join();
-  if (result.error.empty()) result.error = prefill_error;
+      if (!first_started.HasBeenNotified()) first_started.Notify();
+    });
+    first_started.WaitForNotification();
+    run_phase(stream ? &result.during_stream_us : &result.during_us);
+    stop = true;
+    prefiller.join();
+    if (result.error.empty()) result.error = prefill_error;
+  }
   return result;
 }
 
@@ -588,19 +603,26 @@ void PrintIsolation(const IsolationResult& r, const Options& o, int64_t large_by
     std::printf("  ERROR: %s\n", r.error.c_str());
     return;
   }
-  std::printf("  %-52s %7s %9s %9s %9s\n", "phase", "calls", "p50 us", "p99 us", "max us");
+  std::printf("  %-60s %7s %9s %9s %9s\n", "phase", "calls", "p50 us", "p99 us", "max us");
   auto row = [](const std::string& name, const std::vector<double>& v) {
-    std::printf("  %-52s %7zu %9.0f %9.0f %9.0f\n", name.c_str(), v.size(), Percentile(v, 0.5),
+    std::printf("  %-60s %7zu %9.0f %9.0f %9.0f\n", name.c_str(), v.size(), Percentile(v, 0.5),
                 Percentile(v, 0.99), v.empty() ? 0.0 : v.back());
   };
   row("alone", r.alone_us);
-  row(absl::StrFormat("while another sequence appends %.0f MiB per call (%d calls)",
-                      large_bytes / 1048576.0, r.prefills),
+  row(absl::StrFormat("beside unary Appends of %.0f MiB (%d calls)", large_bytes / 1048576.0,
+                      r.prefills),
       r.during_us);
+  row(absl::StrFormat("beside AppendStreams of %.0f MiB, bulk_client (%d calls)",
+                      large_bytes / 1048576.0, r.stream_prefills),
+      r.during_stream_us);
   const double alone = Percentile(r.alone_us, 0.99);
-  const double ratio = alone > 0 ? Percentile(r.during_us, 0.99) / alone : 0;
-  std::printf("  p99 while prefilling / p99 alone: %.2f (goal <= 2): %s\n", ratio,
-              ratio > 0 && ratio <= 2 ? "met" : "NOT met");
+  for (const bool stream : {false, true}) {
+    const double during = Percentile(stream ? r.during_stream_us : r.during_us, 0.99);
+    const double ratio = alone > 0 ? during / alone : 0;
+    std::printf("  p99 beside %-13s / p99 alone: %.2f (goal <= 2): %s\n",
+                stream ? "AppendStreams" : "unary Appends", ratio,
+                ratio > 0 && ratio <= 2 ? "met" : "NOT met");
+  }
 }
 
 absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
