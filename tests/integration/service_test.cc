@@ -11,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/descriptor.h"
 #include "gtest/gtest.h"
+#include "service/common/bulk_client.h"
 #include "service/common/convert.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/node_fixture.h"
@@ -299,6 +300,94 @@ TEST_F(ServiceTest, AppendStreamWithManyChunksAndChunkedReads) {
   KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-stream"));
 }
 
+// The clients without copies (service/common/bulk_client.h) against a real node: what they
+// send and receive equals what the generated stub does, in messages of any size, and their
+// errors name what went wrong.
+TEST_F(ServiceTest, BulkClientStreamsAsTheGeneratedStubDoes) {
+  AttentionOptions a;
+  a.num_layers = 2;
+  a.num_kv_heads = 4;
+  a.head_dim_k = 64;
+  a.head_dim_v = 64;
+  a.rope_dims = 64;
+  const v1::CacheSpec spec =
+      SpecProto("svc-bulk", 2, 128, 64, {AttentionGroupProto(a)}, v1::DTYPE_F16);
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  const v1::AppendRequest append = MakeAppend(spec, 0, Range(0, 40));
+  auto header_of = [](const v1::AppendRequest& r) {
+    v1::AppendHeader header;
+    header.set_cache(r.cache());
+    *header.mutable_tokens() = r.tokens();
+    header.set_payload_bytes(static_cast<int64_t>(r.payload().size()));
+    return header;
+  };
+  // 40 tokens of 2 KiB in 1000-byte messages (rows cut across messages).
+  auto payload = std::make_shared<const std::string>(append.payload());
+  v1::AppendResponse response;
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    KVMESH_ASSERT_OK(ToGrpcStatus(SendAppendStream(node().channel().get(), &context,
+                                                   header_of(append), payload, 1000, &response)));
+  }
+  EXPECT_EQ(response.usage().groups(0).cells_used(), 40);
+  SequenceModel model;
+  ModelAppend(spec, 0, Range(0, 40), 0, &model);
+  ExpectReadMatches(spec, 0, model);
+
+  // The same Read both ways, in 777-byte messages.
+  const v1::ReadRequest request = ReadRequest("svc-bulk", 0, 0, std::nullopt, 777);
+  ReadOutput typed;
+  KVMESH_ASSERT_OK(Read(stub(), request, &typed));
+  v1::ReadHeader header;
+  std::string bytes;
+  int pieces = 0;
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    KVMESH_ASSERT_OK(ToGrpcStatus(ReceiveReadStream(
+        node().channel().get(), &context, request, &header, [&](absl::Span<const uint8_t> piece) {
+          bytes.append(reinterpret_cast<const char*>(piece.data()), piece.size());
+          ++pieces;
+        })));
+  }
+  EXPECT_EQ(header.SerializeAsString(), typed.header.SerializeAsString());
+  EXPECT_TRUE(bytes == typed.payload);
+  EXPECT_GE(pieces, typed.messages - 1);
+
+  // Errors: the node's, as absl statuses; nothing changed.
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    const absl::Status missing =
+        ReceiveReadStream(node().channel().get(), &context, ReadRequest("svc-bulk", 1), &header,
+                          [](absl::Span<const uint8_t>) {});
+    EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
+  }
+  v1::AppendHeader wrong = header_of(MakeAppend(spec, 1, Range(0, 8)));
+  wrong.set_payload_bytes(wrong.payload_bytes() + 1);
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    const absl::Status refused = SendAppendStream(
+        node().channel().get(), &context, wrong,
+        std::make_shared<const std::string>(wrong.payload_bytes(), '\0'), 4096, &response);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("header.payload_bytes"));
+  }
+  {
+    grpc::ClientContext context;
+    const absl::Status zero = SendAppendStream(node().channel().get(), &context, header_of(append),
+                                               payload, 0, &response);
+    EXPECT_EQ(zero.code(), absl::StatusCode::kInvalidArgument) << zero;
+  }
+  ExpectReadMatches(spec, 0, model);
+  v1::GetCacheResponse cache;
+  KVMESH_ASSERT_OK(GetCache(stub(), spec.name(), &cache));
+  EXPECT_EQ(cache.cache().usage().groups(0).cells_used(), 40);
+  KVMESH_ASSERT_OK(DeleteCache(stub(), spec.name()));
+}
+
 // AppendStream is served raw (the node reads each message's fields where they were received):
 // it must take every encoding protobuf takes, with protobuf's meaning (a repeated header merges,
 // a repeated data replaces, unknown fields of every wire type are skipped), refuse bytes that do
@@ -340,15 +429,15 @@ TEST_F(ServiceTest, RawAppendStreamMessages) {
   *names.mutable_tokens() = append.tokens();
   v1::AppendHeader size;
   size.set_payload_bytes(static_cast<int64_t>(payload.size()));
-  const std::string unknown_varint("\x48\x05", 2);                      // field 9, varint
-  const std::string unknown_bytes("\x7a\x03xyz", 5);                     // field 15, 3 bytes
-  const std::string unknown_fixed32("\x25\x01\x02\x03\x04", 5);          // field 4, fixed32
+  const std::string unknown_varint("\x48\x05", 2);               // field 9, varint
+  const std::string unknown_bytes("\x7a\x03xyz", 5);             // field 15, 3 bytes
+  const std::string unknown_fixed32("\x25\x01\x02\x03\x04", 5);  // field 4, fixed32
   const std::string unknown_fixed64("\x29\x01\x02\x03\x04\x05\x06\x07\x08", 9);  // field 5
   std::vector<std::string> messages = {
       with_header(names) + unknown_varint + with_data("replaced") + with_header(size) +
           with_data(payload.substr(0, 100)),
       unknown_bytes + with_data(payload.substr(100, 1000)) + unknown_fixed32,
-      with_data(""),  // an empty piece
+      with_data(""),    // an empty piece
       unknown_fixed64,  // no data at all
       with_data(payload.substr(1100)),
   };
@@ -368,15 +457,17 @@ TEST_F(ServiceTest, RawAppendStreamMessages) {
   header.set_cache(spec.name());
   *header.mutable_tokens() = next.tokens();
   header.set_payload_bytes(static_cast<int64_t>(next.payload().size()));
-  for (const std::string& bad : {std::string("\x12\x40" "abc", 5),  // data runs past the end
-                                 std::string("\x0b", 1),             // a group's wire type
-                                 std::string("\x02\x00", 2)}) {      // field 0
+  for (const std::string& bad : {std::string("\x12\x40"
+                                             "abc",
+                                             5),                 // data runs past the end
+                                 std::string("\x0b", 1),         // a group's wire type
+                                 std::string("\x02\x00", 2)}) {  // field 0
     messages = {with_header(header) + with_data(next.payload().substr(0, 64)), bad};
     status = CallRaw(node().channel(), method, messages, &responses);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
-    EXPECT_THAT(status.error_message(),
-                HasSubstr(absl::StrCat("AppendStream message 1 of ", bad.size(),
-                                       " bytes does not parse")));
+    EXPECT_THAT(
+        status.error_message(),
+        HasSubstr(absl::StrCat("AppendStream message 1 of ", bad.size(), " bytes does not parse")));
     v1::GetCacheResponse cache;
     KVMESH_ASSERT_OK(GetCache(stub(), spec.name(), &cache));
     EXPECT_EQ(cache.cache().usage().groups(0).cells_used(), 20);
