@@ -442,16 +442,15 @@ class CacheServiceImpl::AppendStreamReactor final
           spec.name, "' accepts: ", max_bytes, " bytes for max_batch = ", spec.max_batch));
     }
     ASSIGN_OR_RETURN(tokens_, TokensFromProto(header.tokens()));
-    speculative_ = header.speculative();
+    const bool speculative = header.speculative();
     RETURN_IF_ERROR(
-        CheckAppendShape(spec, tokens_, speculative_, "header.payload_bytes", payload_bytes_));
+        CheckAppendShape(spec, tokens_, speculative, "header.payload_bytes", payload_bytes_));
     // A stream into a sequence that is migrating, or on a draining node, is refused before it
     // takes cells or sends its data, with the error its commit would get (which checks again).
     RETURN_IF_ERROR(service_->AppendGuarded(caller_.tenant, *cache_, tokens_, "AppendStream",
                                             [] { return absl::OkStatus(); }));
-    ASSIGN_OR_RETURN(
-        writer_,
-        Cache::BeginAppend(cache_, tokens_, static_cast<size_t>(payload_bytes_), speculative_));
+    ASSIGN_OR_RETURN(writer_, Cache::BeginAppend(cache_, tokens_,
+                                                 static_cast<size_t>(payload_bytes_), speculative));
     // A buffered payload is reserved whole before the buffer takes any of it (the first Write
     // allocates it).
     return reservation_.Resize(
@@ -517,7 +516,6 @@ class CacheServiceImpl::AppendStreamReactor final
   Principal caller_;  // set with cache_
   std::shared_ptr<Cache> cache_;
   std::vector<Token> tokens_;
-  bool speculative_ = false;
   std::unique_ptr<AppendWriter> writer_;     // once the header is checked
   uint64_t tokens_bytes_ = 0;                // ParsedBytes of the header's tokens (and tokens_)
   InflightBudget::Reservation reservation_;  // the message, tokens and buffer in host memory

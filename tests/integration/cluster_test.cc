@@ -821,6 +821,18 @@ TEST_F(DrainTest, DrainRpcMovesEverySequenceAndSnapshotByteForByte) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << StatusText(status);
   EXPECT_THAT(status.error_message(),
               AllOf(HasSubstr("node 'node-a' is draining"), HasSubstr("sequence 7")));
+  // An AppendStream into an Attention-only cache (which would write into cells) is refused as
+  // the unary Append is, and leaves no cell taken.
+  v1::AppendResponse streamed;
+  status =
+      AppendStream(cluster_.stub(0),
+                   StreamMessages(MakeAppend(big_, 7, Range(0, 64), 1), 0, 1 << 16), &streamed);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << StatusText(status);
+  EXPECT_THAT(status.error_message(),
+              AllOf(HasSubstr("node 'node-a' is draining"), HasSubstr("sequence 7")));
+  v1::GetCacheResponse big_now;
+  ASSERT_TRUE(GetCache(cluster_.stub(0), "big", &big_now).ok());
+  EXPECT_EQ(big_now.cache().usage().groups(0).cells_used(), 0);
   v1::CacheSpec other = hybrid_;
   other.set_name("other");
   status = CreateCache(cluster_.stub(0), other);
