@@ -278,9 +278,7 @@ class AttentionGroup::AppendReservation final : public LayerGroup::Reservation {
                                     absl::MakeConstSpan(taken_.cells).subspan(first_row, num_rows),
                                     src);
   }
-  bool InHostMemory() const override {
-    return group_->device_->HostAddress(group_->arena_) != nullptr;
-  }
+  bool InHostMemory() const override { return group_->CellsInHostMemory(); }
   void Commit(const AppendBatch& batch) override {
     // The pruning this batch allows now; what TakeCells pruned early stays done.
     group_->ApplyPrune(group_->PlanAppend(batch.lowest, batch.pending_first));
@@ -294,6 +292,8 @@ class AttentionGroup::AppendReservation final : public LayerGroup::Reservation {
   AttentionGroup* const group_;
   TakenCells taken_;
 };
+
+bool AttentionGroup::CellsInHostMemory() const { return device_->HostAddress(arena_) != nullptr; }
 
 std::unique_ptr<LayerGroup::Reservation> AttentionGroup::ReserveAppend(const AppendBatch& batch) {
   auto reservation = std::make_unique<AppendReservation>(this);

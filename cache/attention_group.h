@@ -54,6 +54,7 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
   void CommitAppend(const AppendBatch& batch) override;
   void AbandonAppend() override;
   bool SupportsReservedAppend() const override { return true; }
+  bool CellsInHostMemory() const override;
   std::unique_ptr<Reservation> ReserveAppend(const AppendBatch& batch) override;
   bool CanReserveWithoutPruning(const AppendBatch& batch) const override {
     return free_cells() >= static_cast<int64_t>(batch.tokens.size());

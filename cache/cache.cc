@@ -98,9 +98,11 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
   }
   cache->reserved_append_ = true;
   cache->lends_cells_ = true;
+  cache->pieces_in_place_ = true;
   for (const auto& group : cache->groups_) {
     cache->reserved_append_ &= group->SupportsReservedAppend();
     cache->lends_cells_ &= group->LendsCells();
+    cache->pieces_in_place_ &= group->SupportsReservedAppend() && group->CellsInHostMemory();
   }
   return cache;
 }
@@ -233,24 +235,115 @@ absl::Status Cache::CheckAppendBatch(absl::Span<const Token> tokens, size_t payl
   return absl::OkStatus();
 }
 
+namespace {
+
+// Writes an Append's payload, arriving in pieces, into the cells reserved for it: in the Append
+// layout, group after group, each group's planes one after the other, each plane one row per
+// token. A row split between two pieces waits in `staging` until it is whole.
+class RowScatter {
+ public:
+  RowScatter(const std::vector<std::unique_ptr<LayerGroup::Reservation>>* reservations,
+             std::vector<std::vector<size_t>> row_bytes, size_t rows)
+      : reservations_(reservations), row_bytes_(std::move(row_bytes)), rows_(rows) {
+    size_t largest_row = 0;
+    for (const auto& planes : row_bytes_) {
+      for (size_t bytes : planes) largest_row = std::max(largest_row, bytes);
+    }
+    staging_.reserve(largest_row);
+  }
+
+  // The next bytes of the payload; no more than are left.
+  absl::Status Write(absl::Span<const uint8_t> bytes) {
+    while (!bytes.empty()) {
+      const size_t row_bytes = row_bytes_[group_][plane_];
+      if (!staging_.empty() || bytes.size() < row_bytes) {
+        const size_t n = std::min(bytes.size(), row_bytes - staging_.size());
+        staging_.insert(staging_.end(), bytes.begin(), bytes.begin() + n);
+        bytes.remove_prefix(n);
+        if (staging_.size() < row_bytes) break;
+        absl::Status status = WriteRows(staging_.data(), 1);
+        staging_.clear();
+        RETURN_IF_ERROR(status);
+        continue;
+      }
+      const size_t rows = std::min(bytes.size() / row_bytes, rows_ - row_);
+      RETURN_IF_ERROR(WriteRows(bytes.data(), rows));
+      bytes.remove_prefix(rows * row_bytes);
+    }
+    return absl::OkStatus();
+  }
+
+  size_t staging_capacity() const { return staging_.capacity(); }
+  void FreeStaging() { std::vector<uint8_t>().swap(staging_); }
+
+ private:
+  // Whole rows at the cursor, which then moves past them.
+  absl::Status WriteRows(const uint8_t* src, size_t rows) {
+    RETURN_IF_ERROR((*reservations_)[group_]->WriteRows(plane_, row_, rows, src));
+    row_ += rows;
+    if (row_ == rows_) {
+      row_ = 0;
+      if (++plane_ == row_bytes_[group_].size()) {
+        plane_ = 0;
+        ++group_;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  const std::vector<std::unique_ptr<LayerGroup::Reservation>>* const reservations_;
+  const std::vector<std::vector<size_t>> row_bytes_;  // per group, per plane
+  const size_t rows_;                                 // the batch's tokens
+  size_t group_ = 0;
+  size_t plane_ = 0;
+  size_t row_ = 0;
+  std::vector<uint8_t> staging_;
+};
+
+// Each group's planes' row bytes, as RowScatter takes them.
+std::vector<std::vector<size_t>> RowBytes(const std::vector<std::unique_ptr<LayerGroup>>& groups) {
+  std::vector<std::vector<size_t>> rows;
+  for (const auto& group : groups) rows.push_back(group->SnapshotChunkFormat().row_bytes);
+  return rows;
+}
+
+}  // namespace
+
 absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint8_t> payload,
                            bool speculative) {
+  const absl::Span<const uint8_t> pieces[] = {payload};
+  return AppendPieces(tokens, pieces, speculative);
+}
+
+absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
+                                 absl::Span<const absl::Span<const uint8_t>> pieces,
+                                 bool speculative) {
+  size_t payload_bytes = 0;
+  for (const absl::Span<const uint8_t> piece : pieces) payload_bytes += piece.size();
   AppendBatch batch;
   absl::flat_hash_map<int64_t, int32_t> count;
-  RETURN_IF_ERROR(CheckAppendBatch(tokens, payload.size(), speculative, &batch, &count));
-  std::vector<const uint8_t*> sections(spec_.groups.size());
+  RETURN_IF_ERROR(CheckAppendBatch(tokens, payload_bytes, speculative, &batch, &count));
+  // The payload in one piece: as it came, or gathered.
+  std::string gathered;
+  absl::Span<const uint8_t> whole = pieces.size() == 1 ? pieces[0] : absl::Span<const uint8_t>();
+  auto gather = [&] {
+    gathered.reserve(payload_bytes);
+    for (const absl::Span<const uint8_t> piece : pieces) {
+      gathered.append(reinterpret_cast<const char*>(piece.data()), piece.size());
+    }
+    whole = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(gathered.data()), payload_bytes);
+  };
+  // A cache that writes under its lock gathers the pieces before it takes the lock.
+  if (!reserved_append_ && pieces.size() > 1) gather();
+  std::vector<size_t> section_bytes(groups_.size());
   std::vector<std::unique_ptr<LayerGroup::Reservation>> reservations;
   {
     MutexLock lock(&mu_);
     AwaitNotAppendingLocked(batch.seqs);
     RETURN_IF_ERROR(CheckAppendLocked(batch, count));
     RETURN_IF_ERROR(PrepareAppendLocked(batch));
-    const uint8_t* section = payload.data();
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      sections[g] = section;
-      section += groups_[g]->SectionBytes(batch);
-    }
-    if (!reserved_append_) return WriteAndCommitAppendLocked(batch, sections);
+    for (size_t g = 0; g < groups_.size(); ++g) section_bytes[g] = groups_[g]->SectionBytes(batch);
+    if (!reserved_append_) return WriteAndCommitAppendLocked(batch, Sections(whole, section_bytes));
     // Take the cells now and move the bytes with the lock released, so that operations on other
     // sequences do not wait behind the copy; those on the batch's sequences do (appending_).
     for (const auto& group : groups_) reservations.push_back(group->ReserveAppend(batch));
@@ -258,8 +351,18 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
   }
 
   absl::Status written;
-  for (size_t g = 0; g < reservations.size() && written.ok(); ++g) {
-    written = reservations[g]->Write(sections[g]);
+  if (pieces.size() > 1 && pieces_in_place_) {
+    // Each piece from where it lies into the cells.
+    RowScatter scatter(&reservations, RowBytes(groups_), batch.tokens.size());
+    for (size_t i = 0; i < pieces.size() && written.ok(); ++i) written = scatter.Write(pieces[i]);
+  } else {
+    // Into device memory, each write is a copy that waits for the device: one per group, from
+    // the payload gathered (with the lock released) when it came in pieces.
+    if (pieces.size() > 1) gather();
+    const std::vector<const uint8_t*> sections = Sections(whole, section_bytes);
+    for (size_t g = 0; g < reservations.size() && written.ok(); ++g) {
+      written = reservations[g]->Write(sections[g]);
+    }
   }
   MutexLock lock(&mu_);
   for (int64_t seq : batch.seqs) appending_.erase(seq);
@@ -276,6 +379,17 @@ absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint
     for (const Token& t : batch.tokens) pending_[t.seq].push_back(t.pos);
   }
   return absl::OkStatus();
+}
+
+std::vector<const uint8_t*> Cache::Sections(absl::Span<const uint8_t> payload,
+                                            absl::Span<const size_t> section_bytes) {
+  std::vector<const uint8_t*> sections(section_bytes.size());
+  const uint8_t* section = payload.data();
+  for (size_t g = 0; g < section_bytes.size(); ++g) {
+    sections[g] = section;
+    section += section_bytes[g];
+  }
+  return sections;
 }
 
 void Cache::RefreshPendingFirstLocked(AppendBatch& batch) const {
@@ -306,14 +420,9 @@ struct AppendWriter::State {
   size_t written = 0;
   absl::Status error;  // final
   bool used = false;   // committed, or failed
-  // In cells: one reservation per group, the planes' row bytes per group, and the cursor (the
-  // group, plane and row the next byte belongs to). A partial row waits in `staging`.
+  // In cells: one reservation per group, and what writes into them.
   std::vector<std::unique_ptr<LayerGroup::Reservation>> reservations;
-  std::vector<std::vector<size_t>> row_bytes;
-  size_t group = 0;
-  size_t plane = 0;
-  size_t row = 0;
-  std::vector<uint8_t> staging;
+  std::unique_ptr<RowScatter> scatter;
   // Otherwise: the payload, allocated by the first Write.
   std::string buffer;
   bool host_memory = true;  // every reservation's cells are in host memory
@@ -346,19 +455,13 @@ absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
     if (in_cells) {
       for (const auto& group : cache->groups_) {
         state->reservations.push_back(group->ReserveAppend(batch));
-        state->row_bytes.push_back(group->SnapshotChunkFormat().row_bytes);
         state->host_memory = state->host_memory && state->reservations.back()->InHostMemory();
       }
+      state->scatter = std::make_unique<RowScatter>(&state->reservations, RowBytes(cache->groups_),
+                                                    batch.tokens.size());
     } else {
       for (const auto& group : cache->groups_) group->AbandonAppend();
     }
-  }
-  if (!state->reservations.empty()) {
-    size_t largest_row = 0;
-    for (const auto& rows : state->row_bytes) {
-      for (size_t bytes : rows) largest_row = std::max(largest_row, bytes);
-    }
-    state->staging.reserve(largest_row);
   }
   return std::unique_ptr<AppendWriter>(new AppendWriter(std::move(state)));
 }
@@ -398,16 +501,16 @@ AppendWriter::~AppendWriter() { Abandon(); }
 
 size_t AppendWriter::size() const { return state_->size; }
 size_t AppendWriter::written() const { return state_->written; }
-bool AppendWriter::in_cells() const { return !state_->row_bytes.empty(); }
+bool AppendWriter::in_cells() const { return state_->scatter != nullptr; }
 bool AppendWriter::in_host_memory() const { return state_->host_memory; }
 size_t AppendWriter::host_bytes() const {
-  return in_cells() ? state_->staging.capacity() : state_->size;
+  return in_cells() ? state_->scatter->staging_capacity() : state_->size;
 }
 
 void AppendWriter::Abandon() {
   state_->cache->AbandonReservedAppend(*state_);
   std::string().swap(state_->buffer);
-  std::vector<uint8_t>().swap(state_->staging);
+  if (state_->scatter != nullptr) state_->scatter->FreeStaging();
 }
 
 absl::Status AppendWriter::Write(absl::Span<const uint8_t> bytes) {
@@ -429,43 +532,13 @@ absl::Status AppendWriter::Write(absl::Span<const uint8_t> bytes) {
     s.buffer.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     return absl::OkStatus();
   }
-  while (!bytes.empty()) {
-    const size_t row_bytes = s.row_bytes[s.group][s.plane];
-    if (!s.staging.empty() || bytes.size() < row_bytes) {
-      const size_t n = std::min(bytes.size(), row_bytes - s.staging.size());
-      s.staging.insert(s.staging.end(), bytes.begin(), bytes.begin() + n);
-      bytes.remove_prefix(n);
-      if (s.staging.size() < row_bytes) break;
-      absl::Status status = WriteRows(s.staging.data(), 1);
-      s.staging.clear();
-      if (!status.ok()) return status;
-      continue;
-    }
-    const size_t rows = std::min(bytes.size() / row_bytes, s.tokens.size() - s.row);
-    RETURN_IF_ERROR(WriteRows(bytes.data(), rows));
-    bytes.remove_prefix(rows * row_bytes);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status AppendWriter::WriteRows(const uint8_t* src, size_t rows) {
-  State& s = *state_;
-  const absl::Status status = s.reservations[s.group]->WriteRows(s.plane, s.row, rows, src);
+  const absl::Status status = s.scatter->Write(bytes);
   if (!status.ok()) {
     s.error = status;
     s.used = true;
     Abandon();
-    return status;
   }
-  s.row += rows;
-  if (s.row == s.tokens.size()) {
-    s.row = 0;
-    if (++s.plane == s.row_bytes[s.group].size()) {
-      s.plane = 0;
-      ++s.group;
-    }
-  }
-  return absl::OkStatus();
+  return status;
 }
 
 absl::Status AppendWriter::Commit() {

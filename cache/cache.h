@@ -233,8 +233,6 @@ class AppendWriter {
   friend class Cache;
   struct State;
   explicit AppendWriter(std::unique_ptr<State> state);
-  // Writes whole rows at the cursor.
-  absl::Status WriteRows(const uint8_t* src, size_t rows);
   // Frees the cells or the buffer it holds.
   void Abandon();
 
@@ -297,6 +295,12 @@ class Cache {
   // Speculative Appends to a sequence may follow one another; a plain Append may not.
   absl::Status Append(absl::Span<const Token> tokens, absl::Span<const uint8_t> payload,
                       bool speculative = false);
+  // Append of the payload that `pieces` form in order (a message as the network received it):
+  // where the Append's cells lie in host memory each piece is copied from where it lies into
+  // them; otherwise the pieces are gathered into one host buffer first.
+  absl::Status AppendPieces(absl::Span<const Token> tokens,
+                            absl::Span<const absl::Span<const uint8_t>> pieces,
+                            bool speculative = false);
 
   // Append(tokens, <payload_bytes bytes written later>, speculative): the batch is checked now
   // as Append checks it (with its errors, including a payload_bytes of the wrong size), and
@@ -471,6 +475,10 @@ class Cache {
 
   // Whether every group lends cells (see above).
   bool lends_cells() const { return lends_cells_; }
+  // Whether AppendPieces copies each piece from where it lies into the cells (a cache of
+  // Attention groups in host memory), rather than gathering the pieces into a payload-sized
+  // host buffer first.
+  bool appends_pieces_in_place() const { return pieces_in_place_; }
 
   // Read(seq, begin, end) with the same checks and errors, but without copying the payload
   // at once: in a cache that lends cells, the cells read are pinned (as OpenSequenceExport
@@ -518,6 +526,9 @@ class Cache {
   absl::Status CheckAppendLocked(const AppendBatch& batch,
                                  const absl::flat_hash_map<int64_t, int32_t>& count) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Each group's section of `payload`, given the sections' sizes.
+  static std::vector<const uint8_t*> Sections(absl::Span<const uint8_t> payload,
+                                              absl::Span<const size_t> section_bytes);
   // Append under the lock throughout, for caches with a group that cannot reserve.
   absl::Status WriteAndCommitAppendLocked(const AppendBatch& batch,
                                           absl::Span<const uint8_t* const> sections)
@@ -569,6 +580,7 @@ class Cache {
   bool reserved_append_ = false;
   // Every group lends cells to transfers (OpenSequenceExport, BeginSequenceImport).
   bool lends_cells_ = false;
+  bool pieces_in_place_ = false;
 
   mutable Mutex mu_;
   std::vector<std::unique_ptr<LayerGroup>> groups_ ABSL_GUARDED_BY(mu_);

@@ -176,6 +176,9 @@ class LayerGroup {
     virtual void Abandon() = 0;
   };
   virtual bool SupportsReservedAppend() const { return false; }
+  // Where SupportsReservedAppend(): whether the cells lie in host memory (a write into them is
+  // a memcpy, not a device copy).
+  virtual bool CellsInHostMemory() const { return false; }
   // Only called where SupportsReservedAppend(); PrepareAppend must have succeeded just before.
   virtual std::unique_ptr<Reservation> ReserveAppend(const AppendBatch& batch) { return nullptr; }
   // Whether ReserveAppend would find the batch's cells free without pruning anything (a

@@ -1004,29 +1004,73 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListCaches(grpc::CallbackServerConte
   });
 }
 
+namespace {
+
+// A unary Append as gRPC received it: the request's slices, and the request parsed beside them
+// with its payload left in them.
+struct ReceivedAppend {
+  std::vector<grpc::Slice> slices;
+  RawAppendRequest message;
+};
+
+}  // namespace
+
 grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* context,
-                                                   const v1::AppendRequest* request,
-                                                   v1::AppendResponse* response) {
-  // gRPC has assembled and parsed the request already: count it until the call is done, and
-  // refuse it at once when it does not fit rather than queue it for the engine.
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  auto received = std::make_unique<ReceivedAppend>();
+  absl::Status parsed;
+  if (!request->Dump(&received->slices).ok()) {
+    parsed = absl::InvalidArgumentError("its bytes could not be read");
+  } else {
+    parsed = ParseAppendRequest(received->slices, &received->message);
+  }
+  if (!parsed.ok()) {
+    return FinishNow(context, absl::InvalidArgumentError(
+                                  absl::StrCat("the AppendRequest of ", request->Length(),
+                                               " bytes does not parse: ", parsed.message())));
+  }
+  // gRPC holds the whole request already: count it until the call is done, and refuse it at
+  // once when it does not fit rather than queue it for the engine.
+  const RawAppendRequest& message = received->message;
   absl::StatusOr<InflightBudget::Reservation> reservation = inflight_->Reserve(
-      request->payload().size() + ParsedBytes<v1::Token, Token>(request->tokens_size()),
-      absl::StrCat("Append of ", request->payload().size(), " payload bytes and ",
-                   request->tokens_size(), " tokens"));
+      request->Length() + ParsedBytes<v1::Token, Token>(message.request.tokens_size()),
+      absl::StrCat("Append of ", message.payload_bytes, " payload bytes and ",
+                   message.request.tokens_size(), " tokens"));
   if (!reservation.ok()) return FinishNow(context, reservation.status());
-  return RunOnCache(
-      context, request,
-      [this, request, response, reservation = *std::move(reservation)](
-          Cache& cache, const Principal& caller) -> absl::Status {
-        ASSIGN_OR_RETURN(const std::vector<Token> tokens, TokensFromProto(request->tokens()));
-        RETURN_IF_ERROR(CheckAppendShape(cache.spec(), tokens, request->speculative(), "payload",
-                                         static_cast<int64_t>(request->payload().size())));
-        RETURN_IF_ERROR(AppendGuarded(caller.tenant, cache, tokens, "Append", [&] {
-          return cache.Append(tokens, AsBytes(request->payload()), request->speculative());
+  return RunUnary(
+      context,
+      [this, context, response, received = std::move(received),
+       reservation = *std::move(reservation)]() mutable -> absl::Status {
+        const v1::AppendRequest& request = received->message.request;
+        Principal caller;
+        ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,
+                         FindCache(*context, request.cache(), &caller));
+        ASSIGN_OR_RETURN(const std::vector<Token> tokens, TokensFromProto(request.tokens()));
+        RETURN_IF_ERROR(CheckAppendShape(cache->spec(), tokens, request.speculative(), "payload",
+                                         static_cast<int64_t>(received->message.payload_bytes)));
+        RETURN_IF_ERROR(AppendGuarded(caller.tenant, *cache, tokens, "Append", [&] {
+          return AppendReceived(*cache, tokens, received->message, reservation);
         }));
-        *response->mutable_usage() = UsageToProto(cache.Usage());
-        return absl::OkStatus();
+        v1::AppendResponse answer;
+        *answer.mutable_usage() = UsageToProto(cache->Usage());
+        bool own_buffer;
+        return FromGrpcStatus(grpc::SerializationTraits<v1::AppendResponse>::Serialize(
+            answer, response, &own_buffer));
       });
+}
+
+absl::Status CacheServiceImpl::AppendReceived(Cache& cache, absl::Span<const Token> tokens,
+                                              const RawAppendRequest& message,
+                                              InflightBudget::Reservation& reservation) {
+  if (message.payload.size() > 1 && !cache.appends_pieces_in_place()) {
+    // The engine gathers the pieces into one buffer: a second copy of the payload.
+    RETURN_IF_ERROR(reservation.Resize(
+        reservation.bytes() + message.payload_bytes,
+        absl::StrCat("Append of ", message.payload_bytes, " payload bytes to cache '",
+                     cache.spec().name, "' (gathered into one piece)")));
+  }
+  return cache.AppendPieces(tokens, message.payload, message.request.speculative());
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* CacheServiceImpl::AppendStream(

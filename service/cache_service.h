@@ -49,6 +49,7 @@
 #include "service/cluster/drain.h"
 #include "service/cluster/drain_gate.h"
 #include "service/cluster/reservations.h"
+#include "service/common/raw_message.h"
 #include "service/executor.h"
 #include "service/idle_reaper.h"
 #include "service/inflight_budget.h"
@@ -78,16 +79,16 @@ inline constexpr uint64_t kVisibleBytesPerQuery = 128;
 // The Drain RPC's timeout when neither the request nor Options::drain_timeout gives one.
 inline constexpr absl::Duration kDefaultDrainTimeout = absl::Seconds(60);
 
-// v1::CacheService::CallbackService with AppendStream and Read served raw: the generated chain
-// of callback methods, with WithRawCallbackMethod_AppendStream and WithRawCallbackMethod_Read in
-// the place of the typed ones (a raw method on top of the typed one would hide it, which
+// v1::CacheService::CallbackService with Append, AppendStream and Read served raw: the generated
+// chain of callback methods, with WithRawCallbackMethod_Append, _AppendStream and _Read in the
+// place of the typed ones (a raw method on top of the typed one would hide it, which
 // -Woverloaded-virtual rejects). A method added to
 // the service and left out here does not compile: its override in CacheServiceImpl has nothing
 // to override.
 namespace internal {
 using S = v1::CacheService;
 using CacheServiceBase = S::WithCallbackMethod_CreateCache<S::WithCallbackMethod_DeleteCache<
-    S::WithCallbackMethod_GetCache<S::WithCallbackMethod_ListCaches<S::WithCallbackMethod_Append<
+    S::WithCallbackMethod_GetCache<S::WithCallbackMethod_ListCaches<S::WithRawCallbackMethod_Append<
         S::WithRawCallbackMethod_AppendStream<S::WithRawCallbackMethod_Read<
             S::WithCallbackMethod_Visible<S::WithCallbackMethod_CopyPrefix<
                 S::WithCallbackMethod_Remove<S::WithCallbackMethod_CanResume<
@@ -150,9 +151,11 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   grpc::ServerUnaryReactor* ListCaches(grpc::CallbackServerContext* context,
                                        const v1::ListCachesRequest* request,
                                        v1::ListCachesResponse* response) override;
+  // Served raw: the AppendRequest is parsed here with its payload left in the slices gRPC
+  // received it in, and written from there into the cells the Append takes (where it can).
   grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context,
-                                   const v1::AppendRequest* request,
-                                   v1::AppendResponse* response) override;
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
   // Served raw: the data of each AppendStreamRequest goes from the received slices into the
   // append (the cells it will take, where it can), and the AppendResponse is written here.
   grpc::ServerReadReactor<grpc::ByteBuffer>* AppendStream(grpc::CallbackServerContext* context,
@@ -250,6 +253,13 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   absl::Status AppendGuarded(const std::string& tenant, Cache& cache,
                              absl::Span<const Token> tokens, const char* what,
                              absl::FunctionRef<absl::Status()> append);
+
+  // The engine's work of a raw unary Append: Cache::AppendPieces of the payload where gRPC
+  // received it. When the engine gathers the pieces (a second host copy of the payload),
+  // `reservation` grows by the payload first.
+  absl::Status AppendReceived(Cache& cache, absl::Span<const Token> tokens,
+                              const RawAppendRequest& message,
+                              InflightBudget::Reservation& reservation);
 
   // Runs `fn` on the cluster executor, as RunUnary; FAILED_PRECONDITION without a cluster.
   grpc::ServerUnaryReactor* RunCluster(grpc::CallbackServerContext* context,

@@ -39,11 +39,13 @@ bool KnownService(absl::string_view service) {
 // whose request or first message's header is parsed here for the log), or as neither
 // (PeerService/Fetch's request names nothing worth logging; health and reflection are raw inside
 // gRPC).
-enum class RequestForm { kNone, kProtobuf, kRawRead, kRawAppendStream };
+// How the node's handler receives a method's request: parsed, or raw (cache_service.h).
+enum class RequestForm { kNone, kProtobuf, kRawRead, kRawAppend, kRawAppendStream };
 
 RequestForm FormOf(absl::string_view service, absl::string_view method) {
   if (service == "kvmesh.v1.CacheService") {
     if (method == "Read") return RequestForm::kRawRead;
+    if (method == "Append") return RequestForm::kRawAppend;
     if (method == "AppendStream") return RequestForm::kRawAppendStream;
     return RequestForm::kProtobuf;
   }
@@ -176,6 +178,14 @@ class RpcObserver final : public grpc::experimental::Interceptor {
           grpc::ByteBuffer raw(*static_cast<const grpc::ByteBuffer*>(message));
           if (grpc::SerializationTraits<v1::ReadRequest>::Deserialize(&raw, &request).ok()) {
             Extract(request, &named_);
+          }
+        } else if (form_ == RequestForm::kRawAppend) {
+          // The fields beside the payload, which is viewed, never copied.
+          std::vector<grpc::Slice> slices;
+          RawAppendRequest request;
+          if (static_cast<const grpc::ByteBuffer*>(message)->Dump(&slices).ok() &&
+              ParseAppendRequest(slices, &request).ok()) {
+            Extract(request.request, &named_);
           }
         } else {
           // The header only: the data is viewed, never copied.

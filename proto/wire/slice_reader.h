@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <grpcpp/support/slice.h>
@@ -26,9 +27,13 @@ class SliceReader {
 
   bool done() const { return slice_ == slices_.size(); }
 
+  // While `capture` is set (not null), every byte read is also appended to it.
+  void set_capture(std::string* capture) { capture_ = capture; }
+
   bool Byte(uint8_t* b) {
     if (done()) return false;
     *b = slices_[slice_].begin()[pos_];
+    if (capture_ != nullptr) capture_->push_back(static_cast<char>(*b));
     Advance(1);
     return true;
   }
@@ -60,6 +65,7 @@ class SliceReader {
       const grpc::Slice& s = slices_[slice_];
       const size_t k = static_cast<size_t>(std::min<uint64_t>(n, s.size() - pos_));
       if (pieces != nullptr) pieces->emplace_back(s.begin() + pos_, k);
+      if (capture_ != nullptr) capture_->append(reinterpret_cast<const char*>(s.begin()) + pos_, k);
       Advance(k);
       n -= k;
     }
@@ -82,6 +88,7 @@ class SliceReader {
   const std::vector<grpc::Slice>& slices_;
   size_t slice_ = 0;
   size_t pos_ = 0;
+  std::string* capture_ = nullptr;
 };
 
 }  // namespace kvmesh

@@ -88,6 +88,48 @@ absl::Status SkipValue(SliceReader& in, uint64_t field, int wire_type, int depth
 
 }  // namespace
 
+absl::Status ParseWithBytesInPlace(const std::vector<grpc::Slice>& slices, uint32_t data_field,
+                                   google::protobuf::MessageLite* message,
+                                   std::vector<absl::Span<const uint8_t>>* data,
+                                   uint64_t* data_bytes) {
+  SliceReader in(slices);
+  std::string rest;  // every field but data_field's, as they came
+  std::vector<absl::Span<const uint8_t>> pieces;
+  while (!in.done()) {
+    const size_t mark = rest.size();
+    in.set_capture(&rest);
+    uint64_t field;
+    int wire_type;
+    RETURN_IF_ERROR(ReadTag(in, &field, &wire_type));
+    if (field != data_field || wire_type != 2) {
+      // Another field, or data_field with another wire type, which protobuf treats as unknown:
+      // checked as protobuf would and kept for the message's own parse.
+      RETURN_IF_ERROR(SkipValue(in, field, wire_type, 0));
+      continue;
+    }
+    in.set_capture(nullptr);
+    rest.resize(mark);
+    uint64_t length;
+    if (!in.Varint(&length)) {
+      return absl::InvalidArgumentError(absl::StrCat("field ", field, " is truncated"));
+    }
+    pieces.clear();
+    if (!in.Take(length, &pieces)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("field ", field, " of ", length, " bytes runs past the message"));
+    }
+    *data = pieces;  // a repeated bytes field keeps its last value
+    *data_bytes = length;
+  }
+  in.set_capture(nullptr);
+  if (!message->ParseFromString(rest)) {
+    return absl::InvalidArgumentError(absl::StrCat("the ", message->GetTypeName(), "'s ",
+                                                   rest.size(), " bytes beside field ", data_field,
+                                                   " do not parse"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParseHeaderAndData(const std::vector<grpc::Slice>& slices,
                                 google::protobuf::MessageLite* header, bool* has_header,
                                 std::vector<absl::Span<const uint8_t>>* data,

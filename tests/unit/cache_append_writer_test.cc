@@ -425,6 +425,109 @@ TEST(CacheAppendWriterTest, ADeviceErrorIsFinalAndGivesTheCellsBack) {
   writer->reset();
 }
 
+// ---- Cache::AppendPieces: Append of a payload in the pieces a message arrived in -------------
+
+// `payload` cut into pieces of `piece` bytes, with an empty piece between every two.
+std::vector<absl::Span<const uint8_t>> Cut(const std::vector<uint8_t>& payload, size_t piece) {
+  std::vector<absl::Span<const uint8_t>> pieces;
+  for (size_t at = 0; at < payload.size(); at += piece) {
+    if (!pieces.empty()) pieces.push_back(absl::Span<const uint8_t>());
+    pieces.push_back(
+        absl::MakeConstSpan(payload).subspan(at, std::min(piece, payload.size() - at)));
+  }
+  return pieces;
+}
+
+// Equal to Append of the whole payload on a twin, for every cut, whether the pieces go into the
+// cells where they lie (Attention groups in host memory), or are gathered first (a cache that
+// writes under its lock, or cells on a device); a sliding window prunes as Append prunes.
+TEST(CacheAppendPiecesTest, EqualsAppendForEveryCut) {
+  struct Case {
+    const char* name;
+    CacheSpec spec;
+    int32_t stored;  // positions each sequence holds before
+    int32_t end;     // the batch appends [stored, end) to each sequence
+    int64_t seqs;    // sequences 0 .. seqs - 1, interleaved in the batch
+    bool speculative;
+  };
+  for (const Case& c : {Case{"attention", AttentionSpec(), 3, 9, 2, false},
+                        Case{"attention, speculative", AttentionSpec(), 3, 6, 2, true},
+                        // 8 cells free, 16 needed: pruning positions below 8 gives the rest.
+                        Case{"sliding, pruning", SlidingSpec(), 12, 28, 1, false},
+                        Case{"hybrid", HybridSpec(), 3, 9, 2, false},
+                        Case{"hybrid, speculative", HybridSpec(), 3, 6, 2, true}}) {
+    std::vector<Token> batch;
+    for (int32_t p = c.stored; p < c.end; ++p) {
+      for (int64_t seq = 0; seq < c.seqs; ++seq) batch.push_back(Token{seq, p});
+    }
+    const std::vector<uint8_t> payload = PayloadFor(c.spec, batch, /*salt=*/11, c.speculative);
+    for (size_t piece :
+         {size_t{1}, size_t{3}, size_t{8}, size_t{17}, size_t{100}, payload.size()}) {
+      SCOPED_TRACE(testing::Message() << c.name << ", pieces of " << piece);
+      TestCache reference(c.spec);
+      TestCache tc(c.spec);
+      for (Cache* each : {reference.cache.get(), tc.cache.get()}) {
+        for (int64_t seq = 0; seq < c.seqs; ++seq) {
+          const absl::Status stored = AppendRange(*each, seq, 0, c.stored);
+          ASSERT_TRUE(stored.ok()) << stored;
+        }
+      }
+      const absl::Status appended = reference.cache->Append(batch, payload, c.speculative);
+      ASSERT_TRUE(appended.ok()) << appended;
+      const std::vector<absl::Span<const uint8_t>> pieces = Cut(payload, piece);
+      const absl::Status in_pieces = tc.cache->AppendPieces(batch, pieces, c.speculative);
+      ASSERT_TRUE(in_pieces.ok()) << in_pieces;
+      EXPECT_TRUE(SameState(CaptureState(*reference.cache), CaptureState(*tc.cache)));
+    }
+  }
+  // Only Attention groups in host memory take the pieces where they lie.
+  const bool host = !testutil::TestOnCuda();
+  EXPECT_EQ(TestCache(AttentionSpec()).cache->appends_pieces_in_place(), host);
+  EXPECT_EQ(TestCache(SlidingSpec()).cache->appends_pieces_in_place(), host);
+  EXPECT_FALSE(TestCache(HybridSpec()).cache->appends_pieces_in_place());
+}
+
+// Refused as Append refuses, with the payload's total size, and nothing changes.
+TEST(CacheAppendPiecesTest, RefusesWhatAppendRefuses) {
+  for (const CacheSpec& spec : {AttentionSpec(), HybridSpec()}) {
+    TestCache tc(spec);
+    ASSERT_TRUE(AppendRange(*tc.cache, 0, 0, 4).ok());
+    const testutil::CacheState before = CaptureState(*tc.cache);
+    const std::vector<Token> tokens = Tokens(0, 4, 8);
+    std::vector<uint8_t> payload = PayloadFor(spec, tokens);
+    payload.push_back(0);
+    const std::string size = std::to_string(payload.size());
+    EXPECT_TRUE(IsError(tc.cache->AppendPieces(tokens, Cut(payload, 5)),
+                        absl::StatusCode::kInvalidArgument, {"payload is " + size + " bytes"}));
+    payload.pop_back();
+    // Positions it stores already.
+    const std::vector<Token> stored = Tokens(0, 2, 6);
+    EXPECT_TRUE(IsError(tc.cache->AppendPieces(stored, Cut(PayloadFor(spec, stored), 5)),
+                        absl::StatusCode::kInvalidArgument, {}));
+    EXPECT_TRUE(SameState(before, CaptureState(*tc.cache)));
+    ASSERT_TRUE(tc.cache->AppendPieces(tokens, Cut(payload, 5)).ok());
+  }
+}
+
+// A device error on any piece gives the Append's cells back: the cache is as before, and usable.
+TEST(CacheAppendPiecesTest, ADeviceErrorLeavesTheCacheAsBefore) {
+  FailingDevice device;
+  absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(AttentionSpec(), &device);
+  ASSERT_TRUE(created.ok());
+  Cache& cache = **created;
+  ASSERT_TRUE(cache.appends_pieces_in_place());
+  ASSERT_TRUE(AppendRange(cache, 0, 0, 4).ok());
+  const testutil::CacheState before = CaptureState(cache);
+  const std::vector<Token> tokens = Tokens(0, 4, 12);
+  const std::vector<uint8_t> payload = PayloadFor(cache.spec(), tokens);
+  device.fail = true;
+  EXPECT_TRUE(IsError(cache.AppendPieces(tokens, Cut(payload, 40)), absl::StatusCode::kDataLoss,
+                      {"as told"}));
+  device.fail = false;
+  EXPECT_TRUE(SameState(before, CaptureState(cache)));
+  EXPECT_TRUE(cache.AppendPieces(tokens, Cut(payload, 40)).ok());
+}
+
 // The writer keeps its cache alive: a cache dropped by everything else meanwhile is deleted
 // with the writer, its cells given back first.
 TEST(CacheAppendWriterTest, TheWriterKeepsItsCacheAlive) {

@@ -1,6 +1,7 @@
-// ParseAppendStreamRequest (service/common/raw_message.h) against protobuf's own parser: for
-// every encoding, cut into slices of every size down to one byte, and for every prefix of it,
-// the raw parse succeeds exactly when protobuf's does and finds the same header and data.
+// ParseAppendStreamRequest and ParseAppendRequest (service/common/raw_message.h) against
+// protobuf's own parser: for every encoding, cut into slices of every size down to one byte, and
+// for every prefix of it, the raw parse succeeds exactly when protobuf's does and finds the same
+// fields and payload.
 #include "service/common/raw_message.h"
 
 #include <cstdint>
@@ -167,6 +168,124 @@ TEST(RawAppendStreamTest, RefusalsNameWhatIsWrong) {
   for (int i = 0; i < 200; ++i) deep += Tag(7, 3);
   for (int i = 0; i < 200; ++i) deep += Tag(7, 4);
   EXPECT_THAT(refusal(deep), HasSubstr("groups nest more than 100 deep"));
+}
+
+// ---- the unary AppendRequest: the payload in field 3, beside the other fields ---------------
+
+std::string Joined(const std::vector<absl::Span<const uint8_t>>& pieces) {
+  std::string out;
+  for (const absl::Span<const uint8_t> piece : pieces) {
+    out.append(reinterpret_cast<const char*>(piece.data()), piece.size());
+  }
+  return out;
+}
+
+bool ExpectAppendParsedAsProtobufDoes(const std::string& bytes, const std::string& what) {
+  v1::AppendRequest expected;
+  const bool ok = expected.ParseFromString(bytes);
+  for (size_t piece : {size_t{0}, size_t{1}, size_t{2}, size_t{3}, size_t{7}, size_t{64}}) {
+    const std::vector<grpc::Slice> slices = Cut(bytes, piece);
+    RawAppendRequest raw;
+    raw.request.set_cache("left from before");  // cleared by the parse
+    const absl::Status status = ParseAppendRequest(slices, &raw);
+    EXPECT_EQ(status.ok(), ok) << what << ", pieces of " << piece << ": " << status;
+    if (!ok || !status.ok()) continue;
+    EXPECT_TRUE(raw.request.payload().empty()) << what;
+    EXPECT_EQ(raw.payload_bytes, expected.payload().size()) << what;
+    // The fields and the unknown fields, in their order, with the payload put back.
+    v1::AppendRequest got = raw.request;
+    got.set_payload(Joined(raw.payload));
+    EXPECT_EQ(got.SerializeAsString(), expected.SerializeAsString())
+        << what << ", pieces of " << piece;
+  }
+  return ok;
+}
+
+std::vector<std::string> AppendEncodings() {
+  v1::AppendRequest full;
+  full.set_cache("cache-a");
+  for (int32_t pos = 0; pos < 5; ++pos) {
+    v1::Token* token = full.add_tokens();
+    token->set_seq(3);
+    token->set_pos(pos);
+  }
+  std::string payload(200, '\0');
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<char>(i * 7 + 1);
+  full.set_payload(payload);
+  full.set_speculative(true);
+  v1::AppendRequest token;
+  v1::Token* t = token.add_tokens();
+  t->set_seq(-4);
+  t->set_pos(1 << 30);
+  const std::string payload_field = Tag(3, 2) + Varint(payload.size()) + payload;
+  const std::string group = Tag(9, 3) + Tag(1, 0) + Varint(300) + Tag(10, 3) + Tag(3, 2) +
+                            Varint(2) + "xy" + Tag(10, 4) + Tag(9, 4);
+  return {
+      "",
+      full.SerializeAsString(),
+      // The payload first, fields after it; a repeated payload replaces the earlier one;
+      // repeated tokens add up; unknown fields of every wire type are kept, as protobuf keeps them.
+      payload_field + token.SerializeAsString() + Tag(9, 0) + Varint(5) + Tag(3, 2) + Varint(3) +
+          "abc" + Tag(1, 2) + Varint(2) + "ab" + token.SerializeAsString() + Tag(4, 5) +
+          "\x01\x02\x03\x04" + payload_field + Tag(5, 1) + std::string(8, '\x05'),
+      // A group holding a field 3 is skipped whole: the payload is only ever at the top level.
+      group + payload_field + group,
+      // Field 3 with another wire type is an unknown field to protobuf.
+      Tag(3, 0) + Varint(77) + full.SerializeAsString() + Tag(3, 5) + "abcd",
+      // A string that is not UTF-8 (proto3 refuses it), and a token that does not parse.
+      Tag(1, 2) + Varint(2) + "\xff\xfe" + payload_field,
+      payload_field + Tag(2, 2) + Varint(2) + Tag(1, 1) + "x",
+      Tag((uint64_t{1} << 29) - 1, 0) + Varint(1) + Tag(3, 2) + Varint(1) + "x",
+      Tag(3, 2) + Varint(0),
+  };
+}
+
+TEST(RawAppendRequestTest, ParsesAsProtobufDoesInSlicesOfEverySize) {
+  int taken = 0;
+  for (const std::string& bytes : AppendEncodings()) {
+    taken += ExpectAppendParsedAsProtobufDoes(bytes, absl::StrCat(bytes.size(), " bytes"));
+  }
+  EXPECT_EQ(taken, static_cast<int>(AppendEncodings().size()) - 2);  // the two refused above
+}
+
+TEST(RawAppendRequestTest, EveryPrefixIsJudgedAsProtobufJudgesIt) {
+  int refused = 0;
+  for (const std::string& bytes : AppendEncodings()) {
+    for (size_t n = 0; n < bytes.size(); ++n) {
+      refused += !ExpectAppendParsedAsProtobufDoes(
+          bytes.substr(0, n), absl::StrCat("the first ", n, " of ", bytes.size()));
+    }
+  }
+  EXPECT_GT(refused, 100);
+}
+
+TEST(RawAppendRequestTest, RandomBytesAreJudgedAsProtobufJudgesThem) {
+  std::mt19937 rng(29);
+  int taken = 0;
+  for (int i = 0; i < 20000; ++i) {
+    std::string bytes(rng() % 24, '\0');
+    for (char& c : bytes) c = static_cast<char>(rng());
+    // Half of them start with a payload field, so that the rest lands after one.
+    if (i % 2 == 0) bytes = Tag(3, 2) + Varint(3) + "pay" + bytes;
+    taken += ExpectAppendParsedAsProtobufDoes(
+        bytes, absl::StrCat("random input ", i, " (", absl::BytesToHexString(bytes), ")"));
+  }
+  EXPECT_GT(taken, 0);
+}
+
+TEST(RawAppendRequestTest, RefusalsNameWhatIsWrong) {
+  auto refusal = [](const std::string& bytes) {
+    const std::vector<grpc::Slice> slices = Cut(bytes, 1);
+    RawAppendRequest raw;
+    const absl::Status status = ParseAppendRequest(slices, &raw);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    return std::string(status.message());
+  };
+  EXPECT_THAT(refusal(Tag(3, 2) + Varint(1000) + "abc"),
+              HasSubstr("field 3 of 1000 bytes runs past the message"));
+  EXPECT_THAT(refusal(Tag(1, 2) + Varint(2) + "\xff\xfe" + Tag(3, 2) + Varint(1) + "x"),
+              HasSubstr("kvmesh.v1.AppendRequest's 4 bytes beside field 3 do not parse"));
+  EXPECT_THAT(refusal(Tag(7, 3) + Tag(8, 4)), HasSubstr("group 7 ends with the end of group 8"));
 }
 
 }  // namespace
