@@ -335,8 +335,9 @@ absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
   };
   // A cache that writes under its lock gathers the pieces before it takes the lock.
   if (!reserved_append_ && pieces.size() > 1) gather();
-  std::vector<size_t> section_bytes(groups_.size());
+  std::vector<size_t> section_bytes(spec_.groups.size());
   std::vector<std::unique_ptr<LayerGroup::Reservation>> reservations;
+  std::vector<std::vector<size_t>> row_bytes;  // where the pieces go into the cells as they lie
   {
     MutexLock lock(&mu_);
     AwaitNotAppendingLocked(batch.seqs);
@@ -348,12 +349,13 @@ absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
     // sequences do not wait behind the copy; those on the batch's sequences do (appending_).
     for (const auto& group : groups_) reservations.push_back(group->ReserveAppend(batch));
     appending_.insert(batch.seqs.begin(), batch.seqs.end());
+    if (pieces.size() > 1 && pieces_in_place_) row_bytes = RowBytes(groups_);
   }
 
   absl::Status written;
-  if (pieces.size() > 1 && pieces_in_place_) {
+  if (!row_bytes.empty()) {
     // Each piece from where it lies into the cells.
-    RowScatter scatter(&reservations, RowBytes(groups_), batch.tokens.size());
+    RowScatter scatter(&reservations, std::move(row_bytes), batch.tokens.size());
     for (size_t i = 0; i < pieces.size() && written.ok(); ++i) written = scatter.Write(pieces[i]);
   } else {
     // Into device memory, each write is a copy that waits for the device: one per group, from

@@ -11,9 +11,10 @@
 //    it is >= 0.8;
 //  - bulk payloads on one stream: AppendStream, unary Append and Read of --large-tokens tokens
 //    (512 x Llama-3-8B shape = 64 MiB), the streams each with the generated stub and with
-//    service/common/bulk_client.h (no copies in the client), GB/s, with the read payload
-//    verified against the
-//    pattern that was appended (wrong elements reported, as nccl-tests does), and raw loopback
+//    service/common/bulk_client.h (no copies in the client), GB/s; the Read client puts the
+//    payload into one 4 MiB buffer, as the reference's receiver does (and, with bulk_client,
+//    also into one 64 MiB buffer), after an untimed Read that checks the payload against the
+//    pattern that was appended (wrong elements reported, as nccl-tests does); and raw loopback
 //    TCP moving the same bytes (4 MiB buffers) in the same run, with "met" where AppendStream
 //    or Read reaches 0.5 of it;
 //  - isolation: p50/p99 of a 1-token unary Append (a decode step) for --duration alone, then for
@@ -35,12 +36,14 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -366,26 +369,53 @@ grpc::Status AppendStreamWith(BulkClient c, Client& client, const std::string& c
                                        static_cast<size_t>(chunk_bytes), &response));
 }
 
-// One Read of all of `seq` into *received (cleared; its capacity kept).
+// One Read of all of `seq`, each piece of its payload handed to `sink` as it arrives.
 grpc::Status ReadWith(BulkClient c, Client& client, const v1::ReadRequest& request,
-                      v1::ReadHeader* header, std::string* received) {
-  received->clear();
+                      v1::ReadHeader* header,
+                      absl::FunctionRef<void(absl::Span<const uint8_t>)> sink) {
   grpc::ClientContext context;
   SetDeadline(&context, absl::Seconds(120));
   if (c == BulkClient::kNoCopy) {
-    return ToGrpcStatus(ReceiveReadStream(
-        client.channel.get(), &context, request, header, [&](absl::Span<const uint8_t> piece) {
-          received->append(reinterpret_cast<const char*>(piece.data()), piece.size());
-        }));
+    return ToGrpcStatus(ReceiveReadStream(client.channel.get(), &context, request, header, sink));
   }
   v1::ReadResponse message;
   auto reader = client.stub->Read(&context, request);
   while (reader->Read(&message)) {
     if (message.has_header()) *header = message.header();
-    received->append(message.data());
+    sink(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(message.data().data()),
+                             message.data().size()));
   }
   return reader->Finish();
 }
+
+// Where a Read's client puts the payload: into one 4 MiB buffer, written over and over (as the
+// raw TCP reference's receiver reads into one; a client that stages the payload on its way to a
+// GPU), or all of it into one payload-sized buffer.
+class ReadDestination {
+ public:
+  explicit ReadDestination(size_t payload_bytes) { whole_.reserve(payload_bytes); }
+
+  void Reset() { whole_.clear(); }
+  void Staged(absl::Span<const uint8_t> piece) {
+    while (!piece.empty()) {
+      const size_t n = std::min(piece.size(), staging_.size() - at_);
+      std::memcpy(staging_.data() + at_, piece.data(), n);
+      at_ = (at_ + n) % staging_.size();
+      piece.remove_prefix(n);
+    }
+  }
+  void Whole(absl::Span<const uint8_t> piece) {
+    whole_.append(reinterpret_cast<const char*>(piece.data()), piece.size());
+  }
+  absl::Span<const uint8_t> whole() const {
+    return absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(whole_.data()), whole_.size());
+  }
+
+ private:
+  std::vector<char> staging_ = std::vector<char>(testutil::kTcpBufferBytes, 'x');
+  size_t at_ = 0;
+  std::string whole_;
+};
 
 // Bulk transfers of o.large_tokens tokens to/from kBulkSeq, one call at a time.
 std::vector<BulkResult> RunBulk(const Options& o, Client& client, const CacheSpec& spec) {
@@ -445,42 +475,57 @@ std::vector<BulkResult> RunBulk(const Options& o, Client& client, const CacheSpe
       Remove(client, o.cache, kBulkSeq, 0).ok() &&
       AppendStream(client, o.cache, kBulkSeq, positions, *payload, o.chunk_bytes).ok();
 
-  std::string received;
-  received.reserve(payload->size());
-  for (const BulkClient c : {BulkClient::kStub, BulkClient::kNoCopy}) {
+  ReadDestination destination(payload->size());
+  struct ReadMode {
+    BulkClient client;
+    bool whole;  // into one payload-sized buffer, else into a 4 MiB one
+  };
+  for (const ReadMode mode :
+       {ReadMode{BulkClient::kStub, false}, ReadMode{BulkClient::kNoCopy, false},
+        ReadMode{BulkClient::kNoCopy, true}}) {
     BulkResult read;
-    read.name = absl::StrCat("Read (", o.chunk_bytes >> 10, " KiB, ", BulkClientName(c), ")");
+    read.name = absl::StrCat("Read (", o.chunk_bytes >> 10, " KiB, ", BulkClientName(mode.client),
+                             mode.whole ? ", into 64 MiB" : ", into 4 MiB", ")");
     if (!have_data) read.error = "could not append the payload to read";
-    for (int rep = 0; rep < o.large_reps && read.error.empty(); ++rep) {
-      v1::ReadRequest request;
-      request.set_cache(o.cache);
-      request.set_seq(kBulkSeq);
-      request.set_max_chunk_bytes(static_cast<int32_t>(o.chunk_bytes));
+    v1::ReadRequest request;
+    request.set_cache(o.cache);
+    request.set_seq(kBulkSeq);
+    request.set_max_chunk_bytes(static_cast<int32_t>(o.chunk_bytes));
+    // Rep -1, untimed: the payload read whole and checked against the pattern appended.
+    for (int rep = -1; rep < o.large_reps && read.error.empty(); ++rep) {
       v1::ReadHeader header;
+      destination.Reset();
+      const bool whole = rep < 0 || mode.whole;
       const Clock::time_point start = Clock::now();
-      grpc::Status s = ReadWith(c, client, request, &header, &received);
+      grpc::Status s =
+          ReadWith(mode.client, client, request, &header, [&](absl::Span<const uint8_t> piece) {
+            if (whole) {
+              destination.Whole(piece);
+            } else {
+              destination.Staged(piece);
+            }
+          });
       const Clock::time_point end = Clock::now();
       if (!s.ok()) {
         read.error = ErrorText(s);
         break;
       }
-      read.seconds.push_back(std::chrono::duration<double>(end - start).count());
-      if (rep == 0) {
-        std::vector<std::vector<int32_t>> got(spec.groups.size());
-        for (const v1::GroupPositions& g : header.groups()) {
-          if (g.group() >= 0 && g.group() < static_cast<int>(got.size())) {
-            got[g.group()].assign(g.positions().begin(), g.positions().end());
-          }
+      if (rep >= 0) {
+        read.seconds.push_back(std::chrono::duration<double>(end - start).count());
+        continue;
+      }
+      std::vector<std::vector<int32_t>> got(spec.groups.size());
+      for (const v1::GroupPositions& g : header.groups()) {
+        if (g.group() >= 0 && g.group() < static_cast<int>(got.size())) {
+          got[g.group()].assign(g.positions().begin(), g.positions().end());
         }
-        const ctl::PatternCheck check = ctl::CheckPatternPayload(
-            spec, got,
-            absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(received.data()), received.size()),
-            kSeed);
-        read.wrong_elements = static_cast<int64_t>(check.mismatches);
-        read.note = absl::StrCat("wrong elements: ", check.mismatches, " of ", check.elements);
-        if (check.mismatches != 0) {
-          read.note += absl::StrCat(" (first at ", check.first_mismatch, ")");
-        }
+      }
+      const ctl::PatternCheck check =
+          ctl::CheckPatternPayload(spec, got, destination.whole(), kSeed);
+      read.wrong_elements = static_cast<int64_t>(check.mismatches);
+      read.note = absl::StrCat("wrong elements: ", check.mismatches, " of ", check.elements);
+      if (check.mismatches != 0) {
+        read.note += absl::StrCat(" (first at ", check.first_mismatch, ")");
       }
     }
     results.push_back(std::move(read));
