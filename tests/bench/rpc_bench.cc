@@ -213,7 +213,7 @@ void PrintOp(const OpResult& r, int threads) {
   double sum = 0;
   for (double v : r.latencies_us) sum += v;
   const double mean = r.latencies_us.empty() ? 0 : sum / r.latencies_us.size();
-  std::printf("%-40s %9zu %10.0f %9.0f %9.0f %9.0f %7" PRId64 "\n", r.name.c_str(),
+  std::printf("%-46s %9zu %10.0f %9.0f %9.0f %9.0f %7" PRId64 "\n", r.name.c_str(),
               r.latencies_us.size(), Rate(r, threads), Percentile(r.latencies_us, 0.50),
               Percentile(r.latencies_us, 0.99), mean, r.errors);
   if (!r.first_error.empty()) std::printf("    first error: %s\n", r.first_error.c_str());
@@ -239,13 +239,13 @@ double MedianSeconds(std::vector<double> s) {
 
 void PrintBulk(const BulkResult& r, int64_t bytes) {
   if (!r.error.empty()) {
-    std::printf("%-40s failed: %s\n", r.name.c_str(), r.error.c_str());
+    std::printf("%-46s failed: %s\n", r.name.c_str(), r.error.c_str());
     return;
   }
   std::vector<double> s = r.seconds;
   std::sort(s.begin(), s.end());
   const double median = MedianSeconds(s);
-  std::printf("%-40s %6zu %10.1f %10.1f %9.2f %9.2f  %s\n", r.name.c_str(), s.size(), median * 1e3,
+  std::printf("%-46s %6zu %10.1f %10.1f %9.2f %9.2f  %s\n", r.name.c_str(), s.size(), median * 1e3,
               s.front() * 1e3, bytes / median / 1e9, bytes / s.front() / 1e9, r.note.c_str());
 }
 
@@ -787,7 +787,7 @@ int Main(int argc, char** argv) {
       absl::FormatDuration(o.duration).c_str(), absl::FormatDuration(o.warmup).c_str());
   std::printf("cache: Llama-3-8B KV shape (32 layers x 8 KV heads x 128, F16), %zu KiB/token\n\n",
               token_bytes >> 10);
-  std::printf("%-40s %9s %10s %9s %9s %9s %7s\n", "op", "calls", "req/s", "p50 us", "p99 us",
+  std::printf("%-46s %9s %10s %9s %9s %9s %7s\n", "op", "calls", "req/s", "p50 us", "p99 us",
               "mean us", "errors");
 
   std::vector<OpResult> ops;
@@ -926,7 +926,7 @@ int Main(int argc, char** argv) {
   const int64_t bulk_bytes = static_cast<int64_t>(AppendPayloadBytes(spec, o.large_tokens, 1));
   std::printf("\nbulk: one call at a time, %d tokens = %.1f MiB per call, %d reps\n",
               o.large_tokens, bulk_bytes / 1048576.0, o.large_reps);
-  std::printf("%-40s %6s %10s %10s %9s %9s\n", "op", "reps", "median ms", "best ms", "GB/s med",
+  std::printf("%-46s %6s %10s %10s %9s %9s\n", "op", "reps", "median ms", "best ms", "GB/s med",
               "GB/s best");
   std::vector<BulkResult> bulk = RunBulk(o, clients[0], spec);
   for (const BulkResult& r : bulk) PrintBulk(r, bulk_bytes);
@@ -937,13 +937,13 @@ int Main(int argc, char** argv) {
     std::printf("raw loopback TCP: failed: %s\n", tcp.status().ToString().c_str());
   } else {
     const double tcp_gbps = bulk_bytes / MedianSeconds(*tcp) / 1e9;
-    std::printf("%-40s %6zu %10.1f %10s %9.2f %9s  (4 MiB buffers)\n", "raw loopback TCP",
+    std::printf("%-46s %6zu %10.1f %10s %9.2f %9s  (4 MiB buffers)\n", "raw loopback TCP",
                 tcp->size(), MedianSeconds(*tcp) * 1e3, "", tcp_gbps, "");
     std::printf("bulk as a ratio of raw loopback TCP's GB/s (goal >= 0.5, issue 17 goal 3):\n");
     for (const BulkResult& r : bulk) {
       if (!r.error.empty() || r.name.rfind("Append (unary", 0) == 0) continue;
       const double ratio = bulk_bytes / MedianSeconds(r.seconds) / 1e9 / tcp_gbps;
-      std::printf("  %-40s %5.2f  %s\n", r.name.c_str(), ratio, ratio >= 0.5 ? "met" : "NOT met");
+      std::printf("  %-46s %5.2f  %s\n", r.name.c_str(), ratio, ratio >= 0.5 ? "met" : "NOT met");
     }
   }
   const IsolationResult isolation = RunIsolation(o, addr, clients[0], spec);

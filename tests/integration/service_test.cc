@@ -481,6 +481,77 @@ TEST_F(ServiceTest, RawAppendStreamMessages) {
   KVMESH_ASSERT_OK(DeleteCache(stub(), spec.name()));
 }
 
+// A unary Append is served raw (its payload goes from gRPC's buffers into the cells): a request
+// that does not parse is refused naming its size; fields in any order, unknown fields and a
+// repeated payload are taken as protobuf takes them; and payloads of several MiB, which gRPC
+// receives in many pieces, are stored byte-exact whether the node copies the pieces into the
+// cells where they lie (Attention groups in host memory) or gathers them first (a cache with a
+// ring, or any cache on a GPU).
+TEST_F(ServiceTest, RawAppendRequests) {
+  const std::string method = "/kvmesh.v1.CacheService/Append";
+  std::vector<std::string> responses;
+  grpc::Status status =
+      CallRaw(node().channel(), method, std::string("\xff\xff\xff", 3), &responses);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("the AppendRequest of 3 bytes does not parse"));
+
+  AttentionOptions a;
+  a.rope_dims = 4;
+  const v1::CacheSpec spec =
+      SpecProto("svc-raw-append", 4, 64, 32, {AttentionGroupProto(a)}, v1::DTYPE_F16);
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  const v1::AppendRequest append = MakeAppend(spec, 0, Range(0, 20));
+  v1::AppendRequest replaced;  // a payload that a later one replaces
+  replaced.set_payload("replaced");
+  v1::AppendRequest names;
+  names.set_cache(spec.name());
+  *names.mutable_tokens() = append.tokens();
+  v1::AppendRequest payload;
+  payload.set_payload(append.payload());
+  const std::string unknown_varint("\x48\x05", 2);               // field 9, varint
+  const std::string unknown_fixed32("\x25\x01\x02\x03\x04", 5);  // field 4, fixed32
+  status = CallRaw(node().channel(), method,
+                   replaced.SerializeAsString() + unknown_varint + payload.SerializeAsString() +
+                       names.SerializeAsString() + unknown_fixed32,
+                   &responses);
+  KVMESH_ASSERT_OK(status);
+  ASSERT_EQ(responses.size(), 1u);
+  v1::AppendResponse response;
+  ASSERT_TRUE(response.ParseFromString(responses[0]));
+  EXPECT_EQ(response.usage().groups(0).cells_used(), 20);
+  SequenceModel model;
+  ModelAppend(spec, 0, Range(0, 20), 0, &model);
+  ExpectReadMatches(spec, 0, model);
+  KVMESH_ASSERT_OK(DeleteCache(stub(), spec.name()));
+
+  // 16 KiB per token of Attention: 400 tokens are 6.25 MiB (plus the ring's rows).
+  AttentionOptions big;
+  big.num_layers = 4;
+  big.num_kv_heads = 8;
+  big.head_dim_k = 128;
+  big.head_dim_v = 128;
+  big.rope_dims = 128;
+  RotatingOptions ring;
+  ring.max_size = 512;
+  for (const bool with_ring : {false, true}) {
+    SCOPED_TRACE(with_ring ? "with a ring (gathered)" : "Attention only");
+    std::vector<v1::LayerGroup> groups = {AttentionGroupProto(big)};
+    if (with_ring) groups.push_back(RotatingGroupProto(ring));
+    const v1::CacheSpec large =
+        SpecProto("svc-raw-append-large", 2, 512, 512, groups, v1::DTYPE_F16);
+    KVMESH_ASSERT_OK(CreateCache(stub(), large));
+    SequenceModel stored;
+    for (const auto& [first, end] : {std::pair<int32_t, int32_t>{0, 400}, {400, 401}}) {
+      const v1::AppendRequest request = MakeAppend(large, 0, Range(first, end));
+      KVMESH_ASSERT_OK(Append(stub(), request, &response));
+      EXPECT_EQ(response.usage().groups(0).cells_used(), end);
+      ModelAppend(large, 0, Range(first, end), 0, &stored);
+    }
+    ExpectReadMatches(large, 0, stored);
+    KVMESH_ASSERT_OK(DeleteCache(stub(), large.name()));
+  }
+}
+
 // Read is served raw (the node writes ReadResponse's bytes itself): a request that does not
 // parse is refused with a message, and the bytes of a good one parse as ReadResponses whose
 // data, in order, is the payload a typed client reads.
