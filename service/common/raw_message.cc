@@ -86,6 +86,21 @@ absl::Status SkipValue(SliceReader& in, uint64_t field, int wire_type, int depth
   return absl::OkStatus();
 }
 
+// The value of a length-delimited field whose tag was read: its length, and its bytes as pieces
+// of the slices (in place of what *pieces held).
+absl::Status TakeLengthDelimited(SliceReader& in, uint64_t field, uint64_t* length,
+                                 std::vector<absl::Span<const uint8_t>>* pieces) {
+  if (!in.Varint(length)) {
+    return absl::InvalidArgumentError(absl::StrCat("field ", field, " is truncated"));
+  }
+  pieces->clear();
+  if (!in.Take(*length, pieces)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("field ", field, " of ", *length, " bytes runs past the message"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ParseWithBytesInPlace(const std::vector<grpc::Slice>& slices, uint32_t data_field,
@@ -110,14 +125,7 @@ absl::Status ParseWithBytesInPlace(const std::vector<grpc::Slice>& slices, uint3
     in.set_capture(nullptr);
     rest.resize(mark);
     uint64_t length;
-    if (!in.Varint(&length)) {
-      return absl::InvalidArgumentError(absl::StrCat("field ", field, " is truncated"));
-    }
-    pieces.clear();
-    if (!in.Take(length, &pieces)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("field ", field, " of ", length, " bytes runs past the message"));
-    }
+    RETURN_IF_ERROR(TakeLengthDelimited(in, field, &length, &pieces));
     *data = pieces;  // a repeated bytes field keeps its last value
     *data_bytes = length;
   }
@@ -147,14 +155,7 @@ absl::Status ParseHeaderAndData(const std::vector<grpc::Slice>& slices,
       continue;
     }
     uint64_t length;
-    if (!in.Varint(&length)) {
-      return absl::InvalidArgumentError(absl::StrCat("field ", field, " is truncated"));
-    }
-    pieces.clear();
-    if (!in.Take(length, &pieces)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("field ", field, " of ", length, " bytes runs past the message"));
-    }
+    RETURN_IF_ERROR(TakeLengthDelimited(in, field, &length, &pieces));
     if (field == 1) {
       *has_header = true;
       header_bytes.clear();

@@ -64,6 +64,14 @@ class ServiceTest : public NodeSuite {
     return response;
   }
 
+  // A raw call's one response, an AppendResponse whose first group uses `cells_used` cells.
+  void ExpectAppendResponse(const std::vector<std::string>& responses, int64_t cells_used) {
+    ASSERT_EQ(responses.size(), 1u);
+    v1::AppendResponse response;
+    ASSERT_TRUE(response.ParseFromString(responses[0]));
+    EXPECT_EQ(response.usage().groups(0).cells_used(), cells_used);
+  }
+
   // Reads all of `seq` and checks header and bytes against `model` (every group holds what the
   // model holds).
   void ExpectReadMatches(const v1::CacheSpec& spec, int64_t seq, const SequenceModel& model) {
@@ -443,10 +451,7 @@ TEST_F(ServiceTest, RawAppendStreamMessages) {
   };
   status = CallRaw(node().channel(), method, messages, &responses);
   KVMESH_ASSERT_OK(status);
-  ASSERT_EQ(responses.size(), 1u);
-  v1::AppendResponse response;
-  ASSERT_TRUE(response.ParseFromString(responses[0]));
-  EXPECT_EQ(response.usage().groups(0).cells_used(), 20);
+  ExpectAppendResponse(responses, 20);
   SequenceModel model;
   ModelAppend(spec, 0, Range(0, 20), 0, &model);
   ExpectReadMatches(spec, 0, model);
@@ -515,10 +520,7 @@ TEST_F(ServiceTest, RawAppendRequests) {
                        names.SerializeAsString() + unknown_fixed32,
                    &responses);
   KVMESH_ASSERT_OK(status);
-  ASSERT_EQ(responses.size(), 1u);
-  v1::AppendResponse response;
-  ASSERT_TRUE(response.ParseFromString(responses[0]));
-  EXPECT_EQ(response.usage().groups(0).cells_used(), 20);
+  ExpectAppendResponse(responses, 20);
   SequenceModel model;
   ModelAppend(spec, 0, Range(0, 20), 0, &model);
   ExpectReadMatches(spec, 0, model);
@@ -543,6 +545,7 @@ TEST_F(ServiceTest, RawAppendRequests) {
     SequenceModel stored;
     for (const auto& [first, end] : {std::pair<int32_t, int32_t>{0, 400}, {400, 401}}) {
       const v1::AppendRequest request = MakeAppend(large, 0, Range(first, end));
+      v1::AppendResponse response;
       KVMESH_ASSERT_OK(Append(stub(), request, &response));
       EXPECT_EQ(response.usage().groups(0).cells_used(), end);
       ModelAppend(large, 0, Range(first, end), 0, &stored);
