@@ -333,8 +333,10 @@ absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
     }
     whole = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(gathered.data()), payload_bytes);
   };
-  // A cache that writes under its lock gathers the pieces before it takes the lock.
-  if (!reserved_append_ && pieces.size() > 1) gather();
+  // A cache that writes under its lock gathers the pieces before it takes the lock; cells on a
+  // device, once they are reserved (below).
+  const bool gathers = GathersPieces(pieces.size());
+  if (gathers && !reserved_append_) gather();
   std::vector<size_t> section_bytes(spec_.groups.size());
   std::vector<std::unique_ptr<LayerGroup::Reservation>> reservations;
   std::vector<std::vector<size_t>> row_bytes;  // where the pieces go into the cells as they lie
@@ -349,7 +351,7 @@ absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
     // sequences do not wait behind the copy; those on the batch's sequences do (appending_).
     for (const auto& group : groups_) reservations.push_back(group->ReserveAppend(batch));
     appending_.insert(batch.seqs.begin(), batch.seqs.end());
-    if (pieces.size() > 1 && pieces_in_place_) row_bytes = RowBytes(groups_);
+    if (pieces.size() > 1 && !gathers) row_bytes = RowBytes(groups_);
   }
 
   absl::Status written;
@@ -360,7 +362,7 @@ absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
   } else {
     // Into device memory, each write is a copy that waits for the device: one per group, from
     // the payload gathered (with the lock released) when it came in pieces.
-    if (pieces.size() > 1) gather();
+    if (gathers) gather();
     const std::vector<const uint8_t*> sections = Sections(whole, section_bytes);
     for (size_t g = 0; g < reservations.size() && written.ok(); ++g) {
       written = reservations[g]->Write(sections[g]);

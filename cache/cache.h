@@ -479,6 +479,9 @@ class Cache {
   // Attention groups in host memory), rather than gathering the pieces into a payload-sized
   // host buffer first.
   bool appends_pieces_in_place() const { return pieces_in_place_; }
+  // Whether AppendPieces of `pieces` pieces gathers them into a payload-sized host buffer (a
+  // second copy of the payload while it runs).
+  bool GathersPieces(size_t pieces) const { return pieces > 1 && !pieces_in_place_; }
 
   // Read(seq, begin, end) with the same checks and errors, but without copying the payload
   // at once: in a cache that lends cells, the cells read are pinned (as OpenSequenceExport
@@ -580,6 +583,7 @@ class Cache {
   bool reserved_append_ = false;
   // Every group lends cells to transfers (OpenSequenceExport, BeginSequenceImport).
   bool lends_cells_ = false;
+  // reserved_append_, and every group's cells lie in host memory (AppendPieces).
   bool pieces_in_place_ = false;
 
   mutable Mutex mu_;

@@ -1063,7 +1063,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* 
 absl::Status CacheServiceImpl::AppendReceived(Cache& cache, absl::Span<const Token> tokens,
                                               const RawAppendRequest& message,
                                               InflightBudget::Reservation& reservation) {
-  if (message.payload.size() > 1 && !cache.appends_pieces_in_place()) {
+  if (cache.GathersPieces(message.payload.size())) {
     // The engine gathers the pieces into one buffer: a second copy of the payload.
     RETURN_IF_ERROR(reservation.Resize(
         reservation.bytes() + message.payload_bytes,

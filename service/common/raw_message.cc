@@ -1,5 +1,6 @@
 #include "service/common/raw_message.h"
 
+#include <cstdint>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -29,6 +30,24 @@ absl::Status ReadTag(SliceReader& in, uint64_t* field, int* wire_type) {
   return absl::OkStatus();
 }
 
+// Reads the length of a length-delimited value as protobuf does (ReadSize): a varint of at most
+// 5 bytes whose value is below 2^31 - 16 (protobuf keeps room for its parse limits below INT_MAX).
+absl::Status ReadLength(SliceReader& in, uint64_t field, uint64_t* length) {
+  *length = 0;
+  for (int i = 0; i < 5; ++i) {
+    uint8_t b;
+    if (!in.Byte(&b))
+      return absl::InvalidArgumentError(absl::StrCat("field ", field, " is truncated"));
+    *length |= uint64_t{b & 0x7fu} << (7 * i);
+    if ((b & 0x80) == 0) {
+      if (*length > uint64_t{INT32_MAX} - 16) break;
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("field ", field, " has a length of 2 GiB or more, or of over 5 bytes"));
+}
+
 // Skips the value of an unknown field whose tag was read (a whole group for a start-group tag).
 absl::Status SkipValue(SliceReader& in, uint64_t field, int wire_type, int depth) {
   uint64_t value;
@@ -42,9 +61,8 @@ absl::Status SkipValue(SliceReader& in, uint64_t field, int wire_type, int depth
       read = in.Take(8, nullptr);
       break;
     case 2:
-      if (!in.Varint(&value)) {
-        read = false;
-      } else if (!in.Take(value, nullptr)) {
+      RETURN_IF_ERROR(ReadLength(in, field, &value));
+      if (!in.Take(value, nullptr)) {
         return absl::InvalidArgumentError(
             absl::StrCat("field ", field, " of ", value, " bytes runs past the message"));
       }
@@ -90,9 +108,7 @@ absl::Status SkipValue(SliceReader& in, uint64_t field, int wire_type, int depth
 // of the slices (in place of what *pieces held).
 absl::Status TakeLengthDelimited(SliceReader& in, uint64_t field, uint64_t* length,
                                  std::vector<absl::Span<const uint8_t>>* pieces) {
-  if (!in.Varint(length)) {
-    return absl::InvalidArgumentError(absl::StrCat("field ", field, " is truncated"));
-  }
+  RETURN_IF_ERROR(ReadLength(in, field, length));
   pieces->clear();
   if (!in.Take(*length, pieces)) {
     return absl::InvalidArgumentError(
@@ -107,6 +123,8 @@ absl::Status ParseWithBytesInPlace(const std::vector<grpc::Slice>& slices, uint3
                                    google::protobuf::MessageLite* message,
                                    std::vector<absl::Span<const uint8_t>>* data,
                                    uint64_t* data_bytes) {
+  data->clear();
+  *data_bytes = 0;
   SliceReader in(slices);
   std::string rest;  // every field but data_field's, as they came
   std::vector<absl::Span<const uint8_t>> pieces;

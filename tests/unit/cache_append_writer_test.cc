@@ -528,6 +528,33 @@ TEST(CacheAppendPiecesTest, ADeviceErrorLeavesTheCacheAsBefore) {
   EXPECT_TRUE(cache.AppendPieces(tokens, Cut(payload, 40)).ok());
 }
 
+// A HostDevice that gives no host address: its cells count as a device's.
+class OpaqueDevice : public HostDevice {
+ public:
+  OpaqueDevice() : HostDevice(size_t{1} << 26) {}
+  const uint8_t* HostAddress(const DeviceArena& arena) const override { return nullptr; }
+};
+
+// Cells outside host memory take the pieces gathered into one buffer (once the cells are
+// reserved), with the same outcome.
+TEST(CacheAppendPiecesTest, CellsOutsideHostMemoryTakeThePiecesGathered) {
+  OpaqueDevice device;
+  absl::StatusOr<std::unique_ptr<Cache>> reference = Cache::Create(AttentionSpec(), &device);
+  absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(AttentionSpec(), &device);
+  ASSERT_TRUE(reference.ok() && created.ok());
+  Cache& cache = **created;
+  EXPECT_FALSE(cache.appends_pieces_in_place());
+  EXPECT_FALSE(cache.GathersPieces(1));
+  EXPECT_TRUE(cache.GathersPieces(2));
+  for (Cache* each : {reference->get(), &cache}) ASSERT_TRUE(AppendRange(*each, 0, 0, 4).ok());
+  const std::vector<Token> tokens = Tokens(0, 4, 12);
+  const std::vector<uint8_t> payload = PayloadFor(cache.spec(), tokens, /*salt=*/3);
+  ASSERT_TRUE((*reference)->Append(tokens, payload).ok());
+  const absl::Status appended = cache.AppendPieces(tokens, Cut(payload, 7));
+  ASSERT_TRUE(appended.ok()) << appended;
+  EXPECT_TRUE(SameState(CaptureState(**reference), CaptureState(cache)));
+}
+
 // The writer keeps its cache alive: a cache dropped by everything else meanwhile is deleted
 // with the writer, its cells given back first.
 TEST(CacheAppendWriterTest, TheWriterKeepsItsCacheAlive) {
@@ -561,11 +588,20 @@ TEST(CacheAppendWriterTest, WritersRunBesideReadsCopiesAndOtherAppends) {
   TestCache tc(spec);
   std::shared_ptr<Cache> cache = Shared(tc);
   constexpr int32_t kLimit = 96;  // a sequence is truncated to empty before it grows past this
-  const absl::Time stop = absl::Now() + absl::Seconds(2);
   std::atomic<int> failures{0};
   std::atomic<int64_t> commits{0};
   std::atomic<int64_t> drops{0};
   std::atomic<int64_t> checked_reads{0};
+  // 2 s, and on until every kind of step ran a few times (a loaded machine gets fewer done), but
+  // no longer than 120 s.
+  const absl::Time start = absl::Now();
+  auto running = [&] {
+    if (failures != 0) return false;
+    const absl::Duration elapsed = absl::Now() - start;
+    if (elapsed < absl::Seconds(2)) return true;
+    if (elapsed > absl::Seconds(120)) return false;
+    return commits <= 10 || drops == 0 || checked_reads <= 10;
+  };
   auto fail = [&](const std::string& what) {
     if (++failures <= 5) ADD_FAILURE() << what;
   };
@@ -588,7 +624,7 @@ TEST(CacheAppendWriterTest, WritersRunBesideReadsCopiesAndOtherAppends) {
     threads.emplace_back([&, seq] {
       std::mt19937 rng(static_cast<uint32_t>(seq) + 1);
       int32_t next = 0;
-      while (absl::Now() < stop && failures == 0) {
+      while (running()) {
         const int32_t n = 1 + static_cast<int32_t>(rng() % 12);
         if (next + n > kLimit) {
           if (absl::Status s = cache->Remove(seq, 0, std::nullopt); !s.ok()) {
@@ -625,7 +661,7 @@ TEST(CacheAppendWriterTest, WritersRunBesideReadsCopiesAndOtherAppends) {
   }
   threads.emplace_back([&] {  // unary Appends and truncations of sequence 2
     int32_t next = 0;
-    while (absl::Now() < stop && failures == 0) {
+    while (running()) {
       if (next + 8 > kLimit) {
         if (absl::Status s = cache->Remove(2, 0, std::nullopt); !s.ok()) {
           fail(absl::StrCat("Remove 2: ", s.ToString()));
@@ -640,7 +676,7 @@ TEST(CacheAppendWriterTest, WritersRunBesideReadsCopiesAndOtherAppends) {
   });
   threads.emplace_back([&] {  // readers and copies of the writers' sequences
     int64_t i = 0;
-    while (absl::Now() < stop && failures == 0) {
+    while (running()) {
       const int64_t src = i++ % 2;
       check(src, src);
       check(2, 2);

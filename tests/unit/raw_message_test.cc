@@ -153,9 +153,11 @@ TEST(RawAppendStreamTest, RefusalsNameWhatIsWrong) {
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
     return std::string(status.message());
   };
+  EXPECT_THAT(refusal(Tag(2, 2) + Varint(1000) + "abc"),
+              HasSubstr("field 2 of 1000 bytes runs past the message"));
   EXPECT_THAT(refusal(Tag(2, 2) + Varint(uint64_t{1} << 62) + "abc"),
-              HasSubstr("field 2 of 4611686018427387904 bytes runs past the message"));
-  EXPECT_THAT(refusal(Tag(2, 2) + std::string(10, '\xff') + "\x01"), HasSubstr("truncated"));
+              HasSubstr("field 2 has a length of 2 GiB or more, or of over 5 bytes"));
+  EXPECT_THAT(refusal(Tag(2, 2) + "\xff"), HasSubstr("field 2 is truncated"));
   EXPECT_THAT(refusal(std::string("\x02\x00", 2)), HasSubstr("field 0"));
   EXPECT_THAT(refusal(Tag(7, 4)), HasSubstr("field 7 ends a group that never began"));
   EXPECT_THAT(refusal(Tag(7, 3) + Tag(8, 4)), HasSubstr("group 7 ends with the end of group 8"));
@@ -168,6 +170,30 @@ TEST(RawAppendStreamTest, RefusalsNameWhatIsWrong) {
   for (int i = 0; i < 200; ++i) deep += Tag(7, 3);
   for (int i = 0; i < 200; ++i) deep += Tag(7, 4);
   EXPECT_THAT(refusal(deep), HasSubstr("groups nest more than 100 deep"));
+}
+
+// Lengths of length-delimited fields are read as protobuf reads them: a varint of at most 5
+// bytes (padded ones included) below 2^31 - 16; longer or larger ones are refused, for the data,
+// the header and unknown fields alike.
+TEST(RawAppendStreamTest, LengthsAreReadAsProtobufReadsThem) {
+  const std::string padded_one("\x81\x80\x80\x80\x00", 5);     // 1, in 5 bytes
+  const std::string six_bytes("\x81\x80\x80\x80\x80\x00", 6);  // 1, in 6 bytes
+  const std::string too_large("\xf0\xff\xff\xff\x07", 5);      // 2^31 - 16
+  const std::string largest("\xef\xff\xff\xff\x07", 5);        // 2^31 - 17
+  int taken = 0;
+  for (const std::string& length : {padded_one, six_bytes, too_large, largest}) {
+    for (uint64_t field : {uint64_t{1}, uint64_t{2}, uint64_t{15}}) {
+      const std::string bytes = Tag(field, 2) + length + std::string(1, '\0');
+      taken += ExpectParsedAsProtobufDoes(
+          bytes, absl::StrCat("field ", field, ", length ", absl::BytesToHexString(length)));
+    }
+  }
+  // The padded 1, as data and as an unknown field (one byte of header is no message).
+  EXPECT_EQ(taken, 2);
+  RawAppendStreamRequest raw;
+  const std::vector<grpc::Slice> slices = Cut(Tag(2, 2) + six_bytes + "x", 1);
+  EXPECT_THAT(std::string(ParseAppendStreamRequest(slices, &raw).message()),
+              HasSubstr("field 2 has a length of 2 GiB or more, or of over 5 bytes"));
 }
 
 // ---- the unary AppendRequest: the payload in field 3, beside the other fields ---------------
@@ -186,7 +212,9 @@ bool ExpectAppendParsedAsProtobufDoes(const std::string& bytes, const std::strin
   for (size_t piece : {size_t{0}, size_t{1}, size_t{2}, size_t{3}, size_t{7}, size_t{64}}) {
     const std::vector<grpc::Slice> slices = Cut(bytes, piece);
     RawAppendRequest raw;
-    raw.request.set_cache("left from before");  // cleared by the parse
+    raw.request.set_cache("left from before");  // cleared by the parse, as the payload's views
+    raw.payload.emplace_back(reinterpret_cast<const uint8_t*>("stale"), 5);
+    raw.payload_bytes = 5;
     const absl::Status status = ParseAppendRequest(slices, &raw);
     EXPECT_EQ(status.ok(), ok) << what << ", pieces of " << piece << ": " << status;
     if (!ok || !status.ok()) continue;
@@ -237,6 +265,9 @@ std::vector<std::string> AppendEncodings() {
       payload_field + Tag(2, 2) + Varint(2) + Tag(1, 1) + "x",
       Tag((uint64_t{1} << 29) - 1, 0) + Varint(1) + Tag(3, 2) + Varint(1) + "x",
       Tag(3, 2) + Varint(0),
+      // A length of 1 in 5 bytes (taken), and in 6 (refused, as protobuf refuses it).
+      Tag(3, 2) + std::string("\x81\x80\x80\x80\x00", 5) + "x",
+      Tag(3, 2) + std::string("\x81\x80\x80\x80\x80\x00", 6) + "x",
   };
 }
 
@@ -245,7 +276,7 @@ TEST(RawAppendRequestTest, ParsesAsProtobufDoesInSlicesOfEverySize) {
   for (const std::string& bytes : AppendEncodings()) {
     taken += ExpectAppendParsedAsProtobufDoes(bytes, absl::StrCat(bytes.size(), " bytes"));
   }
-  EXPECT_EQ(taken, static_cast<int>(AppendEncodings().size()) - 2);  // the two refused above
+  EXPECT_EQ(taken, static_cast<int>(AppendEncodings().size()) - 3);  // the three refused above
 }
 
 TEST(RawAppendRequestTest, EveryPrefixIsJudgedAsProtobufJudgesIt) {
