@@ -10,10 +10,10 @@
 
 #include <grpc/slice.h>
 #include <grpcpp/alarm.h>
+#include <grpcpp/client_context.h>
 #include <grpcpp/impl/codegen/rpc_method.h>
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
-#include <grpcpp/client_context.h>
 #include <grpcpp/support/sync_stream.h>
 
 #include "absl/strings/str_cat.h"
@@ -21,9 +21,9 @@
 #include "absl/types/span.h"
 #include "cache/mutex.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
+#include "proto/wire/slice_reader.h"
 #include "tests/sanitizers/tsan_handoff.h"
 #include "transport/checksum.h"
-#include "proto/wire/slice_reader.h"
 
 namespace kvmesh {
 namespace transport {
@@ -66,8 +66,8 @@ absl::Status FromFetchStatus(const grpc::Status& status, const Lease& lease, uin
 const grpc::internal::RpcMethod& FetchMethod() {
   static const std::string* const name =
       new std::string(absl::StrCat("/", v1::PeerService::service_full_name(), "/Fetch"));
-  static const grpc::internal::RpcMethod* const method = new grpc::internal::RpcMethod(
-      name->c_str(), grpc::internal::RpcMethod::SERVER_STREAMING);
+  static const grpc::internal::RpcMethod* const method =
+      new grpc::internal::RpcMethod(name->c_str(), grpc::internal::RpcMethod::SERVER_STREAMING);
   return *method;
 }
 
@@ -172,8 +172,8 @@ absl::Status GrpcStreamTransport::Receive(const Lease& lease, Sink sink, absl::T
   const std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
       grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel.get(), FetchMethod(),
                                                                     &context, request));
-  const std::string from = absl::StrCat("Fetch of lease ", lease.id, " from ",
-                                        DescribeSender(lease));
+  const std::string from =
+      absl::StrCat("Fetch of lease ", lease.id, " from ", DescribeSender(lease));
   grpc::ByteBuffer message;
   std::vector<grpc::Slice> slices;
   uint64_t received = 0;
@@ -183,8 +183,8 @@ absl::Status GrpcStreamTransport::Receive(const Lease& lease, Sink sink, absl::T
     slices.clear();
     ParsedChunk chunk;
     if (!message.Dump(&slices).ok()) {
-      stopped = absl::DataLossError(absl::StrCat(from, ": a chunk after ", received,
-                                                 " bytes could not be read"));
+      stopped = absl::DataLossError(
+          absl::StrCat(from, ": a chunk after ", received, " bytes could not be read"));
       break;
     }
     stopped = ParseChunk(slices, &chunk);
@@ -199,22 +199,22 @@ absl::Status GrpcStreamTransport::Receive(const Lease& lease, Sink sink, absl::T
       break;
     }
     if (chunk.data_bytes > lease.payload_bytes - received) {
-      stopped = absl::DataLossError(absl::StrCat(
-          from, ": chunk at offset ", chunk.offset, " of ", chunk.data_bytes,
-          " bytes runs to offset ", received + chunk.data_bytes, ", past the payload's ",
-          lease.payload_bytes, " bytes"));
+      stopped = absl::DataLossError(
+          absl::StrCat(from, ": chunk at offset ", chunk.offset, " of ", chunk.data_bytes,
+                       " bytes runs to offset ", received + chunk.data_bytes,
+                       ", past the payload's ", lease.payload_bytes, " bytes"));
       break;
     }
     if (!chunk.has_data || chunk.data_bytes == 0) {
-      stopped = absl::DataLossError(absl::StrCat(from, ": chunk at offset ", chunk.offset,
-                                                 " carries no data"));
+      stopped = absl::DataLossError(
+          absl::StrCat(from, ": chunk at offset ", chunk.offset, " carries no data"));
       break;
     }
     // A sender that announced the whole payload's CRC-32C (an older node) may send chunks
     // without their own; the whole one is checked at the end.
     if (!chunk.has_crc32c && !lease.has_crc32c) {
-      stopped = absl::DataLossError(absl::StrCat(from, ": chunk at offset ", chunk.offset,
-                                                 " carries no crc32c"));
+      stopped = absl::DataLossError(
+          absl::StrCat(from, ": chunk at offset ", chunk.offset, " carries no crc32c"));
       break;
     }
     // Each piece is checksummed and handed on while it is in the cache. A sink error stops
@@ -227,10 +227,10 @@ absl::Status GrpcStreamTransport::Receive(const Lease& lease, Sink sink, absl::T
       if (sunk.ok()) sunk = sink(piece);
     }
     if (chunk.has_crc32c && chunk_crc != chunk.crc32c) {
-      stopped = absl::DataLossError(absl::StrCat(
-          from, ": CRC-32C of the ", chunk.data_bytes, " bytes of the chunk at offset ",
-          chunk.offset, " is ", Hex32(chunk_crc), " but the sender computed ",
-          Hex32(chunk.crc32c)));
+      stopped = absl::DataLossError(absl::StrCat(from, ": CRC-32C of the ", chunk.data_bytes,
+                                                 " bytes of the chunk at offset ", chunk.offset,
+                                                 " is ", Hex32(chunk_crc),
+                                                 " but the sender computed ", Hex32(chunk.crc32c)));
       break;
     }
     stopped = sunk;
@@ -312,8 +312,9 @@ size_t EncodeChunkFields(uint64_t offset, uint32_t crc32c, uint64_t data_bytes, 
 // reads can be pending then (only an owner finishes).
 class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  FetchReactor(const grpc::ByteBuffer& request, LeaseLookup* leases, const SenderOptions& options)
-      : leases_(leases), options_(options) {
+  FetchReactor(const grpc::ByteBuffer& request, absl::Time deadline, LeaseLookup* leases,
+               const SenderOptions& options)
+      : leases_(leases), options_(options), deadline_(deadline) {
     const grpc::Status status = Start(request);
     if (!status.ok()) {
       Done(status);
@@ -365,8 +366,9 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
     }
     if (!request.ParseFromString(bytes)) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("the FetchRequest of ", bytes.size(), " bytes does not parse"));
+      return grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("the FetchRequest of ", bytes.size(), " bytes does not parse"));
     }
     lease_id_ = request.lease_id();
     absl::StatusOr<std::shared_ptr<LeasedPayload>> payload = leases_->Touch(lease_id_);
@@ -517,6 +519,14 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       Done(CancelledStatus());
       return;
     }
+    if (absl::Now() >= deadline_) {
+      // The call's deadline passed while the read was queued: its receiver has returned, though
+      // gRPC may not have told this reactor yet (OnCancel comes later on a loaded node).
+      Done(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        absl::StrCat("lease ", lease_id_, " at offset ", offset_,
+                                     ": the Fetch's deadline passed while its read was queued")));
+      return;
+    }
     const size_t n = std::min(chunk_bytes_, size_ - offset_);
     // One copy, into a slice of its own (allocated here, not when queued, so that queued reads
     // hold no memory).
@@ -526,9 +536,9 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     slices.emplace_back(copy, grpc::Slice::STEAL_REF);
     const absl::Status read = payload_->ReadAt(offset_, absl::Span<uint8_t>(data, n));
     if (!read.ok()) {
-      Done(grpc::Status(static_cast<grpc::StatusCode>(read.code()),
-                        absl::StrCat("reading lease ", lease_id_, " at offset ", offset_, ": ",
-                                     read.message())));
+      Done(grpc::Status(
+          static_cast<grpc::StatusCode>(read.code()),
+          absl::StrCat("reading lease ", lease_id_, " at offset ", offset_, ": ", read.message())));
       return;
     }
     const uint32_t crc = Crc32cExtend(0, absl::Span<const uint8_t>(data, n));
@@ -557,15 +567,16 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   LeaseLookup* const leases_;
   const SenderOptions options_;
-  std::string lease_id_;  // set by the constructor
+  const absl::Time deadline_;  // the call's
+  std::string lease_id_;       // set by the constructor
 
   // Owned by the current owner (see the class comment).
   std::shared_ptr<LeasedPayload> payload_;
   size_t size_ = 0;
-  size_t offset_ = 0;       // of the next chunk
-  size_t chunk_bytes_ = 0;  // of every chunk but the last
-  int64_t chunks_ = 0;      // chunks sent so far
-  grpc::ByteBuffer chunk_;  // the message being written
+  size_t offset_ = 0;                             // of the next chunk
+  size_t chunk_bytes_ = 0;                        // of every chunk but the last
+  int64_t chunks_ = 0;                            // chunks sent so far
+  grpc::ByteBuffer chunk_;                        // the message being written
   std::vector<absl::Span<const uint8_t>> views_;  // SendChunk's, kept for its capacity
 
   Mutex mu_;
@@ -589,8 +600,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ServeFetch(grpc::CallbackServerConte
                                                        const grpc::ByteBuffer* request,
                                                        LeaseLookup* leases,
                                                        const SenderOptions& options) {
-  (void)context;  // cancellation arrives through the reactor's OnCancel
-  return new FetchReactor(*request, leases, options);
+  // Cancellation arrives through the reactor's OnCancel; a queued read also checks the deadline.
+  return new FetchReactor(*request, absl::FromChrono(context->deadline()), leases, options);
 }
 
 }  // namespace transport
