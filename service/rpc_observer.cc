@@ -35,11 +35,10 @@ bool KnownService(absl::string_view service) {
 }
 
 // How the method's request reaches the interceptor: as its generated protobuf class (kvmesh's
-// methods), as a ByteBuffer of a kvmesh request (CacheService/Read and AppendStream, served raw,
-// whose request or first message's header is parsed here for the log), or as neither
-// (PeerService/Fetch's request names nothing worth logging; health and reflection are raw inside
-// gRPC).
-// How the node's handler receives a method's request: parsed, or raw (cache_service.h).
+// methods), as a ByteBuffer of a kvmesh request (CacheService/Append, Read and AppendStream,
+// served raw, whose request or first message's header is parsed here for the log), or as
+// neither (PeerService/Fetch's request names nothing worth logging; health and reflection are
+// raw inside gRPC).
 enum class RequestForm { kNone, kProtobuf, kRawRead, kRawAppend, kRawAppendStream };
 
 RequestForm FormOf(absl::string_view service, absl::string_view method) {
@@ -180,12 +179,10 @@ class RpcObserver final : public grpc::experimental::Interceptor {
             Extract(request, &named_);
           }
         } else if (form_ == RequestForm::kRawAppend) {
-          // The fields beside the payload, which is viewed, never copied.
-          std::vector<grpc::Slice> slices;
-          RawAppendRequest request;
-          if (static_cast<const grpc::ByteBuffer*>(message)->Dump(&slices).ok() &&
-              ParseAppendRequest(slices, &request).ok()) {
-            Extract(request.request, &named_);
+          // Parsed only when the call's line is logged (a success is logged at debug level only):
+          // until then the observer holds references to the slices the handler holds anyway.
+          if (!static_cast<const grpc::ByteBuffer*>(message)->Dump(&append_slices_).ok()) {
+            append_slices_.clear();
           }
         } else {
           // The header only: the data is viewed, never copied.
@@ -212,6 +209,15 @@ class RpcObserver final : public grpc::experimental::Interceptor {
   void Finish(grpc::StatusCode code, const std::string& message, bool context_alive)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_ = true;
+    if (!append_slices_.empty()) {
+      // A raw Append's fields beside its payload, which is viewed, never copied.
+      RawAppendRequest request;
+      const LogLevel logged = code == grpc::StatusCode::OK ? LogLevel::kDebug : LogLevel::kWarning;
+      if (LogEnabled(logged) && ParseAppendRequest(append_slices_, &request).ok()) {
+        Extract(request.request, &named_);
+      }
+      append_slices_.clear();
+    }
     const absl::Duration elapsed = absl::Now() - start_;
     const std::string code_name = GrpcCodeName(code);
     if (rpc_ != nullptr) rpc_->Finished(code_name, elapsed);
@@ -247,6 +253,7 @@ class RpcObserver final : public grpc::experimental::Interceptor {
   bool received_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   Named named_ ABSL_GUARDED_BY(mu_);
+  std::vector<grpc::Slice> append_slices_ ABSL_GUARDED_BY(mu_);  // a raw Append's request
 };
 
 }  // namespace

@@ -648,10 +648,19 @@ TEST(LogTest, TextAtWarningLeavesOutSuccessesAndKeepsErrors) {
   KVMESH_ASSERT_OK(CreateCache(*stub, SmallSpec("w")));
   v1::GetCacheResponse ignored;
   EXPECT_EQ(GetCache(*stub, "absent", &ignored).error_code(), grpc::StatusCode::NOT_FOUND);
+  // A raw Append (served from its bytes) is named too when it fails, and not when it succeeds.
+  const v1::CacheSpec spec = SmallSpec("w");
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 6, {0, 1})));
+  v1::AppendRequest missing = MakeAppend(spec, 7, {0, 1});
+  missing.set_cache("no-such-cache");
+  EXPECT_EQ(Append(*stub, missing).error_code(), grpc::StatusCode::NOT_FOUND);
   stub.reset();
   (*node)->ReleaseChannel();
   ASSERT_TRUE((*node)->Stop().clean());
   const std::string log = (*node)->ReadStderr();
+  EXPECT_THAT(log, HasSubstr("method=Append code=NOT_FOUND"));
+  EXPECT_THAT(log, HasSubstr("cache=no-such-cache"));
+  EXPECT_THAT(log, Not(HasSubstr("method=Append code=OK")));
   EXPECT_THAT(log, Not(HasSubstr("method=CreateCache")));
   EXPECT_THAT(log, Not(HasSubstr("listening")));  // info
   EXPECT_THAT(log, HasSubstr(" W kvmesh-node log-text: rpc failed service=CacheService "
