@@ -170,6 +170,11 @@ ABSL_FLAG(kvmesh::ByteSize, inflight_budget, kvmesh::ByteSize{0},
           "with RESOURCE_EXHAUSTED), a quarter for gRPC's own buffers of messages being "
           "received (its ResourceQuota), which must hold one of --max-message-bytes; "
           "0 (default): 1GiB, or 4 x --max-message-bytes when that is more");
+ABSL_FLAG(kvmesh::ByteSize, stream_window, kvmesh::ByteSize{0},
+          "how much of one call's incoming data gRPC may buffer beyond the message being read "
+          "(its HTTP/2 stream window, fixed instead of gRPC's own tuning, which grows it past "
+          "its quota on a fast link and then cancels the call); 0 (default): a sixteenth of "
+          "gRPC's quarter of --inflight-budget, between 1MiB and 8MiB");
 ABSL_FLAG(int64_t, stream_idle_timeout_ms, 30000,
           "an AppendStream that sends no message for this long is ended with DEADLINE_EXCEEDED "
           "and its buffer freed, and a Read whose client takes no message for this long is "
@@ -203,6 +208,13 @@ constexpr uint64_t kDefaultInflightBytes = uint64_t{1} << 30;
 // of 1 MiB messages was cancelled with a quarter of 32 MiB (8 MiB), and with 16 MiB in one of
 // five tries on a loaded machine; with 32 MiB it went through every time.
 constexpr uint64_t kMinInflightBytes = uint64_t{128} << 20;
+// The HTTP/2 stream window (--stream_window). gRPC's own tuning sizes it from the measured
+// bandwidth-delay product, at least 16 MiB: on loopback one AppendStream whose handler writes
+// slower than its client sends (cells on a device) then filled gRPC's 32 MiB quota and gRPC
+// cancelled it (RST_STREAM, ENHANCE_YOUR_CALM), eight tries in a row on a loaded machine.
+constexpr uint64_t kMinStreamWindow = 64 << 10;
+constexpr uint64_t kMinAutoStreamWindow = uint64_t{1} << 20;
+constexpr uint64_t kMaxAutoStreamWindow = uint64_t{8} << 20;
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "kvmesh-node: %s\n", message.c_str());
@@ -487,6 +499,18 @@ int Run() {
         ": gRPC's quarter of it must hold a whole message; raise --inflight_budget "
         "or lower --max_message_bytes"));
   }
+  uint64_t stream_window = absl::GetFlag(FLAGS_stream_window).bytes;
+  if (stream_window == 0) {
+    stream_window =
+        std::clamp<uint64_t>(grpc_quota_bytes / 16, kMinAutoStreamWindow, kMaxAutoStreamWindow);
+  }
+  const uint64_t max_stream_window =
+      std::min<uint64_t>(grpc_quota_bytes / 4, static_cast<uint64_t>(INT_MAX));
+  if (stream_window < kMinStreamWindow || stream_window > max_stream_window) {
+    return Fail(absl::StrCat("--stream_window=", stream_window, " is out of range [",
+                             kMinStreamWindow, ", ", max_stream_window,
+                             "] (at most a quarter of gRPC's quarter of --inflight_budget)"));
+  }
   const int64_t stream_idle_timeout_ms = absl::GetFlag(FLAGS_stream_idle_timeout_ms);
   if (stream_idle_timeout_ms < 0) {
     return Fail(absl::StrCat("--stream_idle_timeout_ms=", stream_idle_timeout_ms,
@@ -768,8 +792,13 @@ int Run() {
   // windows, beyond the quota it cancels streams. One quota for both servers.
   grpc::ResourceQuota grpc_quota("kvmesh-node");
   grpc_quota.Resize(static_cast<size_t>(grpc_quota_bytes));
-  auto configure = [max_message, &grpc_quota, &metrics](grpc::ServerBuilder& builder) {
+  auto configure = [max_message, stream_window, &grpc_quota,
+                    &metrics](grpc::ServerBuilder& builder) {
     builder.SetResourceQuota(grpc_quota);
+    // A fixed stream window (--stream_window): without BDP probing gRPC keeps the one given.
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
+                               static_cast<int>(stream_window));
     // Every call counted, timed and logged (service/rpc_observer.h).
     builder.experimental().SetInterceptorCreators(RpcObserverCreators(&metrics));
     builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
