@@ -9,6 +9,7 @@
 // kernel fault that kills the context, an event), so the error paths of CudaDevice itself are
 // held to the same promise.
 #include <algorithm>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
@@ -17,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "cache/cache.h"
 #include "cache/device/device.h"
 #include "cache/mutex.h"
@@ -315,9 +317,23 @@ struct SweepFault {
   bool must_fire = false;
 };
 
-// Runs the scenario once for every n until the armed fault no longer fires.
+// How far apart the calls a sweep fails are: 1 (every call) unless KVMESH_FAULT_SWEEP_STRIDE
+// says otherwise (the TSan build: tests/unit/CMakeLists.txt).
+int SweepStride() {
+  const char* env = std::getenv("KVMESH_FAULT_SWEEP_STRIDE");
+  int stride = 1;
+  if (env != nullptr && (!absl::SimpleAtoi(env, &stride) || stride < 1)) {
+    ADD_FAILURE() << "KVMESH_FAULT_SWEEP_STRIDE=" << env << " is not a positive integer";
+    stride = 1;
+  }
+  return stride;
+}
+
+// Runs the scenario once for every n (every SweepStride()-th) until the armed fault no longer
+// fires.
 void Sweep(const FaultScenario& scenario, const SweepFault& fault, int* fired_runs) {
-  for (int n = fault.first;; ++n) {
+  const int stride = SweepStride();
+  for (int n = fault.first;; n += stride) {
     SCOPED_TRACE(::testing::Message()
                  << scenario.name << ": " << fault.name << " call " << n << " fails");
     ASSERT_LT(n, 200) << "the operation never completes";
