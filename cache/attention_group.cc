@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "cache/shortage.h"
 #include "cache/status_macros.h"
 
 namespace kvmesh {
@@ -197,10 +198,11 @@ absl::Status AttentionGroup::PrepareAppend(const AppendBatch& batch) {
   const int64_t num_tokens = static_cast<int64_t>(batch.tokens.size());
   const int64_t available = free_cells() + plan_.freed;
   if (available < num_tokens) {
-    return absl::ResourceExhaustedError(
+    return ResourceExhaustedWith(
         absl::StrCat("group ", index(), ": a batch of ", num_tokens,
                      " tokens needs as many free cells; ", available, " of ", geo_.cells,
-                     " are free", plan_.freed > 0 ? " after sliding-window pruning" : ""));
+                     " are free", plan_.freed > 0 ? " after sliding-window pruning" : ""),
+        {Resource::kCells, index(), num_tokens, available, geo_.cells});
   }
   return absl::OkStatus();
 }
@@ -422,12 +424,13 @@ absl::Status AttentionGroup::CheckRemove(int64_t seq, int32_t begin,
   if (shared == 0) return absl::OkStatus();
   const int64_t freed = CountCells(*index, begin, *end, /*shared=*/false);
   if (free_cells() + freed < shared) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "group ", LayerGroup::index(), ": removing [", begin, ", ", *end, ") from sequence ", seq,
-        " moves ", shared,
-        " cells shared with other sequences (or pinned by transfers), which need private copies; "
-        "only ",
-        free_cells() + freed, " cells are free"));
+    return ResourceExhaustedWith(
+        absl::StrCat("group ", LayerGroup::index(), ": removing [", begin, ", ", *end,
+                     ") from sequence ", seq, " moves ", shared,
+                     " cells shared with other sequences (or pinned by transfers), which need "
+                     "private copies; only ",
+                     free_cells() + freed, " cells are free"),
+        {Resource::kCells, LayerGroup::index(), shared, free_cells() + freed, geo_.cells});
   }
   return absl::OkStatus();
 }
@@ -581,9 +584,10 @@ absl::StatusOr<GroupSnapshot> AttentionGroup::TakeSnapshot(int64_t seq, int32_t 
 absl::Status AttentionGroup::CheckRoomForPositions(int64_t seq, int64_t positions) const {
   const int64_t available = free_cells() + PrivateCellsFrom(seq, 0);
   if (available >= positions) return absl::OkStatus();
-  return absl::ResourceExhaustedError(
+  return ResourceExhaustedWith(
       absl::StrCat("group ", index(), ": ", positions, " positions for sequence ", seq,
-                   " need as many free cells; ", available, " of ", geo_.cells, " are free"));
+                   " need as many free cells; ", available, " of ", geo_.cells, " are free"),
+      {Resource::kCells, index(), positions, available, geo_.cells});
 }
 
 absl::Status AttentionGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap, int32_t from,
@@ -596,9 +600,10 @@ absl::Status AttentionGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap
   }
   const int64_t available = free_cells() + PrivateCellsFrom(seq, std::min(from, target));
   if (available < needed) {
-    return absl::ResourceExhaustedError(
+    return ResourceExhaustedWith(
         absl::StrCat("group ", index(), ": restoring ", needed, " positions into sequence ", seq,
-                     " needs as many free cells; ", available, " of ", geo_.cells, " are free"));
+                     " needs as many free cells; ", available, " of ", geo_.cells, " are free"),
+        {Resource::kCells, index(), needed, available, geo_.cells});
   }
   return absl::OkStatus();
 }

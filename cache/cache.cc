@@ -12,6 +12,7 @@
 #include "cache/layer_group.h"
 #include "cache/recurrent_group.h"
 #include "cache/rotating_group.h"
+#include "cache/shortage.h"
 #include "cache/snapshot_wire.h"
 #include "cache/status_macros.h"
 
@@ -57,10 +58,12 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
   RETURN_IF_ERROR(ValidateSpec(spec));
   const size_t needed = CacheBytes(spec);
   if (needed > device->free_bytes()) {
-    return absl::ResourceExhaustedError(
+    return ResourceExhaustedWith(
         absl::StrCat("cache '", spec.name, "' needs ", needed, " bytes on device ", device->name(),
                      " but only ", device->free_bytes(), " of ", device->budget_bytes(),
-                     " bytes are free in the memory budget"));
+                     " bytes are free in the memory budget"),
+        {Resource::kDeviceBytes, -1, static_cast<int64_t>(needed),
+         static_cast<int64_t>(device->free_bytes()), static_cast<int64_t>(device->budget_bytes())});
   }
   // One stream per cache: its arenas (and the snapshot and pending chunks its groups allocate)
   // are bound to it, so work on different caches can overlap on the device.
@@ -176,9 +179,10 @@ absl::Status Cache::CheckRoomForLocked(int64_t seq, const char* what) const {
   if (IsLiveLocked(seq)) return absl::OkStatus();
   const int32_t live = ClaimedCountLocked();
   if (live + 1 <= spec_.max_sequences) return absl::OkStatus();
-  return absl::ResourceExhaustedError(
+  return ResourceExhaustedWith(
       absl::StrCat(what, " would make sequence ", seq, " live beside ", live,
-                   " others, more than max_sequences = ", spec_.max_sequences));
+                   " others, more than max_sequences = ", spec_.max_sequences),
+      {Resource::kSequences, -1, 1, std::max(0, spec_.max_sequences - live), spec_.max_sequences});
 }
 
 // ---- Append -------------------------------------------------------------------------------
@@ -582,9 +586,11 @@ absl::Status Cache::CheckAppendLocked(const AppendBatch& batch,
       auto pending = pending_.find(seq);
       const size_t held = pending == pending_.end() ? 0 : pending->second.size();
       if (held + count.at(seq) > static_cast<size_t>(spec_.max_batch)) {
-        return absl::ResourceExhaustedError(
+        return ResourceExhaustedWith(
             absl::StrCat("sequence ", seq, " would hold ", held + count.at(seq),
-                         " pending speculative tokens, more than max_batch = ", spec_.max_batch));
+                         " pending speculative tokens, more than max_batch = ", spec_.max_batch),
+            {Resource::kPendingTokens, -1, count.at(seq),
+             std::max<int64_t>(0, spec_.max_batch - static_cast<int64_t>(held)), spec_.max_batch});
       }
     }
   }
@@ -607,9 +613,11 @@ absl::Status Cache::CheckAppendLocked(const AppendBatch& batch,
   for (int64_t seq : batch.seqs) new_sequences += !IsLiveLocked(seq);
   const int32_t live = ClaimedCountLocked();
   if (live + new_sequences > spec_.max_sequences) {
-    return absl::ResourceExhaustedError(
+    return ResourceExhaustedWith(
         absl::StrCat("the batch adds ", new_sequences, " new sequences to ", live,
-                     " live ones, more than max_sequences = ", spec_.max_sequences));
+                     " live ones, more than max_sequences = ", spec_.max_sequences),
+        {Resource::kSequences, -1, new_sequences, std::max(0, spec_.max_sequences - live),
+         spec_.max_sequences});
   }
   return absl::OkStatus();
 }
@@ -780,10 +788,12 @@ absl::StatusOr<bool> Cache::CanResume(int64_t seq, int32_t pos) const {
 
 // ---- CopyPrefix / Remove ------------------------------------------------------------------
 
-absl::Status Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length) {
+absl::StatusOr<int32_t> Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length,
+                                          int32_t require_src_offset) {
   RETURN_IF_ERROR(CheckNonNegative("src_seq", src_seq));
   RETURN_IF_ERROR(CheckNonNegative("dst_seq", dst_seq));
   RETURN_IF_ERROR(CheckNonNegative("length", length));
+  RETURN_IF_ERROR(CheckCopyPrefixCondition(length, require_src_offset));
   if (src_seq == dst_seq) {
     return absl::InvalidArgumentError(absl::StrCat("src_seq and dst_seq are both ", src_seq,
                                                    "; a prefix copy needs two sequences"));
@@ -793,6 +803,7 @@ absl::Status Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length)
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(src_seq, "CopyPrefix from it"));
   RETURN_IF_ERROR(CheckNotPendingLocked(dst_seq, "CopyPrefix into it"));
+  RETURN_IF_ERROR(CheckOffsetAtLeastLocked(src_seq, require_src_offset));
   bool dst_live_after = false;
   for (const auto& group : groups_) {
     RETURN_IF_ERROR(group->CheckCopyPrefix(src_seq, dst_seq, length));
@@ -806,7 +817,27 @@ absl::Status Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length)
     const absl::Status s = group->ApplyCopyPrefix(src_seq, dst_seq, length);
     if (status.ok()) status = s;
   }
-  return FailLocked(status);
+  RETURN_IF_ERROR(FailLocked(status));
+  return OffsetLocked(dst_seq);
+}
+
+absl::Status Cache::CheckCopyPrefixCondition(int32_t length, int32_t require_src_offset) {
+  RETURN_IF_ERROR(CheckNonNegative("require_src_offset", require_src_offset));
+  if (length == 0 && require_src_offset > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("require_src_offset = ", require_src_offset,
+                     " with length = 0: a copy of nothing empties dst whatever src holds"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Cache::CheckOffsetAtLeastLocked(int64_t seq, int32_t required) const {
+  if (required == 0) return absl::OkStatus();
+  const int32_t offset = OffsetLocked(seq);
+  if (offset >= required) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("sequence ", seq, " of cache '", spec_.name, "' has offset ", offset,
+                   offset == 0 ? " (it stores nothing)" : "", ", below the required ", required));
 }
 
 absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> end) {
@@ -982,11 +1013,18 @@ absl::StatusOr<int32_t> Cache::CheckSnapshotLocked(int64_t seq, int32_t from_off
 
 absl::StatusOr<SnapshotInfo> Cache::Snapshot(int64_t seq, int32_t from_offset,
                                              std::optional<int32_t> to) {
+  return SnapshotRequiring(seq, from_offset, to, /*require_offset=*/0);
+}
+
+absl::StatusOr<SnapshotInfo> Cache::SnapshotRequiring(int64_t seq, int32_t from_offset,
+                                                      std::optional<int32_t> to,
+                                                      int32_t require_offset) {
   RETURN_IF_ERROR(CheckSnapshotArgs(seq, from_offset, to));
   MutexLock lock(&mu_);
   SnapshotRecord record;
   record.seq = seq;
   record.from = from_offset;
+  RETURN_IF_ERROR(CheckOffsetAtLeastLocked(seq, require_offset));
   ASSIGN_OR_RETURN(record.to, CheckSnapshotLocked(seq, from_offset, to));
   for (const auto& group : groups_) {
     ASSIGN_OR_RETURN(GroupSnapshot g, group->TakeSnapshot(seq, from_offset, record.to));
@@ -1230,10 +1268,11 @@ void Cache::UnpinCells(size_t group, absl::Span<const int32_t> cells) {
 
 absl::StatusOr<std::unique_ptr<SnapshotExportReader>> Cache::OpenSequenceExport(
     const std::shared_ptr<Cache>& cache, int64_t seq, int32_t from_offset,
-    std::optional<int32_t> to) {
+    std::optional<int32_t> to, int32_t require_offset) {
   Cache& c = *cache;
   if (!c.lends_cells_) {
-    ASSIGN_OR_RETURN(const SnapshotInfo taken, c.Snapshot(seq, from_offset, to));
+    ASSIGN_OR_RETURN(const SnapshotInfo taken,
+                     c.SnapshotRequiring(seq, from_offset, to, require_offset));
     absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader = c.OpenSnapshotExport(taken.id);
     // The reader shares the snapshot's chunks: the snapshot itself can go.
     (void)c.DropSnapshot(taken.id);
@@ -1245,6 +1284,7 @@ absl::StatusOr<std::unique_ptr<SnapshotExportReader>> Cache::OpenSequenceExport(
   std::vector<ChunkFormat> formats;
   {
     MutexLock lock(&c.mu_);
+    RETURN_IF_ERROR(c.CheckOffsetAtLeastLocked(seq, require_offset));
     ASSIGN_OR_RETURN(const int32_t end, c.CheckSnapshotLocked(seq, from_offset, to));
     record = c.PinRecordLocked(cache, seq, from_offset, end, &formats);
     info = c.InfoLocked(record);

@@ -351,7 +351,18 @@ class Cache {
   // dst's old contents go; dst gets src's stored positions < length, sharing src's cells.
   // INVALID_ARGUMENT for src == dst or negative arguments; RESOURCE_EXHAUSTED when dst would be
   // a new live sequence beyond max_sequences.
-  absl::Status CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length);
+  absl::Status CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length) {
+    return CopyPrefix(src_seq, dst_seq, length, /*require_src_offset=*/0).status();
+  }
+  // The same, and FAILED_PRECONDITION (nothing changed) unless src's offset is at least
+  // `require_src_offset` (0: no condition): a caller that recorded how far src reached cannot
+  // empty dst from a src that has since been removed or truncated. Returns dst's offset after
+  // the copy (0 when it got nothing). The arguments are checked by CheckCopyPrefixCondition.
+  absl::StatusOr<int32_t> CopyPrefix(int64_t src_seq, int64_t dst_seq, int32_t length,
+                                     int32_t require_src_offset);
+  // INVALID_ARGUMENT for a negative require_src_offset, and for one > 0 with length 0 (a copy
+  // of nothing empties dst whatever src holds, so it has nothing to require of src).
+  static absl::Status CheckCopyPrefixCondition(int32_t length, int32_t require_src_offset);
 
   // Drops positions [begin, end) (end absent: truncate). Later positions move down by
   // end - begin and their keys are re-rotated; cells shared with other sequences are copied
@@ -455,9 +466,11 @@ class Cache {
   // pinned, neither freed nor written in place, until the reader is gone (the reader keeps
   // `cache` alive, and a transfer's reference to the reader keeps it). The cells count as used
   // meanwhile, and their bytes as export_bytes (not as snapshot bytes).
+  // With `require_offset` > 0, FAILED_PRECONDITION unless seq's offset is at least that,
+  // checked under the same lock as the data is taken (a cross-node CopyPrefix's precondition).
   static absl::StatusOr<std::unique_ptr<SnapshotExportReader>> OpenSequenceExport(
       const std::shared_ptr<Cache>& cache, int64_t seq, int32_t from_offset,
-      std::optional<int32_t> to);
+      std::optional<int32_t> to, int32_t require_offset = 0);
 
   // Receives a wire image as BeginSnapshotImport does, but for RestoreImport rather than as a
   // stored snapshot: once the header has arrived, the rows go straight into free cells, pinned
@@ -525,6 +538,9 @@ class Cache {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // One past the largest position any group holds for `seq` (pending included).
   int32_t OffsetLocked(int64_t seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION unless seq's offset is at least `required` (0: always OK).
+  absl::Status CheckOffsetAtLeastLocked(int64_t seq, int32_t required) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Append's checks that need the lock (count: tokens per sequence of the batch).
   absl::Status CheckAppendLocked(const AppendBatch& batch,
                                  const absl::flat_hash_map<int64_t, int32_t>& count) const
@@ -555,6 +571,10 @@ class Cache {
   // Snapshot's checks of its arguments; then, under the lock, of the sequence. The latter
   // returns the snapshot's end.
   absl::Status CheckSnapshotArgs(int64_t seq, int32_t from_offset, std::optional<int32_t> to) const;
+  // Snapshot(seq, from_offset, to), refused (FAILED_PRECONDITION) unless seq's offset is at
+  // least `require_offset`.
+  absl::StatusOr<SnapshotInfo> SnapshotRequiring(int64_t seq, int32_t from_offset,
+                                                 std::optional<int32_t> to, int32_t require_offset);
   absl::StatusOr<int32_t> CheckSnapshotLocked(int64_t seq, int32_t from_offset,
                                               std::optional<int32_t> to) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -5,6 +5,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "cache/shortage.h"
 #include "cache/status_macros.h"
 
 namespace kvmesh {
@@ -82,9 +83,11 @@ absl::Status RecurrentGroup::PrepareAppend(const AppendBatch& batch) {
   in_place_ = writes_.size() > needed;
   if (needed > free_.size()) {
     writes_.clear();
-    return absl::ResourceExhaustedError(absl::StrCat("group ", index(), ": the batch needs ",
-                                                     needed, " new state slots; ", free_.size(),
-                                                     " of ", geo_.slots, " are free"));
+    return ResourceExhaustedWith(
+        absl::StrCat("group ", index(), ": the batch needs ", needed, " new state slots; ",
+                     free_.size(), " of ", geo_.slots, " are free"),
+        {Resource::kStateSlots, index(), static_cast<int64_t>(needed),
+         static_cast<int64_t>(free_.size()), geo_.slots});
   }
   return absl::OkStatus();
 }
@@ -307,8 +310,9 @@ absl::Status RecurrentGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap
         absl::StrCat("group ", index(), ": the snapshot holds no recurrent state"));
   }
   if (NeedsSlot(s) && free_.empty()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("group ", index(), ": no free state slot for sequence ", seq));
+    return ResourceExhaustedWith(
+        absl::StrCat("group ", index(), ": no free state slot for sequence ", seq),
+        {Resource::kStateSlots, index(), 1, 0, geo_.slots});
   }
   return absl::OkStatus();
 }

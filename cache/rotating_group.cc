@@ -5,6 +5,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "cache/shortage.h"
 #include "cache/status_macros.h"
 
 namespace kvmesh {
@@ -85,9 +86,10 @@ absl::Status RotatingGroup::PrepareAppend(const AppendBatch& batch) {
   // Writing into a ring that holds a window overwrites stored rows; a fresh ring holds none.
   in_place_ = needed < batch.seqs.size();
   if (needed > free_rings_.size()) {
-    return absl::ResourceExhaustedError(absl::StrCat("group ", index(), ": the batch needs ",
-                                                     needed, " new rings; ", free_rings_.size(),
-                                                     " are free"));
+    return ResourceExhaustedWith(absl::StrCat("group ", index(), ": the batch needs ", needed,
+                                              " new rings; ", free_rings_.size(), " are free"),
+                                 {Resource::kRings, index(), static_cast<int64_t>(needed),
+                                  static_cast<int64_t>(free_rings_.size()), geo_.rings});
   }
   return absl::OkStatus();
 }
@@ -359,8 +361,9 @@ absl::Status RotatingGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap,
         ", so clamping it to target ", target, " would leave an incomplete window"));
   }
   if (target > 0 && (s == nullptr || s->ring < 0) && free_rings_.empty()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("group ", index(), ": no free ring for sequence ", seq));
+    return ResourceExhaustedWith(
+        absl::StrCat("group ", index(), ": no free ring for sequence ", seq),
+        {Resource::kRings, index(), 1, 0, geo_.rings});
   }
   return absl::OkStatus();
 }

@@ -1137,22 +1137,24 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerConte
       ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
       RETURN_IF_ERROR(
           CheckNames({{"cache", request->cache()}, {"source_node", request->source_node()}}));
-      ASSIGN_OR_RETURN(
-          *response->mutable_transfer(),
-          options_.cluster->CopyPrefixFrom(caller.tenant, *request,
-                                           options_.cluster->Deadline(ContextDeadline(*context))));
-      return absl::OkStatus();
+      return options_.cluster->CopyPrefixFrom(
+          caller.tenant, *request, options_.cluster->Deadline(ContextDeadline(*context)), response);
     });
   }
   return RunOnCache(
-      context, request, [this, request](Cache& cache, const Principal& caller) -> absl::Status {
+      context, request,
+      [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
         ASSIGN_OR_RETURN(const Reservations::Guard guard,
                          GuardSequence(Reservations::Key(caller.tenant, request->cache()),
                                        request->dst_seq(), "CopyPrefix"));
         const int64_t dst[] = {request->dst_seq()};
         ASSIGN_OR_RETURN(const DrainGate::Ticket admitted,
                          AdmitSequences(cache, dst, "CopyPrefix"));
-        return cache.CopyPrefix(request->src_seq(), request->dst_seq(), request->length());
+        ASSIGN_OR_RETURN(const int32_t offset,
+                         cache.CopyPrefix(request->src_seq(), request->dst_seq(), request->length(),
+                                          request->require_src_offset()));
+        response->set_offset(offset);
+        return absl::OkStatus();
       });
 }
 

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "cache/shortage.h"
 
 namespace kvmesh {
 
@@ -54,17 +55,24 @@ absl::StatusOr<InflightBudget::Reservation> InflightBudget::Reserve(uint64_t byt
 absl::Status InflightBudget::Take(uint64_t bytes, absl::string_view what) {
   if (bytes > capacity_) {
     refused_.fetch_add(1, std::memory_order_relaxed);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        what, " needs ", bytes, " bytes in flight, more than this node's whole ",
-        "in-flight budget (", flag_, " = ", capacity_, " bytes); send it in smaller requests"));
+    return ResourceExhaustedWith(
+        absl::StrCat(what, " needs ", bytes, " bytes in flight, more than this node's whole ",
+                     "in-flight budget (", flag_, " = ", capacity_,
+                     " bytes); send it in smaller requests"),
+        {Resource::kInflightBytes, -1, static_cast<int64_t>(bytes),
+         static_cast<int64_t>(capacity_ - held_.load(std::memory_order_relaxed)),
+         static_cast<int64_t>(capacity_)});
   }
   uint64_t held = held_.load(std::memory_order_relaxed);
   do {
     if (bytes > capacity_ - held) {
       refused_.fetch_add(1, std::memory_order_relaxed);
-      return absl::ResourceExhaustedError(absl::StrCat(
-          what, " needs ", bytes, " bytes in flight, but other requests hold ", held, " of the ",
-          capacity_, " bytes of this node's in-flight budget (", flag_, "); retry later"));
+      return ResourceExhaustedWith(
+          absl::StrCat(what, " needs ", bytes, " bytes in flight, but other requests hold ", held,
+                       " of the ", capacity_, " bytes of this node's in-flight budget (", flag_,
+                       "); retry later"),
+          {Resource::kInflightBytes, -1, static_cast<int64_t>(bytes),
+           static_cast<int64_t>(capacity_ - held), static_cast<int64_t>(capacity_)});
     }
   } while (!held_.compare_exchange_weak(held, held + bytes, std::memory_order_relaxed));
   return absl::OkStatus();

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "cache/shortage.h"
 
 namespace kvmesh {
 
@@ -46,10 +47,13 @@ absl::StatusOr<DeviceArena> Device::Allocate(size_t bytes, MemoryPool pool,
   size_t used = used_bytes_[p].load(std::memory_order_relaxed);
   do {
     if (bytes > budget || used > budget - bytes) {
-      return absl::ResourceExhaustedError(
+      return ResourceExhaustedWith(
           absl::StrCat("device ", name(), ": allocating ", bytes, " bytes exceeds the ",
                        pool == MemoryPool::kCache ? "memory" : "snapshot", " budget (", used,
-                       " of ", budget, " bytes in use)"));
+                       " of ", budget, " bytes in use)"),
+          {pool == MemoryPool::kCache ? Resource::kDeviceBytes : Resource::kSnapshotBytes, -1,
+           static_cast<int64_t>(bytes), static_cast<int64_t>(used <= budget ? budget - used : 0),
+           static_cast<int64_t>(budget)});
     }
   } while (!used_bytes_[p].compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
   absl::StatusOr<uint8_t*> data = RawAllocate(bytes);

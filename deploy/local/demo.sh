@@ -177,8 +177,10 @@ step "prefill: push the KV of a 512-token prompt for seq 0 (AppendStream, 4 appe
 ctl $N append --cache=$cache --seq=0 --positions=0:512 --seed=1 --stream --batch=128
 
 step "fork the conversation three ways: copy-prefix seq 0 -> seqs 1, 2, 3 (cells shared, not copied)"
+# --require-src-offset: a scheduler passes the offset it recorded for seq 0, so that a source
+# removed or truncated since is refused instead of leaving the fork empty.
 for dst in 1 2 3; do
-  ctl $N copy-prefix --cache=$cache --src=0 --dst=$dst --length=512
+  ctl $N copy-prefix --cache=$cache --src=0 --dst=$dst --length=512 --require-src-offset=512
 done
 
 step "each fork continues differently (a 128-token turn, 4 decode steps, a 256-token turn)"
@@ -348,7 +350,8 @@ step "node-0: prefill a 1024-token prompt for seq 0 (128 MiB of K/V)"
 ctl node-0 append --cache=$cc --seq=0 --positions=0:1024 --seed=21 --stream --batch=256
 
 step "node-1 forks it: CopyPrefix from node-0's seq 0 into its own seq 5 (the destination pulls)"
-ctl node-1 copy-prefix --cache=$cc --src=0 --dst=5 --length=1024 --source-node=node-0
+ctl node-1 copy-prefix --cache=$cc --src=0 --dst=5 --length=1024 --source-node=node-0 \
+  --require-src-offset=1024
 ctl node-1 read --cache=$cc --seq=5 --verify-seed=21
 ctl node-1 append --cache=$cc --seq=5 --positions=1024:1040 --seed=22
 ctl node-0 list-sequences --cache=$cc

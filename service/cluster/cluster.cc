@@ -54,7 +54,12 @@ void SetDeadline(grpc::ClientContext* context, absl::Time deadline) {
 // A peer's status, with the peer named, as the scheduler sees it.
 absl::Status PeerError(const grpc::Status& status, const std::string& peer, const char* rpc) {
   const absl::Status s = FromGrpcStatus(status);
-  return absl::Status(s.code(), absl::StrCat(rpc, " on node '", peer, "': ", s.message()));
+  absl::Status named(s.code(), absl::StrCat(rpc, " on node '", peer, "': ", s.message()));
+  // What the peer said in numbers (a Shortage) goes on to the scheduler too.
+  s.ForEachPayload([&named](absl::string_view url, const absl::Cord& payload) {
+    named.SetPayload(url, payload);
+  });
+  return named;
 }
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
@@ -180,8 +185,17 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
                                              "' is not reserved for migration ", seq.migration_id(),
                                              " on node '", options_.self_name, "'"));
     }
+    RETURN_IF_ERROR(Cache::CheckCopyPrefixCondition(seq.length(), seq.require_offset()));
     // Nothing stored below `length` (or at all): the receiver empties its destination.
     const std::optional<SequenceInfo> info = cache->GetSequence(seq.seq());
+    // A CopyPrefix's precondition refuses here already, rather than answering `empty`;
+    // OpenSequenceExport checks it again as it takes the data.
+    if (seq.require_offset() > 0 && (!info.has_value() || info->offset < seq.require_offset())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", seq.seq(), " of cache '", request.cache(), "' has offset ",
+          info.has_value() ? info->offset : 0, info.has_value() ? "" : " (it stores nothing)",
+          " on node '", options_.self_name, "', below the required ", seq.require_offset()));
+    }
     bool empty = !info.has_value();
     if (info.has_value() && seq.length() > 0) {
       empty = true;
@@ -204,7 +218,7 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
     }
     const std::optional<int32_t> to =
         attention_only && seq.length() > 0 ? std::optional<int32_t>(seq.length()) : std::nullopt;
-    reader = Cache::OpenSequenceExport(cache, seq.seq(), 0, to);
+    reader = Cache::OpenSequenceExport(cache, seq.seq(), 0, to, seq.require_offset());
   } else if (request.what_case() == v1::ExportRequest::kSnapshotId) {
     reader = cache->OpenSnapshotExport(request.snapshot_id());
   } else {
@@ -448,7 +462,7 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
 absl::Status Cluster::CommitSequence(const std::string& tenant, const std::shared_ptr<Cache>& cache,
                                      const Pulled& pulled, int64_t dst_seq, int32_t length,
                                      bool must_be_unused, const std::string& commit_key,
-                                     const char* what) {
+                                     const char* what, int32_t* offset) {
   // The imported snapshot goes whatever happens: it was only the payload's way in.
   struct DropPulled {
     const std::shared_ptr<Cache>& cache;
@@ -481,6 +495,10 @@ absl::Status Cluster::CommitSequence(const std::string& tenant, const std::share
                                          : cache->Restore(dst_seq, pulled.snapshot.id, target);
   }
   if (committed.ok() && !commit_key.empty()) RememberCommitted(commit_key);
+  if (committed.ok() && offset != nullptr) {
+    const std::optional<SequenceInfo> info = cache->GetSequence(dst_seq);
+    *offset = info.has_value() ? info->offset : 0;
+  }
   return committed;
 }
 
@@ -499,15 +517,18 @@ void Cluster::RememberCommitted(const std::string& commit_key) {
   }
 }
 
-absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const std::string& tenant,
-                                                          const v1::CopyPrefixRequest& request,
-                                                          absl::Time deadline) {
+absl::Status Cluster::CopyPrefixFrom(const std::string& tenant,
+                                     const v1::CopyPrefixRequest& request, absl::Time deadline,
+                                     v1::CopyPrefixResponse* response) {
   ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache, FindCache(tenant, request.cache()));
-  if (request.src_seq() < 0 || request.dst_seq() < 0 || request.length() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("src_seq = ", request.src_seq(), ", dst_seq = ", request.dst_seq(),
-                     ", length = ", request.length(), ": none may be negative"));
+  if (request.src_seq() < 0 || request.dst_seq() < 0 || request.length() < 0 ||
+      request.require_src_offset() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "src_seq = ", request.src_seq(), ", dst_seq = ", request.dst_seq(),
+        ", length = ", request.length(), ", require_src_offset = ", request.require_src_offset(),
+        ": none may be negative"));
   }
+  RETURN_IF_ERROR(Cache::CheckCopyPrefixCondition(request.length(), request.require_src_offset()));
   // A new dst_seq is a new sequence here, which a draining node does not take.
   DrainGate::Ticket admitted;
   if (options_.gate != nullptr) {
@@ -517,7 +538,9 @@ absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const std::string& ten
   v1::ExportRequest what;
   what.mutable_sequence()->set_seq(request.src_seq());
   what.mutable_sequence()->set_length(request.length());
-  // A cross-node CopyPrefix of length 0 copies nothing: dst is emptied, as locally.
+  what.mutable_sequence()->set_require_offset(request.require_src_offset());
+  // A cross-node CopyPrefix of length 0 copies nothing: dst is emptied, as locally (the
+  // request was refused above if it also named a precondition).
   Pulled pulled;
   if (request.length() == 0) {
     pulled.empty = true;
@@ -526,9 +549,13 @@ absl::StatusOr<v1::TransferStats> Cluster::CopyPrefixFrom(const std::string& ten
     ASSIGN_OR_RETURN(pulled, PullInto(tenant, cache, request.source_node(), what, deadline,
                                       request.dst_seq(), request.length()));
   }
+  int32_t offset = 0;
   RETURN_IF_ERROR(CommitSequence(tenant, cache, pulled, request.dst_seq(), request.length(),
-                                 /*must_be_unused=*/false, /*commit_key=*/"", "CopyPrefix"));
-  return pulled.stats;
+                                 /*must_be_unused=*/false, /*commit_key=*/"", "CopyPrefix",
+                                 &offset));
+  *response->mutable_transfer() = pulled.stats;
+  response->set_offset(offset);
+  return absl::OkStatus();
 }
 
 absl::Status Cluster::CheckUnused(const Cache& cache, int64_t seq) const {

@@ -87,10 +87,10 @@ class Cluster {
   // ---- scheduler-facing operations (this node is the one called) --------------------------
   // Each acts on the caches of `tenant` (the caller's), here and on the other nodes, which
   // look the cache up among that tenant's caches.
-  // CopyPrefix with source_node naming another member: pulls into dst_seq.
-  absl::StatusOr<v1::TransferStats> CopyPrefixFrom(const std::string& tenant,
-                                                   const v1::CopyPrefixRequest& request,
-                                                   absl::Time deadline);
+  // CopyPrefix with source_node naming another member: pulls into dst_seq, and fills
+  // response's transfer and dst's offset.
+  absl::Status CopyPrefixFrom(const std::string& tenant, const v1::CopyPrefixRequest& request,
+                              absl::Time deadline, v1::CopyPrefixResponse* response);
   // With target_seq_unused (a drain), the target refuses to replace a sequence that stores
   // something there (ALREADY_EXISTS). `migration_id` names the migration (empty: a new one);
   // the target remembers the ids it committed, so that a Migrate repeated with the same id
@@ -164,10 +164,12 @@ class Cluster {
   // Restores a pulled sequence into dst_seq (or empties it), then drops the pulled snapshot.
   // With must_be_unused, ALREADY_EXISTS when dst_seq stores something. A non-empty
   // `commit_key` (a migration's) is remembered once committed; a commit under a key already
-  // remembered does nothing and succeeds.
+  // remembered does nothing and succeeds. With `offset`, dst_seq's offset as the commit left
+  // it (read under the same guard).
   absl::Status CommitSequence(const std::string& tenant, const std::shared_ptr<Cache>& cache,
                               const Pulled& pulled, int64_t dst_seq, int32_t length,
-                              bool must_be_unused, const std::string& commit_key, const char* what);
+                              bool must_be_unused, const std::string& commit_key, const char* what,
+                              int32_t* offset = nullptr);
   bool Committed(const std::string& commit_key) const;
   void RememberCommitted(const std::string& commit_key);
   // ALREADY_EXISTS when `seq` stores something in `cache`.

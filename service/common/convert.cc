@@ -4,8 +4,11 @@
 #include <utility>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "cache/status_macros.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 
 namespace kvmesh {
 namespace {
@@ -407,6 +410,43 @@ absl::Status CheckNames(
   return absl::OkStatus();
 }
 
+google::rpc::ErrorInfo ShortageToErrorInfo(const Shortage& shortage) {
+  google::rpc::ErrorInfo info;
+  info.set_reason(std::string(ShortageReason(shortage.resource)));
+  info.set_domain(std::string(kErrorDomain));
+  auto& metadata = *info.mutable_metadata();
+  if (shortage.group >= 0) metadata["group"] = absl::StrCat(shortage.group);
+  metadata["needed"] = absl::StrCat(shortage.needed);
+  metadata["free"] = absl::StrCat(shortage.free);
+  metadata["total"] = absl::StrCat(shortage.total);
+  return info;
+}
+
+std::optional<Shortage> ShortageFromErrorInfo(const google::rpc::ErrorInfo& info) {
+  if (info.domain() != kErrorDomain) return std::nullopt;
+  std::optional<Resource> resource;
+  for (Resource r : {Resource::kCells, Resource::kRings, Resource::kStateSlots,
+                     Resource::kSequences, Resource::kDeviceBytes, Resource::kPendingTokens,
+                     Resource::kInflightBytes, Resource::kSnapshotBytes}) {
+    if (ShortageReason(r) == info.reason()) resource = r;
+  }
+  if (!resource.has_value()) return std::nullopt;
+  Shortage shortage;
+  shortage.resource = *resource;
+  auto number = [&info](const char* key, int64_t* out) {
+    auto found = info.metadata().find(key);
+    return found != info.metadata().end() && absl::SimpleAtoi(found->second, out);
+  };
+  int64_t group = -1;
+  if (info.metadata().count("group") > 0 && !number("group", &group)) return std::nullopt;
+  shortage.group = static_cast<int32_t>(group);
+  if (!number("needed", &shortage.needed) || !number("free", &shortage.free) ||
+      !number("total", &shortage.total)) {
+    return std::nullopt;
+  }
+  return shortage;
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   const int code = static_cast<int>(status.code());
@@ -415,7 +455,13 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
       code >= grpc::StatusCode::CANCELLED && code <= grpc::StatusCode::UNAUTHENTICATED
           ? static_cast<grpc::StatusCode>(code)
           : grpc::StatusCode::UNKNOWN;
-  return grpc::Status(grpc_code, std::string(status.message()));
+  const std::optional<Shortage> shortage = GetShortage(status);
+  if (!shortage.has_value()) return grpc::Status(grpc_code, std::string(status.message()));
+  google::rpc::Status details;
+  details.set_code(grpc_code);
+  details.set_message(std::string(status.message()));
+  details.add_details()->PackFrom(ShortageToErrorInfo(*shortage));
+  return grpc::Status(grpc_code, std::string(status.message()), details.SerializeAsString());
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
@@ -426,7 +472,24 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
               code <= static_cast<int>(absl::StatusCode::kUnauthenticated)
           ? static_cast<absl::StatusCode>(code)
           : absl::StatusCode::kUnknown;
+  // A shortage reported by another node stays one here (a cross-node call's refusal).
+  std::optional<Shortage> shortage = GetShortage(status);
+  if (absl_code == absl::StatusCode::kResourceExhausted && shortage.has_value()) {
+    return ResourceExhaustedWith(status.error_message(), *shortage);
+  }
   return absl::Status(absl_code, status.error_message());
+}
+
+std::optional<Shortage> GetShortage(const grpc::Status& status) {
+  if (status.error_details().empty()) return std::nullopt;
+  google::rpc::Status details;
+  if (!details.ParseFromString(status.error_details())) return std::nullopt;
+  for (const google::protobuf::Any& any : details.details()) {
+    google::rpc::ErrorInfo info;
+    if (!any.Is<google::rpc::ErrorInfo>() || !any.UnpackTo(&info)) continue;
+    if (std::optional<Shortage> shortage = ShortageFromErrorInfo(info)) return shortage;
+  }
+  return std::nullopt;
 }
 
 }  // namespace kvmesh

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,8 +19,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "cache/cache.h"
+#include "cache/shortage.h"
 #include "cache/spec.h"
 #include "google/protobuf/repeated_field.h"
+#include "google/rpc/error_details.pb.h"
 #include "grpcpp/support/status.h"
 #include "kvmesh/v1/kvmesh.pb.h"
 
@@ -86,8 +89,20 @@ absl::Status CheckNames(
     std::initializer_list<std::pair<absl::string_view, absl::string_view>> names);
 
 // absl and gRPC share the canonical status codes: the code maps 1:1 and the message is kept.
+// A status carrying a Shortage (cache/shortage.h) becomes one with details: a google.rpc.Status
+// holding a google.rpc.ErrorInfo of domain kErrorDomain (ShortageToErrorInfo); FromGrpcStatus
+// turns such details back into the Shortage.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
+
+inline constexpr absl::string_view kErrorDomain = "kvmesh.io";
+// ErrorInfo{reason: ShortageReason, domain: kErrorDomain, metadata: needed, free, total and,
+// for a group's resource, group}, and back (nullopt for another domain or reason, or numbers
+// that do not parse).
+google::rpc::ErrorInfo ShortageToErrorInfo(const Shortage& shortage);
+std::optional<Shortage> ShortageFromErrorInfo(const google::rpc::ErrorInfo& info);
+// The Shortage in a gRPC status's details, if any.
+std::optional<Shortage> GetShortage(const grpc::Status& status);
 
 }  // namespace kvmesh
 

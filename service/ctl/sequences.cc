@@ -95,13 +95,16 @@ absl::Status CopyPrefix(const Client& client, const Args& args) {
   request.set_dst_seq(dst);
   request.set_length(length);
   ASSIGN_OR_RETURN(*request.mutable_source_node(), args.GetString("source-node", ""));
+  ASSIGN_OR_RETURN(const int32_t require, GetInt32(args, "require-src-offset", 0));
+  request.set_require_src_offset(require);
   v1::CopyPrefixResponse response;
   RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::CopyPrefix, request, &response));
   if (client.json()) return PrintJson(response);
   std::printf(
-      "copied positions < %d of seq %" PRId64 "%s to seq %" PRId64 "\n", length, src,
+      "copied positions < %d of seq %" PRId64 "%s to seq %" PRId64 ": its offset is %d\n", length,
+      src,
       request.source_node().empty() ? "" : absl::StrCat(" on node ", request.source_node()).c_str(),
-      dst);
+      dst, response.offset());
   if (response.has_transfer()) {
     std::printf("transfer: %s\n", TransferLine(response.transfer()).c_str());
   }
@@ -217,8 +220,8 @@ absl::Status CommitSpeculation(const Client& client, const Args& args) {
 
 constexpr absl::string_view kVisibleFlags[] = {"cache", "name", "group",      "query",
                                                "seq",   "pos",  "non-causal", "ranges"};
-constexpr absl::string_view kCopyPrefixFlags[] = {"cache", "name",   "src",
-                                                  "dst",   "length", "source-node"};
+constexpr absl::string_view kCopyPrefixFlags[] = {
+    "cache", "name", "src", "dst", "length", "source-node", "require-src-offset"};
 constexpr absl::string_view kRemoveFlags[] = {"cache", "name", "seq", "begin", "end", "scope"};
 constexpr absl::string_view kCanResumeFlags[] = {"cache", "name", "seq", "pos"};
 constexpr absl::string_view kListSequencesFlags[] = {"cache", "name"};
@@ -235,9 +238,11 @@ const Command kVisibleCommand = {
 const Command kCopyPrefixCommand = {
     "copy-prefix", kCopyPrefixFlags,
     R"(  copy-prefix   --cache=CACHE --src=N --dst=N --length=TOKENS [--source-node=NODE]
+                [--require-src-offset=N]
                 with --source-node naming another member: this node (--addr) pulls src's
                 positions < TOKENS from NODE into dst; prints the transfer (transport, bytes,
-                time, GB/s))",
+                time, GB/s); --require-src-offset: refused (nothing changes) unless src's
+                offset is at least N; prints dst's offset after the copy)",
     &CopyPrefix};
 
 const Command kRemoveCommand = {

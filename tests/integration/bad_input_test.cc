@@ -25,7 +25,14 @@ struct BadCase {
   std::function<grpc::Status(Stub&)> call;
   grpc::StatusCode code;
   std::vector<std::string> message_has;  // substrings: the offending values
+  // For a RESOURCE_EXHAUSTED the node decides: its details as ShortageText prints them.
+  std::string shortage;
 };
+
+BadCase WithShortage(BadCase c, std::string shortage) {
+  c.shortage = std::move(shortage);
+  return c;
+}
 
 void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
 
@@ -651,14 +658,18 @@ std::vector<BadCase> Cases() {
   cases.push_back(AppendCase("AppendBatchAboveMaxBatch",
                              AppendOf("bad", {2, 2, 2, 2, 2}, {0, 1, 2, 3, 4}, 5 * kTokenBytes),
                              kInvalid, {"5 tokens", "max_batch = 4"}));
-  cases.push_back(AppendCase("AppendBeyondFreeCells",
-                             AppendOf("full", {1, 1}, {3, 4}, 2 * kTokenBytes), kExhausted,
-                             {"2 tokens", "1 of 8"}));
-  cases.push_back(AppendCase("AppendBeyondMaxSequences", AppendOf("full", {2}, {0}, kTokenBytes),
-                             kExhausted, {"max_sequences = 2"}));
-  cases.push_back(AppendCase("AppendBeyondMaxSequencesInOneBatch",
-                             AppendOf("bad", {2, 3, 4}, {0, 0, 0}, 3 * kTokenBytes), kExhausted,
-                             {"3 new sequences", "max_sequences = 4"}));
+  cases.push_back(WithShortage(
+      AppendCase("AppendBeyondFreeCells", AppendOf("full", {1, 1}, {3, 4}, 2 * kTokenBytes),
+                 kExhausted, {"2 tokens", "1 of 8"}),
+      "CELLS_EXHAUSTED group=0 needed=2 free=1 total=8"));
+  cases.push_back(
+      WithShortage(AppendCase("AppendBeyondMaxSequences", AppendOf("full", {2}, {0}, kTokenBytes),
+                              kExhausted, {"max_sequences = 2"}),
+                   "SEQUENCES_EXHAUSTED needed=1 free=0 total=2"));
+  cases.push_back(WithShortage(AppendCase("AppendBeyondMaxSequencesInOneBatch",
+                                          AppendOf("bad", {2, 3, 4}, {0, 0, 0}, 3 * kTokenBytes),
+                                          kExhausted, {"3 new sequences", "max_sequences = 4"}),
+                               "SEQUENCES_EXHAUSTED needed=3 free=2 total=4"));
 
   // ---- AppendStream ----
   cases.push_back(
@@ -741,6 +752,25 @@ std::vector<BadCase> Cases() {
   cases.push_back({"CopyPrefixNegativeSrc", copy("bad", -1, 1, 2), kInvalid, {"src_seq = -1"}});
   cases.push_back({"CopyPrefixNegativeDst", copy("bad", 0, -3, 2), kInvalid, {"dst_seq = -3"}});
   cases.push_back({"CopyPrefixNegativeLength", copy("bad", 0, 1, -4), kInvalid, {"length = -4"}});
+  auto copy_if = [](int64_t src, int32_t length, int32_t require) {
+    return [=](Stub& stub) { return CopyPrefix(stub, "bad", src, 1, length, require); };
+  };
+  cases.push_back({"CopyPrefixSourceShorterThanRequired",
+                   copy_if(0, 2, 5),
+                   kPrecondition,
+                   {"sequence 0", "offset 4", "below the required 5"}});
+  cases.push_back({"CopyPrefixSourceGoneSinceIndexed",
+                   copy_if(3, 2, 1),
+                   kPrecondition,
+                   {"sequence 3", "stores nothing"}});
+  cases.push_back({"CopyPrefixNegativeRequiredOffset",
+                   copy_if(0, 2, -1),
+                   kInvalid,
+                   {"require_src_offset = -1"}});
+  cases.push_back({"CopyPrefixRequiredOffsetOfNothing",
+                   copy_if(0, 0, 2),
+                   kInvalid,
+                   {"require_src_offset = 2", "length = 0"}});
   cases.push_back({"CopyPrefixBeyondMaxSequences",
                    copy("full", 0, 5, 2),
                    kExhausted,
@@ -859,6 +889,9 @@ TEST_P(BadInputTest, FailsWithItsCodeNamesTheValueAndChangesNothing) {
   EXPECT_EQ(status.error_code(), c.code) << StatusText(status);
   for (const std::string& part : c.message_has) {
     EXPECT_THAT(status.error_message(), HasSubstr(part));
+  }
+  if (!c.shortage.empty()) {
+    EXPECT_EQ(ShortageText(status), c.shortage);
   }
   const std::string after = State();
   EXPECT_TRUE(after == before) << "the node's state changed; before:\n"

@@ -5,6 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/unknown_field_set.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "service/common/convert.h"
 #include "service/common/health_client.h"
@@ -349,8 +351,26 @@ grpc::Status Visible(Stub& stub, const v1::VisibleRequest& request, v1::VisibleR
   return stub.Visible(&context, request, response);
 }
 
+std::string ShortageText(const grpc::Status& status) {
+  if (status.error_details().empty()) return "";
+  google::rpc::Status details;
+  if (!details.ParseFromString(status.error_details())) return "details do not parse";
+  if (details.code() != status.error_code()) return "details with another code";
+  if (details.details_size() != 1) return absl::StrCat(details.details_size(), " details");
+  google::rpc::ErrorInfo info;
+  if (!details.details(0).UnpackTo(&info)) return "a detail that is not an ErrorInfo";
+  if (info.domain() != "kvmesh.io") return absl::StrCat("domain ", info.domain());
+  std::string text = info.reason();
+  for (const char* key : {"group", "needed", "free", "total"}) {
+    auto found = info.metadata().find(key);
+    if (found != info.metadata().end()) absl::StrAppend(&text, " ", key, "=", found->second);
+  }
+  if (info.metadata_size() > 4) absl::StrAppend(&text, " and more metadata");
+  return text;
+}
+
 grpc::Status CopyPrefix(Stub& stub, const std::string& cache, int64_t src, int64_t dst,
-                        int32_t length) {
+                        int32_t length, int32_t require_src_offset, int32_t* offset) {
   grpc::ClientContext context;
   SetDeadline(&context);
   v1::CopyPrefixRequest request;
@@ -358,8 +378,11 @@ grpc::Status CopyPrefix(Stub& stub, const std::string& cache, int64_t src, int64
   request.set_src_seq(src);
   request.set_dst_seq(dst);
   request.set_length(length);
+  request.set_require_src_offset(require_src_offset);
   v1::CopyPrefixResponse response;
-  return stub.CopyPrefix(&context, request, &response);
+  grpc::Status status = stub.CopyPrefix(&context, request, &response);
+  if (status.ok() && offset != nullptr) *offset = response.offset();
+  return status;
 }
 
 grpc::Status Remove(Stub& stub, const std::string& cache, int64_t seq, int32_t begin,

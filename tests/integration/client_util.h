@@ -154,8 +154,13 @@ v1::ReadRequest ReadRequest(const std::string& cache, int64_t seq, int32_t begin
 std::vector<std::vector<int32_t>> HeaderPositions(const v1::ReadHeader& header);
 
 grpc::Status Visible(Stub& stub, const v1::VisibleRequest& request, v1::VisibleResponse* response);
+// A RESOURCE_EXHAUSTED status's details (a google.rpc.Status holding an ErrorInfo of domain
+// "kvmesh.io"), decoded with the standard messages: "REASON [group=G ]needed=N free=F total=T";
+// "" without details; what went wrong when they do not decode.
+std::string ShortageText(const grpc::Status& status);
+// With `offset`, dst's offset as the response gives it.
 grpc::Status CopyPrefix(Stub& stub, const std::string& cache, int64_t src, int64_t dst,
-                        int32_t length);
+                        int32_t length, int32_t require_src_offset = 0, int32_t* offset = nullptr);
 grpc::Status Remove(Stub& stub, const std::string& cache, int64_t seq, int32_t begin,
                     std::optional<int32_t> end = std::nullopt);
 grpc::Status CanResume(Stub& stub, const std::string& cache, int64_t seq, int32_t pos,

@@ -195,7 +195,7 @@ v1::CacheUsage Usage(Stub& stub, const std::string& cache) {
 
 grpc::Status CopyFrom(Stub& stub, const std::string& cache, const std::string& source, int64_t src,
                       int64_t dst, int32_t length, v1::CopyPrefixResponse* response,
-                      absl::Duration timeout = kCallTimeout) {
+                      absl::Duration timeout = kCallTimeout, int32_t require_src_offset = 0) {
   grpc::ClientContext context;
   SetDeadline(&context, timeout);
   v1::CopyPrefixRequest request;
@@ -204,6 +204,7 @@ grpc::Status CopyFrom(Stub& stub, const std::string& cache, const std::string& s
   request.set_dst_seq(dst);
   request.set_length(length);
   request.set_source_node(source);
+  request.set_require_src_offset(require_src_offset);
   return stub.CopyPrefix(&context, request, response);
 }
 
@@ -314,6 +315,58 @@ TEST_F(ClusterTest, CopyPrefixFromAnotherNodeCopiesEveryGroupByteForByte) {
   status = CopyFrom(cluster_.stub(1), "hybrid", "node-a", 2, 1, 8, &response);
   ASSERT_TRUE(status.ok()) << StatusText(status);
   EXPECT_THAT(LiveSeqs(cluster_.stub(1), "hybrid"), ::testing::IsEmpty());
+}
+
+// A scheduler's index names a source that has since been removed or truncated: with the
+// offset the index recorded as a precondition, the copy is refused on the source before any
+// byte moves, and dst keeps what it held. For the hybrid cache (exported through a snapshot)
+// and an Attention-only one (exported straight from the cells).
+TEST_F(ClusterTest, CrossNodeCopyWithAStaleSourceIsRefusedAndDstKept) {
+  const v1::CacheSpec hybrid = HybridSpec();
+  const v1::CacheSpec big = BigSpec();
+  for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), big).ok());
+  for (const v1::CacheSpec& spec : {hybrid, big}) {
+    SCOPED_TRACE(spec.name());
+    ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 1, 12, 7));
+    ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(1), spec, 4, 3, 9));
+    const ReadOutput before = ReadAll(cluster_.stub(1), spec.name(), 4);
+    v1::CopyPrefixResponse response;
+    // Met: the copy goes through and says how far dst reaches.
+    grpc::Status status = CopyFrom(cluster_.stub(1), spec.name(), "node-a", 1, 5, 12, &response,
+                                   kCallTimeout, /*require_src_offset=*/12);
+    ASSERT_TRUE(status.ok()) << StatusText(status);
+    EXPECT_EQ(response.offset(), 12);
+    EXPECT_GT(response.transfer().bytes(), 0);
+    // Truncated since (the hybrid cache's wrapped ring allows no truncation): refused, naming
+    // both offsets.
+    if (spec.name() == "big") {
+      ASSERT_TRUE(Remove(cluster_.stub(0), spec.name(), 1, 8).ok());
+      status = CopyFrom(cluster_.stub(1), spec.name(), "node-a", 1, 4, 12, &response, kCallTimeout,
+                        /*require_src_offset=*/12);
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << StatusText(status);
+      EXPECT_THAT(status.error_message(),
+                  HasSubstr("offset 8 on node 'node-a', below the required 12"));
+    }
+    // Removed since: refused too, where without the precondition dst would be emptied.
+    ASSERT_TRUE(Remove(cluster_.stub(0), spec.name(), 1, 0).ok());
+    status = CopyFrom(cluster_.stub(1), spec.name(), "node-a", 1, 4, 12, &response, kCallTimeout,
+                      /*require_src_offset=*/8);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << StatusText(status);
+    EXPECT_THAT(status.error_message(), HasSubstr("stores nothing"));
+    // A precondition on a copy of nothing is a bad argument.
+    status = CopyFrom(cluster_.stub(1), spec.name(), "node-a", 1, 4, 0, &response, kCallTimeout,
+                      /*require_src_offset=*/3);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+    EXPECT_THAT(status.error_message(), HasSubstr("require_src_offset = 3"));
+    ExpectSameRead(ReadAll(cluster_.stub(1), spec.name(), 4), before);
+    EXPECT_EQ(Usage(cluster_.stub(1), spec.name()).snapshot_bytes(), 0);
+    EXPECT_EQ(Usage(cluster_.stub(0), spec.name()).export_bytes(), 0);
+    // Without the precondition, the removed source empties dst (the seed's semantics).
+    status = CopyFrom(cluster_.stub(1), spec.name(), "node-a", 1, 4, 12, &response);
+    ASSERT_TRUE(status.ok()) << StatusText(status);
+    EXPECT_EQ(response.offset(), 0);
+    EXPECT_THAT(LiveSeqs(cluster_.stub(1), spec.name()), ::testing::ElementsAre(5));
+  }
 }
 
 TEST_F(ClusterTest, CrossNodeCopyRefusalsNameTheBadValueAndChangeNothing) {

@@ -760,7 +760,9 @@ TEST_F(ServiceTest, CopyPrefixSharesCells) {
   ModelAppend(spec, 1, Range(0, 12), 0, &src);
   EXPECT_EQ(Usage("svc-copy").groups(0).cells_used(), 12);
 
-  KVMESH_ASSERT_OK(CopyPrefix(stub(), "svc-copy", 1, 2, 8));
+  int32_t offset = -1;
+  KVMESH_ASSERT_OK(CopyPrefix(stub(), "svc-copy", 1, 2, 8, /*require_src_offset=*/12, &offset));
+  EXPECT_EQ(offset, 8);
   v1::CacheUsage usage = Usage("svc-copy");
   EXPECT_EQ(usage.groups(0).cells_used(), 12) << "a prefix copy shares cells, it does not copy";
   EXPECT_EQ(usage.sequences_live(), 2);

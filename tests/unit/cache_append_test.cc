@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cache/cache.h"
+#include "cache/shortage.h"
 #include "gtest/gtest.h"
 #include "tests/unit/cache_test_util.h"
 
@@ -190,7 +191,16 @@ TEST(AppendCapacityTest, MaxSequences) {
   ASSERT_TRUE(AppendRange(cache, 0, 0, 2).ok());
   ASSERT_TRUE(AppendRange(cache, 1, 0, 2).ok());
   const CacheState before = CaptureState(cache);
-  EXPECT_EQ(AppendRange(cache, 2, 0, 1).code(), absl::StatusCode::kResourceExhausted);
+  const absl::Status third = AppendRange(cache, 2, 0, 1);
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted);
+  // In numbers too: one new sequence needed, none free of max_sequences = 2.
+  const std::optional<Shortage> shortage = GetShortage(third);
+  ASSERT_TRUE(shortage.has_value()) << third;
+  EXPECT_EQ(shortage->resource, Resource::kSequences);
+  EXPECT_EQ(shortage->group, -1);
+  EXPECT_EQ(shortage->needed, 1);
+  EXPECT_EQ(shortage->free, 0);
+  EXPECT_EQ(shortage->total, 2);
   EXPECT_TRUE(SameState(before, CaptureState(cache)));
   // A batch mixing a live sequence and a third one fails as a whole.
   EXPECT_EQ(AppendTokens(cache, {{0, 2}, {2, 0}}).code(), absl::StatusCode::kResourceExhausted);
@@ -217,7 +227,15 @@ TEST(AppendCapacityTest, FullGroupHoldsMaxSequencesTimesCapacityCells) {
   EXPECT_EQ(cache.Usage().groups[0].cells_used, 8);
   const CacheState before = CaptureState(cache);
   EXPECT_EQ(AppendRange(cache, 1, 0, 1).code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(AppendRange(cache, 0, 8, 9).code(), absl::StatusCode::kResourceExhausted);
+  const absl::Status full = AppendRange(cache, 0, 8, 9);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  const std::optional<Shortage> shortage = GetShortage(full);
+  ASSERT_TRUE(shortage.has_value()) << full;
+  EXPECT_EQ(shortage->resource, Resource::kCells);
+  EXPECT_EQ(shortage->group, 0);
+  EXPECT_EQ(shortage->needed, 1);
+  EXPECT_EQ(shortage->free, 0);
+  EXPECT_EQ(shortage->total, 8);
   EXPECT_TRUE(SameState(before, CaptureState(cache)));
   ASSERT_TRUE(cache.Remove(0, 7, std::nullopt).ok());
   EXPECT_TRUE(AppendRange(cache, 1, 0, 1).ok());

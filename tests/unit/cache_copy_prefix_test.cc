@@ -130,6 +130,53 @@ TEST_F(CopyPrefixTest, Errors) {
   EXPECT_TRUE(SameState(before, CaptureState(cache())));
 }
 
+TEST_F(CopyPrefixTest, ReturnsTheOffsetDstGot) {
+  EXPECT_EQ(cache().CopyPrefix(0, 1, 5, 0).value(), 5);
+  EXPECT_EQ(cache().CopyPrefix(0, 1, 1000, 0).value(), 8);
+  EXPECT_EQ(cache().CopyPrefix(0, 1, 0, 0).value(), 0);
+  EXPECT_EQ(cache().CopyPrefix(9, 1, 5, 0).value(), 0);  // an unknown source: dst emptied
+  // With a gap below length, dst's offset is one past the last position it got.
+  ASSERT_TRUE(AppendTokens(cache(), {{2, 0}, {2, 1}, {2, 6}}).ok());
+  EXPECT_EQ(cache().CopyPrefix(2, 1, 6, 0).value(), 2);
+  EXPECT_EQ(cache().CopyPrefix(2, 1, 7, 0).value(), 7);
+}
+
+TEST_F(CopyPrefixTest, RequiredSourceOffsetRefusesAStaleSource) {
+  ASSERT_TRUE(AppendRange(cache(), 1, 0, 3, /*salt=*/1).ok());
+  // Met exactly, and met by more than the copy takes.
+  EXPECT_EQ(cache().CopyPrefix(0, 2, 4, 8).value(), 4);
+  EXPECT_EQ(cache().CopyPrefix(0, 2, 4, 4).value(), 4);
+  const CacheState before = CaptureState(cache());
+  // Not met: nothing changes, dst (seq 1) keeps its 3 positions.
+  absl::StatusOr<int32_t> copied = cache().CopyPrefix(0, 1, 4, 9);
+  EXPECT_EQ(copied.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(copied.status().message().find("offset 8, below the required 9"), std::string::npos)
+      << copied.status();
+  // A source that was removed (a stale index entry): refused, not an emptied dst.
+  copied = cache().CopyPrefix(7, 1, 4, 4);
+  EXPECT_EQ(copied.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(copied.status().message().find("stores nothing"), std::string::npos) << copied.status();
+  EXPECT_TRUE(SameState(before, CaptureState(cache())));
+  // A truncated source.
+  ASSERT_TRUE(cache().Remove(0, 6, std::nullopt).ok());
+  const CacheState truncated = CaptureState(cache());
+  EXPECT_EQ(cache().CopyPrefix(0, 1, 8, 8).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(SameState(truncated, CaptureState(cache())));
+  EXPECT_EQ(cache().CopyPrefix(0, 1, 8, 6).value(), 6);
+}
+
+TEST_F(CopyPrefixTest, RequiredSourceOffsetArgumentErrors) {
+  const CacheState before = CaptureState(cache());
+  absl::StatusOr<int32_t> copied = cache().CopyPrefix(0, 1, 4, -1);
+  EXPECT_EQ(copied.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(copied.status().message().find("require_src_offset"), std::string::npos);
+  // A copy of nothing has nothing to require of src.
+  copied = cache().CopyPrefix(0, 1, 0, 3);
+  EXPECT_EQ(copied.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(copied.status().message().find("length = 0"), std::string::npos);
+  EXPECT_TRUE(SameState(before, CaptureState(cache())));
+}
+
 TEST_F(CopyPrefixTest, MaxSequences) {
   ASSERT_TRUE(AppendRange(cache(), 1, 0, 2).ok());
   ASSERT_TRUE(AppendRange(cache(), 2, 0, 2).ok());

@@ -557,10 +557,15 @@ class Model {
     return kOk;
   }
 
-  Codes CopyPrefix(int64_t src, int64_t dst, int32_t length) {
-    if (src < 0 || dst < 0 || length < 0 || src == dst) return kInvalid;
+  Codes CopyPrefix(int64_t src, int64_t dst, int32_t length, int32_t require_src_offset) {
+    if (src < 0 || dst < 0 || length < 0 || src == dst || require_src_offset < 0 ||
+        (length == 0 && require_src_offset > 0)) {
+      return kInvalid;
+    }
     std::set<absl::StatusCode> errors;
     if (PendingCount(src) > 0 || PendingCount(dst) > 0) errors.insert(kAborted);
+    // With pending tokens (ABORTED anyway) the model's offset counts them; the cache may not.
+    if (Offset(src) < require_src_offset) errors.insert(kPrecondition);
     bool dst_live_after = false;
     for (const ModelGroup& g : groups_) {
       const auto* m = g.Find(src);
@@ -1729,10 +1734,20 @@ class Episode {
     }
     if (rng_.Chance(3)) length = -1;
     if (rng_.Chance(2)) src = -1;
+    // A scheduler's precondition, around what src reaches (as a stale index would have it).
+    int32_t require = 0;
+    if (rng_.Chance(30)) require = std::max(1, offset - 1 + static_cast<int32_t>(rng_.Below(3)));
+    if (rng_.Chance(1)) require = -1;
     const std::string what = "CopyPrefix(" + std::to_string(src) + ", " + std::to_string(dst) +
-                             ", " + std::to_string(length) + ")";
-    const Codes want = model_.CopyPrefix(src, dst, length);
-    return Check(what, want, cache_->CopyPrefix(src, dst, length));
+                             ", " + std::to_string(length) + ", " + std::to_string(require) + ")";
+    const Codes want = model_.CopyPrefix(src, dst, length, require);
+    const absl::StatusOr<int32_t> got = cache_->CopyPrefix(src, dst, length, require);
+    ::testing::AssertionResult checked = Check(what, want, got.status());
+    if (checked && got.ok() && *got != model_.Offset(dst)) {
+      return ::testing::AssertionFailure() << what << " returned offset " << *got
+                                           << ", the model's dst offset is " << model_.Offset(dst);
+    }
+    return checked;
   }
 
   ::testing::AssertionResult StepRemove() {

@@ -123,8 +123,12 @@ class Scheduler:
             if load[node] - load[self.least_loaded()] >= 2:
                 node = self.least_loaded()
             source = "" if node == best.node else best.node
-            transfer = self.clients[node].copy_prefix(self.cache, best.seq, seq, best_len,
-                                                      source_node=source)
+            # The index recorded how far best.seq reached: if it has since been removed or
+            # truncated, the node refuses rather than leaving seq empty or short.
+            copied = self.clients[node].copy_prefix(self.cache, best.seq, seq, best_len,
+                                                    source_node=source,
+                                                    require_src_offset=len(best.tokens))
+            transfer = copied.transfer
             how = ("local CopyPrefix, cells shared" if transfer is None else
                    f"CopyPrefix from {best.node}, {transfer.bytes} bytes over "
                    f"{transfer.transport} in {transfer.micros} us")

@@ -25,12 +25,12 @@ __path__ = extend_path(__path__, __name__)
 from .dtypes import from_bfloat16, numpy_dtype, to_bfloat16  # noqa: E402
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,  # noqa: E402
                      FailedPrecondition, Internal, InvalidArgument, KvmeshError, NotFound,
-                     OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated,
+                     OutOfRange, PermissionDenied, ResourceExhausted, Shortage, Unauthenticated,
                      Unavailable, Unimplemented, Unknown, error_for_code)
 from .layout import KV, GroupData, PayloadLayout, States, count_states  # noqa: E402
-from .results import (CacheInfo, CacheUsage, CreateResult, DrainedSequence,  # noqa: E402
-                      DrainedSnapshot, DrainResult, DrainStayed, GroupSequence, GroupUsage,
-                      Member, MemberHealth, MigratedSnapshot, NodeResult, ReadResult,
+from .results import (CacheInfo, CacheUsage, CopiedPrefix, CreateResult,  # noqa: E402
+                      DrainedSequence, DrainedSnapshot, DrainResult, DrainStayed, GroupSequence,
+                      GroupUsage, Member, MemberHealth, MigratedSnapshot, NodeResult, ReadResult,
                       SequenceInfo, SnapshotGroup, SnapshotInfo, SplitResult, StateStatus,
                       TransferStats)
 from .spec import (Attention, CacheSpec, ChunkedWindow, DType, FullWindow,  # noqa: E402
@@ -55,9 +55,9 @@ __all__ = [
     "KvmeshError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",
     "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition", "Aborted",
     "OutOfRange", "Unimplemented", "Internal", "Unavailable", "DataLoss", "Unauthenticated",
-    "error_for_code",
+    "error_for_code", "Shortage",
     "StateStatus", "MemberHealth", "GroupUsage", "CacheUsage", "CacheInfo", "CreateResult",
     "GroupSequence", "SequenceInfo", "ReadResult", "SnapshotGroup", "SnapshotInfo",
-    "SplitResult", "TransferStats", "MigratedSnapshot", "NodeResult", "Member",
+    "SplitResult", "TransferStats", "CopiedPrefix", "MigratedSnapshot", "NodeResult", "Member",
     "DrainedSequence", "DrainedSnapshot", "DrainStayed", "DrainResult",
 ]

@@ -18,7 +18,7 @@ from . import _convert
 from ._proto import pb, pb_grpc
 from .errors import from_rpc_error
 from .layout import GroupData, PayloadLayout, count_states
-from .results import (CacheInfo, CacheUsage, CreateResult, DrainResult, Member,
+from .results import (CacheInfo, CacheUsage, CopiedPrefix, CreateResult, DrainResult, Member,
                       MigratedSnapshot, NodeResult, ReadResult, SequenceInfo, SnapshotInfo,
                       SplitResult, StateStatus, TransferStats)
 from .spec import CacheSpec, Recurrent
@@ -340,15 +340,18 @@ class Client:
     # ---- sequences -------------------------------------------------------------------------
 
     def copy_prefix(self, cache: str, src_seq: int, dst_seq: int, length: int, *,
-                    source_node: str = "",
-                    timeout: Optional[float] = None) -> Optional[TransferStats]:
+                    source_node: str = "", require_src_offset: int = 0,
+                    timeout: Optional[float] = None) -> CopiedPrefix:
         """Forks ``src_seq``'s positions below ``length`` into ``dst_seq`` (its old contents
-        go). With ``source_node`` naming another member, this node pulls them from there and
-        the transfer is returned; a local copy shares cells and returns None."""
+        go). With ``source_node`` naming another member, this node pulls them from there (the
+        result's ``transfer``; None for a local copy, which shares cells). With
+        ``require_src_offset`` > 0, FailedPrecondition (nothing changes) unless src's offset is
+        at least that: pass the offset your index recorded, so that a src removed or truncated
+        since cannot empty dst. The result's ``offset`` is dst's offset after the copy."""
         r = self._call("CopyPrefix", pb.CopyPrefixRequest(
             cache=cache, src_seq=src_seq, dst_seq=dst_seq, length=length,
-            source_node=source_node), timeout)
-        return _convert.transfer_from_proto(r)
+            source_node=source_node, require_src_offset=require_src_offset), timeout)
+        return CopiedPrefix(r.offset, _convert.transfer_from_proto(r))
 
     def remove(self, cache: str, seq: int, begin: int, end: Optional[int] = None, *,
                cluster: bool = False, timeout: Optional[float] = None) -> List[NodeResult]:

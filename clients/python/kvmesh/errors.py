@@ -8,9 +8,20 @@ a malformed token) are plain :class:`ValueError` or :class:`TypeError`.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Type
+import dataclasses
+from typing import Any, Dict, Iterable, Optional, Tuple, Type
 
 import grpc
+
+try:  # generated at build time beside kvmesh.v1 (clients/python/CMakeLists.txt)
+    from google.rpc import error_details_pb2 as _error_details_pb2
+    from google.rpc import status_pb2 as _status_pb2
+except ImportError:  # pragma: no cover - without them errors carry no shortage
+    _error_details_pb2 = None
+    _status_pb2 = None
+
+# The ErrorInfo domain of kvmesh's structured details.
+ERROR_DOMAIN = "kvmesh.io"
 
 __all__ = [
     "KvmeshError",
@@ -22,6 +33,7 @@ __all__ = [
     "AlreadyExists",
     "PermissionDenied",
     "ResourceExhausted",
+    "Shortage",
     "FailedPrecondition",
     "Aborted",
     "OutOfRange",
@@ -101,9 +113,32 @@ class PermissionDenied(KvmeshError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+@dataclasses.dataclass(frozen=True)
+class Shortage:
+    """What ran short, in numbers (docs/api.md#error-details).
+
+    Attributes:
+        reason: "CELLS_EXHAUSTED", "RINGS_EXHAUSTED", "STATE_SLOTS_EXHAUSTED",
+            "SEQUENCES_EXHAUSTED", "PENDING_TOKENS_EXHAUSTED", "DEVICE_MEMORY_EXHAUSTED",
+            "SNAPSHOT_POOL_EXHAUSTED" or "INFLIGHT_BUDGET_EXHAUSTED".
+        group: the layer group's index, -1 when the resource is not a group's.
+        needed: units the call needed; free: units free when it was refused; total: in all.
+    """
+
+    reason: str
+    group: int
+    needed: int
+    free: int
+    total: int
+
+
 class ResourceExhausted(KvmeshError):
-    """RESOURCE_EXHAUSTED: cells, sequences, budgets, quotas or message sizes ran out."""
+    """RESOURCE_EXHAUSTED: cells, sequences, budgets, quotas or message sizes ran out.
+
+    ``shortage`` says what ran short in numbers when the node sent them, else None.
+    """
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    shortage: Optional[Shortage] = None
 
 
 class FailedPrecondition(KvmeshError):
@@ -159,8 +194,41 @@ def error_for_code(code: grpc.StatusCode) -> Type[KvmeshError]:
     return _BY_CODE.get(code, KvmeshError)
 
 
+def shortage_from_trailers(trailers: Iterable[Tuple[str, Any]]) -> Optional[Shortage]:
+    """The :class:`Shortage` in a failed call's ``grpc-status-details-bin`` trailer (a
+    google.rpc.Status holding a google.rpc.ErrorInfo of domain "kvmesh.io"), or None."""
+    if _status_pb2 is None or _error_details_pb2 is None:
+        return None
+    for key, value in trailers or ():
+        if key != "grpc-status-details-bin":
+            continue
+        status = _status_pb2.Status()
+        try:
+            status.ParseFromString(value)
+        except Exception:  # noqa: BLE001 - a malformed trailer carries no shortage
+            return None
+        for any_detail in status.details:
+            info = _error_details_pb2.ErrorInfo()
+            if not any_detail.Is(info.DESCRIPTOR) or not any_detail.Unpack(info):
+                continue
+            if info.domain != ERROR_DOMAIN:
+                continue
+            try:
+                return Shortage(reason=info.reason,
+                                group=int(info.metadata.get("group", "-1")),
+                                needed=int(info.metadata["needed"]),
+                                free=int(info.metadata["free"]),
+                                total=int(info.metadata["total"]))
+            except (KeyError, ValueError):
+                continue
+    return None
+
+
 def from_rpc_error(error: grpc.RpcError, method: str) -> KvmeshError:
     """The :class:`KvmeshError` for a failed gRPC call of ``method``."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
-    return error_for_code(code)(details or "", code=code, method=method)
+    exception = error_for_code(code)(details or "", code=code, method=method)
+    if isinstance(exception, ResourceExhausted) and hasattr(error, "trailing_metadata"):
+        exception.shortage = shortage_from_trailers(error.trailing_metadata())
+    return exception

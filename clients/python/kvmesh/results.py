@@ -178,6 +178,15 @@ class TransferStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class CopiedPrefix:
+    """CopyPrefix's answer: dst's offset after the copy (0 when it got nothing) and, for a
+    copy across nodes, how the payload moved (None for a local copy, which shares cells)."""
+
+    offset: int
+    transfer: Optional[TransferStats]
+
+
+@dataclasses.dataclass(frozen=True)
 class MigratedSnapshot:
     """MigrateSnapshot's answer: the snapshot as stored on the target (its id there)."""
 

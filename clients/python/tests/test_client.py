@@ -295,8 +295,16 @@ class ClientTest(nodes.NodeTestCase):
         spec = CacheSpec("py-full", DType.F16, 1, 8, 8, [Attention(1, 1, 4)])
         layout = self.create(spec)
         self.client.append(spec.name, [(0, 0)], layout.zeros(1))
-        with self.assertRaisesRegex(kvmesh.ResourceExhausted, "max_sequences"):
+        with self.assertRaisesRegex(kvmesh.ResourceExhausted, "max_sequences") as raised:
             self.client.append(spec.name, [(1, 0)], layout.zeros(1))
+        # The numbers, from the status details (docs/api.md#error-details).
+        self.assertEqual(raised.exception.shortage,
+                         kvmesh.Shortage("SEQUENCES_EXHAUSTED", -1, needed=1, free=0, total=1))
+        # 8 cells: 7 free; a batch of 8 more needs 8 (max_batch 8).
+        with self.assertRaises(kvmesh.ResourceExhausted) as raised:
+            self.client.append(spec.name, [(0, p) for p in range(1, 9)], layout.zeros(8))
+        self.assertEqual(raised.exception.shortage,
+                         kvmesh.Shortage("CELLS_EXHAUSTED", 0, needed=8, free=7, total=8))
 
     # ---- sequences -------------------------------------------------------------------------
 
@@ -308,7 +316,10 @@ class ClientTest(nodes.NodeTestCase):
                 layout = self.create(spec)
                 data = random_data(layout, 10, 0)
                 self.client.append(spec.name, kvmesh.tokens(0, range(10)), data)
-                self.assertIsNone(self.client.copy_prefix(spec.name, 0, 1, 10))
+                copied = self.client.copy_prefix(spec.name, 0, 1, 10, require_src_offset=10)
+                self.assertEqual(copied, kvmesh.CopiedPrefix(10, None))
+                with self.assertRaisesRegex(kvmesh.FailedPrecondition, "below the required 11"):
+                    self.client.copy_prefix(spec.name, 0, 1, 10, require_src_offset=11)
                 seqs = self.client.list_sequences(spec.name)
                 self.assertEqual([s.groups[0].shared for s in seqs], [10, 10])
                 # Context shift of seq 1: drop [2, 5); 5..9 become 2..6, keys re-rotated.

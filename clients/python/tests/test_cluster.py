@@ -77,8 +77,11 @@ class ClusterTest(nodes.NodeTestCase):
             self.assertIsInstance(m.version, str)
 
     def test_copy_prefix_from_another_node(self) -> None:
-        transfer = self.b.copy_prefix(SPEC.name, 0, 5, 16, source_node="py-a")
+        copied = self.b.copy_prefix(SPEC.name, 0, 5, 16, source_node="py-a",
+                                    require_src_offset=16)
+        transfer = copied.transfer
         assert transfer is not None
+        self.assertEqual(copied.offset, 16)
         self.assertEqual(transfer.transport, "grpc-stream")
         self.assertGreater(transfer.bytes, 0)
         self.assert_holds(self.b, 5)
@@ -88,6 +91,10 @@ class ClusterTest(nodes.NodeTestCase):
             self.b.copy_prefix(SPEC.name, 0, 6, 8, source_node="py-a")
         with self.assertRaisesRegex(kvmesh.InvalidArgument, "py-nobody"):
             self.b.copy_prefix(SPEC.name, 0, 6, 16, source_node="py-nobody")
+        # A precondition the source does not meet: refused on the source, dst unchanged.
+        with self.assertRaisesRegex(kvmesh.FailedPrecondition, "below the required 17"):
+            self.b.copy_prefix(SPEC.name, 0, 5, 16, source_node="py-a", require_src_offset=17)
+        self.assert_holds(self.b, 5)
 
     def test_migrate_and_cluster_remove(self) -> None:
         transfer = self.a.migrate(SPEC.name, 0, "py-b", target_seq=3)
