@@ -215,6 +215,13 @@ std::string TransferLine(const v1::TransferStats& stats) {
   return line;
 }
 
+std::string ShortageLine(const Shortage& shortage) {
+  return absl::StrCat(ShortageReason(shortage.resource),
+                      shortage.group >= 0 ? absl::StrCat(" in group ", shortage.group) : "",
+                      ": needed ", shortage.needed, ", free ", shortage.free, " of ",
+                      shortage.total);
+}
+
 std::string NodeResultLine(const v1::NodeResult& result) {
   std::string line = absl::StrCat(
       result.node(), ": ", absl::StatusCodeToString(static_cast<absl::StatusCode>(result.code())));

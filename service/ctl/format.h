@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "cache/shortage.h"
 #include "kvmesh/v1/kvmesh.pb.h"
 
 namespace kvmesh {
@@ -60,6 +61,10 @@ std::string SnapshotLine(const v1::SnapshotInfo& snap, const v1::CacheSpec& spec
 // "grpc-stream, 64.0 MiB in 75.3 ms, 0.89 GB/s" (the rate only when the time is > 0; "?" for
 // an empty transport name).
 std::string TransferLine(const v1::TransferStats& stats);
+
+// "CELLS_EXHAUSTED in group 0: needed 8, free 7 of 8" (without "in group" for a resource that
+// is not a group's): what a RESOURCE_EXHAUSTED's details say.
+std::string ShortageLine(const Shortage& shortage);
 
 // "node-b: OK" or "node-c: NOT_FOUND: cache 'x' does not exist".
 std::string NodeResultLine(const v1::NodeResult& result);

@@ -6,13 +6,15 @@
 // This file holds the global usage, the table of commands and the dispatch; the commands live
 // one file per group (commands.h lists them) over the shared Client (client.h).
 //
-// Exit status: 0 on success; 1 when an RPC fails (stderr: "error: <CODE>: <message>"), when a
-// local step fails (a file, a payload that does not verify: DATA_LOSS), or a flag has a bad
-// value; 2 for an unknown command or flag.
+// Exit status: 0 on success; 1 when an RPC fails (stderr: "error: <CODE>: <message>", then
+// "shortage: <ShortageLine>" when a RESOURCE_EXHAUSTED carried numbers), when a local step fails (a
+// file, a payload that does not verify: DATA_LOSS), or a flag has a bad value; 2 for an unknown
+// command or flag.
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,11 +22,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "cache/shortage.h"
 #include "grpcpp/grpcpp.h"
 #include "service/ctl/args.h"
 #include "service/ctl/client.h"
 #include "service/ctl/commands.h"
 #include "service/ctl/connection.h"
+#include "service/ctl/format.h"
 
 namespace kvmesh {
 namespace ctl {
@@ -33,9 +37,8 @@ namespace {
 constexpr char kDefaultAddr[] = "127.0.0.1:7700";
 constexpr absl::Duration kDefaultTimeout = absl::Seconds(30);
 
-constexpr absl::string_view kBoolFlags[] = {"json",       "stream",      "help",
-                                            "non-causal", "speculative", "keep-source",
-                                            "resume"};
+constexpr absl::string_view kBoolFlags[] = {"json",        "stream",      "help",  "non-causal",
+                                            "speculative", "keep-source", "resume"};
 constexpr absl::string_view kGlobalFlags[] = {"addr", "timeout", "json", "help"};
 
 // The commands in the order `kvmeshctl help` lists them: those of one cache or the node, then
@@ -122,6 +125,9 @@ const Command* FindCommand(absl::string_view name) {
 void PrintError(const absl::Status& status) {
   std::fprintf(stderr, "error: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
                std::string(status.message()).c_str());
+  if (const std::optional<Shortage> shortage = GetShortage(status)) {
+    std::fprintf(stderr, "shortage: %s\n", ShortageLine(*shortage).c_str());
+  }
 }
 
 int Main(int argc, char** argv) {

@@ -491,6 +491,23 @@ TEST(ClusterFormatTest, TransferLine) {
   EXPECT_EQ(TransferLine(v1::TransferStats()), "?, 0 B in 0.0 ms");
 }
 
+TEST(ClusterFormatTest, ShortageLine) {
+  EXPECT_EQ(ShortageLine({Resource::kCells, 0, 8, 7, 8}),
+            "CELLS_EXHAUSTED in group 0: needed 8, free 7 of 8");
+  EXPECT_EQ(ShortageLine({Resource::kSequences, -1, 1, 0, 2}),
+            "SEQUENCES_EXHAUSTED: needed 1, free 0 of 2");
+  // kvmeshctl gets it from the gRPC status: the details' round trip.
+  const Shortage sent{Resource::kInflightBytes, -1, 1 << 20, 4096, 64 << 20};
+  const absl::Status back = FromGrpcStatus(ToGrpcStatus(ResourceExhaustedWith("full", sent)));
+  EXPECT_EQ(back.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(back.message(), "full");
+  const std::optional<Shortage> got = GetShortage(back);
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(ShortageLine(*got), "INFLIGHT_BUDGET_EXHAUSTED: needed 1048576, free 4096 of 67108864");
+  // Another code never carries one, and a status without details has none.
+  EXPECT_FALSE(GetShortage(FromGrpcStatus(ToGrpcStatus(absl::NotFoundError("x")))).has_value());
+}
+
 TEST(ClusterFormatTest, NodeResultLine) {
   v1::NodeResult ok;
   ok.set_node("a");

@@ -305,6 +305,11 @@ class ClientTest(nodes.NodeTestCase):
             self.client.append(spec.name, [(0, p) for p in range(1, 9)], layout.zeros(8))
         self.assertEqual(raised.exception.shortage,
                          kvmesh.Shortage("CELLS_EXHAUSTED", 0, needed=8, free=7, total=8))
+        # kvmeshctl prints the same numbers.
+        out = nodes.run_ctl(self.node.address, "append", f"--cache={spec.name}", "--seq=1",
+                            "--positions=0", check=False)
+        self.assertEqual(out.returncode, 1, out.stderr)
+        self.assertIn("shortage: SEQUENCES_EXHAUSTED: needed 1, free 0 of 1", out.stderr)
 
     # ---- sequences -------------------------------------------------------------------------
 
