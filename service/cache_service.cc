@@ -82,8 +82,35 @@ grpc::Status InvalidArgument(std::string message) {
 // `Engine` values: a request of many small tokens or queries parses to several times its size
 // on the wire, so the in-flight budget counts this, not the wire size.
 template <typename Proto, typename Engine>
-uint64_t ParsedBytes(int n) {
+uint64_t ParsedBytes(int64_t n) {
   return static_cast<uint64_t>(n) * (sizeof(Proto) + 16 + sizeof(void*) + sizeof(Engine));
+}
+
+// The entries an Append's message parses to (its tokens and token ranges), which the in-flight
+// budget counts as soon as the message arrives, before its cache (and so max_batch) is known.
+int64_t ParsedTokens(const google::protobuf::RepeatedPtrField<v1::Token>& tokens,
+                     const google::protobuf::RepeatedPtrField<v1::TokenRange>& ranges) {
+  return int64_t{tokens.size()} + ranges.size();
+}
+
+// The tokens an Append names (TokensFromProto, at most spec.max_batch). Ranges may name up to
+// max_batch tokens in a few bytes: `reservation` first grows from the ParsedTokens counted on
+// arrival to the tokens the ranges expand to (and *tokens_bytes with it, when given).
+absl::StatusOr<std::vector<Token>> ExpandTokens(
+    const google::protobuf::RepeatedPtrField<v1::Token>& tokens,
+    const google::protobuf::RepeatedPtrField<v1::TokenRange>& ranges, const CacheSpec& spec,
+    InflightBudget::Reservation* reservation, uint64_t* tokens_bytes) {
+  const int64_t charged = ParsedTokens(tokens, ranges);
+  const int64_t expanded = CountTokens(tokens, ranges, int64_t{spec.max_batch} + 1);
+  if (expanded <= spec.max_batch && expanded > charged) {
+    const uint64_t more =
+        ParsedBytes<v1::Token, Token>(expanded) - ParsedBytes<v1::Token, Token>(charged);
+    RETURN_IF_ERROR(reservation->Resize(
+        reservation->bytes() + more,
+        absl::StrCat("the ", expanded, " tokens the Append's token_ranges expand to")));
+    if (tokens_bytes != nullptr) *tokens_bytes += more;
+  }
+  return TokensFromProto(tokens, ranges, spec.max_batch);
 }
 
 // Finishes a unary call at once with `status`, for a request refused before any work.
@@ -390,11 +417,13 @@ class CacheServiceImpl::AppendStreamReactor final
     }
     // The message is here already (its bytes and its parsed tokens, which the stream keeps):
     // count it before anything else can pile up behind it.
-    tokens_bytes_ = ParsedBytes<v1::Token, Token>(message_.header.tokens_size());
-    absl::StatusOr<InflightBudget::Reservation> reservation = service_->inflight_->Reserve(
-        request_.Length() + tokens_bytes_,
-        absl::StrCat("AppendStream message 0 of ", request_.Length(), " bytes and ",
-                     message_.header.tokens_size(), " tokens"));
+    const int64_t num_tokens =
+        ParsedTokens(message_.header.tokens(), message_.header.token_ranges());
+    tokens_bytes_ = ParsedBytes<v1::Token, Token>(num_tokens);
+    absl::StatusOr<InflightBudget::Reservation> reservation =
+        service_->inflight_->Reserve(request_.Length() + tokens_bytes_,
+                                     absl::StrCat("AppendStream message 0 of ", request_.Length(),
+                                                  " bytes and ", num_tokens, " tokens"));
     if (!reservation.ok()) {
       Done(ToGrpcStatus(reservation.status()));
       return;
@@ -441,7 +470,8 @@ class CacheServiceImpl::AppendStreamReactor final
           "header.payload_bytes = ", payload_bytes_, " exceeds the largest payload cache '",
           spec.name, "' accepts: ", max_bytes, " bytes for max_batch = ", spec.max_batch));
     }
-    ASSIGN_OR_RETURN(tokens_, TokensFromProto(header.tokens()));
+    ASSIGN_OR_RETURN(tokens_, ExpandTokens(header.tokens(), header.token_ranges(), spec,
+                                           &reservation_, &tokens_bytes_));
     const bool speculative = header.speculative();
     RETURN_IF_ERROR(
         CheckAppendShape(spec, tokens_, speculative, "header.payload_bytes", payload_bytes_));
@@ -1033,10 +1063,11 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* 
   // gRPC holds the whole request already: count it until the call is done, and refuse it at
   // once when it does not fit rather than queue it for the engine.
   const RawAppendRequest& message = received->message;
-  absl::StatusOr<InflightBudget::Reservation> reservation = inflight_->Reserve(
-      request->Length() + ParsedBytes<v1::Token, Token>(message.request.tokens_size()),
-      absl::StrCat("Append of ", message.payload_bytes, " payload bytes and ",
-                   message.request.tokens_size(), " tokens"));
+  const int64_t num_tokens = ParsedTokens(message.request.tokens(), message.request.token_ranges());
+  absl::StatusOr<InflightBudget::Reservation> reservation =
+      inflight_->Reserve(request->Length() + ParsedBytes<v1::Token, Token>(num_tokens),
+                         absl::StrCat("Append of ", message.payload_bytes, " payload bytes and ",
+                                      num_tokens, " tokens"));
   if (!reservation.ok()) return FinishNow(context, reservation.status());
   return RunUnary(
       context,
@@ -1046,7 +1077,9 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* 
         Principal caller;
         ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,
                          FindCache(*context, request.cache(), &caller));
-        ASSIGN_OR_RETURN(const std::vector<Token> tokens, TokensFromProto(request.tokens()));
+        ASSIGN_OR_RETURN(const std::vector<Token> tokens,
+                         ExpandTokens(request.tokens(), request.token_ranges(), cache->spec(),
+                                      &reservation, nullptr));
         RETURN_IF_ERROR(CheckAppendShape(cache->spec(), tokens, request.speculative(), "payload",
                                          static_cast<int64_t>(received->message.payload_bytes)));
         RETURN_IF_ERROR(AppendGuarded(caller.tenant, *cache, tokens, "Append", [&] {

@@ -1,5 +1,7 @@
 #include "service/common/convert.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -353,10 +355,64 @@ absl::StatusOr<SnapshotInfo> SnapshotInfoFromProto(const v1::SnapshotInfo& proto
   return info;
 }
 
+void AddTokenRanges(int64_t seq, absl::Span<const int32_t> positions,
+                    google::protobuf::RepeatedPtrField<v1::TokenRange>* ranges) {
+  v1::TokenRange* run = nullptr;
+  for (int32_t pos : positions) {
+    if (run != nullptr && int64_t{run->first()} + run->count() == pos) {
+      run->set_count(run->count() + 1);
+      continue;
+    }
+    run = ranges->Add();
+    run->set_seq(seq);
+    run->set_first(pos);
+    run->set_count(1);
+  }
+}
+
+int64_t CountTokens(const google::protobuf::RepeatedPtrField<v1::Token>& tokens,
+                    const google::protobuf::RepeatedPtrField<v1::TokenRange>& ranges, int64_t cap) {
+  int64_t n = std::min<int64_t>(tokens.size(), cap);
+  for (const v1::TokenRange& r : ranges) {
+    n += std::max<int32_t>(r.count(), 0);
+    if (n >= cap) return cap;
+  }
+  return n;
+}
+
 absl::StatusOr<std::vector<Token>> TokensFromProto(
-    const google::protobuf::RepeatedPtrField<v1::Token>& tokens) {
+    const google::protobuf::RepeatedPtrField<v1::Token>& tokens,
+    const google::protobuf::RepeatedPtrField<v1::TokenRange>& ranges, int64_t max_tokens) {
+  int64_t total = tokens.size();
+  for (int i = 0; i < ranges.size(); ++i) {
+    const v1::TokenRange& r = ranges.Get(i);
+    if (r.seq() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token_ranges[", i, "].seq = ", r.seq(), " is negative"));
+    }
+    if (r.first() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token_ranges[", i, "].first = ", r.first(), " is negative"));
+    }
+    if (r.count() < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token_ranges[", i, "].count = ", r.count(), " is below 1"));
+    }
+    // The engine's positions are below INT32_MAX, so that an offset (last + 1) is an int32.
+    if (int64_t{r.first()} + r.count() > INT32_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat("token_ranges[", i, "] (first = ", r.first(),
+                                                     ", count = ", r.count(),
+                                                     ") reaches past position ", INT32_MAX - 1));
+    }
+    total += r.count();
+  }
+  if (total > max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the batch has ", total, " tokens (", tokens.size(), " in tokens, ", total - tokens.size(),
+        " in token_ranges), more than max_batch = ", max_tokens));
+  }
   std::vector<Token> out;
-  out.reserve(tokens.size());
+  out.reserve(static_cast<size_t>(total));
   for (int i = 0; i < tokens.size(); ++i) {
     const v1::Token& t = tokens.Get(i);
     if (t.seq() < 0) {
@@ -368,6 +424,9 @@ absl::StatusOr<std::vector<Token>> TokensFromProto(
           absl::StrCat("tokens[", i, "].pos = ", t.pos(), " is negative"));
     }
     out.push_back(Token{t.seq(), t.pos()});
+  }
+  for (const v1::TokenRange& r : ranges) {
+    for (int32_t k = 0; k < r.count(); ++k) out.push_back(Token{r.seq(), r.first() + k});
   }
   return out;
 }

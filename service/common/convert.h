@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "cache/cache.h"
 #include "cache/shortage.h"
 #include "cache/spec.h"
@@ -60,9 +61,21 @@ v1::CacheInfo CacheInfoToProto(const Cache& cache);
 // Positions and Recurrent state per group and payload size of a Read, without the payload.
 v1::ReadHeader ReadHeaderToProto(const ReadResult& result);
 
-// Tokens of an Append. INVALID_ARGUMENT naming the index and value of a negative seq or pos.
+// The tokens of an Append: `tokens`, then each range of `ranges` position by position.
+// INVALID_ARGUMENT naming the field and value of a negative seq, pos or first, a count below 1,
+// a range past position 2^31 - 2, or more than `max_tokens` tokens in all (found before any
+// range is expanded, so a request cannot make the node allocate more than that).
 absl::StatusOr<std::vector<Token>> TokensFromProto(
-    const google::protobuf::RepeatedPtrField<v1::Token>& tokens);
+    const google::protobuf::RepeatedPtrField<v1::Token>& tokens,
+    const google::protobuf::RepeatedPtrField<v1::TokenRange>& ranges, int64_t max_tokens);
+// Appends `positions` of `seq` (ascending, as an Append names them) to `ranges`: one range per
+// run of consecutive positions.
+void AddTokenRanges(int64_t seq, absl::Span<const int32_t> positions,
+                    google::protobuf::RepeatedPtrField<v1::TokenRange>* ranges);
+// How many tokens `tokens` and `ranges` name (a negative count as 0), at most `cap`: what a
+// request will parse to at most, for the in-flight budget, before its cache is known.
+int64_t CountTokens(const google::protobuf::RepeatedPtrField<v1::Token>& tokens,
+                    const google::protobuf::RepeatedPtrField<v1::TokenRange>& ranges, int64_t cap);
 
 // Queries of a Visible. INVALID_ARGUMENT naming the index and value of a negative seq or pos.
 absl::StatusOr<std::vector<Query>> QueriesFromProto(

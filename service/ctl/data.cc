@@ -49,11 +49,7 @@ absl::StatusOr<v1::AppendResponse> SendAppend(const Client& client, const std::s
   if (!stream) {
     v1::AppendRequest request;
     request.set_cache(cache);
-    for (int32_t pos : positions) {
-      v1::Token* t = request.add_tokens();
-      t->set_seq(seq);
-      t->set_pos(pos);
-    }
+    AddTokenRanges(seq, positions, request.mutable_token_ranges());
     *request.mutable_payload() = std::move(payload);
     request.set_speculative(speculative);
     RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::Append, request, &response));
@@ -61,11 +57,7 @@ absl::StatusOr<v1::AppendResponse> SendAppend(const Client& client, const std::s
   }
   v1::AppendHeader header;
   header.set_cache(cache);
-  for (int32_t pos : positions) {
-    v1::Token* t = header.add_tokens();
-    t->set_seq(seq);
-    t->set_pos(pos);
-  }
+  AddTokenRanges(seq, positions, header.mutable_token_ranges());
   header.set_payload_bytes(static_cast<int64_t>(payload.size()));
   header.set_speculative(speculative);
   auto context = client.Context();

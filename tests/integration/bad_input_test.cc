@@ -2,6 +2,7 @@
 // the values its message must name, run against a real kvmesh-node. Every case also checks that
 // the node's state (caches, usage, sequences and their bytes, snapshots) is byte-identical
 // before and after: a failed operation changes nothing.
+#include <array>
 #include <functional>
 #include <optional>
 #include <ostream>
@@ -142,6 +143,18 @@ v1::AppendRequest AppendOf(const std::string& cache, const std::vector<int64_t>&
     t->set_pos(positions[i]);
   }
   request.set_payload(std::string(payload_bytes, '\x5a'));
+  return request;
+}
+
+// AppendOf with token ranges (seq, first, count) after the tokens.
+v1::AppendRequest WithRanges(v1::AppendRequest request,
+                             const std::vector<std::array<int64_t, 3>>& ranges) {
+  for (const auto& [seq, first, count] : ranges) {
+    v1::TokenRange* r = request.add_token_ranges();
+    r->set_seq(seq);
+    r->set_first(static_cast<int32_t>(first));
+    r->set_count(static_cast<int32_t>(count));
+  }
   return request;
 }
 
@@ -303,6 +316,15 @@ void AddSnapshotCases(std::vector<BadCase>* out) {
                                kInvalid, {"header.payload_bytes = 232", "272"}));
   }
   // The largest payload a stream may announce is max_batch speculative tokens: 4 x 136.
+  {
+    v1::AppendStreamRequest header = Header("bad", {}, {}, 4 * kTokenBytes);
+    v1::TokenRange* r = header.mutable_header()->add_token_ranges();
+    r->set_seq(2);
+    r->set_first(0);
+    r->set_count(5);
+    cases.push_back(StreamCase("StreamRangesAboveMaxBatch", {header, Data(4 * kTokenBytes)},
+                               kInvalid, {"5 tokens", "5 in token_ranges", "max_batch = 4"}));
+  }
   cases.push_back(StreamCase("StreamSpeculativeSizedPlainBatch",
                              {Header("hyb", {0, 0, 0, 0}, {4, 5, 6, 7}, 4 * plain1)}, kInvalid,
                              {"header.payload_bytes = 544", "424"}));
@@ -670,6 +692,37 @@ std::vector<BadCase> Cases() {
                                           AppendOf("bad", {2, 3, 4}, {0, 0, 0}, 3 * kTokenBytes),
                                           kExhausted, {"3 new sequences", "max_sequences = 4"}),
                                "SEQUENCES_EXHAUSTED needed=3 free=2 total=4"));
+
+  // Token ranges: each bad field named, and a count too large for max_batch refused before
+  // anything is expanded (2^31 - 1 tokens would be 16 GiB of parsed tokens).
+  cases.push_back(AppendCase("AppendRangeNegativeSeq",
+                             WithRanges(AppendOf("bad", {}, {}, kTokenBytes), {{-2, 0, 1}}),
+                             kInvalid, {"token_ranges[0].seq = -2"}));
+  cases.push_back(AppendCase("AppendRangeNegativeFirst",
+                             WithRanges(AppendOf("bad", {2}, {0}, 2 * kTokenBytes), {{2, -1, 1}}),
+                             kInvalid, {"token_ranges[0].first = -1"}));
+  cases.push_back(
+      AppendCase("AppendRangeCountZero",
+                 WithRanges(AppendOf("bad", {}, {}, kTokenBytes), {{2, 0, 1}, {3, 0, 0}}), kInvalid,
+                 {"token_ranges[1].count = 0"}));
+  cases.push_back(
+      AppendCase("AppendRangePastTheLastPosition",
+                 WithRanges(AppendOf("bad", {}, {}, kTokenBytes), {{2, kInt32Max - 1, 2}}),
+                 kInvalid, {"token_ranges[0]", "2147483646"}));
+  cases.push_back(
+      AppendCase("AppendRangeHugeCount",
+                 WithRanges(AppendOf("bad", {}, {}, kTokenBytes), {{2, 0, kInt32Max - 1}}),
+                 kInvalid, {"2147483646 tokens", "max_batch = 4"}));
+  cases.push_back(AppendCase("AppendRangesAboveMaxBatch",
+                             WithRanges(AppendOf("bad", {2}, {0}, 5 * kTokenBytes), {{2, 1, 4}}),
+                             kInvalid,
+                             {"5 tokens", "1 in tokens", "4 in token_ranges", "max_batch = 4"}));
+  cases.push_back(AppendCase("AppendRangeOverlapsATokenOfTheBatch",
+                             WithRanges(AppendOf("bad", {2}, {1}, 3 * kTokenBytes), {{2, 0, 2}}),
+                             kInvalid, {"sequence 2"}));
+  cases.push_back(AppendCase("AppendRangeRepeatsAStoredPosition",
+                             WithRanges(AppendOf("bad", {}, {}, 2 * kTokenBytes), {{1, 1, 2}}),
+                             kInvalid, {"sequence 1", "position 1"}));
 
   // ---- AppendStream ----
   cases.push_back(

@@ -294,6 +294,7 @@ std::vector<v1::AppendStreamRequest> StreamMessages(const v1::AppendRequest& req
   v1::AppendHeader* header = messages[0].mutable_header();
   header->set_cache(request.cache());
   *header->mutable_tokens() = request.tokens();
+  *header->mutable_token_ranges() = request.token_ranges();
   header->set_payload_bytes(static_cast<int64_t>(request.payload().size()));
   header->set_speculative(request.speculative());
   const std::string& payload = request.payload();

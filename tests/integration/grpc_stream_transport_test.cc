@@ -18,8 +18,8 @@
 #include <deque>
 #include <functional>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -80,10 +80,10 @@ std::vector<uint8_t> PatternBytes(size_t n, uint64_t seed) {
 
 // How a MemoryPayload offers its bytes to the sender.
 enum class Views {
-  kWhole,    // View: as long a run as asked for (zero-copy chunks of one slice)
-  kPieces,   // View: at most 4096 bytes at a time (chunks of many slices)
-  kCrumbs,   // View: at most 100 bytes at a time (too many pieces: chunks are copied)
-  kNone,     // no View: every chunk is read with ReadAt (the copy path)
+  kWhole,   // View: as long a run as asked for (zero-copy chunks of one slice)
+  kPieces,  // View: at most 4096 bytes at a time (chunks of many slices)
+  kCrumbs,  // View: at most 100 bytes at a time (too many pieces: chunks are copied)
+  kNone,    // no View: every chunk is read with ReadAt (the copy path)
 };
 
 // Called first thing in every ReadAt of a payload that has one, on ReadAt's thread.
@@ -283,8 +283,7 @@ class ReadProbe {
 };
 
 // The node's PeerService reduced to Fetch, delegating to ServeFetch as the node does.
-class TestPeerService final
-    : public transport::PeerServiceWithRawFetch {
+class TestPeerService final : public transport::PeerServiceWithRawFetch {
  public:
   TestPeerService(LeaseLookup* leases, SenderOptions options)
       : leases_(leases), options_(options) {}
@@ -299,8 +298,7 @@ class TestPeerService final
 };
 
 // A sender that streams given raw messages, whatever is asked: for what ServeFetch never sends.
-class ScriptedPeerService final
-    : public transport::PeerServiceWithRawFetch {
+class ScriptedPeerService final : public transport::PeerServiceWithRawFetch {
  public:
   explicit ScriptedPeerService(std::vector<std::string> messages)
       : messages_(std::move(messages)) {}
@@ -598,10 +596,10 @@ TEST_F(GrpcStreamTransportTest, CorruptChunkIsDataLoss) {
       return absl::MakeConstSpan(v).subspan(2 * 4096, 4096);
     };
     EXPECT_THAT(std::string(status.message()),
-                HasSubstr(absl::StrCat("CRC-32C of the 4096 bytes of the chunk at offset 8192 is 0x",
-                                       absl::Hex(Crc32c(chunk2(got)), absl::kZeroPad8),
-                                       " but the sender computed 0x",
-                                       absl::Hex(Crc32c(chunk2(want)), absl::kZeroPad8))));
+                HasSubstr(absl::StrCat(
+                    "CRC-32C of the 4096 bytes of the chunk at offset 8192 is 0x",
+                    absl::Hex(Crc32c(chunk2(got)), absl::kZeroPad8), " but the sender computed 0x",
+                    absl::Hex(Crc32c(chunk2(want)), absl::kZeroPad8))));
     EXPECT_THAT(std::string(status.message()), HasSubstr(kSenderName));
     // Exactly one byte, in chunk 2, differs; the payload itself is intact.
     int differing = 0;
@@ -622,7 +620,8 @@ TEST_F(GrpcStreamTransportTest, CorruptChunkIsDataLoss) {
 }
 
 // Chunks that ServeFetch never sends but a receiver must not trust: no crc32c, a wrong one, a
-// truncated message (its crc32c cut short), a field of the wrong wire type, a gap. Each is DATA_LOSS naming what is wrong.
+// truncated message (its crc32c cut short), a field of the wrong wire type, a gap. Each is
+// DATA_LOSS naming what is wrong.
 TEST_F(GrpcStreamTransportTest, MalformedChunksAreDataLoss) {
   const std::string data = "0123456789";
   struct Case {
@@ -638,7 +637,8 @@ TEST_F(GrpcStreamTransportTest, MalformedChunksAreDataLoss) {
        "of the chunk at offset 10 is 0x"},
       {"truncated", {good.substr(0, good.size() - 3)}, "does not parse: field 3"},
       {"wire type", {std::string("\x0d\x01\x02\x03\x04", 5)}, "field 1 has wire type 5"},
-      {"gap", {good, ChunkMessage(20, data, Crc32cOf(data))},
+      {"gap",
+       {good, ChunkMessage(20, data, Crc32cOf(data))},
        "chunk at offset 20 but 10 bytes were received before it"},
       {"no data", {good, ChunkMessage(10, "", Crc32cOf(""))}, "chunk at offset 10 carries no data"},
       {"field 0", {std::string("\x00\x01", 2)}, "does not parse: field 0"},

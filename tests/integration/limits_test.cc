@@ -755,6 +755,50 @@ TEST(LimitsTest, RequestsLargerThanTheWholeInflightBudgetAreRefused) {
   StopLimitsNode(std::move(node));
 }
 
+// Token ranges name many tokens in a few bytes: the in-flight budget counts the tokens they
+// expand to (about 80 bytes each, parsed), not the bytes of the message, before expanding them.
+TEST(LimitsTest, TokenRangesAreChargedAsTheTokensTheyExpandTo) {
+  std::unique_ptr<NodeProcess> node = StartLimitsNode(
+      {"--memory-budget=64MiB", "--inflight-budget=128MiB", "--max-message-bytes=32MiB"});
+  ASSERT_NE(node, nullptr);
+  std::unique_ptr<Stub> stub = node->NewStub();
+  // F32, 1 layer x 1 head x (1 + 1): 8 bytes per token; 2^21 tokens are 16 MiB of payload.
+  AttentionOptions a;
+  a.num_layers = 1;
+  a.num_kv_heads = 1;
+  a.head_dim_k = 1;
+  a.head_dim_v = 1;
+  a.rope = v1::ROPE_TYPE_NONE;
+  constexpr int32_t kTokens = 1 << 21;
+  KVMESH_ASSERT_OK(
+      CreateCache(*stub, SpecProto("tiny", 1, kTokens, kTokens, {AttentionGroupProto(a)})));
+  auto append = [&](int32_t first, int32_t count) {
+    v1::AppendRequest request;
+    request.set_cache("tiny");
+    v1::TokenRange* range = request.add_token_ranges();
+    range->set_seq(0);
+    range->set_first(first);
+    range->set_count(count);
+    request.mutable_payload()->assign(static_cast<size_t>(count) * 8, '\0');
+    return Append(*stub, request);
+  };
+  // 2^21 tokens parse to more than the 96 MiB kvmesh may buffer: refused, with the numbers.
+  const grpc::Status whole = append(0, kTokens);
+  EXPECT_EQ(whole.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(whole);
+  EXPECT_THAT(whole.error_message(), HasSubstr("2097152 tokens the Append's token_ranges"));
+  EXPECT_THAT(ShortageText(whole), HasSubstr("INFLIGHT_BUDGET_EXHAUSTED"));
+  // A quarter of them at a time fits.
+  for (int32_t first = 0; first < kTokens; first += kTokens / 4) {
+    KVMESH_ASSERT_OK(append(first, kTokens / 4));
+  }
+  v1::ListSequencesResponse seqs;
+  KVMESH_ASSERT_OK(ListSequences(*stub, "tiny", &seqs));
+  ASSERT_EQ(seqs.sequences_size(), 1);
+  EXPECT_EQ(seqs.sequences(0).offset(), kTokens);
+  stub.reset();
+  StopLimitsNode(std::move(node));
+}
+
 // A client that opens a Read and stops taking messages: the node's write stalls on flow
 // control while the Read pins the sequence's cells. The idle reaper cancels the call after
 // --stream-idle-timeout-ms, which releases the cells (the sequence was removed meanwhile, so

@@ -335,11 +335,9 @@ TEST(MetricsTest, SeriesMoveWithRpcsAndCaches) {
 
   const Scrape after = node.ScrapeNow();
   EXPECT_EQ(after.Count("kvmesh_rpc_handled_total", append_ok), 2);
-  EXPECT_EQ(after.Count("kvmesh_rpc_handled_total", {{"method", "CopyPrefix"}, {"code", "OK"}}),
-            1);
-  EXPECT_EQ(after.Count("kvmesh_rpc_handled_total",
-                        {{"method", "GetCache"}, {"code", "NOT_FOUND"}}),
-            1);
+  EXPECT_EQ(after.Count("kvmesh_rpc_handled_total", {{"method", "CopyPrefix"}, {"code", "OK"}}), 1);
+  EXPECT_EQ(
+      after.Count("kvmesh_rpc_handled_total", {{"method", "GetCache"}, {"code", "NOT_FOUND"}}), 1);
   EXPECT_EQ(after.Count("kvmesh_rpc_handling_seconds_count",
                         {{"service", "CacheService"}, {"method", "Append"}}),
             2);
@@ -486,8 +484,7 @@ TEST(MetricsTest, TransfersMigrationsAndDrainsBetweenTwoNodes) {
     const double bytes = static_cast<double>(response.transfer().bytes());
     ASSERT_GT(bytes, 0);
     const Scrape at_b = b.ScrapeNow();
-    const Labels received = {
-        {"transport", transport}, {"peer", "mx-a"}, {"direction", "receive"}};
+    const Labels received = {{"transport", transport}, {"peer", "mx-a"}, {"direction", "receive"}};
     EXPECT_EQ(at_b.Count("kvmesh_transfer_bytes_total", received), bytes);
     Labels received_ok = received;
     received_ok["code"] = "OK";
@@ -533,9 +530,10 @@ TEST(MetricsTest, TransfersMigrationsAndDrainsBetweenTwoNodes) {
     v1::MigrateResponse response;
     EXPECT_EQ(a.stub->Migrate(&context, request, &response).error_code(),
               grpc::StatusCode::NOT_FOUND);
-    EXPECT_EQ(a.ScrapeNow().Count("kvmesh_migrations_total",
-                                  {{"kind", "sequence"}, {"role", "source"}, {"code", "NOT_FOUND"}}),
-              1);
+    EXPECT_EQ(
+        a.ScrapeNow().Count("kvmesh_migrations_total",
+                            {{"kind", "sequence"}, {"role", "source"}, {"code", "NOT_FOUND"}}),
+        1);
   }
 
   // b drains: its two sequences go to a.
@@ -585,8 +583,8 @@ std::string Field(const google::protobuf::Struct& line, const std::string& key) 
 TEST(LogTest, JsonLinesCarryRequestsAndErrors) {
   NodeProcess::Options options;
   options.node_name = "log-json";
-  options.extra_args = {"--memory-budget=64MiB", "--snapshot-budget=16MiB",
-                        "--log-format=json", "--log-level=debug"};
+  options.extra_args = {"--memory-budget=64MiB", "--snapshot-budget=16MiB", "--log-format=json",
+                        "--log-level=debug"};
   absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
   ASSERT_TRUE(node.ok()) << node.status();
   std::unique_ptr<Stub> stub = (*node)->NewStub();
@@ -640,8 +638,7 @@ TEST(LogTest, JsonLinesCarryRequestsAndErrors) {
 TEST(LogTest, TextAtWarningLeavesOutSuccessesAndKeepsErrors) {
   NodeProcess::Options options;
   options.node_name = "log-text";
-  options.extra_args = {"--memory-budget=64MiB", "--snapshot-budget=16MiB",
-                        "--log-level=warning"};
+  options.extra_args = {"--memory-budget=64MiB", "--snapshot-budget=16MiB", "--log-level=warning"};
   absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
   ASSERT_TRUE(node.ok()) << node.status();
   std::unique_ptr<Stub> stub = (*node)->NewStub();

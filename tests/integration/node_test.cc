@@ -103,9 +103,9 @@ TEST(NodeTest, HelpListsTheNodesOwnFlagsWithDefaults) {
   const std::string help = run->stdout_text + run->stderr_text;
   EXPECT_THAT(help, HasSubstr("Caches live in memory only: a node that restarts starts empty"));
   EXPECT_THAT(help, HasSubstr("Flags from service/node_main.cc:"));
-  for (const char* flag : {"--listen", "--memory_budget", "--metrics_port", "--log_level",
-                           "--log_format", "--kept_arena_limit", "--drain_timeout_ms",
-                           "--peers", "--token_file"}) {
+  for (const char* flag :
+       {"--listen", "--memory_budget", "--metrics_port", "--log_level", "--log_format",
+        "--kept_arena_limit", "--drain_timeout_ms", "--peers", "--token_file"}) {
     EXPECT_THAT(help, HasSubstr(absl::StrCat("    ", flag, " ("))) << flag;
   }
   EXPECT_THAT(help, HasSubstr("default: \"127.0.0.1:7700\""));

@@ -265,6 +265,63 @@ TEST_F(ServiceTest, AppendThenReadBackByteExact) {
   KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-append"));
 }
 
+// The tokens of `request` as token ranges: runs of consecutive positions of one sequence, the
+// first `keep` tokens left as they are.
+v1::AppendRequest AsRanges(v1::AppendRequest request, int keep) {
+  const std::vector<v1::Token> tokens(request.tokens().begin(), request.tokens().end());
+  request.clear_tokens();
+  for (int i = 0; i < static_cast<int>(tokens.size()); ++i) {
+    if (i < keep) {
+      *request.add_tokens() = tokens[i];
+      continue;
+    }
+    const int n = request.token_ranges_size();
+    v1::TokenRange* last = n > 0 ? request.mutable_token_ranges(n - 1) : nullptr;
+    if (last != nullptr && i > keep && last->seq() == tokens[i].seq() &&
+        last->first() + last->count() == tokens[i].pos()) {
+      last->set_count(last->count() + 1);
+    } else {
+      v1::TokenRange* r = request.add_token_ranges();
+      r->set_seq(tokens[i].seq());
+      r->set_first(tokens[i].pos());
+      r->set_count(1);
+    }
+  }
+  return request;
+}
+
+// A batch named by token ranges (after a few plain tokens) stores exactly what the same batch
+// named token by token stores, unary and streamed.
+TEST_F(ServiceTest, TokenRangesNameTheSameBatchAsTokens) {
+  const v1::CacheSpec spec = BasicSpec("svc-ranges");
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  // seq 3: 0..9 with 0..1 as tokens and 2..9 as one range; seqs 5 and 6 interleaved in one batch
+  // (5: 0, 1 as a range; 6: 0; then 5: 2..4 as a second range of seq 5).
+  const v1::AppendRequest first = AsRanges(MakeAppend(spec, 3, Range(0, 10)), 2);
+  ASSERT_EQ(first.tokens_size(), 2);
+  ASSERT_EQ(first.token_ranges_size(), 1);
+  EXPECT_EQ(first.token_ranges(0).count(), 8);
+  KVMESH_ASSERT_OK(Append(stub(), first));
+  const v1::AppendRequest mixed =
+      AsRanges(MakeMultiAppend(spec, {5, 5, 6, 5, 5, 5}, {0, 1, 0, 2, 3, 4}), 0);
+  ASSERT_EQ(mixed.token_ranges_size(), 3);
+  KVMESH_ASSERT_OK(Append(stub(), mixed));
+  // Streamed: seq 3 continues with 10..19 as one range in the header.
+  const v1::AppendRequest streamed = AsRanges(MakeAppend(spec, 3, Range(10, 20)), 0);
+  ASSERT_EQ(streamed.token_ranges_size(), 1);
+  KVMESH_ASSERT_OK(AppendStream(stub(), StreamMessages(streamed, 100, 333)));
+
+  SequenceModel seq3, seq5, seq6;
+  ModelAppend(spec, 3, Range(0, 10), 0, &seq3);
+  ModelAppend(spec, 3, Range(10, 20), 0, &seq3);
+  ModelAppend(spec, 5, {0, 1, 2, 3, 4}, 0, &seq5);
+  ModelAppend(spec, 6, {0}, 0, &seq6);
+  ExpectReadMatches(spec, 3, seq3);
+  ExpectReadMatches(spec, 5, seq5);
+  ExpectReadMatches(spec, 6, seq6);
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-ranges"));
+}
+
 TEST_F(ServiceTest, AppendStreamWithManyChunksAndChunkedReads) {
   // F16, 2 layers x 4 heads x (64 + 64): 2048 bytes per token, 32 tokens = 64 KiB.
   AttentionOptions a;

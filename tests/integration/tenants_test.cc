@@ -33,14 +33,14 @@ namespace {
 
 using ::testing::HasSubstr;
 
-#define ASSERT_OK(expr)                                   \
-  do {                                                    \
-    const grpc::Status status_ = (expr);                  \
+#define ASSERT_OK(expr)                                                \
+  do {                                                                 \
+    const grpc::Status status_ = (expr);                               \
     ASSERT_TRUE(status_.ok()) << #expr << ": " << StatusText(status_); \
   } while (0)
-#define EXPECT_OK(expr)                                   \
-  do {                                                    \
-    const grpc::Status status_ = (expr);                  \
+#define EXPECT_OK(expr)                                                \
+  do {                                                                 \
+    const grpc::Status status_ = (expr);                               \
     EXPECT_TRUE(status_.ok()) << #expr << ": " << StatusText(status_); \
   } while (0)
 using ::testing::Not;
@@ -89,8 +89,7 @@ std::unique_ptr<Stub> StubFor(const std::string& address, const std::string& tok
   options.tenant = tenant;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
-      NewClientChannel(address, options, args);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = NewClientChannel(address, options, args);
   EXPECT_TRUE(channel.ok()) << channel.status();
   return v1::CacheService::NewStub(*channel);
 }
@@ -343,9 +342,9 @@ TEST(TokenFileTest, AMalformedFileStopsTheNodeAtStartUp) {
   EXPECT_THAT(run->stderr_text, HasSubstr("line 2: the tenant 'team/b' is not a tenant name"));
   // Outside development mode a cluster needs --peer-listen.
   WriteFile(path, TokenLine(kAlice, "team-a", "tenant"));
-  run = RunNodeToExit({"--listen=127.0.0.1:0", absl::StrCat("--token-file=", path),
-                       "--peers=other=127.0.0.1:1"},
-                      absl::Seconds(30));
+  run = RunNodeToExit(
+      {"--listen=127.0.0.1:0", absl::StrCat("--token-file=", path), "--peers=other=127.0.0.1:1"},
+      absl::Seconds(30));
   ASSERT_TRUE(run.ok()) << run.status();
   EXPECT_FALSE(run->status.clean());
   EXPECT_THAT(run->stderr_text, HasSubstr("need --peer_listen"));
@@ -370,8 +369,10 @@ class PeerPlaneTest : public ::testing::Test {
       options.extra_args = {absl::StrCat("--token-file=", tokens_),
                             absl::StrCat("--peer-listen=127.0.0.1:", peer_ports[i]),
                             absl::StrCat("--peers=p", 1 - i, "=127.0.0.1:", peer_ports[1 - i]),
-                            "--memory-budget=64MiB", "--snapshot-budget=16MiB",
-                            "--max-leases-per-receiver=2", "--lease-ms=20000",
+                            "--memory-budget=64MiB",
+                            "--snapshot-budget=16MiB",
+                            "--max-leases-per-receiver=2",
+                            "--lease-ms=20000",
                             "--max-lease-ms=60000"};
       absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
       ASSERT_TRUE(node.ok()) << node.status();
@@ -391,8 +392,7 @@ class PeerPlaneTest : public ::testing::Test {
       ASSERT_OK(CreateCache(*StubFor(nodes_[i]->address(), kAlice), SmallSpec("m")));
     }
     ASSERT_OK(Append(*StubFor(nodes_[0]->address(), kAlice),
-                       MakeAppend(SmallSpec("m"), 0, {0, 1, 2, 3, 4, 5, 6, 7}, 3))
-                    );
+                     MakeAppend(SmallSpec("m"), 0, {0, 1, 2, 3, 4, 5, 6, 7}, 3)));
   }
 
   v1::ExportRequest ExportOf(const std::string& tenant, const std::string& receiver,
@@ -626,13 +626,12 @@ TEST_F(PeerPlaneTest, LeaseIdsCannotBeGuessedAndLeasesAreCappedAndClamped) {
     SetDeadline(&context);
     v1::FetchRequest fetch;
     fetch.set_lease_id(guess);
-    std::unique_ptr<grpc::ClientReader<v1::Chunk>> reader =
-        PeerStub(0)->Fetch(&context, fetch);
+    std::unique_ptr<grpc::ClientReader<v1::Chunk>> reader = PeerStub(0)->Fetch(&context, fetch);
     v1::Chunk chunk;
     EXPECT_FALSE(reader->Read(&chunk)) << guess;
     const grpc::Status status = reader->Finish();
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << guess << ": "
-                                                                << StatusText(status);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND)
+        << guess << ": " << StatusText(status);
   }
   // The real id works for its receiver (here: this process's address, the one that exported).
   {

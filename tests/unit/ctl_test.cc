@@ -491,6 +491,51 @@ TEST(ClusterFormatTest, TransferLine) {
   EXPECT_EQ(TransferLine(v1::TransferStats()), "?, 0 B in 0.0 ms");
 }
 
+TEST(TokenRangesTest, RunsOfPositionsRoundTrip) {
+  google::protobuf::RepeatedPtrField<v1::TokenRange> ranges;
+  AddTokenRanges(7, {}, &ranges);
+  EXPECT_TRUE(ranges.empty());
+  AddTokenRanges(7, {0, 1, 2, 5, 6, 9}, &ranges);
+  AddTokenRanges(3, {2147483646}, &ranges);  // the last position there is
+  ASSERT_EQ(ranges.size(), 4);
+  EXPECT_EQ(ranges[0].first(), 0);
+  EXPECT_EQ(ranges[0].count(), 3);
+  EXPECT_EQ(ranges[1].first(), 5);
+  EXPECT_EQ(ranges[1].count(), 2);
+  EXPECT_EQ(ranges[2].first(), 9);
+  EXPECT_EQ(ranges[2].count(), 1);
+  EXPECT_EQ(ranges[3].seq(), 3);
+  google::protobuf::RepeatedPtrField<v1::Token> tokens;
+  v1::Token* t = tokens.Add();
+  t->set_seq(1);
+  t->set_pos(4);
+  EXPECT_EQ(CountTokens(tokens, ranges, 100), 8);
+  EXPECT_EQ(CountTokens(tokens, ranges, 5), 5);  // capped
+  absl::StatusOr<std::vector<Token>> got = TokensFromProto(tokens, ranges, 8);
+  ASSERT_TRUE(got.ok()) << got.status();
+  std::vector<std::pair<int64_t, int32_t>> pairs;
+  for (const Token& token : *got) pairs.emplace_back(token.seq, token.pos);
+  EXPECT_THAT(
+      pairs,
+      ElementsAre(std::pair<int64_t, int32_t>{1, 4}, std::pair<int64_t, int32_t>{7, 0},
+                  std::pair<int64_t, int32_t>{7, 1}, std::pair<int64_t, int32_t>{7, 2},
+                  std::pair<int64_t, int32_t>{7, 5}, std::pair<int64_t, int32_t>{7, 6},
+                  std::pair<int64_t, int32_t>{7, 9}, std::pair<int64_t, int32_t>{3, 2147483646}));
+  // One more than max_batch: refused before anything is expanded.
+  got = TokensFromProto(tokens, ranges, 7);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(got.status().message()), ::testing::HasSubstr("8 tokens"));
+  // A range reaching position 2^31 - 1, where an offset would overflow.
+  ranges[3].set_count(2);
+  got = TokensFromProto(tokens, ranges, 100);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(got.status().message()), ::testing::HasSubstr("token_ranges[3]"));
+  // A count of INT32_MAX does not overflow the sum.
+  ranges[3].set_first(0);
+  ranges[3].set_count(2147483647);
+  EXPECT_EQ(CountTokens(tokens, ranges, int64_t{1} << 40), 7 + int64_t{2147483647});
+}
+
 TEST(ClusterFormatTest, ShortageLine) {
   EXPECT_EQ(ShortageLine({Resource::kCells, 0, 8, 7, 8}),
             "CELLS_EXHAUSTED in group 0: needed 8, free 7 of 8");

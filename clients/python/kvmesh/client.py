@@ -25,6 +25,19 @@ from .spec import CacheSpec, Recurrent
 
 __all__ = ["Client", "TlsOptions", "Token", "tokens"]
 
+
+def _token_ranges(batch: List[Tuple[int, int]]) -> List["pb.TokenRange"]:
+    """``batch`` in batch order as TokenRanges: one per run of consecutive positions of one
+    sequence, so that a prompt chunk of 2,048 tokens is one range, not 2,048 Tokens."""
+    ranges: List["pb.TokenRange"] = []
+    for seq, pos in batch:
+        last = ranges[-1] if ranges else None
+        if last is not None and last.seq == seq and last.first + last.count == pos:
+            last.count += 1
+        else:
+            ranges.append(pb.TokenRange(seq=seq, first=pos, count=1))
+    return ranges
+
 Token = Tuple[int, int]
 """A token of an Append batch: (sequence id, position)."""
 
@@ -247,9 +260,9 @@ class Client:
             payload = layout.encode(data, len(batch), states)
         if stream is None:
             stream = len(payload) > self.stream_threshold
-        proto_tokens = [pb.Token(seq=s, pos=p) for s, p in batch]
+        ranges = _token_ranges(batch)
         if not stream:
-            r = self._call("Append", pb.AppendRequest(cache=cache, tokens=proto_tokens,
+            r = self._call("Append", pb.AppendRequest(cache=cache, token_ranges=ranges,
                                                       payload=payload,
                                                       speculative=speculative), timeout)
             return _convert.usage_from_proto(r.usage)
@@ -260,7 +273,7 @@ class Client:
         def messages() -> Iterator["pb.AppendStreamRequest"]:
             view = memoryview(payload)
             yield pb.AppendStreamRequest(
-                header=pb.AppendHeader(cache=cache, tokens=proto_tokens,
+                header=pb.AppendHeader(cache=cache, token_ranges=ranges,
                                        payload_bytes=len(payload), speculative=speculative),
                 data=bytes(view[:chunk]))
             for begin in range(chunk, len(payload), chunk):
