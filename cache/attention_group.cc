@@ -49,10 +49,17 @@ GroupSequenceInfo AttentionGroup::Info(int64_t seq) const {
   return g;
 }
 
+int64_t AttentionGroup::UnitsToGrow(int64_t seq, int32_t positions) const {
+  // A sliding window keeps at most `memory` positions of a sequence: it needs no more cells.
+  const int64_t held = std::min<int64_t>(positions, geo_.memory);
+  const Index* index = Find(seq);
+  return std::max<int64_t>(0, held - (index == nullptr ? 0 : index->size()));
+}
+
 GroupUsage AttentionGroup::Usage() const {
   GroupUsage g;
   g.cells_total = geo_.cells;
-  g.cells_used = g.cells_total - free_cells();
+  g.cells_used = g.cells_total - raw_free_cells();
   g.memory = geo_.memory;
   g.bytes = arena_bytes();
   return g;

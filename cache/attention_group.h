@@ -15,6 +15,7 @@
 #ifndef KVMESH_CACHE_ATTENTION_GROUP_H_
 #define KVMESH_CACHE_ATTENTION_GROUP_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -92,7 +93,13 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
 
   const AttentionGeometry& geometry() const { return geo_; }
   const AttentionSpec& spec() const { return spec_; }
-  int64_t free_cells() const { return int64_t(free_.size()) + (geo_.cells - next_fresh_); }
+  // Cells the operation under way may take: the free ones less those held back for other
+  // sequences' room reservations (set_held_back).
+  int64_t free_cells() const { return std::max<int64_t>(0, raw_free_cells() - held_back_); }
+  // Cells no sequence references and nothing pins.
+  int64_t raw_free_cells() const { return int64_t(free_.size()) + (geo_.cells - next_fresh_); }
+  int64_t UnitsToGrow(int64_t seq, int32_t positions) const override;
+  int64_t FreeUnits() const override { return raw_free_cells(); }
   size_t arena_bytes() const { return arena_.size(); }
 
   // Stored positions of `seq` in [begin, end) and their cells.

@@ -158,9 +158,81 @@ int32_t Cache::OffsetLocked(int64_t seq) const {
 }
 
 int32_t Cache::ClaimedCountLocked() const {
-  int32_t claimed = LiveCountLocked();
+  int32_t claimed = LiveCountLocked() + held_sequences_;
   for (int64_t seq : appending_) claimed += !IsLiveLocked(seq);
   return claimed;
+}
+
+Cache::HeldBack::~HeldBack() {
+  for (const auto& group : cache_->groups_) group->set_held_back(0);
+  cache_->held_sequences_ = 0;
+}
+
+std::unique_ptr<Cache::HeldBack> Cache::HoldBackLocked(absl::Span<const int64_t> seqs) {
+  const absl::Time now = absl::Now();
+  for (auto it = room_.begin(); it != room_.end();) {
+    if (it->second.expires <= now) {
+      room_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  std::vector<int64_t> held(groups_.size(), 0);
+  int32_t sequences = 0;
+  for (const auto& [seq, reservation] : room_) {
+    if (std::find(seqs.begin(), seqs.end(), seq) != seqs.end()) continue;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      held[g] += groups_[g]->UnitsToGrow(seq, reservation.positions);
+    }
+    sequences += !IsLiveLocked(seq) && !appending_.contains(seq);
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->set_held_back(held[g]);
+  held_sequences_ = sequences;
+  return std::make_unique<HeldBack>(this);
+}
+
+absl::Status Cache::Reserve(int64_t seq, int32_t positions, absl::Time expires) {
+  RETURN_IF_ERROR(ValidateSeq(seq));
+  RETURN_IF_ERROR(CheckNonNegative("positions", positions));
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUsableLocked());
+  const std::unique_ptr<HeldBack> held = HoldBackLocked({seq});
+  if (positions == 0 || expires <= absl::Now()) {
+    room_.erase(seq);
+    return absl::OkStatus();
+  }
+  if (!IsLiveLocked(seq) && !appending_.contains(seq)) {
+    RETURN_IF_ERROR(CheckRoomForLocked(seq, "reserving room"));
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const LayerGroup& group = *groups_[g];
+    const int64_t needed = group.UnitsToGrow(seq, positions);
+    if (needed == 0) continue;
+    // What the others' reservations do not hold back is free for seq.
+    const int64_t available = std::max<int64_t>(0, group.FreeUnits() - group.held_back());
+    if (needed > available) {
+      return ResourceExhaustedWith(
+          absl::StrCat("group ", g, ": reserving room for ", positions, " positions of sequence ",
+                       seq, " needs ", needed, " more cells; ", available,
+                       " are free and not reserved for other sequences"),
+          {Resource::kCells, static_cast<int32_t>(g), needed, available,
+           group.Usage().cells_total});
+    }
+  }
+  room_[seq] = RoomReservation{seq, positions, expires};
+  return absl::OkStatus();
+}
+
+std::vector<Cache::RoomReservation> Cache::Reservations() const {
+  ReaderMutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  std::vector<RoomReservation> out;
+  for (const auto& [seq, reservation] : room_) {
+    if (reservation.expires > now) out.push_back(reservation);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const RoomReservation& a, const RoomReservation& b) { return a.seq < b.seq; });
+  return out;
 }
 
 void Cache::AwaitNotAppendingLocked(absl::Span<const int64_t> seqs) {
@@ -347,6 +419,7 @@ absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
   {
     MutexLock lock(&mu_);
     AwaitNotAppendingLocked(batch.seqs);
+    const std::unique_ptr<HeldBack> held = HoldBackLocked(batch.seqs);
     RETURN_IF_ERROR(CheckAppendLocked(batch, count));
     RETURN_IF_ERROR(PrepareAppendLocked(batch));
     for (size_t g = 0; g < groups_.size(); ++g) section_bytes[g] = groups_[g]->SectionBytes(batch);
@@ -454,6 +527,7 @@ absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
   {
     MutexLock lock(&cache->mu_);
     cache->AwaitNotAppendingLocked(batch.seqs);
+    const std::unique_ptr<HeldBack> held = cache->HoldBackLocked(batch.seqs);
     RETURN_IF_ERROR(cache->CheckAppendLocked(batch, state->count));
     RETURN_IF_ERROR(cache->PrepareAppendLocked(batch));
     bool in_cells = cache->reserved_append_;
@@ -800,6 +874,7 @@ absl::StatusOr<int32_t> Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int3
   }
   MutexLock lock(&mu_);
   AwaitNotAppendingLocked({dst_seq});
+  const std::unique_ptr<HeldBack> held = HoldBackLocked({dst_seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(src_seq, "CopyPrefix from it"));
   RETURN_IF_ERROR(CheckNotPendingLocked(dst_seq, "CopyPrefix into it"));
@@ -850,6 +925,7 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
   if (end.has_value() && *end == begin) return absl::OkStatus();
   MutexLock lock(&mu_);
   AwaitNotAppendingLocked({seq});
+  const std::unique_ptr<HeldBack> held = HoldBackLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Remove"));
   for (const auto& group : groups_) RETURN_IF_ERROR(group->CheckRemove(seq, begin, end));
@@ -919,6 +995,14 @@ CacheUsage Cache::Usage() const {
   for (const RowChunk* chunk : snapshot_chunks) usage.snapshot_bytes += chunk->arena.size();
   usage.export_bytes = export_bytes_->load();
   usage.snapshots = static_cast<int32_t>(snapshots_.size());
+  const absl::Time now = absl::Now();
+  for (const auto& [seq, reservation] : room_) {
+    if (reservation.expires <= now) continue;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      usage.groups[g].cells_reserved += groups_[g]->UnitsToGrow(seq, reservation.positions);
+    }
+    usage.sequences_reserved += !IsLiveLocked(seq);
+  }
   return usage;
 }
 
@@ -958,13 +1042,15 @@ SnapshotInfo Cache::AddSnapshotLocked(SnapshotRecord record) {
 }
 
 absl::Status Cache::CheckRoomForSequence(int64_t seq, absl::Span<const int64_t> positions,
-                                         const char* what) const {
+                                         const char* what) {
   RETURN_IF_ERROR(ValidateSeq(seq));
   if (positions.size() != spec_.groups.size()) {
     return absl::InvalidArgumentError(absl::StrCat("positions for ", positions.size(),
                                                    " groups; the cache has ", spec_.groups.size()));
   }
-  ReaderMutexLock lock(&mu_);
+  // Exclusive: the check holds back other sequences' room reservations (HoldBackLocked).
+  MutexLock lock(&mu_);
+  const std::unique_ptr<HeldBack> held = HoldBackLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(seq, what));
   RETURN_IF_ERROR(CheckRoomForLocked(seq, what));
@@ -1048,6 +1134,7 @@ absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, in
 }
 
 absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target) {
+  const std::unique_ptr<HeldBack> held = HoldBackLocked({seq});
   const int32_t offset = OffsetLocked(seq);
   if (record != nullptr) {
     const std::string name = record->id > 0 ? absl::StrCat("snapshot ", record->id)
@@ -1451,6 +1538,8 @@ bool SequenceImport::in_cells() const {
 absl::StatusOr<bool> Cache::PlaceImport(SequenceImport::State& state, SnapshotRecord* record) {
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckUsableLocked());
+  // The import's sequence is not known yet: every room reservation is held back.
+  const std::unique_ptr<HeldBack> held = HoldBackLocked({});
   std::vector<std::vector<int32_t>> pinned(groups_.size());
   for (size_t g = 0; g < groups_.size(); ++g) {
     const int32_t rows = record->groups[g].stored();

@@ -25,6 +25,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "cache/device/device.h"
 #include "cache/mutex.h"
@@ -103,11 +104,15 @@ struct GroupUsage {
   int64_t cells_used = 0;  // referenced by at least one sequence
   int32_t memory = 0;      // effective per-sequence memory, kUnlimitedMemory when unlimited
   size_t bytes = 0;        // device bytes of the group's arena
+  // Of the free ones, cells held back for room reservations (Cache::Reserve; Attention only).
+  int64_t cells_reserved = 0;
 };
 
 struct CacheUsage {
   std::vector<GroupUsage> groups;
   int32_t sequences_live = 0;
+  // Sequences that store nothing yet but hold a room reservation (a sequence slot each).
+  int32_t sequences_reserved = 0;
   size_t bytes_held = 0;  // group arenas and pending speculative data
   int32_t snapshots = 0;
   size_t snapshot_bytes = 0;  // snapshot pool bytes held by this cache's snapshots
@@ -387,6 +392,26 @@ class Cache {
   // references, as CopyPrefix leaves them. Walks every cell: for monitoring, not per request.
   std::vector<int64_t> SharedCells() const;
 
+  // ---- Room reservations ----------------------------------------------------------------
+  // Sets aside room for `seq` to hold `positions` positions until `expires`, so that a long
+  // prefill sent in pieces cannot be starved half-way by other sequences: a sequence slot when
+  // seq stores nothing, and in each Attention group the cells those positions still need
+  // beyond what seq stores (at most the group's per-sequence memory). Other sequences'
+  // operations see the room as used; operations on seq itself (and a batch that includes it)
+  // may use it. As seq grows the room it holds back shrinks; the reservation lasts until
+  // `expires`, until replaced by another Reserve of seq, or until one with positions 0 drops
+  // it. RESOURCE_EXHAUSTED (with a Shortage) when the room is not free now, leaving any
+  // earlier reservation of seq as it was; INVALID_ARGUMENT for negative arguments.
+  absl::Status Reserve(int64_t seq, int32_t positions, absl::Time expires);
+
+  struct RoomReservation {
+    int64_t seq = 0;
+    int32_t positions = 0;
+    absl::Time expires;
+  };
+  // The reservations in force, ascending by seq.
+  std::vector<RoomReservation> Reservations() const;
+
   // ---- Snapshots (mlx Snapshot/Restore/Merge/Split semantics per group) -----------------
   // Copies `seq`'s data from `from_offset` to its offset into the device's snapshot pool:
   // Attention groups the stored positions in [from, offset), Rotating groups the whole window
@@ -409,7 +434,7 @@ class Cache {
   // any byte moves; Restore checks again once the bytes are there. RESOURCE_EXHAUSTED saying
   // what is short; ABORTED while `seq` has pending tokens; `what` names the operation.
   absl::Status CheckRoomForSequence(int64_t seq, absl::Span<const int64_t> positions,
-                                    const char* what) const;
+                                    const char* what);
 
   // Without a snapshot: rewinds `seq` to `target` using its own data (Attention: target <=
   // offset; Rotating: target == offset, or before the ring wrapped; Recurrent: target ==
@@ -538,6 +563,21 @@ class Cache {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // One past the largest position any group holds for `seq` (pending included).
   int32_t OffsetLocked(int64_t seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // For one operation on `seqs` under the exclusive lock: drops expired room reservations and
+  // holds back, in every group and among sequence slots, what the others' reservations keep.
+  // The returned guard (which must not outlive the lock) gives it back.
+  class HeldBack {
+   public:
+    explicit HeldBack(Cache* cache) : cache_(cache) {}
+    HeldBack(const HeldBack&) = delete;
+    HeldBack& operator=(const HeldBack&) = delete;
+    ~HeldBack();
+
+   private:
+    Cache* cache_;
+  };
+  [[nodiscard]] std::unique_ptr<HeldBack> HoldBackLocked(absl::Span<const int64_t> seqs)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION unless seq's offset is at least `required` (0: always OK).
   absl::Status CheckOffsetAtLeastLocked(int64_t seq, int32_t required) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -613,6 +653,10 @@ class Cache {
   // Sequences whose Append is writing its bytes with mu_ released: their new cells are taken
   // but in no index yet. appended_ is notified whenever one leaves.
   absl::flat_hash_set<int64_t> appending_ ABSL_GUARDED_BY(mu_);
+  // Room reservations by sequence (Reserve), and the sequence slots HoldBackLocked holds back
+  // for the operation under way (0 otherwise).
+  absl::flat_hash_map<int64_t, RoomReservation> room_ ABSL_GUARDED_BY(mu_);
+  int32_t held_sequences_ ABSL_GUARDED_BY(mu_) = 0;
   mutable std::condition_variable_any appended_;
   std::map<uint64_t, std::unique_ptr<SnapshotRecord>> snapshots_ ABSL_GUARDED_BY(mu_);
   uint64_t next_snapshot_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -237,6 +237,19 @@ class LayerGroup {
   // arena's planes, so that rows copy between the two plane by plane.
   ChunkFormat SnapshotChunkFormat() const;
 
+  // ---- Room reservations ----------------------------------------------------------------
+  // Units of the group's pool (Attention: cells; Rotating: rings; Recurrent: state slots) that
+  // `seq` would still take to hold `positions` positions, beyond what it holds now: what a room
+  // reservation for it holds back from other sequences (Cache::Reserve).
+  virtual int64_t UnitsToGrow(int64_t seq, int32_t positions) const = 0;
+  // Units free now, whatever is held back.
+  virtual int64_t FreeUnits() const = 0;
+  // Units the operation under way may not take: other sequences' room reservations. The Cache
+  // sets it under its exclusive lock for one operation (Cache::HoldBack) and clears it after;
+  // every room check of the group counts it as used.
+  void set_held_back(int64_t units) { held_back_ = units; }
+  int64_t held_back() const { return held_back_; }
+
   // ---- Cells lent to transfers (groups that hold positions in cells) ---------------------
   // A transfer between nodes may use cells in place of a snapshot's copy. An export pins the
   // cells of a sequence's positions, so that they are neither freed nor written while their
@@ -286,6 +299,9 @@ class LayerGroup {
 
  private:
   const int index_;
+
+ protected:
+  int64_t held_back_ = 0;  // see set_held_back
 };
 
 // A LayerGroup whose metadata is one Entry per sequence, kept exactly while the group holds

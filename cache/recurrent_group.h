@@ -31,6 +31,11 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
   RecurrentGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device);
 
   GroupKind kind() const override { return GroupKind::kRecurrent; }
+  // One state slot per possible sequence (max_sequences of them), at most one per live
+  // sequence: a room reservation's sequence slot (Cache::Reserve) keeps one for it, so the group
+  // holds nothing back itself.
+  int64_t UnitsToGrow(int64_t, int32_t) const override { return 0; }
+  int64_t FreeUnits() const override { return static_cast<int64_t>(free_.size()); }
   GroupSequenceInfo Info(int64_t seq) const override;
   GroupUsage Usage() const override;
   int64_t SharedCellCount() const override;

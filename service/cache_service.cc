@@ -81,6 +81,10 @@ grpc::Status InvalidArgument(std::string message) {
 // message each, with malloc's header, and a pointer to it), plus the engine's copy of `n`
 // `Engine` values: a request of many small tokens or queries parses to several times its size
 // on the wire, so the in-flight budget counts this, not the wire size.
+// Reserve's TTL when a request leaves ttl_ms at 0, and the longest one accepted.
+constexpr int64_t kDefaultReserveTtlMs = 60 * 1000;
+constexpr int64_t kMaxReserveTtlMs = 60 * 60 * 1000;
+
 template <typename Proto, typename Engine>
 uint64_t ParsedBytes(int64_t n) {
   return static_cast<uint64_t>(n) * (sizeof(Proto) + 16 + sizeof(void*) + sizeof(Engine));
@@ -1246,6 +1250,33 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListSequences(grpc::CallbackServerCo
     }
     return absl::OkStatus();
   });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::Reserve(grpc::CallbackServerContext* context,
+                                                    const v1::ReserveRequest* request,
+                                                    v1::ReserveResponse* response) {
+  return RunOnCache(
+      context, request,
+      [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
+        const int64_t ttl_ms = request->ttl_ms() == 0 ? kDefaultReserveTtlMs : request->ttl_ms();
+        if (ttl_ms < 0 || ttl_ms > kMaxReserveTtlMs) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "ttl_ms = ", request->ttl_ms(), " is outside [0, ", kMaxReserveTtlMs, "]"));
+        }
+        // Not into a sequence under migration; on a draining node, not for a new sequence.
+        ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                         GuardSequence(Reservations::Key(caller.tenant, request->cache()),
+                                       request->seq(), "Reserve"));
+        DrainGate::Ticket admitted;
+        if (request->positions() > 0) {
+          const int64_t seq[] = {request->seq()};
+          ASSIGN_OR_RETURN(admitted, AdmitSequences(cache, seq, "Reserve"));
+        }
+        RETURN_IF_ERROR(cache.Reserve(request->seq(), request->positions(),
+                                      absl::Now() + absl::Milliseconds(ttl_ms)));
+        *response->mutable_usage() = UsageToProto(cache.Usage());
+        return absl::OkStatus();
+      });
 }
 
 // ---- snapshots and speculation --------------------------------------------------------------

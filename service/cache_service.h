@@ -101,7 +101,8 @@ using CacheServiceBase = S::WithCallbackMethod_CreateCache<S::WithCallbackMethod
                                             S::WithCallbackMethod_MigrateSnapshot<
                                                 S::WithCallbackMethod_ListMembers<
                                                     S::WithCallbackMethod_Drain<
-                                                        S::Service>>>>>>>>>>>>>>>>>>>>>>>;
+                                                        S::WithCallbackMethod_Reserve<
+                                                            S::Service>>>>>>>>>>>>>>>>>>>>>>>>;
 }  // namespace internal
 
 class CacheServiceImpl final : public internal::CacheServiceBase {
@@ -179,6 +180,9 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* context,
                                           const v1::ListSequencesRequest* request,
                                           v1::ListSequencesResponse* response) override;
+  grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* context,
+                                    const v1::ReserveRequest* request,
+                                    v1::ReserveResponse* response) override;
   grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* context,
                                      const v1::SnapshotRequest* request,
                                      v1::SnapshotResponse* response) override;

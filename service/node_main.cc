@@ -336,6 +336,9 @@ void AddNodeCollectors(Metrics* metrics, NodeState state) {
               [](const PerCache& c, size_t g) { return c.usage.groups[g].cells_total; });
     per_group("kvmesh_cache_cells_used", "Cells that at least one sequence references",
               [](const PerCache& c, size_t g) { return c.usage.groups[g].cells_used; });
+    per_group("kvmesh_cache_cells_reserved",
+              "Free cells held back for room reservations (Reserve) of sequences",
+              [](const PerCache& c, size_t g) { return c.usage.groups[g].cells_reserved; });
     per_group(
         "kvmesh_cache_cells_shared",
         "Cells that more than one sequence references (prefixes shared by CopyPrefix)",

@@ -173,8 +173,11 @@ ctl $N create --name=$cache --dtype=f16 --max-sequences=8 --capacity=2048 --max-
   --group=attention:layers=32,heads=8,head_dim=128,window=full,rope=$rope \
   --group=attention:layers=4,heads=8,head_dim=128,window=sliding:256,rope=$rope
 
-step "prefill: push the KV of a 512-token prompt for seq 0 (AppendStream, 4 appends of 128 tokens)"
+step "prefill: reserve room for a 512-token prompt for seq 0, then push its KV (AppendStream, 4 appends of 128 tokens)"
+# The reservation keeps other sequences from taking the cells between the 4 appends.
+ctl $N reserve --cache=$cache --seq=0 --positions=512 --ttl=30s
 ctl $N append --cache=$cache --seq=0 --positions=0:512 --seed=1 --stream --batch=128
+ctl $N reserve --cache=$cache --seq=0 --positions=0
 
 step "fork the conversation three ways: copy-prefix seq 0 -> seqs 1, 2, 3 (cells shared, not copied)"
 # --require-src-offset: a scheduler passes the offset it recorded for seq 0, so that a source

@@ -238,8 +238,10 @@ v1::CacheUsage UsageToProto(const CacheUsage& usage) {
     out->set_cells_used(group.cells_used);
     out->set_memory(group.memory == kUnlimitedMemory ? 0 : group.memory);
     out->set_bytes(static_cast<int64_t>(group.bytes));
+    out->set_cells_reserved(group.cells_reserved);
   }
   proto.set_sequences_live(usage.sequences_live);
+  proto.set_sequences_reserved(usage.sequences_reserved);
   proto.set_bytes_held(static_cast<int64_t>(usage.bytes_held));
   proto.set_snapshots(usage.snapshots);
   proto.set_snapshot_bytes(static_cast<int64_t>(usage.snapshot_bytes));

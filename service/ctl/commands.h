@@ -44,6 +44,7 @@ extern const Command kVisibleCommand;
 extern const Command kCopyPrefixCommand;
 extern const Command kRemoveCommand;
 extern const Command kCanResumeCommand;
+extern const Command kReserveCommand;
 extern const Command kListSequencesCommand;
 extern const Command kCommitSpeculationCommand;
 

@@ -55,6 +55,7 @@ const Command* const kCommands[] = {
     &kCopyPrefixCommand,
     &kRemoveCommand,
     &kCanResumeCommand,
+    &kReserveCommand,
     &kListSequencesCommand,
     &kSnapshotCommand,
     &kRestoreCommand,

@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "cache/status_macros.h"
 #include "kvmesh/v1/kvmesh.pb.h"
 #include "service/common/convert.h"
@@ -149,6 +150,30 @@ absl::Status Remove(const Client& client, const Args& args) {
   return absl::OkStatus();
 }
 
+absl::Status Reserve(const Client& client, const Args& args) {
+  v1::ReserveRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(const int64_t seq, args.GetInt("seq"));
+  ASSIGN_OR_RETURN(const int32_t positions, GetInt32(args, "positions"));
+  ASSIGN_OR_RETURN(const absl::Duration ttl, args.GetDuration("ttl", absl::ZeroDuration()));
+  request.set_seq(seq);
+  request.set_positions(positions);
+  request.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
+  v1::ReserveResponse response;
+  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::Reserve, request, &response));
+  if (client.json()) return PrintJson(response);
+  int64_t reserved = 0;
+  for (const v1::GroupUsage& g : response.usage().groups()) reserved += g.cells_reserved();
+  if (positions == 0) {
+    std::printf("dropped the reservation of seq %" PRId64, seq);
+  } else {
+    std::printf("reserved room for %d positions of seq %" PRId64, positions, seq);
+  }
+  std::printf("; the cache now holds back %" PRId64 " cells and %d sequence slots\n", reserved,
+              response.usage().sequences_reserved());
+  return absl::OkStatus();
+}
+
 absl::Status CanResume(const Client& client, const Args& args) {
   ASSIGN_OR_RETURN(std::string cache, GetCacheName(args));
   ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
@@ -224,6 +249,7 @@ constexpr absl::string_view kCopyPrefixFlags[] = {
     "cache", "name", "src", "dst", "length", "source-node", "require-src-offset"};
 constexpr absl::string_view kRemoveFlags[] = {"cache", "name", "seq", "begin", "end", "scope"};
 constexpr absl::string_view kCanResumeFlags[] = {"cache", "name", "seq", "pos"};
+constexpr absl::string_view kReserveFlags[] = {"cache", "name", "seq", "positions", "ttl"};
 constexpr absl::string_view kListSequencesFlags[] = {"cache", "name"};
 constexpr absl::string_view kCommitSpeculationFlags[] = {"cache", "name", "seq", "accepted"};
 
@@ -255,6 +281,12 @@ const Command kRemoveCommand = {
 const Command kCanResumeCommand = {"can-resume", kCanResumeFlags,
                                    R"(  can-resume    --cache=CACHE --seq=N --pos=LIST)",
                                    &CanResume};
+
+const Command kReserveCommand = {"reserve", kReserveFlags,
+                                 R"(  reserve       --cache=CACHE --seq=N --positions=N [--ttl=60s]
+                sets aside room (cells, a sequence slot) for seq to hold N positions until the
+                TTL (at most 1h); --positions=0 drops it)",
+                                 &Reserve};
 
 const Command kListSequencesCommand = {
     "list-sequences", kListSequencesFlags,

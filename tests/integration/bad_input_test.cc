@@ -829,6 +829,29 @@ std::vector<BadCase> Cases() {
                    kExhausted,
                    {"sequence 5", "max_sequences = 2"}});
 
+  // ---- Reserve ----
+  auto reserve = [](std::string cache, int64_t seq, int32_t positions, int64_t ttl_ms) {
+    return [=](Stub& stub) { return Reserve(stub, cache, seq, positions, ttl_ms); };
+  };
+  cases.push_back({"ReserveUnknownCache", reserve("nosuch", 0, 1, 0), kNotFound, {"nosuch"}});
+  cases.push_back({"ReserveNegativeSeq", reserve("bad", -2, 1, 0), kInvalid, {"seq = -2"}});
+  cases.push_back(
+      {"ReserveNegativePositions", reserve("bad", 2, -5, 0), kInvalid, {"positions = -5"}});
+  cases.push_back({"ReserveNegativeTtl", reserve("bad", 2, 1, -1), kInvalid, {"ttl_ms = -1"}});
+  cases.push_back(
+      {"ReserveTtlTooLong", reserve("bad", 2, 1, 3600001), kInvalid, {"ttl_ms = 3600001"}});
+  // 16 cells x 4 sequences, 6 used: 58 free.
+  cases.push_back(WithShortage({"ReserveMoreCellsThanFree",
+                                reserve("bad", 2, 59, 0),
+                                kExhausted,
+                                {"59 positions of sequence 2", "58 are free"}},
+                               "CELLS_EXHAUSTED group=0 needed=59 free=58 total=64"));
+  cases.push_back(WithShortage({"ReserveBeyondMaxSequences",
+                                reserve("full", 2, 1, 0),
+                                kExhausted,
+                                {"sequence 2", "max_sequences = 2"}},
+                               "SEQUENCES_EXHAUSTED needed=1 free=0 total=2"));
+
   // ---- Remove ----
   auto remove = [](std::string cache, int64_t seq, int32_t begin, std::optional<int32_t> end) {
     return [=](Stub& stub) { return Remove(stub, cache, seq, begin, end); };

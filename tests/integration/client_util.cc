@@ -399,6 +399,21 @@ grpc::Status Remove(Stub& stub, const std::string& cache, int64_t seq, int32_t b
   return stub.Remove(&context, request, &response);
 }
 
+grpc::Status Reserve(Stub& stub, const std::string& cache, int64_t seq, int32_t positions,
+                     int64_t ttl_ms, v1::CacheUsage* usage) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::ReserveRequest request;
+  request.set_cache(cache);
+  request.set_seq(seq);
+  request.set_positions(positions);
+  request.set_ttl_ms(ttl_ms);
+  v1::ReserveResponse response;
+  grpc::Status status = stub.Reserve(&context, request, &response);
+  if (status.ok() && usage != nullptr) *usage = response.usage();
+  return status;
+}
+
 grpc::Status CanResume(Stub& stub, const std::string& cache, int64_t seq, int32_t pos,
                        bool* can_resume) {
   grpc::ClientContext context;

@@ -165,6 +165,9 @@ grpc::Status Remove(Stub& stub, const std::string& cache, int64_t seq, int32_t b
                     std::optional<int32_t> end = std::nullopt);
 grpc::Status CanResume(Stub& stub, const std::string& cache, int64_t seq, int32_t pos,
                        bool* can_resume);
+// Reserve; with `usage`, the response's.
+grpc::Status Reserve(Stub& stub, const std::string& cache, int64_t seq, int32_t positions,
+                     int64_t ttl_ms = 0, v1::CacheUsage* usage = nullptr);
 grpc::Status ListSequences(Stub& stub, const std::string& cache,
                            v1::ListSequencesResponse* response);
 

@@ -44,7 +44,7 @@ expect() {
 }
 
 commands=(create delete get list usage append read visible copy-prefix remove can-resume
-          list-sequences snapshot restore merge-snapshots split-snapshot drop-snapshot
+          reserve list-sequences snapshot restore merge-snapshots split-snapshot drop-snapshot
           list-snapshots commit-speculation health list-members migrate migrate-snapshot drain)
 
 # The usage: every command, on stdout with exit 0 for help; on stderr with exit 2 for nothing.

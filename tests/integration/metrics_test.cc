@@ -360,6 +360,12 @@ TEST(MetricsTest, SeriesMoveWithRpcsAndCaches) {
   EXPECT_EQ(after.Get("kvmesh_device_memory_used_bytes", {{"pool", "cache"}}),
             got.cache().usage().bytes_held());
 
+  EXPECT_EQ(after.Get("kvmesh_cache_cells_reserved", group), 0);
+  // A room reservation for a new sequence of 20 positions holds back 20 free cells.
+  KVMESH_ASSERT_OK(Reserve(*node.stub, "m", 7, 20));
+  EXPECT_EQ(node.ScrapeNow().Get("kvmesh_cache_cells_reserved", group), 20);
+  KVMESH_ASSERT_OK(Reserve(*node.stub, "m", 7, 0));
+
   // A snapshot shows in the cache's snapshot series and the snapshot pool.
   v1::SnapshotInfo snapshot;
   KVMESH_ASSERT_OK(Snapshot(*node.stub, "m", 0, 0, &snapshot));

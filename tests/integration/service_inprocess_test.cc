@@ -288,9 +288,14 @@ TEST(ConvertTest, UsageReportsUnlimitedMemoryAsZero) {
   CacheUsage usage;
   usage.groups.push_back(GroupUsage{100, 7, kUnlimitedMemory, 4096});
   usage.groups.push_back(GroupUsage{30, 3, 9, 1024});
+  usage.groups[0].cells_reserved = 5;
   usage.sequences_live = 2;
+  usage.sequences_reserved = 1;
   usage.bytes_held = 5120;
   const v1::CacheUsage proto = UsageToProto(usage);
+  EXPECT_EQ(proto.groups(0).cells_reserved(), 5);
+  EXPECT_EQ(proto.groups(1).cells_reserved(), 0);
+  EXPECT_EQ(proto.sequences_reserved(), 1);
   ASSERT_EQ(proto.groups_size(), 2);
   EXPECT_EQ(proto.groups(0).group(), 0);
   EXPECT_EQ(proto.groups(0).memory(), 0);

@@ -809,6 +809,35 @@ TEST_F(ServiceTest, ChunkedVisibleAndUnlimitedCanResume) {
   KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-chunked"));
 }
 
+// A scheduler reserves room for a long prompt before sending it in pieces: other sequences
+// cannot take that room meanwhile, and are told so in numbers.
+TEST_F(ServiceTest, ReserveHoldsRoomForALongPrompt) {
+  const v1::CacheSpec spec = BasicSpec("svc-reserve");
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  const int64_t cells = Usage("svc-reserve").groups(0).cells_total();
+  v1::CacheUsage usage;
+  KVMESH_ASSERT_OK(Reserve(stub(), "svc-reserve", 1, static_cast<int32_t>(cells - 2), 0, &usage));
+  EXPECT_EQ(usage.groups(0).cells_reserved(), cells - 2);
+  EXPECT_EQ(usage.sequences_reserved(), 1);
+  // Sequence 2 gets the 2 cells that are not reserved, then a refusal with the numbers.
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 2, Range(0, 2))));
+  const grpc::Status refused = Append(stub(), MakeAppend(spec, 2, {2}));
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(refused);
+  EXPECT_EQ(ShortageText(refused),
+            absl::StrCat("CELLS_EXHAUSTED group=0 needed=1 free=0 total=", cells));
+  // Sequence 1 fills its room in pieces.
+  for (int32_t begin = 0; begin < cells - 2; begin += 4) {
+    const int32_t end = std::min<int32_t>(begin + 4, static_cast<int32_t>(cells - 2));
+    KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 1, Range(begin, end))));
+  }
+  usage = Usage("svc-reserve");
+  EXPECT_EQ(usage.groups(0).cells_reserved(), 0);
+  EXPECT_EQ(usage.groups(0).cells_used(), cells);
+  // positions 0 drops the reservation.
+  KVMESH_ASSERT_OK(Reserve(stub(), "svc-reserve", 1, 0));
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-reserve"));
+}
+
 TEST_F(ServiceTest, CopyPrefixSharesCells) {
   const v1::CacheSpec spec = BasicSpec("svc-copy");
   KVMESH_ASSERT_OK(CreateCache(stub(), spec));

@@ -468,16 +468,25 @@ class Model {
     }
     std::vector<ModelGroup> next;
     if (plannable) {
+      // Other sequences' room reservations, as they stand before the batch.
+      std::set<int64_t> batch_seqs;
+      for (const auto& entry : lowest) batch_seqs.insert(entry.first);
+      std::vector<int64_t> held;
+      for (const ModelGroup& g : groups_) held.push_back(HeldCells(g, batch_seqs));
       next = groups_;
       for (ModelGroup& g : next) {
         if (g.kind == GroupKind::kAttention && g.limited()) Prune(g, lowest);
       }
       std::set<int64_t> live = Live();
       for (const auto& entry : lowest) live.insert(entry.first);
-      if (static_cast<int64_t>(live.size()) > spec_.max_sequences) errors.insert(kExhausted);
-      for (const ModelGroup& g : next) {
-        if (g.kind == GroupKind::kAttention &&
-            g.total - g.used() < static_cast<int64_t>(tokens.size())) {
+      if (static_cast<int64_t>(live.size()) + HeldSequences(batch_seqs) > spec_.max_sequences) {
+        errors.insert(kExhausted);
+      }
+      for (size_t i = 0; i < next.size(); ++i) {
+        // The batch's cells less those the pruning freed (next is pruned, not appended yet).
+        const int64_t taken =
+            static_cast<int64_t>(tokens.size()) - groups_[i].used() + next[i].used();
+        if (next[i].kind == GroupKind::kAttention && taken > Available(groups_[i], held[i])) {
           errors.insert(kExhausted);
         }
       }
@@ -557,6 +566,26 @@ class Model {
     return kOk;
   }
 
+  // Cache::Reserve with an expiry that never comes (positions 0 drops the reservation).
+  Codes Reserve(int64_t seq, int32_t positions) {
+    if (seq < 0 || positions < 0) return kInvalid;
+    if (positions == 0) {
+      room_.erase(seq);
+      return kOk;
+    }
+    const std::set<int64_t> live = Live();
+    if (!live.count(seq) &&
+        static_cast<int64_t>(live.size()) + HeldSequences({seq}) + 1 > spec_.max_sequences) {
+      return kExhausted;
+    }
+    for (const ModelGroup& g : groups_) {
+      if (g.kind != GroupKind::kAttention) continue;
+      if (ToGrow(g, seq, positions) > Available(g, HeldCells(g, {seq}))) return kExhausted;
+    }
+    room_[seq] = positions;
+    return kOk;
+  }
+
   Codes CopyPrefix(int64_t src, int64_t dst, int32_t length, int32_t require_src_offset) {
     if (src < 0 || dst < 0 || length < 0 || src == dst || require_src_offset < 0 ||
         (length == 0 && require_src_offset > 0)) {
@@ -584,7 +613,7 @@ class Model {
     }
     const std::set<int64_t> live = Live();
     if (dst_live_after && !live.count(dst) &&
-        static_cast<int64_t>(live.size()) + 1 > spec_.max_sequences) {
+        static_cast<int64_t>(live.size()) + HeldSequences({dst}) + 1 > spec_.max_sequences) {
       errors.insert(kExhausted);
     }
     if (!errors.empty()) return Codes(errors);
@@ -652,7 +681,7 @@ class Model {
           ++copies;
         }
       }
-      if (g.used() - freed + copies > g.total) errors.insert(kExhausted);
+      if (copies - freed > Available(g, HeldCells(g, {seq}))) errors.insert(kExhausted);
     }
     if (!errors.empty()) return Codes(errors);
 
@@ -977,8 +1006,12 @@ class Model {
           break;
       }
     }
-    for (const ModelGroup& g : next) {
-      if (g.kind == GroupKind::kAttention && g.used() > g.total) errors.insert(kExhausted);
+    for (size_t k = 0; k < next.size(); ++k) {
+      if (next[k].kind == GroupKind::kAttention &&
+          next[k].used() - groups_[k].used() >
+              Available(groups_[k], HeldCells(groups_[k], {seq}))) {
+        errors.insert(kExhausted);
+      }
     }
     const std::set<int64_t> live = Live();
     bool live_after = false;
@@ -988,7 +1021,7 @@ class Model {
       }
     }
     if (live_after && !live.count(seq) &&
-        static_cast<int64_t>(live.size()) + 1 > spec_.max_sequences) {
+        static_cast<int64_t>(live.size()) + HeldSequences({seq}) + 1 > spec_.max_sequences) {
       errors.insert(kExhausted);
     }
     if (!errors.empty()) return Codes(errors);
@@ -1051,6 +1084,39 @@ class Model {
   }
 
  private:
+  // Cells `seq` would still take in `g` to hold `positions` positions (a sliding window's
+  // memory at most), as AttentionGroup::UnitsToGrow.
+  static int64_t ToGrow(const ModelGroup& g, int64_t seq, int32_t positions) {
+    const auto* m = g.Find(seq);
+    const int64_t stored = m == nullptr ? 0 : static_cast<int64_t>(m->size());
+    return std::max<int64_t>(0, std::min<int64_t>(positions, g.memory) - stored);
+  }
+  // What the room reservations of sequences outside `exclude` hold back in `g`.
+  int64_t HeldCells(const ModelGroup& g, const std::set<int64_t>& exclude) const {
+    if (g.kind != GroupKind::kAttention) return 0;
+    int64_t held = 0;
+    for (const auto& [seq, positions] : room_) {
+      if (!exclude.count(seq)) held += ToGrow(g, seq, positions);
+    }
+    return held;
+  }
+  // The cells an operation may take in `g` (as it stands before the operation) when `held`
+  // are held back for other sequences: none when the reservations hold more than is free (a
+  // reserved sequence that shrank holds back more), but an operation that takes no cells net
+  // still succeeds.
+  static int64_t Available(const ModelGroup& g, int64_t held) {
+    return std::max<int64_t>(0, g.total - g.used() - held);
+  }
+  // Sequence slots held back: reserved sequences outside `exclude` that are not live.
+  int64_t HeldSequences(const std::set<int64_t>& exclude) const {
+    const std::set<int64_t> live = Live();
+    int64_t held = 0;
+    for (const auto& [seq, positions] : room_) held += !exclude.count(seq) && !live.count(seq);
+    return held;
+  }
+
+  std::map<int64_t, int32_t> room_;  // Reserve: positions by sequence
+
   // The seed's updateSlidingWindow for one group; a sequence with pending tokens keeps
   // everything from (first pending position - memory) on.
   void Prune(ModelGroup& g, const std::map<int64_t, int32_t>& lowest) const {
@@ -1576,7 +1642,8 @@ class Episode {
     if (r < 67) return StepRead();
     if (r < 71) return StepVisible();
     if (r < 75) return StepCanResume();
-    if (r < 84) return StepSnapshot();
+    if (r < 81) return StepSnapshot();
+    if (r < 84) return StepReserve();
     if (r < 92) return StepRestore();
     if (r < 95) return StepMerge();
     if (r < 98) return StepSplit();
@@ -1748,6 +1815,20 @@ class Episode {
                                            << ", the model's dst offset is " << model_.Offset(dst);
     }
     return checked;
+  }
+
+  // A room reservation for some sequence (live or not), up to a few positions past its offset;
+  // sometimes a drop (0) or a bad count. It never expires during the episode.
+  ::testing::AssertionResult StepReserve() {
+    const int64_t seq = PickSeq();
+    int32_t positions =
+        model_.Offset(seq) + static_cast<int32_t>(rng_.Below(spec_.capacity / 2 + 1));
+    if (rng_.Chance(15)) positions = 0;
+    if (rng_.Chance(3)) positions = -1;
+    const std::string what =
+        "Reserve(" + std::to_string(seq) + ", " + std::to_string(positions) + ")";
+    const Codes want = model_.Reserve(seq, positions);
+    return Check(what, want, cache_->Reserve(seq, positions, absl::Now() + absl::Hours(24)));
   }
 
   ::testing::AssertionResult StepRemove() {
@@ -2447,6 +2528,9 @@ TEST(CacheModelTest, RandomOperationsMatchTheModel) {
                                 "CommitSpeculation OK",
                                 "CommitSpeculation FAILED_PRECONDITION",
                                 "CommitSpeculation INVALID_ARGUMENT",
+                                "Reserve OK",
+                                "Reserve RESOURCE_EXHAUSTED",
+                                "Reserve INVALID_ARGUMENT",
                                 "CopyPrefix OK",
                                 "CopyPrefix INVALID_ARGUMENT",
                                 "CopyPrefix RESOURCE_EXHAUSTED",

@@ -100,11 +100,12 @@ def spec_from_proto(spec: "pb.CacheSpec") -> CacheSpec:
 
 def usage_from_proto(usage: "pb.CacheUsage") -> CacheUsage:
     return CacheUsage(
-        groups=tuple(GroupUsage(g.group, g.cells_total, g.cells_used, g.memory, g.bytes)
+        groups=tuple(GroupUsage(g.group, g.cells_total, g.cells_used, g.memory, g.bytes,
+                                g.cells_reserved)
                      for g in usage.groups),
         sequences_live=usage.sequences_live, bytes_held=usage.bytes_held,
         snapshots=usage.snapshots, snapshot_bytes=usage.snapshot_bytes,
-        export_bytes=usage.export_bytes)
+        export_bytes=usage.export_bytes, sequences_reserved=usage.sequences_reserved)
 
 
 def cache_info_from_proto(info: "pb.CacheInfo") -> CacheInfo:

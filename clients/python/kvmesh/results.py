@@ -64,6 +64,8 @@ class GroupUsage:
     cells_used: int
     memory: int
     bytes: int
+    #: Of the free cells, those held back for room reservations (Client.reserve).
+    cells_reserved: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,8 @@ class CacheUsage:
     snapshots: int
     snapshot_bytes: int
     export_bytes: int
+    #: Sequences that store nothing yet but hold a room reservation.
+    sequences_reserved: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

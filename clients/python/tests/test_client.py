@@ -305,6 +305,21 @@ class ClientTest(nodes.NodeTestCase):
             self.client.append(spec.name, [(0, p) for p in range(1, 9)], layout.zeros(8))
         self.assertEqual(raised.exception.shortage,
                          kvmesh.Shortage("CELLS_EXHAUSTED", 0, needed=8, free=7, total=8))
+        # A reservation holds back cells from other sequences (docs/api.md#reserve).
+        spec2 = CacheSpec("py-reserve", DType.F16, 2, 8, 8, [Attention(1, 1, 4)])
+        layout2 = self.create(spec2)
+        usage = self.client.reserve(spec2.name, 0, 12, ttl=30)
+        self.assertEqual(usage.groups[0].cells_reserved, 12)
+        self.assertEqual(usage.sequences_reserved, 1)
+        self.client.append(spec2.name, [(1, p) for p in range(4)], layout2.zeros(4))
+        with self.assertRaises(kvmesh.ResourceExhausted) as raised:
+            self.client.append(spec2.name, [(1, 4)], layout2.zeros(1))
+        self.assertEqual(raised.exception.shortage,
+                         kvmesh.Shortage("CELLS_EXHAUSTED", 0, needed=1, free=0, total=16))
+        self.client.append(spec2.name, [(0, p) for p in range(8)], layout2.zeros(8))
+        self.assertEqual(self.client.reserve(spec2.name, 0, 0).groups[0].cells_reserved, 0)
+        with self.assertRaises(ValueError):
+            self.client.reserve(spec2.name, 0, 1, ttl=0)
         # kvmeshctl prints the same numbers.
         out = nodes.run_ctl(self.node.address, "append", f"--cache={spec.name}", "--seq=1",
                             "--positions=0", check=False)
