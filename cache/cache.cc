@@ -163,7 +163,9 @@ int32_t Cache::ClaimedCountLocked() const {
   return claimed;
 }
 
-Cache::HeldBack::~HeldBack() {
+// The guard lives within the exclusive lock of the operation that made it (HoldBackLocked's
+// contract), which the analysis cannot see in a destructor.
+Cache::HeldBack::~HeldBack() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   for (const auto& group : cache_->groups_) group->set_held_back(0);
   cache_->held_sequences_ = 0;
 }
