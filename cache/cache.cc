@@ -254,8 +254,11 @@ absl::Status Cache::CheckRoomForLocked(int64_t seq, const char* what) const {
   const int32_t live = ClaimedCountLocked();
   if (live + 1 <= spec_.max_sequences) return absl::OkStatus();
   return ResourceExhaustedWith(
-      absl::StrCat(what, " would make sequence ", seq, " live beside ", live,
-                   " others, more than max_sequences = ", spec_.max_sequences),
+      absl::StrCat(what, " would make sequence ", seq, " live beside ", live, " others",
+                   held_sequences_ > 0
+                       ? absl::StrCat(" (", held_sequences_, " of them reserved, not yet live)")
+                       : "",
+                   ", more than max_sequences = ", spec_.max_sequences),
       {Resource::kSequences, -1, 1, std::max(0, spec_.max_sequences - live), spec_.max_sequences});
 }
 
@@ -690,8 +693,11 @@ absl::Status Cache::CheckAppendLocked(const AppendBatch& batch,
   const int32_t live = ClaimedCountLocked();
   if (live + new_sequences > spec_.max_sequences) {
     return ResourceExhaustedWith(
-        absl::StrCat("the batch adds ", new_sequences, " new sequences to ", live,
-                     " live ones, more than max_sequences = ", spec_.max_sequences),
+        absl::StrCat("the batch adds ", new_sequences, " new sequences to ", live, " live ones",
+                     held_sequences_ > 0
+                         ? absl::StrCat(" (", held_sequences_, " of them reserved, not yet live)")
+                         : "",
+                     ", more than max_sequences = ", spec_.max_sequences),
         {Resource::kSequences, -1, new_sequences, std::max(0, spec_.max_sequences - live),
          spec_.max_sequences});
   }

@@ -2,6 +2,7 @@
 // held back from every other sequence's operations until it expires, is replaced or dropped.
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -114,7 +115,10 @@ TEST_F(ReserveTest, HoldsASequenceSlot) {
   const std::optional<Shortage> shortage = GetShortage(third);
   ASSERT_TRUE(shortage.has_value());
   EXPECT_EQ(shortage->resource, Resource::kSequences);
-  EXPECT_EQ(cache().CopyPrefix(0, 2, 1).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(third.message().find("(1 of them reserved, not yet live)"), std::string::npos) << third;
+  const absl::Status copy = cache().CopyPrefix(0, 2, 1);
+  EXPECT_EQ(copy.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(copy.message().find("(1 of them reserved, not yet live)"), std::string::npos) << copy;
   // Another reservation for a new sequence finds no slot either.
   EXPECT_EQ(cache().Reserve(6, 1, Later()).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(AppendRange(cache(), 5, 0, 1).ok());
