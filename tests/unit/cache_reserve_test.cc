@@ -1,8 +1,10 @@
 // Cache::Reserve: room (cells, a sequence slot) set aside for a sequence's coming positions,
 // held back from every other sequence's operations until it expires, is replaced or dropped.
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -145,6 +147,51 @@ TEST_F(ReserveTest, BadArgumentsChangeNothing) {
   EXPECT_EQ(cache().Reserve(1, -3, Later()).code(), absl::StatusCode::kInvalidArgument);
   ASSERT_EQ(cache().Reservations().size(), 1u);
   EXPECT_EQ(cache().Reservations()[0].positions, 3);
+}
+
+// The guarantee under concurrency: while three threads fill the cache with other sequences
+// (and a fourth reads usage), the reserved sequence's appends, sent in pieces, all succeed.
+TEST(ReserveConcurrencyTest, OthersFillingTheCacheNeverStarveTheReservedPrompt) {
+  // 8 sequences x 32 = 256 cells; the prompt needs 96 of them.
+  TestCache tc(Spec(DType::kF16, 8, 32, 8, {Group(Full(), 2, 2, 8, 8)}));
+  ASSERT_NE(tc.cache, nullptr);
+  Cache& cache = *tc.cache;
+  ASSERT_TRUE(cache.Reserve(0, 96, Later()).ok());
+  std::atomic<bool> done{false};
+  std::vector<std::thread> others;
+  std::atomic<int64_t> refused{0};
+  for (int64_t t = 1; t <= 3; ++t) {
+    others.emplace_back([&cache, &done, &refused, t] {
+      for (int32_t round = 0; !done.load(); ++round) {
+        for (int64_t seq = 2 * t; seq < 2 * t + 2; ++seq) {
+          const std::optional<SequenceInfo> info = cache.GetSequence(seq);
+          const int32_t next = info.has_value() ? info->offset : 0;
+          if (!AppendRange(cache, seq, next, next + 4).ok()) {
+            refused.fetch_add(1);
+            if (round % 4 == 3) (void)cache.Remove(seq, 0, std::nullopt);
+          }
+        }
+      }
+    });
+  }
+  std::thread reader([&cache, &done] {
+    while (!done.load()) {
+      const CacheUsage usage = cache.Usage();
+      EXPECT_LE(usage.groups[0].cells_used, usage.groups[0].cells_total);
+    }
+  });
+  // The prompt starts once the others have filled everything but its room.
+  for (int i = 0; i < 3000 && refused.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_GT(refused.load(), 0) << "the other sequences never filled the cache";
+  for (int32_t begin = 0; begin < 96; begin += 8) {
+    const absl::Status appended = AppendRange(cache, 0, begin, begin + 8);
+    EXPECT_TRUE(appended.ok()) << appended;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  done = true;
+  for (std::thread& t : others) t.join();
+  reader.join();
+  EXPECT_EQ(cache.GetSequence(0)->offset, 96);
 }
 
 // A sliding window never holds more than its memory of one sequence: a reservation holds back
