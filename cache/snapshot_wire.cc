@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
+#include "cache/shortage.h"
 #include "cache/status_macros.h"
 
 namespace kvmesh {
@@ -603,10 +604,16 @@ class ImportWriter final : public SnapshotImportWriter {
       }
       const size_t positions = (header_bytes - fixed + 7) / 8;
       if (min_row > 0 && positions > budget / min_row) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            kImage, "header_bytes = ", header_bytes, " describes at least ", positions,
-            " rows of at least ", min_row, " bytes, more than the snapshot pool's budget of ",
-            budget, " bytes can hold"));
+        // More than the whole pool, whatever is free in it: `free` reports the budget.
+        const unsigned __int128 needed = static_cast<unsigned __int128>(positions) * min_row;
+        return ResourceExhaustedWith(
+            absl::StrCat(kImage, "header_bytes = ", header_bytes, " describes at least ", positions,
+                         " rows of at least ", min_row,
+                         " bytes, more than the snapshot pool's budget of ", budget,
+                         " bytes can hold"),
+            {Resource::kSnapshotBytes, -1,
+             static_cast<int64_t>(std::min<unsigned __int128>(needed, INT64_MAX)),
+             static_cast<int64_t>(budget), static_cast<int64_t>(budget)});
       }
     }
     header_bytes_ = header_bytes;

@@ -432,6 +432,9 @@ TEST(ClusterSnapshotPoolTest, CopyPrefixNeedsSnapshotRoomForThePrefixOnly) {
   // The whole sequence does not fit the pool: a copy of all of it is refused, naming the pool.
   const grpc::Status whole = CopyFrom(cluster.stub(1), "big", "node-a", 0, 6, 600, &response);
   EXPECT_EQ(whole.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(whole);
+  // In numbers: at least 301 rows of 16 KiB, against the 4 MiB pool.
+  EXPECT_EQ(ShortageText(whole),
+            "SNAPSHOT_POOL_EXHAUSTED needed=4931584 free=4194304 total=4194304");
 }
 
 // A receiver without a free sequence slot refuses once the sender has said what it holds and
@@ -450,6 +453,13 @@ TEST_F(ClusterTest, CopyPrefixIntoAFullCacheIsRefusedBeforeTheBytesMove) {
   EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(full);
   EXPECT_THAT(full.error_message(), HasSubstr("taking a sequence from node 'node-a'"));
   EXPECT_THAT(full.error_message(), HasSubstr("max_sequences = 4"));
+  EXPECT_EQ(ShortageText(full), "SEQUENCES_EXHAUSTED needed=1 free=0 total=4");
+  // Asked of the source, a Migrate into the full node is refused by it, and the source passes
+  // its numbers on to the caller.
+  const grpc::Status migrate = MigrateSeq(cluster_.stub(0), "big", 0, "node-b", 9, false);
+  EXPECT_EQ(migrate.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(migrate);
+  EXPECT_THAT(migrate.error_message(), HasSubstr("node-b"));
+  EXPECT_EQ(ShortageText(migrate), "SEQUENCES_EXHAUSTED needed=1 free=0 total=4");
   ExpectSameRead(ReadAll(cluster_.stub(1), "big", 3), before);
   // Into a live sequence there is room: it is replaced.
   const grpc::Status into_live = CopyFrom(cluster_.stub(1), "big", "node-a", 0, 3, 50, &response);
