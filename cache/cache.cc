@@ -170,7 +170,8 @@ Cache::HeldBack::~HeldBack() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   cache_->held_sequences_ = 0;
 }
 
-std::unique_ptr<Cache::HeldBack> Cache::HoldBackLocked(absl::Span<const int64_t> seqs) {
+Cache::HeldBack Cache::HoldBackLocked(absl::Span<const int64_t> seqs) {
+  if (room_.empty()) return HeldBack(this);  // nothing held back: every group's is 0 already
   const absl::Time now = absl::Now();
   for (auto it = room_.begin(); it != room_.end();) {
     if (it->second.expires <= now) {
@@ -190,7 +191,7 @@ std::unique_ptr<Cache::HeldBack> Cache::HoldBackLocked(absl::Span<const int64_t>
   }
   for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->set_held_back(held[g]);
   held_sequences_ = sequences;
-  return std::make_unique<HeldBack>(this);
+  return HeldBack(this);  // not copied: a prvalue initializes the caller's guard
 }
 
 absl::Status Cache::Reserve(int64_t seq, int32_t positions, absl::Time expires) {
@@ -198,7 +199,7 @@ absl::Status Cache::Reserve(int64_t seq, int32_t positions, absl::Time expires) 
   RETURN_IF_ERROR(CheckNonNegative("positions", positions));
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckUsableLocked());
-  const std::unique_ptr<HeldBack> held = HoldBackLocked({seq});
+  const HeldBack held = HoldBackLocked({seq});
   if (positions == 0 || expires <= absl::Now()) {
     room_.erase(seq);
     return absl::OkStatus();
@@ -424,7 +425,7 @@ absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
   {
     MutexLock lock(&mu_);
     AwaitNotAppendingLocked(batch.seqs);
-    const std::unique_ptr<HeldBack> held = HoldBackLocked(batch.seqs);
+    const HeldBack held = HoldBackLocked(batch.seqs);
     RETURN_IF_ERROR(CheckAppendLocked(batch, count));
     RETURN_IF_ERROR(PrepareAppendLocked(batch));
     for (size_t g = 0; g < groups_.size(); ++g) section_bytes[g] = groups_[g]->SectionBytes(batch);
@@ -532,7 +533,7 @@ absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
   {
     MutexLock lock(&cache->mu_);
     cache->AwaitNotAppendingLocked(batch.seqs);
-    const std::unique_ptr<HeldBack> held = cache->HoldBackLocked(batch.seqs);
+    const HeldBack held = cache->HoldBackLocked(batch.seqs);
     RETURN_IF_ERROR(cache->CheckAppendLocked(batch, state->count));
     RETURN_IF_ERROR(cache->PrepareAppendLocked(batch));
     bool in_cells = cache->reserved_append_;
@@ -882,7 +883,7 @@ absl::StatusOr<int32_t> Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int3
   }
   MutexLock lock(&mu_);
   AwaitNotAppendingLocked({dst_seq});
-  const std::unique_ptr<HeldBack> held = HoldBackLocked({dst_seq});
+  const HeldBack held = HoldBackLocked({dst_seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(src_seq, "CopyPrefix from it"));
   RETURN_IF_ERROR(CheckNotPendingLocked(dst_seq, "CopyPrefix into it"));
@@ -933,7 +934,7 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
   if (end.has_value() && *end == begin) return absl::OkStatus();
   MutexLock lock(&mu_);
   AwaitNotAppendingLocked({seq});
-  const std::unique_ptr<HeldBack> held = HoldBackLocked({seq});
+  const HeldBack held = HoldBackLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Remove"));
   for (const auto& group : groups_) RETURN_IF_ERROR(group->CheckRemove(seq, begin, end));
@@ -1058,7 +1059,7 @@ absl::Status Cache::CheckRoomForSequence(int64_t seq, absl::Span<const int64_t> 
   }
   // Exclusive: the check holds back other sequences' room reservations (HoldBackLocked).
   MutexLock lock(&mu_);
-  const std::unique_ptr<HeldBack> held = HoldBackLocked({seq});
+  const HeldBack held = HoldBackLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(seq, what));
   RETURN_IF_ERROR(CheckRoomForLocked(seq, what));
@@ -1142,7 +1143,7 @@ absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, in
 }
 
 absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target) {
-  const std::unique_ptr<HeldBack> held = HoldBackLocked({seq});
+  const HeldBack held = HoldBackLocked({seq});
   const int32_t offset = OffsetLocked(seq);
   if (record != nullptr) {
     const std::string name = record->id > 0 ? absl::StrCat("snapshot ", record->id)
@@ -1547,7 +1548,7 @@ absl::StatusOr<bool> Cache::PlaceImport(SequenceImport::State& state, SnapshotRe
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckUsableLocked());
   // The import's sequence is not known yet: every room reservation is held back.
-  const std::unique_ptr<HeldBack> held = HoldBackLocked({});
+  const HeldBack held = HoldBackLocked({});
   std::vector<std::vector<int32_t>> pinned(groups_.size());
   for (size_t g = 0; g < groups_.size(); ++g) {
     const int32_t rows = record->groups[g].stored();

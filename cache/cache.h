@@ -576,7 +576,7 @@ class Cache {
    private:
     Cache* cache_;
   };
-  [[nodiscard]] std::unique_ptr<HeldBack> HoldBackLocked(absl::Span<const int64_t> seqs)
+  [[nodiscard]] HeldBack HoldBackLocked(absl::Span<const int64_t> seqs)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION unless seq's offset is at least `required` (0: always OK).
   absl::Status CheckOffsetAtLeastLocked(int64_t seq, int32_t required) const
