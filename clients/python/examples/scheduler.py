@@ -11,6 +11,9 @@ nodes, the way an inference scheduler uses kvmesh:
 - **context shift**: a sequence that would outgrow the model's context keeps its first tokens
   (the system prompt) and drops the oldest half of the rest with a Remove, which moves the later
   positions down and re-rotates their keys (RoPE);
+- **room first**: before a prompt is prefilled, room for it (a sequence slot and its cells) is
+  reserved on the chosen node, or on another when that one has none (Reserve), so that other
+  requests cannot starve it half-way; the reservation is dropped once the prompt is in;
 - **rebalancing**: at the end, sequences move with Migrate from the node that uses the most KV
   cells to the one that uses the fewest, while a move narrows the gap.
 
@@ -114,7 +117,7 @@ class Scheduler:
         seq = self.next_seq
         self.next_seq += 1
         if best is None:
-            node = self.least_loaded()
+            node = self.reserve_room(self.least_loaded(), seq, tokens)
             print(f"{request}: {len(tokens)} tokens, no cached prefix: new seq {seq} on {node}")
             new = Placed(node, seq, [])
         else:
@@ -122,6 +125,7 @@ class Scheduler:
             node = best.node
             if load[node] - load[self.least_loaded()] >= 2:
                 node = self.least_loaded()
+            node = self.reserve_room(node, seq, tokens)
             source = "" if node == best.node else best.node
             # The index recorded how far best.seq reached: if it has since been removed or
             # truncated, the node refuses rather than leaving seq empty or short.
@@ -137,7 +141,23 @@ class Scheduler:
             new = Placed(node, seq, list(tokens[:best_len]))
         self.sequences.append(new)
         self.extend(new, tokens[len(new.tokens):])
+        self.clients[node].reserve(self.cache, seq, 0)  # the prompt is in: release the room
         return new
+
+    def reserve_room(self, node: str, seq: int, tokens: List[int]) -> str:
+        """Reserves room for ``seq``'s prompt (a sequence slot and its cells) on ``node``, or,
+        when that node has no room, on the least loaded node that has: the prompt then cannot
+        be starved half-way by other requests. Returns the node."""
+        positions = min(len(tokens), MAX_CONTEXT)
+        load = self.load()
+        for candidate in [node] + sorted((n for n in self.clients if n != node),
+                                         key=lambda n: (load[n], n)):
+            try:
+                self.clients[candidate].reserve(self.cache, seq, positions, ttl=60)
+                return candidate
+            except kvmesh.ResourceExhausted as e:
+                print(f"  no room for seq {seq} on {candidate}: {e.shortage or e.message}")
+        raise RuntimeError(f"no node has room for {positions} positions of seq {seq}")
 
     def extend(self, s: Placed, tokens: List[int]) -> None:
         """Appends ``tokens`` to ``s``, context-shifting first when they do not fit."""
