@@ -691,8 +691,12 @@ absl::StatusOr<v1::MigrateResponse> Cluster::MigrateSequence(const std::string& 
   pull.set_target_seq(request.target_seq());
   pull.set_target_seq_unused(target_seq_unused);
   ASSIGN_OR_RETURN(const v1::PullResponse pulled, AskToPull(target, pull, deadline));
-  // The target has committed: the sequence now lives there.
-  if (!request.keep_source()) RETURN_IF_ERROR(cache->Remove(request.seq(), 0, std::nullopt));
+  // The target has committed: the sequence now lives there, and room reserved for it here
+  // would only hold a slot and cells back from others until its TTL.
+  if (!request.keep_source()) {
+    RETURN_IF_ERROR(cache->Remove(request.seq(), 0, std::nullopt));
+    (void)cache->Reserve(request.seq(), 0, absl::Now());  // a no-op unless reserved
+  }
   v1::MigrateResponse response;
   *response.mutable_transfer() = pulled.transfer();
   return response;

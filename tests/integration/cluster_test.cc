@@ -369,6 +369,26 @@ TEST_F(ClusterTest, CrossNodeCopyWithAStaleSourceIsRefusedAndDstKept) {
   }
 }
 
+// A sequence that moves away leaves no reservation behind: its room would otherwise hold a
+// sequence slot and cells back from others on the node it left until the TTL.
+TEST_F(ClusterTest, MigrateDropsTheSourcesReservation) {
+  const v1::CacheSpec spec = BigSpec();
+  for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), spec).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 2, 8, 3));
+  v1::CacheUsage usage;
+  ASSERT_TRUE(Reserve(cluster_.stub(0), "big", 2, 64, 0, &usage).ok());
+  EXPECT_EQ(usage.groups(0).cells_reserved(), 56);
+  // keep_source: the sequence stays, and so does its room.
+  grpc::Status status = MigrateSeq(cluster_.stub(0), "big", 2, "node-b", 2, true);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  EXPECT_EQ(Usage(cluster_.stub(0), "big").groups(0).cells_reserved(), 56);
+  status = MigrateSeq(cluster_.stub(0), "big", 2, "node-b", 3, false);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  usage = Usage(cluster_.stub(0), "big");
+  EXPECT_EQ(usage.groups(0).cells_reserved(), 0);
+  EXPECT_EQ(usage.sequences_reserved(), 0);
+}
+
 TEST_F(ClusterTest, CrossNodeCopyRefusalsNameTheBadValueAndChangeNothing) {
   const v1::CacheSpec spec = HybridSpec();
   ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 1, 6, 7));
