@@ -748,6 +748,13 @@ TEST_F(ClusterFaultTest, AppendsDuringAMigrationAreAbortedNeverLost) {
     ModelAppend(spec_, 0, {next}, 21, &model);
     ++next;
   }
+  // Room for the migrating sequence is refused too, as long as the migration runs (a Reserve
+  // that returns before the migration has ended ran during it).
+  const grpc::Status reserve = Reserve(*other, "big", 0, kBigTokens + 64);
+  if (migration.wait_for(std::chrono::milliseconds(0)) != std::future_status::ready) {
+    EXPECT_EQ(reserve.error_code(), grpc::StatusCode::ABORTED) << StatusText(reserve);
+    EXPECT_THAT(reserve.error_message(), HasSubstr("under migration"));
+  }
   const grpc::Status migrated = migration.get();
   ASSERT_TRUE(migrated.ok()) << StatusText(migrated);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::ABORTED) << StatusText(refused);
@@ -916,6 +923,14 @@ TEST_F(DrainTest, DrainRpcMovesEverySequenceAndSnapshotByteForByte) {
   v1::GetCacheResponse big_now;
   ASSERT_TRUE(GetCache(cluster_.stub(0), "big", &big_now).ok());
   EXPECT_EQ(big_now.cache().usage().groups(0).cells_used(), 0);
+  // Nor is room reserved for a new sequence there; dropping a reservation is always allowed.
+  status = Reserve(cluster_.stub(0), "big", 7, 64);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << StatusText(status);
+  EXPECT_THAT(status.error_message(),
+              AllOf(HasSubstr("node 'node-a' is draining"), HasSubstr("sequence 7")));
+  EXPECT_TRUE(Reserve(cluster_.stub(0), "big", 7, 0).ok());
+  ASSERT_TRUE(GetCache(cluster_.stub(0), "big", &big_now).ok());
+  EXPECT_EQ(big_now.cache().usage().groups(0).cells_reserved(), 0);
   v1::CacheSpec other = hybrid_;
   other.set_name("other");
   status = CreateCache(cluster_.stub(0), other);
