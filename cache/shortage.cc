@@ -37,6 +37,13 @@ absl::string_view ShortageReason(Resource resource) {
   return "RESOURCE_EXHAUSTED";
 }
 
+std::optional<Resource> ResourceOfReason(absl::string_view reason) {
+  for (const ResourceName& r : kReasons) {
+    if (r.reason == reason) return r.resource;
+  }
+  return std::nullopt;
+}
+
 // The payload is five decimal fields, space-separated: resource (the enum's value), group,
 // needed, free, total. It never leaves the process as it is.
 absl::Status ResourceExhaustedWith(absl::string_view message, const Shortage& shortage) {

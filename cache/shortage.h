@@ -31,6 +31,8 @@ enum class Resource {
 
 // ErrorInfo's `reason` for a resource: "CELLS_EXHAUSTED", "RINGS_EXHAUSTED", ...
 absl::string_view ShortageReason(Resource resource);
+// The resource of a reason ShortageReason gives; nullopt for any other text.
+std::optional<Resource> ResourceOfReason(absl::string_view reason);
 
 struct Shortage {
   Resource resource = Resource::kCells;

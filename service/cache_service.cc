@@ -77,14 +77,14 @@ grpc::Status InvalidArgument(std::string message) {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::move(message));
 }
 
-// Heap bytes a parsed request holds for `n` elements of a repeated message field (one allocated
-// message each, with malloc's header, and a pointer to it), plus the engine's copy of `n`
-// `Engine` values: a request of many small tokens or queries parses to several times its size
-// on the wire, so the in-flight budget counts this, not the wire size.
 // Reserve's TTL when a request leaves ttl_ms at 0, and the longest one accepted.
 constexpr int64_t kDefaultReserveTtlMs = 60 * 1000;
 constexpr int64_t kMaxReserveTtlMs = 60 * 60 * 1000;
 
+// Heap bytes a parsed request holds for `n` elements of a repeated message field (one allocated
+// message each, with malloc's header, and a pointer to it), plus the engine's copy of `n`
+// `Engine` values: a request of many small tokens or queries parses to several times its size
+// on the wire, so the in-flight budget counts this, not the wire size.
 template <typename Proto, typename Engine>
 uint64_t ParsedBytes(int64_t n) {
   return static_cast<uint64_t>(n) * (sizeof(Proto) + 16 + sizeof(void*) + sizeof(Engine));

@@ -485,12 +485,7 @@ google::rpc::ErrorInfo ShortageToErrorInfo(const Shortage& shortage) {
 
 std::optional<Shortage> ShortageFromErrorInfo(const google::rpc::ErrorInfo& info) {
   if (info.domain() != kErrorDomain) return std::nullopt;
-  std::optional<Resource> resource;
-  for (Resource r : {Resource::kCells, Resource::kRings, Resource::kStateSlots,
-                     Resource::kSequences, Resource::kDeviceBytes, Resource::kPendingTokens,
-                     Resource::kInflightBytes, Resource::kSnapshotBytes}) {
-    if (ShortageReason(r) == info.reason()) resource = r;
-  }
+  const std::optional<Resource> resource = ResourceOfReason(info.reason());
   if (!resource.has_value()) return std::nullopt;
   Shortage shortage;
   shortage.resource = *resource;

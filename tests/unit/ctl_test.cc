@@ -549,8 +549,19 @@ TEST(ClusterFormatTest, ShortageLine) {
   const std::optional<Shortage> got = GetShortage(back);
   ASSERT_TRUE(got.has_value());
   EXPECT_EQ(ShortageLine(*got), "INFLIGHT_BUDGET_EXHAUSTED: needed 1048576, free 4096 of 67108864");
-  // Another code never carries one, and a status without details has none.
-  EXPECT_FALSE(GetShortage(FromGrpcStatus(ToGrpcStatus(absl::NotFoundError("x")))).has_value());
+  // Details that are not kvmesh's, or not whole, are no shortage.
+  google::rpc::ErrorInfo info = ShortageToErrorInfo(sent);
+  ASSERT_TRUE(ShortageFromErrorInfo(info).has_value());
+  info.set_reason("QUOTA_EXCEEDED");
+  EXPECT_FALSE(ShortageFromErrorInfo(info).has_value());
+  info = ShortageToErrorInfo(sent);
+  info.set_domain("googleapis.com");
+  EXPECT_FALSE(ShortageFromErrorInfo(info).has_value());
+  info = ShortageToErrorInfo(sent);
+  (*info.mutable_metadata())["free"] = "lots";
+  EXPECT_FALSE(ShortageFromErrorInfo(info).has_value());
+  info.mutable_metadata()->erase("free");
+  EXPECT_FALSE(ShortageFromErrorInfo(info).has_value());
 }
 
 TEST(ClusterFormatTest, NodeResultLine) {
