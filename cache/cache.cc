@@ -33,6 +33,30 @@ bool HasKind(const CacheSpec& spec, GroupKind kind) {
   return false;
 }
 
+// The token ids of a merge of `parent` and `child`. A cache with Attention groups keeps the
+// parent's data below the child's start: the child's ids continue it exactly only when the two
+// agree below that start. Otherwise the child's data is all there is.
+TokenIds MergeTokens(const SnapshotRecord& parent, const SnapshotRecord& child,
+                     bool has_attention) {
+  if (!has_attention) return child.tokens;
+  const size_t start = static_cast<size_t>(child.from);
+  const TokenIds& p = parent.tokens;
+  const TokenIds& c = child.tokens;
+  TokenIds merged;
+  merged.ids.assign(p.ids.begin(), p.ids.begin() + std::min(p.ids.size(), start));
+  merged.taint = p.taint < child.from ? p.taint : kNoTaint;
+  if (merged.ids.size() < start) return merged;
+  const bool same =
+      c.ids.size() >= start && std::equal(merged.ids.begin(), merged.ids.end(), c.ids.begin());
+  if (c.ids.size() > start) merged.ids.insert(merged.ids.end(), c.ids.begin() + start, c.ids.end());
+  if (!same) {
+    merged.taint = std::min(merged.taint, child.from);
+  } else if (merged.taint == kNoTaint) {
+    merged.taint = c.taint;
+  }
+  return merged;
+}
+
 }  // namespace
 
 const char* StateStatusName(StateStatus status) {
@@ -47,15 +71,23 @@ const char* StateStatusName(StateStatus status) {
   return "UNKNOWN";
 }
 
-Cache::Cache(const CacheSpec& spec)
+Cache::Cache(const CacheSpec& spec, const TokenHasher& hasher)
     : spec_(spec),
       contiguous_(RequiresContiguousPositions(spec)),
-      has_attention_(HasKind(spec, GroupKind::kAttention)) {}
+      has_attention_(HasKind(spec, GroupKind::kAttention)),
+      hasher_(hasher),
+      token_limit_(TokenIdLimit(spec)) {}
 
 Cache::~Cache() = default;
 
-absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Device* device) {
+absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Device* device,
+                                                     absl::string_view tenant,
+                                                     int token_hash_bits) {
   RETURN_IF_ERROR(ValidateSpec(spec));
+  if (token_hash_bits < 1 || token_hash_bits > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token_hash_bits = ", token_hash_bits, " is outside [1, 64]"));
+  }
   const size_t needed = CacheBytes(spec);
   if (needed > device->free_bytes()) {
     return ResourceExhaustedWith(
@@ -68,7 +100,11 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
   // One stream per cache: its arenas (and the snapshot and pending chunks its groups allocate)
   // are bound to it, so work on different caches can overlap on the device.
   ASSIGN_OR_RETURN(std::shared_ptr<DeviceStream> stream, device->CreateStream());
-  std::unique_ptr<Cache> cache(new Cache(spec));
+  TokenHasher hasher;
+  hasher.seed = TokenHashSeed(tenant, spec.name);
+  hasher.block_size = spec.token_block_size;
+  hasher.bits = token_hash_bits;
+  std::unique_ptr<Cache> cache(new Cache(spec, hasher));
   MutexLock lock(&cache->mu_);
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     const int index = static_cast<int>(g);
@@ -283,6 +319,10 @@ absl::Status Cache::CheckAppendBatch(absl::Span<const Token> tokens, size_t payl
       return absl::InvalidArgumentError(
           absl::StrCat("tokens[", i, "].seq = ", t.seq, " is negative"));
     }
+    if (t.id < 0 && t.id != kNoTokenId) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens[", i, "].token_id = ", t.id, " is negative"));
+    }
     if (t.pos < 0 || t.pos == INT32_MAX) {
       // INT32_MAX is excluded so that a sequence's offset (last + 1) stays an int32.
       return absl::InvalidArgumentError(
@@ -465,6 +505,7 @@ absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
   if (batch.speculative) {
     for (const Token& t : batch.tokens) pending_[t.seq].push_back(t.pos);
   }
+  RecordTokensLocked(batch);
   return absl::OkStatus();
 }
 
@@ -573,6 +614,7 @@ absl::Status Cache::CommitReservedAppend(AppendWriter::State& state) {
   if (batch.speculative) {
     for (const Token& t : batch.tokens) pending_[t.seq].push_back(t.pos);
   }
+  RecordTokensLocked(batch);
   return absl::OkStatus();
 }
 
@@ -723,7 +765,42 @@ absl::Status Cache::WriteAndCommitAppendLocked(const AppendBatch& batch,
   if (batch.speculative) {
     for (const Token& t : batch.tokens) pending_[t.seq].push_back(t.pos);
   }
+  RecordTokensLocked(batch);
   return absl::OkStatus();
+}
+
+void Cache::RecordTokensLocked(const AppendBatch& batch) {
+  int64_t last_seq = -1;
+  TokenChain* chain = nullptr;
+  for (const Token& t : batch.tokens) {
+    if (t.seq != last_seq) {
+      last_seq = t.seq;
+      auto it = chains_.find(t.seq);
+      if (it == chains_.end() && t.id != kNoTokenId && t.pos == 0) {
+        it = chains_.emplace(t.seq, TokenChain()).first;
+      }
+      chain = it == chains_.end() ? nullptr : &it->second;
+    }
+    if (chain != nullptr) chain->Stored(t.pos, t.id, batch.speculative, token_limit_);
+  }
+  for (int64_t seq : batch.seqs) SyncTokensLocked(seq);
+}
+
+void Cache::SyncTokensLocked(int64_t seq) {
+  auto it = chains_.find(seq);
+  if (it == chains_.end()) return;
+  TokenChain& chain = it->second;
+  if (IsLiveLocked(seq)) {
+    chain.Truncate(OffsetLocked(seq));
+    chain.Rehash(hasher_);
+  }
+  if (!IsLiveLocked(seq) || chain.empty()) chains_.erase(it);
+}
+
+TokenChain Cache::Tokens(int64_t seq) const {
+  ReaderMutexLock lock(&mu_);
+  auto it = chains_.find(seq);
+  return it == chains_.end() ? TokenChain() : it->second;
 }
 
 absl::Status Cache::CommitSpeculation(int64_t seq, int32_t accepted) {
@@ -748,7 +825,12 @@ absl::Status Cache::CommitSpeculation(int64_t seq, int32_t accepted) {
     const absl::Status s = group->CommitSpeculation(seq, pending, accepted);
     if (status.ok()) status = s;
   }
+  auto chain = chains_.find(seq);
+  if (chain != chains_.end()) {
+    chain->second.Settle(accepted > 0 ? pending[accepted - 1] + 1 : pending[0]);
+  }
   pending_.erase(it);
+  SyncTokensLocked(seq);
   return FailLocked(status);
 }
 
@@ -901,6 +983,13 @@ absl::StatusOr<int32_t> Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int3
     const absl::Status s = group->ApplyCopyPrefix(src_seq, dst_seq, length);
     if (status.ok()) status = s;
   }
+  auto src_chain = chains_.find(src_seq);
+  if (src_chain == chains_.end()) {
+    chains_.erase(dst_seq);
+  } else {
+    chains_.insert_or_assign(dst_seq, src_chain->second.CopyPrefix(length));
+    SyncTokensLocked(dst_seq);
+  }
   RETURN_IF_ERROR(FailLocked(status));
   return OffsetLocked(dst_seq);
 }
@@ -938,10 +1027,21 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Remove"));
   for (const auto& group : groups_) RETURN_IF_ERROR(group->CheckRemove(seq, begin, end));
+  const int32_t offset = OffsetLocked(seq);
   absl::Status status;
   for (const auto& group : groups_) {
     const absl::Status s = group->ApplyRemove(seq, begin, end);
     if (status.ok()) status = s;
+  }
+  auto chain = chains_.find(seq);
+  if (chain != chains_.end()) {
+    // Positions past the range move down only when there are some.
+    if (end.has_value() && *end < offset) {
+      chain->second.Erase(begin, *end);
+    } else {
+      chain->second.Truncate(begin);
+    }
+    SyncTokensLocked(seq);
   }
   return FailLocked(status);
 }
@@ -955,6 +1055,12 @@ SequenceInfo Cache::SequenceInfoLocked(int64_t seq) const {
   auto pending = pending_.find(seq);
   if (pending != pending_.end()) info.pending = static_cast<int32_t>(pending->second.size());
   for (const auto& group : groups_) info.groups.push_back(group->Info(seq));
+  auto chain = chains_.find(seq);
+  if (chain != chains_.end()) {
+    info.tokens = static_cast<int32_t>(chain->second.ids().size());
+    info.exact_tokens = chain->second.exact();
+    info.token_blocks = static_cast<int32_t>(chain->second.hashes().size());
+  }
   return info;
 }
 
@@ -1031,6 +1137,7 @@ SnapshotInfo Cache::InfoLocked(const SnapshotRecord& record) const {
     info.bytes += g.bytes();
     info.groups.push_back(gi);
   }
+  info.tokens = static_cast<int32_t>(record.tokens.ids.size());
   return info;
 }
 
@@ -1125,6 +1232,8 @@ absl::StatusOr<SnapshotInfo> Cache::SnapshotRequiring(int64_t seq, int32_t from_
     ASSIGN_OR_RETURN(GroupSnapshot g, group->TakeSnapshot(seq, from_offset, record.to));
     record.groups.push_back(std::move(g));
   }
+  auto chain = chains_.find(seq);
+  if (chain != chains_.end()) record.tokens = chain->second.Prefix(record.to);
   return AddSnapshotLocked(std::move(record));
 }
 
@@ -1188,7 +1297,41 @@ absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int
     const absl::Status s = groups_[g]->ApplyRestore(seq, snap, from, to, target);
     if (status.ok()) status = s;
   }
+  RestoreTokensLocked(seq, record, target);
   return FailLocked(status);
+}
+
+void Cache::RestoreTokensLocked(int64_t seq, const SnapshotRecord* record, int32_t target) {
+  auto it = chains_.find(seq);
+  if (record == nullptr) {
+    if (it != chains_.end()) it->second.Truncate(target);
+    SyncTokensLocked(seq);
+    return;
+  }
+  // seq keeps its positions below the snapshot's start and gets the snapshot's data from there.
+  // That data is what the snapshot's sequence computed after its own ids below the start: it
+  // continues seq's chain exactly only when seq's ids there are the same.
+  const int32_t from = record->from;
+  const TokenIds& saved = record->tokens;
+  TokenIds restored = it == chains_.end() ? TokenIds() : it->second.Prefix(from);
+  const bool whole = static_cast<int32_t>(restored.ids.size()) == from;
+  const bool same_prefix = whole && saved.ids.size() >= restored.ids.size() &&
+                           std::equal(restored.ids.begin(), restored.ids.end(), saved.ids.begin());
+  if (whole && saved.ids.size() > static_cast<size_t>(from)) {
+    const size_t end = std::min(saved.ids.size(), static_cast<size_t>(std::max(target, from)));
+    restored.ids.insert(restored.ids.end(), saved.ids.begin() + from, saved.ids.begin() + end);
+  }
+  if (!same_prefix) {
+    restored.taint = std::min(restored.taint, from);
+  } else if (restored.taint == kNoTaint) {
+    restored.taint = saved.taint;
+  }
+  if (restored.ids.empty() && restored.taint == kNoTaint) {
+    chains_.erase(seq);
+  } else {
+    chains_.insert_or_assign(seq, TokenChain(restored, hasher_));
+  }
+  SyncTokensLocked(seq);
 }
 
 absl::StatusOr<SnapshotInfo> Cache::MergeSnapshots(uint64_t parent, uint64_t child) {
@@ -1217,6 +1360,7 @@ absl::StatusOr<SnapshotInfo> Cache::MergeSnapshots(uint64_t parent, uint64_t chi
     }
     merged.groups.push_back(std::move(out));
   }
+  merged.tokens = MergeTokens(*p, *c, has_attention_);
   snapshots_.erase(parent);
   snapshots_.erase(child);
   return AddSnapshotLocked(std::move(merged));
@@ -1241,6 +1385,7 @@ absl::StatusOr<SplitResult> Cache::SplitSnapshot(uint64_t id, int32_t at) {
   SnapshotRecord below = whole, above = whole;
   below.to = at;
   above.from = at;
+  below.tokens = whole.tokens.Prefix(at);
   for (size_t g = 0; g < whole.groups.size(); ++g) {
     below.groups[g].segments.clear();
     above.groups[g].segments.clear();
@@ -1383,6 +1528,8 @@ absl::StatusOr<std::unique_ptr<SnapshotExportReader>> Cache::OpenSequenceExport(
     RETURN_IF_ERROR(c.CheckOffsetAtLeastLocked(seq, require_offset));
     ASSIGN_OR_RETURN(const int32_t end, c.CheckSnapshotLocked(seq, from_offset, to));
     record = c.PinRecordLocked(cache, seq, from_offset, end, &formats);
+    auto chain = c.chains_.find(seq);
+    if (chain != c.chains_.end()) record.tokens = chain->second.Prefix(end);
     info = c.InfoLocked(record);
   }
   const size_t bytes = info.bytes;

@@ -30,6 +30,7 @@
 #include "cache/device/device.h"
 #include "cache/mutex.h"
 #include "cache/spec.h"
+#include "cache/token_chain.h"
 
 namespace kvmesh {
 
@@ -43,6 +44,7 @@ struct SnapshotRecord;
 struct Token {
   int64_t seq = 0;
   int32_t pos = 0;
+  int32_t id = kNoTokenId;  // the token id at this position (>= 0), when the caller gives it
 };
 
 // One row of a Visible request: which stored positions a query at `pos` attends to.
@@ -96,6 +98,11 @@ struct SequenceInfo {
   int32_t offset = 0;   // one past the largest position over all groups (pending included)
   int32_t pending = 0;  // speculative tokens not yet committed
   std::vector<GroupSequenceInfo> groups;
+  // Token ids (cache/token_chain.h): known for positions [0, tokens); of those, the first
+  // exact_tokens hold K/V computed from those tokens alone; hashed blocks of them.
+  int32_t tokens = 0;
+  int32_t exact_tokens = 0;
+  int32_t token_blocks = 0;
 };
 
 struct GroupUsage {
@@ -135,6 +142,7 @@ struct SnapshotInfo {
   int32_t to = 0;
   size_t bytes = 0;  // data bytes it references in the snapshot pool
   std::vector<SnapshotGroupInfo> groups;
+  int32_t tokens = 0;  // token ids it keeps, of positions [0, tokens)
 };
 
 // The wire image of one snapshot (Cache::OpenSnapshotExport).
@@ -276,8 +284,12 @@ struct SplitResult {
 class Cache {
  public:
   // Validates `spec` (INVALID_ARGUMENT) and allocates one arena per group on `device`
-  // (RESOURCE_EXHAUSTED beyond its budget). `device` must outlive the cache.
-  static absl::StatusOr<std::unique_ptr<Cache>> Create(const CacheSpec& spec, Device* device);
+  // (RESOURCE_EXHAUSTED beyond its budget). `device` must outlive the cache. Its sequences'
+  // token chains are seeded for `tenant` (TokenHashSeed); `token_hash_bits` < 64 is a test
+  // hook that forces hash collisions (TokenHasher::bits).
+  static absl::StatusOr<std::unique_ptr<Cache>> Create(const CacheSpec& spec, Device* device,
+                                                       absl::string_view tenant = kDefaultTenant,
+                                                       int token_hash_bits = 64);
   ~Cache();
 
   Cache(const Cache&) = delete;
@@ -381,6 +393,10 @@ class Cache {
 
   // Live sequences in ascending id order.
   std::vector<SequenceInfo> ListSequences() const;
+  // The token chain of `seq` (cache/token_chain.h); empty when it has none.
+  TokenChain Tokens(int64_t seq) const;
+  // What the token chains of this cache are hashed with.
+  const TokenHasher& token_hasher() const { return hasher_; }
   // The ListSequences entry of `seq` alone, nullopt when it stores nothing: costs what `seq`
   // holds, not what the other sequences hold (a cross-node copy or migration of one sequence).
   std::optional<SequenceInfo> GetSequence(int64_t seq) const;
@@ -535,7 +551,16 @@ class Cache {
  private:
   friend class SequenceImport;
   friend class AppendWriter;
-  explicit Cache(const CacheSpec& spec);
+  Cache(const CacheSpec& spec, const TokenHasher& hasher);
+
+  // Brings `seq`'s token chain in line with what it stores now: dropped when seq is not live,
+  // cut at its offset, and rehashed.
+  void SyncTokensLocked(int64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records a committed Append's token ids in its sequences' chains.
+  void RecordTokensLocked(const AppendBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The token chain `seq` gets from a Restore of `record` (null: a rewind) to `target`.
+  void RestoreTokensLocked(int64_t seq, const SnapshotRecord* record, int32_t target)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Append's checks of the batch that need no lock, into *batch (whose tokens are `tokens`) and
   // *count (tokens per sequence).
@@ -639,6 +664,8 @@ class Cache {
   const CacheSpec spec_;
   const bool contiguous_;     // has a Rotating or Recurrent group
   const bool has_attention_;  // has an Attention group
+  const TokenHasher hasher_;
+  const int32_t token_limit_;  // TokenIdLimit(spec_)
   // Every group can reserve an Append's cells and have its bytes written without mu_ held.
   bool reserved_append_ = false;
   // Every group lends cells to transfers (OpenSequenceExport, BeginSequenceImport).
@@ -650,6 +677,8 @@ class Cache {
   std::vector<std::unique_ptr<LayerGroup>> groups_ ABSL_GUARDED_BY(mu_);
   // Sequences with pending speculative tokens: their pending positions, ascending.
   absl::flat_hash_map<int64_t, std::vector<int32_t>> pending_ ABSL_GUARDED_BY(mu_);
+  // Token chains of the sequences that have one (never an empty chain).
+  absl::flat_hash_map<int64_t, TokenChain> chains_ ABSL_GUARDED_BY(mu_);
   // Sequences whose Append is writing its bytes with mu_ released: their new cells are taken
   // but in no index yet. appended_ is notified whenever one leaves.
   absl::flat_hash_set<int64_t> appending_ ABSL_GUARDED_BY(mu_);

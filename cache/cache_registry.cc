@@ -61,7 +61,8 @@ absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(absl::string_v
   }
   // Allocate without the lock: a device allocation can be slow, and every RPC looks caches up.
   // The device's budget is reserved atomically, so racing creates cannot overshoot it.
-  ASSIGN_OR_RETURN(std::unique_ptr<Cache> cache, Cache::Create(spec, device_));
+  ASSIGN_OR_RETURN(std::unique_ptr<Cache> cache,
+                   Cache::Create(spec, device_, tenant, token_hash_bits_));
   std::shared_ptr<Cache> shared(std::move(cache));
   const uint64_t bytes = ArenaBytes(*shared);
   MutexLock lock(&mu_);

@@ -23,11 +23,9 @@
 #include "cache/cache.h"
 #include "cache/device/device.h"
 #include "cache/mutex.h"
+#include "cache/token_chain.h"
 
 namespace kvmesh {
-
-// The tenant of a node that has no tenants, and of the calls that name none.
-inline constexpr char kDefaultTenant[] = "default";
 
 // What one tenant may hold: caches, and device bytes of their arenas (the memory a cache
 // reserves when it is created). Unlimited by default.
@@ -39,7 +37,9 @@ struct TenantQuota {
 class CacheRegistry {
  public:
   // `device` must outlive the registry and every cache handed out.
-  explicit CacheRegistry(Device* device) : device_(device) {}
+  // `token_hash_bits` < 64 is a test hook passed to every Cache::Create (forced collisions).
+  explicit CacheRegistry(Device* device, int token_hash_bits = 64)
+      : device_(device), token_hash_bits_(token_hash_bits) {}
 
   struct CreateResult {
     std::shared_ptr<Cache> cache;
@@ -102,6 +102,7 @@ class CacheRegistry {
   TenantUsage UsageLocked(absl::string_view tenant) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   Device* const device_;
+  const int token_hash_bits_;
   mutable Mutex mu_;
   std::map<Key, std::shared_ptr<Cache>> caches_ ABSL_GUARDED_BY(mu_);
 };

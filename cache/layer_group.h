@@ -90,6 +90,7 @@ struct SnapshotRecord {
   int32_t from = 0;
   int32_t to = 0;
   std::vector<GroupSnapshot> groups;
+  TokenIds tokens;  // of the sequence it was taken from, positions [0, to) at most
 };
 
 // A pending speculative token's data in a group that keeps pending data outside its storage.

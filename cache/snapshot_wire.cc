@@ -314,7 +314,10 @@ class ExportReader final : public SnapshotExportReader {
     device_ = formats_.empty() ? nullptr : formats_[0].device;
     std::vector<uint8_t>& h = header_;
     h.insert(h.end(), kSnapshotWireMagic, kSnapshotWireMagic + sizeof(kSnapshotWireMagic));
-    PutU32(&h, kSnapshotWireVersion);
+    // Version 1 when there are no token ids, so that nodes that read only version 1 take it.
+    const TokenIds& tokens = record_.tokens;
+    const bool with_tokens = !tokens.ids.empty() || tokens.taint != kNoTaint;
+    PutU32(&h, with_tokens ? kSnapshotWireVersion : 1);
     PutU32(&h, 0);  // header_bytes, below
     PutU64(&h, 0);  // total_bytes, below
     PutU64(&h, SpecFingerprint(spec));
@@ -360,6 +363,11 @@ class ExportReader final : public SnapshotExportReader {
         }
         data_bytes += size_t(s.rows) * Sum(rb);
       }
+    }
+    if (with_tokens) {
+      PutU32(&h, static_cast<uint32_t>(tokens.ids.size()));
+      PutI32(&h, tokens.taint == kNoTaint ? -1 : tokens.taint);
+      for (int32_t id : tokens.ids) PutI32(&h, id);
     }
     if (h.size() > std::numeric_limits<uint32_t>::max()) {
       return absl::FailedPreconditionError(absl::StrCat(kImage, "the header of snapshot ",
@@ -558,11 +566,12 @@ class ImportWriter final : public SnapshotImportWriter {
                                     " (little-endian), not \"KVMSNAP\": not a kvmesh snapshot"));
     }
     const uint32_t version = LoadU32(p + 8);
-    if (version != kSnapshotWireVersion) {
+    if (version < 1 || version > kSnapshotWireVersion) {
       return Malformed(absl::StrCat("version = ", version,
-                                    " is not supported; this node reads version ",
+                                    " is not supported; this node reads versions 1 to ",
                                     kSnapshotWireVersion));
     }
+    version_ = version;
     const uint64_t fingerprint = LoadU64(p + 24);
     const uint64_t mine = SpecFingerprint(spec_);
     if (fingerprint != mine) {
@@ -584,8 +593,10 @@ class ImportWriter final : public SnapshotImportWriter {
     }
     // Each position costs at most 8 header bytes (its own 4 and, at worst, a 4-byte segment
     // count) and at least one row in the snapshot pool: a header longer than the pool could
-    // hold rows for is refused before it is buffered.
+    // hold rows for is refused before it is buffered. Version 2's token ids add at most
+    // TokenIdLimit ids and their two counts.
     size_t fixed = min_header;
+    if (version_ >= 2) fixed += 8 + 4 * static_cast<size_t>(TokenIdLimit(spec_));
     size_t min_row = std::numeric_limits<size_t>::max();
     for (size_t g = 0; g < spec_.groups.size(); ++g) {
       if (spec_.groups[g].kind == GroupKind::kRecurrent) {
@@ -653,6 +664,35 @@ class ImportWriter final : public SnapshotImportWriter {
     staged_begin_ = header_bytes_;
     std::vector<uint8_t>().swap(header_);
     if (written_ == total_) RETURN_IF_ERROR(Flush());
+    return absl::OkStatus();
+  }
+
+  // Version 2's token ids: token_count ids of positions [0, token_count), at most to and
+  // TokenIdLimit; token_taint -1 or within [0, to); every id >= 0.
+  absl::Status ParseTokens(Decoder& d, SnapshotRecord* record) const {
+    ASSIGN_OR_RETURN(uint32_t count, d.U32("token_count"));
+    const uint32_t limit = static_cast<uint32_t>(TokenIdLimit(spec_));
+    if (count > static_cast<uint32_t>(record->to) || count > limit || count > d.remaining() / 4) {
+      return Malformed(absl::StrCat(
+          "token_count = ", count, " is more than ",
+          count > static_cast<uint32_t>(record->to)
+              ? absl::StrCat("to = ", record->to, ", the end of the snapshot")
+          : count > limit ? absl::StrCat("the ", limit, " token ids a sequence of cache '",
+                                         spec_.name, "' keeps")
+                          : absl::StrCat("the ", d.remaining(), " header bytes left can hold")));
+    }
+    ASSIGN_OR_RETURN(int32_t taint, d.I32("token_taint"));
+    if (taint < -1 || taint >= record->to) {
+      return Malformed(absl::StrCat("token_taint = ", taint,
+                                    " is neither -1 nor within [0, to = ", record->to, ")"));
+    }
+    record->tokens.taint = taint == -1 ? kNoTaint : taint;
+    record->tokens.ids.resize(count);
+    for (uint32_t i = 0; i < count; ++i) {
+      ASSIGN_OR_RETURN(int32_t id, d.I32("token_ids"));
+      if (id < 0) return Malformed(absl::StrCat("token_ids[", i, "] = ", id, " is negative"));
+      record->tokens.ids[i] = id;
+    }
     return absl::OkStatus();
   }
 
@@ -790,6 +830,7 @@ class ImportWriter final : public SnapshotImportWriter {
       }
       record.groups.push_back(std::move(gs));
     }
+    if (version_ >= 2) RETURN_IF_ERROR(ParseTokens(d, &record));
     if (d.offset() != header_.size()) {
       return Malformed(absl::StrCat("header_bytes = ", header_.size(),
                                     ", but the header's fields end at ", d.offset()));
@@ -838,6 +879,7 @@ class ImportWriter final : public SnapshotImportWriter {
 
   std::vector<uint8_t> header_;  // the header while it arrives
   uint32_t header_bytes_ = 0;    // 0 until the preamble is read
+  uint32_t version_ = 0;         // the image's format version, once the preamble is read
   bool header_done_ = false;
 
   SnapshotRecord record_;  // from the header; its segments point into chunks_

@@ -2,13 +2,15 @@
 // (docs/cluster.md "The unit of transfer"), and the reader and writer behind
 // Cache::OpenSnapshotExport and Cache::BeginSnapshotImport.
 //
-// Format, version 1. Every integer is little-endian with the size given; offsets are from the
-// start of the image. The header is self-describing and its size is known after the preamble, so a
-// receiver buffers exactly the header and streams the data rows to the device.
+// Format, version 2 (version 1 is version 2 without the token section; a writer uses it when the
+// snapshot has no token ids, and a reader takes both). Every integer is little-endian with the size
+// given; offsets are from the start of the image. The header is self-describing and its size is
+// known after the preamble, so a receiver buffers exactly the header and streams the data rows to
+// the device.
 //
 //   preamble (32 bytes)
 //     0   magic            8 bytes  "KVMSNAP\0"
-//     8   version          u32      1
+//     8   version          u32      1 or 2
 //     12  header_bytes     u32      bytes of the whole header, preamble included: the data
 //                                   rows start here
 //     16  total_bytes      u64      bytes of the whole image
@@ -32,7 +34,13 @@
 //           rows           u32      >= 1
 //           positions      i32 x rows  Attention and Rotating only (none for Recurrent): the
 //                                   position of each row
-//   header_bytes must equal the end of the last group's fields.
+//   then, in version 2 only, the token ids (cache/token_chain.h) of the sequence it was taken
+//   from:
+//         token_count      u32      ids of positions [0, token_count): <= to, and <= the
+//                                   TokenIdLimit of the spec
+//         token_taint      i32      -1 (none), or the taint, within [0, to)
+//         token_ids        i32 x token_count  each >= 0
+//   header_bytes must equal the end of the last field.
 //   data, from header_bytes to total_bytes: for each group in spec order, for each segment in
 //   order, for each plane in order, the segment's rows: rows x row_bytes[plane] bytes. A row
 //   of an Attention or Rotating plane is one token's K (or V) of one layer, [heads][head_dim]
@@ -46,14 +54,14 @@
 // the cache's (FAILED_PRECONDITION); total_bytes equal to the size the import announced;
 // header_bytes within [the smallest header of the spec, total_bytes], and no larger than a
 // header whose positions the snapshot pool could hold rows for (RESOURCE_EXHAUSTED beyond: every
-// position costs at most 8 header bytes and at least one row), so that no more than that is
-// ever buffered. Once the whole header has arrived: seq >= 0; 0 <= from < to; num_groups and
-// each kind equal to the spec's; ring_index and has_state as above; num_planes and row_bytes
-// equal to the cache's chunk format; every count fits in what is left of the header before
-// anything is read or allocated for it; Attention positions strictly ascending across the
-// group's segments and within [from, to); Rotating positions strictly ascending and exactly the
-// window [max(0, to - max_size), to) (never none: a Restore serves the whole window, so every row
-// of it must come with the image); Recurrent one segment of one row when
+// position costs at most 8 header bytes and at least one row; version 2 adds the largest token
+// section), so that no more than that is ever buffered. Once the whole header has arrived: seq >=
+// 0; 0 <= from < to; num_groups and each kind equal to the spec's; ring_index and has_state as
+// above; num_planes and row_bytes equal to the cache's chunk format; every count fits in what is
+// left of the header before anything is read or allocated for it; Attention positions strictly
+// ascending across the group's segments and within [from, to); Rotating positions strictly
+// ascending and exactly the window [max(0, to - max_size), to) (never none: a Restore serves the
+// whole window, so every row of it must come with the image); Recurrent one segment of one row when
 // has_state, none otherwise; the fields end exactly at header_bytes; the rows' bytes add up to
 // total_bytes - header_bytes. Positions are bounded by the snapshot's range and the image's
 // size, not by capacity: a sequence may hold more positions than capacity (the cell pool is
@@ -91,7 +99,7 @@
 namespace kvmesh {
 
 inline constexpr char kSnapshotWireMagic[8] = {'K', 'V', 'M', 'S', 'N', 'A', 'P', '\0'};
-inline constexpr uint32_t kSnapshotWireVersion = 1;
+inline constexpr uint32_t kSnapshotWireVersion = 2;
 inline constexpr size_t kSnapshotWirePreambleBytes = 32;
 
 // The import writer gathers small writes into a host buffer of this size (or of the largest

@@ -60,7 +60,8 @@ const char* GroupKindName(GroupKind kind) {
 
 bool CacheSpec::operator==(const CacheSpec& o) const {
   return name == o.name && dtype == o.dtype && max_sequences == o.max_sequences &&
-         capacity == o.capacity && max_batch == o.max_batch && groups == o.groups;
+         capacity == o.capacity && max_batch == o.max_batch && groups == o.groups &&
+         token_block_size == o.token_block_size;
 }
 
 namespace {
@@ -180,6 +181,9 @@ absl::Status ValidateSpec(const CacheSpec& spec) {
   if (!(s = CheckRange("max_sequences", spec.max_sequences, 1, kMaxSequences)).ok()) return s;
   if (!(s = CheckRange("capacity", spec.capacity, 1, INT32_MAX)).ok()) return s;
   if (!(s = CheckRange("max_batch", spec.max_batch, 1, kMaxCellsPerGroup)).ok()) return s;
+  if (!(s = CheckRange("token_block_size", spec.token_block_size, 1, kMaxTokenBlockSize)).ok()) {
+    return s;
+  }
   if (spec.groups.empty()) return Invalid("groups is empty: a cache needs at least one group");
   if (spec.groups.size() > static_cast<size_t>(kMaxGroups)) {
     return Invalid(
@@ -266,6 +270,15 @@ AttentionGeometry ComputeAttentionGeometry(const CacheSpec& spec, int group) {
   geo.v_row_bytes = size_t(a.num_kv_heads) * a.head_dim_v * DTypeSize(spec.dtype);
   geo.bytes = size_t(g.num_layers) * geo.cells * (geo.k_row_bytes + geo.v_row_bytes);
   return geo;
+}
+
+int32_t TokenIdLimit(const CacheSpec& spec) {
+  int64_t limit = spec.capacity;
+  for (size_t g = 0; g < spec.groups.size(); ++g) {
+    if (spec.groups[g].kind != GroupKind::kAttention) continue;
+    limit = std::max(limit, ComputeAttentionGeometry(spec, static_cast<int>(g)).cells);
+  }
+  return static_cast<int32_t>(std::min(limit, kMaxCellsPerGroup));
 }
 
 RotatingGeometry ComputeRotatingGeometry(const CacheSpec& spec, int group) {
@@ -368,6 +381,9 @@ std::string DescribeSpecDifference(const CacheSpec& a, const CacheSpec& b) {
   if (a.capacity != b.capacity) return absl::StrCat("capacity ", a.capacity, " vs ", b.capacity);
   if (a.max_batch != b.max_batch) {
     return absl::StrCat("max_batch ", a.max_batch, " vs ", b.max_batch);
+  }
+  if (a.token_block_size != b.token_block_size) {
+    return absl::StrCat("token_block_size ", a.token_block_size, " vs ", b.token_block_size);
   }
   if (a.groups.size() != b.groups.size()) {
     return absl::StrCat("number of groups ", a.groups.size(), " vs ", b.groups.size());

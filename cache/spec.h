@@ -83,6 +83,9 @@ struct GroupSpec {
   bool operator==(const GroupSpec& o) const;
 };
 
+inline constexpr int32_t kDefaultTokenBlockSize = 16;
+inline constexpr int32_t kMaxTokenBlockSize = 1 << 16;
+
 struct CacheSpec {
   std::string name;
   DType dtype = DType::kF16;
@@ -90,6 +93,9 @@ struct CacheSpec {
   int32_t capacity = 0;   // tokens per sequence
   int32_t max_batch = 0;  // largest number of tokens in one Append
   std::vector<GroupSpec> groups;
+  // Tokens per block of a sequence's hash chain (cache/token_chain.h), [1, kMaxTokenBlockSize].
+  // It shapes no storage, so it is not part of SpecFingerprint; operator== compares it.
+  int32_t token_block_size = kDefaultTokenBlockSize;
   bool operator==(const CacheSpec& o) const;
   bool operator!=(const CacheSpec& o) const { return !(*this == o); }
 };
@@ -106,6 +112,11 @@ inline constexpr uint64_t kMaxCacheBytes = uint64_t{1} << 50;  // 1 PiB: anythin
 inline constexpr size_t kMaxNameLength = 128;
 inline constexpr int32_t kMaxConvTail = 1024;
 inline constexpr int32_t kMaxConvDim = 1 << 20;
+
+// The most token ids a sequence keeps (cache/token_chain.h): as many positions as the largest
+// Attention group has cells, or capacity when that is more, and at most kMaxCellsPerGroup.
+// Ids of positions from there on are not kept.
+int32_t TokenIdLimit(const CacheSpec& spec);
 
 // Returns INVALID_ARGUMENT naming the first bad field, or OK.
 absl::Status ValidateSpec(const CacheSpec& spec);

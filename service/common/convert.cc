@@ -138,6 +138,7 @@ absl::StatusOr<CacheSpec> SpecFromProto(const v1::CacheSpec& proto) {
   spec.max_sequences = proto.max_sequences();
   spec.capacity = proto.capacity();
   spec.max_batch = proto.max_batch();
+  if (proto.token_block_size() != 0) spec.token_block_size = proto.token_block_size();
   spec.groups.reserve(proto.groups_size());
   for (int g = 0; g < proto.groups_size(); ++g) {
     const v1::LayerGroup& group = proto.groups(g);
@@ -177,6 +178,9 @@ v1::CacheSpec SpecToProto(const CacheSpec& spec) {
   proto.set_max_sequences(spec.max_sequences);
   proto.set_capacity(spec.capacity);
   proto.set_max_batch(spec.max_batch);
+  if (spec.token_block_size != kDefaultTokenBlockSize) {
+    proto.set_token_block_size(spec.token_block_size);
+  }
   for (const GroupSpec& group : spec.groups) {
     v1::LayerGroup* out = proto.add_groups();
     out->set_num_layers(group.num_layers);
@@ -264,6 +268,9 @@ v1::SequenceInfo SequenceInfoToProto(const SequenceInfo& info) {
     out->set_last(group.last);
     out->set_state(StateStatusToProto(group.state));
   }
+  proto.set_tokens(info.tokens);
+  proto.set_exact_tokens(info.exact_tokens);
+  proto.set_token_blocks(info.token_blocks);
   return proto;
 }
 
@@ -326,6 +333,7 @@ v1::SnapshotInfo SnapshotInfoToProto(const SnapshotInfo& info) {
     out->set_ring_index(group.ring_index);
     out->set_state(StateStatusToProto(group.state));
   }
+  proto.set_tokens(info.tokens);
   return proto;
 }
 
@@ -354,6 +362,11 @@ absl::StatusOr<SnapshotInfo> SnapshotInfoFromProto(const v1::SnapshotInfo& proto
                                                      group.state()));
     info.groups.push_back(out);
   }
+  if (proto.tokens() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("snapshot.tokens = ", proto.tokens(), " is negative"));
+  }
+  info.tokens = proto.tokens();
   return info;
 }
 
@@ -400,6 +413,11 @@ absl::StatusOr<std::vector<Token>> TokensFromProto(
       return absl::InvalidArgumentError(
           absl::StrCat("token_ranges[", i, "].count = ", r.count(), " is below 1"));
     }
+    if (r.token_ids_size() != 0 && r.token_ids_size() != r.count()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token_ranges[", i, "] has ", r.token_ids_size(),
+                       " token_ids for count = ", r.count(), "; give none or one per position"));
+    }
     // The engine's positions are below INT32_MAX, so that an offset (last + 1) is an int32.
     if (int64_t{r.first()} + r.count() > INT32_MAX) {
       return absl::InvalidArgumentError(absl::StrCat("token_ranges[", i, "] (first = ", r.first(),
@@ -425,10 +443,23 @@ absl::StatusOr<std::vector<Token>> TokensFromProto(
       return absl::InvalidArgumentError(
           absl::StrCat("tokens[", i, "].pos = ", t.pos(), " is negative"));
     }
-    out.push_back(Token{t.seq(), t.pos()});
+    if (t.has_token_id() && t.token_id() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens[", i, "].token_id = ", t.token_id(), " is negative"));
+    }
+    out.push_back(Token{t.seq(), t.pos(), t.has_token_id() ? t.token_id() : kNoTokenId});
   }
-  for (const v1::TokenRange& r : ranges) {
-    for (int32_t k = 0; k < r.count(); ++k) out.push_back(Token{r.seq(), r.first() + k});
+  for (int i = 0; i < ranges.size(); ++i) {
+    const v1::TokenRange& r = ranges.Get(i);
+    const bool ids = r.token_ids_size() > 0;
+    for (int32_t k = 0; k < r.count(); ++k) {
+      const int32_t id = ids ? r.token_ids(k) : kNoTokenId;
+      if (ids && id < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("token_ranges[", i, "].token_ids[", k, "] = ", id, " is negative"));
+      }
+      out.push_back(Token{r.seq(), r.first() + k, id});
+    }
   }
   return out;
 }

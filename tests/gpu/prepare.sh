@@ -11,6 +11,7 @@
 #   .gpu-deps/absl/include/absl/                Debian's libabsl-dev headers
 #   .gpu-deps/absl/lib/x86_64-linux-gnu/        libabsl_*.so* (links resolved to copies) and
 #     cmake/absl/                               the CMake package: -Dabsl_DIR=<that folder>
+#   .gpu-deps/xxhash/include/xxhash.h           Debian's libxxhash-dev header (used header-only)
 #   .gpu-deps/nccl/include/nccl.h               this machine's NCCL header, for a GPU machine
 #                                               whose NCCL (a Python wheel's) comes without one;
 #                                               the library itself is the GPU machine's own
@@ -50,6 +51,11 @@ cp -rL /usr/include/absl "$tmp/absl/include/absl"
 cp -L "$sys_lib"/libabsl_*.so* "$tmp/absl/lib/$multiarch/"
 cp -rL "$sys_lib/cmake/absl" "$tmp/absl/lib/$multiarch/cmake/absl"
 
+# xxHash is used header-only (XXH_INLINE_ALL, cache/token_chain.cc): its header is all it needs.
+[ -f /usr/include/xxhash.h ] || "$root/scripts/bootstrap.sh"
+mkdir -p "$tmp/xxhash/include"
+cp -L /usr/include/xxhash.h "$tmp/xxhash/include/xxhash.h"
+
 # NCCL's header only (tests/gpu/run.sh says why the library is not carried).
 nccl_header=/usr/local/cuda/include/nccl.h
 if [ -f "$nccl_header" ]; then
@@ -79,7 +85,7 @@ needs=$(for f in "$tmp/absl/lib/$multiarch"/libabsl_*.so.*.*.*; do
   echo "made by tests/gpu/prepare.sh on $(hostname) at $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   # shellcheck disable=SC1091
   echo "build host: $(. /etc/os-release && echo "$PRETTY_NAME"), $(ldd --version | head -1)"
-  dpkg-query -W -f='${Package} ${Version}\n' googletest libabsl-dev 2>/dev/null || true
+  dpkg-query -W -f='${Package} ${Version}\n' googletest libabsl-dev libxxhash-dev 2>/dev/null || true
   echo "libabsl_*.so need at least: $needs"
   if [ -f "$tmp/nccl/include/nccl.h" ]; then
     echo "nccl.h: NCCL_VERSION_CODE $(grep -m1 -E '^#define NCCL_VERSION_CODE' \

@@ -140,6 +140,7 @@ configure=(cmake -S "$root" -B "$build_dir" "${generator[@]}"
   -DKVMESH_BUILD_GRPC=OFF -DKVMESH_BUILD_TESTS=ON -DKVMESH_BUILD_BENCH=ON -DKVMESH_CUDA=ON
   -DKVMESH_GTEST_SOURCE_DIR="$gtest_src"
   -Dabsl_DIR="$absl_dir"
+  -DKVMESH_XXHASH_INCLUDE_DIR="$deps/xxhash/include"
   "${nccl_args[@]}"
   # DT_RPATH, not RUNPATH: it also applies to the libraries' own dependencies (libabsl_* need
   # each other), so the binaries run there without LD_LIBRARY_PATH.

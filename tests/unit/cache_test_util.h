@@ -178,6 +178,14 @@ inline absl::Status AppendRange(Cache& cache, int64_t seq, int32_t begin, int32_
   return AppendTokens(cache, Tokens(seq, begin, end), salt);
 }
 
+// An Append of (seq, begin..end-1) whose tokens carry ids: prompt[pos] for each position.
+inline absl::Status AppendPrompt(Cache& cache, int64_t seq, int32_t begin, int32_t end,
+                                 const std::vector<int32_t>& prompt, uint64_t salt = 0) {
+  std::vector<Token> tokens = Tokens(seq, begin, end);
+  for (Token& t : tokens) t.id = prompt.at(static_cast<size_t>(t.pos));
+  return AppendTokens(cache, tokens, salt);
+}
+
 // A speculative Append of (seq, begin..end-1), one state per token.
 inline absl::Status AppendSpeculative(Cache& cache, int64_t seq, int32_t begin, int32_t end,
                                       uint64_t salt = 0) {
@@ -340,7 +348,13 @@ inline CacheState CaptureState(const Cache& cache) {
   CacheState s;
   std::ostringstream os;
   for (const SequenceInfo& info : cache.ListSequences()) {
-    os << "seq " << info.seq << " offset " << info.offset << " pending " << info.pending << ":";
+    os << "seq " << info.seq << " offset " << info.offset << " pending " << info.pending
+       << " tokens " << info.tokens << " exact " << info.exact_tokens << " blocks "
+       << info.token_blocks;
+    const TokenChain chain = cache.Tokens(info.seq);
+    if (!chain.hashes().empty()) os << " last hash " << chain.hashes().back();
+    if (!chain.ids().empty()) os << " last id " << chain.ids().back();
+    os << ":";
     for (const GroupSequenceInfo& g : info.groups) {
       os << " [stored " << g.stored << " shared " << g.shared << " first " << g.first << " last "
          << g.last << " state " << StateStatusName(g.state) << "]";

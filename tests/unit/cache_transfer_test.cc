@@ -736,7 +736,7 @@ TEST_F(RefusalTest, CorruptPreamble) {
   EXPECT_TRUE(
       ImportFails(dst_, magic, absl::StatusCode::kInvalidArgument, {"magic"}, std::nullopt, 1));
   EXPECT_TRUE(
-      ImportFails(dst_, With32(8, 2), absl::StatusCode::kInvalidArgument, {"version", "2"}));
+      ImportFails(dst_, With32(8, 3), absl::StatusCode::kInvalidArgument, {"version", "3"}));
   EXPECT_TRUE(ImportFails(dst_, With32(12, static_cast<uint32_t>(image_.size() + 1)),
                           absl::StatusCode::kInvalidArgument, {"header_bytes"}));
   EXPECT_TRUE(ImportFails(dst_, With32(12, 40), absl::StatusCode::kInvalidArgument,

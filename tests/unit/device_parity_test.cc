@@ -526,8 +526,8 @@ class DeviceOpsEpisode {
     // must never hold two of them (on a GPU they would race; the simulator runs threads one
     // after another and cannot see that, only the result's order of rotations).
     const std::vector<int32_t> rows =
-        rng_.Chance(25) ? AnyRows(twin.layout.rows, static_cast<size_t>(rng_.Between(
-                                                         1, MaxRowsPerOp(twin.layout))))
+        rng_.Chance(25) ? AnyRows(twin.layout.rows,
+                                  static_cast<size_t>(rng_.Between(1, MaxRowsPerOp(twin.layout))))
                         : DistinctRows(twin.layout.rows, MaxRowsPerOp(twin.layout));
     RopeShiftParams params;
     params.rope.type = rng_.Chance(50) ? RopeType::kNormal : RopeType::kNeox;
