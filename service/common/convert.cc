@@ -371,17 +371,20 @@ absl::StatusOr<SnapshotInfo> SnapshotInfoFromProto(const v1::SnapshotInfo& proto
 }
 
 void AddTokenRanges(int64_t seq, absl::Span<const int32_t> positions,
-                    google::protobuf::RepeatedPtrField<v1::TokenRange>* ranges) {
+                    google::protobuf::RepeatedPtrField<v1::TokenRange>* ranges,
+                    absl::Span<const int32_t> token_ids) {
   v1::TokenRange* run = nullptr;
-  for (int32_t pos : positions) {
+  for (size_t i = 0; i < positions.size(); ++i) {
+    const int32_t pos = positions[i];
     if (run != nullptr && int64_t{run->first()} + run->count() == pos) {
       run->set_count(run->count() + 1);
-      continue;
+    } else {
+      run = ranges->Add();
+      run->set_seq(seq);
+      run->set_first(pos);
+      run->set_count(1);
     }
-    run = ranges->Add();
-    run->set_seq(seq);
-    run->set_first(pos);
-    run->set_count(1);
+    if (!token_ids.empty()) run->add_token_ids(token_ids[i]);
   }
 }
 

@@ -69,9 +69,11 @@ absl::StatusOr<std::vector<Token>> TokensFromProto(
     const google::protobuf::RepeatedPtrField<v1::Token>& tokens,
     const google::protobuf::RepeatedPtrField<v1::TokenRange>& ranges, int64_t max_tokens);
 // Appends `positions` of `seq` (ascending, as an Append names them) to `ranges`: one range per
-// run of consecutive positions.
+// run of consecutive positions. `token_ids`: empty, or the token id of each position, which the
+// ranges then carry.
 void AddTokenRanges(int64_t seq, absl::Span<const int32_t> positions,
-                    google::protobuf::RepeatedPtrField<v1::TokenRange>* ranges);
+                    google::protobuf::RepeatedPtrField<v1::TokenRange>* ranges,
+                    absl::Span<const int32_t> token_ids = {});
 // How many tokens `tokens` and `ranges` name (a negative count as 0), at most `cap`: what a
 // request will parse to at most, for the in-flight budget, before its cache is known.
 int64_t CountTokens(const google::protobuf::RepeatedPtrField<v1::Token>& tokens,

@@ -43,13 +43,14 @@ constexpr int64_t kDefaultChunkBytes = int64_t{1} << 20;
 // One Append of `positions` of `seq`: unary, or AppendStream in chunks of `chunk_bytes`.
 absl::StatusOr<v1::AppendResponse> SendAppend(const Client& client, const std::string& cache,
                                               int64_t seq, absl::Span<const int32_t> positions,
+                                              absl::Span<const int32_t> token_ids,
                                               std::string payload, bool stream, int64_t chunk_bytes,
                                               bool speculative) {
   v1::AppendResponse response;
   if (!stream) {
     v1::AppendRequest request;
     request.set_cache(cache);
-    AddTokenRanges(seq, positions, request.mutable_token_ranges());
+    AddTokenRanges(seq, positions, request.mutable_token_ranges(), token_ids);
     *request.mutable_payload() = std::move(payload);
     request.set_speculative(speculative);
     RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::Append, request, &response));
@@ -57,7 +58,7 @@ absl::StatusOr<v1::AppendResponse> SendAppend(const Client& client, const std::s
   }
   v1::AppendHeader header;
   header.set_cache(cache);
-  AddTokenRanges(seq, positions, header.mutable_token_ranges());
+  AddTokenRanges(seq, positions, header.mutable_token_ranges(), token_ids);
   header.set_payload_bytes(static_cast<int64_t>(payload.size()));
   header.set_speculative(speculative);
   auto context = client.Context();
@@ -71,6 +72,15 @@ absl::Status Append(const Client& client, const Args& args) {
   ASSIGN_OR_RETURN(std::string cache, GetCacheName(args));
   ASSIGN_OR_RETURN(int64_t seq, args.GetInt("seq"));
   ASSIGN_OR_RETURN(std::vector<int32_t> positions, GetPositions(args, "positions"));
+  std::vector<int32_t> token_ids;
+  if (args.Has("token-ids")) {
+    ASSIGN_OR_RETURN(token_ids, GetPositions(args, "token-ids"));
+    if (token_ids.size() != positions.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("--token-ids names ", token_ids.size(),
+                                                     " ids for ", positions.size(),
+                                                     " positions; give one per position"));
+    }
+  }
   ASSIGN_OR_RETURN(bool stream, args.GetBool("stream"));
   ASSIGN_OR_RETURN(bool speculative, args.GetBool("speculative"));
   ASSIGN_OR_RETURN(int64_t chunk_bytes, args.GetBytes("chunk-bytes", kDefaultChunkBytes));
@@ -115,9 +125,12 @@ absl::Status Append(const Client& client, const Args& args) {
                      : MakePatternPayload(spec, slice, static_cast<uint64_t>(seed), speculative);
     const int64_t bytes = static_cast<int64_t>(payload.size());
     const absl::Time start = absl::Now();
+    const absl::Span<const int32_t> ids =
+        token_ids.empty() ? absl::Span<const int32_t>()
+                          : absl::MakeConstSpan(token_ids).subspan(begin, end - begin);
     ASSIGN_OR_RETURN(v1::AppendResponse response,
-                     SendAppend(client, cache, seq, slice, std::move(payload), stream, chunk_bytes,
-                                speculative));
+                     SendAppend(client, cache, seq, slice, ids, std::move(payload), stream,
+                                chunk_bytes, speculative));
     const absl::Duration elapsed = absl::Now() - start;
     if (client.json()) {
       RETURN_IF_ERROR(PrintJson(response));
@@ -315,9 +328,9 @@ absl::Status Read(const Client& client, const Args& args) {
   return absl::OkStatus();
 }
 
-constexpr absl::string_view kAppendFlags[] = {"cache",       "name",         "seq",   "positions",
-                                              "seed",        "payload-file", "batch", "stream",
-                                              "chunk-bytes", "speculative"};
+constexpr absl::string_view kAppendFlags[] = {
+    "cache", "name",   "seq",         "positions",   "seed",     "payload-file",
+    "batch", "stream", "chunk-bytes", "speculative", "token-ids"};
 constexpr absl::string_view kReadFlags[] = {"cache", "name", "seq",         "begin",
                                             "end",   "out",  "verify-seed", "max-chunk-bytes"};
 
@@ -327,7 +340,10 @@ const Command kAppendCommand = {
     "append", kAppendFlags,
     R"(  append        --cache=CACHE --seq=N --positions=LIST [--seed=N | --payload-file=FILE]
                 [--batch=TOKENS] [--stream [--chunk-bytes=BYTES]] [--speculative]
+                [--token-ids=LIST]
                 LIST: comma-separated P or half-open BEGIN:END, e.g. 0:512 or 0,1,2,10:20.
+                --token-ids: the token id of each position, in the same form (as many as
+                positions), kept in the sequence's token chain (docs/api.md#tokens).
                 The payload is the pattern of --seed (default 0) for these positions, or FILE
                 (the payload of all the tokens as one batch). Tokens go in Appends of --batch
                 tokens (default: the cache's max_batch); a failed Append stops the command and

@@ -202,7 +202,7 @@ absl::Status ListSequences(const Client& client, const Args& args) {
   RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::ListSequences, request, &response));
   if (client.json()) return PrintJson(response);
   ASSIGN_OR_RETURN(v1::CacheInfo info, client.FetchInfo(request.cache()));
-  std::printf("%-8s %7s %7s  %s\n", "SEQ", "OFFSET", "PENDING",
+  std::printf("%-8s %7s %7s %11s  %s\n", "SEQ", "OFFSET", "PENDING", "EXACT/IDS",
               "PER GROUP: stored (shared) [first, last] | recurrent: state (shared)");
   for (const v1::SequenceInfo& s : response.sequences()) {
     std::vector<std::string> groups;
@@ -221,8 +221,10 @@ absl::Status ListSequences(const Client& client, const Args& args) {
                                         g.first(), ", ", g.last(), "]"));
       }
     }
-    std::printf("%-8" PRId64 " %7d %7d  %s\n", s.seq(), s.offset(), s.pending(),
-                absl::StrJoin(groups, "  ").c_str());
+    const std::string tokens =
+        s.tokens() == 0 ? "-" : absl::StrCat(s.exact_tokens(), "/", s.tokens());
+    std::printf("%-8" PRId64 " %7d %7d %11s  %s\n", s.seq(), s.offset(), s.pending(),
+                tokens.c_str(), absl::StrJoin(groups, "  ").c_str());
   }
   if (response.sequences().empty()) std::printf("(no sequences)\n");
   return absl::OkStatus();
@@ -290,7 +292,8 @@ const Command kReserveCommand = {"reserve", kReserveFlags,
 
 const Command kListSequencesCommand = {
     "list-sequences", kListSequencesFlags,
-    R"(  list-sequences --cache=CACHE                 offset, pending tokens, per-group storage/state)",
+    R"(  list-sequences --cache=CACHE                 offset, pending tokens, token ids (exact/known),
+                                               per-group storage/state)",
     &ListSequences};
 
 const Command kCommitSpeculationCommand = {

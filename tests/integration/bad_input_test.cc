@@ -239,6 +239,12 @@ void AddSnapshotCases(std::vector<BadCase>* out) {
   std::vector<BadCase>& cases = *out;
 
   // ---- CreateCache: Rotating and Recurrent groups ----
+  cases.push_back(CreateCase("CreateTokenBlockSizeNegative",
+                             [](v1::CacheSpec* s) { s->set_token_block_size(-1); }, kInvalid,
+                             {"token_block_size", "-1"}));
+  cases.push_back(CreateCase("CreateTokenBlockSizeHuge",
+                             [](v1::CacheSpec* s) { s->set_token_block_size(65537); }, kInvalid,
+                             {"token_block_size", "65537", "65536"}));
   cases.push_back(CreateCase("CreateRotatingMaxSizeZero",
                              [](v1::CacheSpec* s) { AddRotating(s)->set_max_size(0); }, kInvalid,
                              {"groups[1].rotating.max_size = 0"}));
@@ -717,6 +723,21 @@ std::vector<BadCase> Cases() {
                              WithRanges(AppendOf("bad", {2}, {0}, 5 * kTokenBytes), {{2, 1, 4}}),
                              kInvalid,
                              {"5 tokens", "1 in tokens", "4 in token_ranges", "max_batch = 4"}));
+  // Token ids: negative ones, and a range whose ids do not match its count.
+  {
+    v1::AppendRequest negative = AppendOf("bad", {2, 2}, {0, 1}, 2 * kTokenBytes);
+    negative.mutable_tokens(1)->set_token_id(-3);
+    cases.push_back(
+        AppendCase("AppendNegativeTokenId", negative, kInvalid, {"tokens[1].token_id = -3"}));
+    v1::AppendRequest short_ids = WithRanges(AppendOf("bad", {}, {}, 2 * kTokenBytes), {{2, 0, 2}});
+    short_ids.mutable_token_ranges(0)->add_token_ids(4);
+    cases.push_back(AppendCase("AppendRangeTokenIdsShort", short_ids, kInvalid,
+                               {"token_ranges[0]", "1 token_ids", "count = 2"}));
+    v1::AppendRequest negative_range = short_ids;
+    negative_range.mutable_token_ranges(0)->add_token_ids(-1);
+    cases.push_back(AppendCase("AppendRangeNegativeTokenId", negative_range, kInvalid,
+                               {"token_ranges[0].token_ids[1] = -1"}));
+  }
   cases.push_back(AppendCase("AppendRangeOverlapsATokenOfTheBatch",
                              WithRanges(AppendOf("bad", {2}, {1}, 3 * kTokenBytes), {{2, 0, 2}}),
                              kInvalid, {"sequence 2"}));

@@ -15,6 +15,7 @@
 // (--testing-chunk-delay-ms, --testing-corrupt-chunk) act on grpc-stream chunks or nccl pieces
 // alike; nccl pieces are 4 MiB there, so that a transfer has several.
 #include <signal.h>
+#include <array>
 
 #include <atomic>
 #include <cstdint>
@@ -159,6 +160,29 @@ void AppendTokens(Stub& stub, const v1::CacheSpec& spec, int64_t seq, int32_t to
     const grpc::Status status = Append(stub, MakeAppend(spec, seq, Range(begin, end), seed));
     ASSERT_TRUE(status.ok()) << StatusText(status);
   }
+}
+
+// AppendTokens with token ids: id 1000 + p at position p.
+void AppendPrompt(Stub& stub, const v1::CacheSpec& spec, int64_t seq, int32_t tokens,
+                  uint64_t seed) {
+  for (int32_t begin = 0; begin < tokens; begin += spec.max_batch()) {
+    const int32_t end = std::min(tokens, begin + spec.max_batch());
+    v1::AppendRequest request = MakeAppend(spec, seq, Range(begin, end), seed);
+    for (v1::Token& t : *request.mutable_tokens()) t.set_token_id(1000 + t.pos());
+    const grpc::Status status = Append(stub, request);
+    ASSERT_TRUE(status.ok()) << StatusText(status);
+  }
+}
+
+// The token chain of `seq` as ListSequences reports it: (tokens, exact_tokens, token_blocks).
+std::array<int32_t, 3> TokenCounts(Stub& stub, const std::string& cache, int64_t seq) {
+  v1::ListSequencesResponse listed;
+  const grpc::Status status = ListSequences(stub, cache, &listed);
+  EXPECT_TRUE(status.ok()) << StatusText(status);
+  for (const v1::SequenceInfo& s : listed.sequences()) {
+    if (s.seq() == seq) return {s.tokens(), s.exact_tokens(), s.token_blocks()};
+  }
+  return {-1, -1, -1};
 }
 
 // What a Read of the whole sequence returns: header and payload.
@@ -366,6 +390,28 @@ TEST_F(ClusterTest, CrossNodeCopyWithAStaleSourceIsRefusedAndDstKept) {
     ASSERT_TRUE(status.ok()) << StatusText(status);
     EXPECT_EQ(response.offset(), 0);
     EXPECT_THAT(LiveSeqs(cluster_.stub(1), spec.name()), ::testing::ElementsAre(5));
+  }
+}
+
+// Token ids move with the data: a cross-node CopyPrefix gives dst src's ids below the length,
+// and a migration takes the whole chain along, through a snapshot (hybrid cache) or straight
+// from the cells (Attention-only).
+TEST_F(ClusterTest, TokenIdsTravelWithCopiesAndMigrations) {
+  const v1::CacheSpec hybrid = HybridSpec();
+  const v1::CacheSpec big = BigSpec();
+  for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), big).ok());
+  for (const v1::CacheSpec& spec : {hybrid, big}) {
+    SCOPED_TRACE(spec.name());
+    ASSERT_NO_FATAL_FAILURE(AppendPrompt(cluster_.stub(0), spec, 1, 40, 7));
+    const std::array<int32_t, 3> source = TokenCounts(cluster_.stub(0), spec.name(), 1);
+    EXPECT_EQ(source, (std::array<int32_t, 3>{40, 40, 2}));  // blocks of the default 16
+    v1::CopyPrefixResponse response;
+    grpc::Status status = CopyFrom(cluster_.stub(1), spec.name(), "node-a", 1, 3, 40, &response);
+    ASSERT_TRUE(status.ok()) << StatusText(status);
+    EXPECT_EQ(TokenCounts(cluster_.stub(1), spec.name(), 3), source);
+    status = MigrateSeq(cluster_.stub(0), spec.name(), 1, "node-c", 6, false);
+    ASSERT_TRUE(status.ok()) << StatusText(status);
+    EXPECT_EQ(TokenCounts(cluster_.stub(2), spec.name(), 6), source);
   }
 }
 

@@ -80,6 +80,8 @@ expect 2 err "unexpected argument 'extra'" list extra
 expect 1 err "--timeout='abc' is not a duration" --timeout=abc list
 expect 1 err "give --seed or --payload-file, not both" \
   append --cache=c --seq=0 --positions=0 --seed=1 --payload-file=/nonexistent
+expect 1 err "--token-ids names 2 ids for 1 positions; give one per position" \
+  append --cache=c --seq=0 --positions=0 --token-ids=1,2
 
 # A call that cannot reach a node: exit 1 and the gRPC code (port 1 on loopback refuses).
 run --addr=127.0.0.1:1 --timeout=5s health

@@ -322,6 +322,42 @@ TEST_F(ServiceTest, TokenRangesNameTheSameBatchAsTokens) {
   KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-ranges"));
 }
 
+// Token ids travel on Tokens, on TokenRanges of unary Appends and of a stream's header, and the
+// sequence's chain shows in ListSequences (docs/api.md#tokens).
+TEST_F(ServiceTest, TokenIdsOnTokensAndRanges) {
+  v1::CacheSpec spec = BasicSpec("svc-ids");
+  spec.set_token_block_size(4);
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  v1::AppendRequest first = AsRanges(MakeAppend(spec, 3, Range(0, 10)), 2);
+  first.mutable_tokens(0)->set_token_id(50);
+  first.mutable_tokens(1)->set_token_id(51);
+  for (int32_t p = 2; p < 10; ++p) first.mutable_token_ranges(0)->add_token_ids(50 + p);
+  KVMESH_ASSERT_OK(Append(stub(), first));
+  v1::AppendRequest streamed = AsRanges(MakeAppend(spec, 3, Range(10, 13)), 0);
+  for (int32_t p = 10; p < 13; ++p) streamed.mutable_token_ranges(0)->add_token_ids(50 + p);
+  KVMESH_ASSERT_OK(AppendStream(stub(), StreamMessages(streamed, 10, 64)));
+  // seq 4 without ids: no chain.
+  KVMESH_ASSERT_OK(Append(stub(), MakeAppend(spec, 4, Range(0, 5))));
+  v1::ListSequencesResponse listed;
+  KVMESH_ASSERT_OK(ListSequences(stub(), "svc-ids", &listed));
+  ASSERT_EQ(listed.sequences_size(), 2);
+  EXPECT_EQ(listed.sequences(0).tokens(), 13);
+  EXPECT_EQ(listed.sequences(0).exact_tokens(), 13);
+  EXPECT_EQ(listed.sequences(0).token_blocks(), 3);
+  EXPECT_EQ(listed.sequences(1).tokens(), 0);
+  // A shift ends the exact prefix where it removed.
+  KVMESH_ASSERT_OK(Remove(stub(), "svc-ids", 3, 5, 7));
+  KVMESH_ASSERT_OK(ListSequences(stub(), "svc-ids", &listed));
+  EXPECT_EQ(listed.sequences(0).tokens(), 11);
+  EXPECT_EQ(listed.sequences(0).exact_tokens(), 5);
+  EXPECT_EQ(listed.sequences(0).token_blocks(), 1);
+  // The block size is part of the spec the node reports.
+  v1::GetCacheResponse got;
+  KVMESH_ASSERT_OK(GetCache(stub(), "svc-ids", &got));
+  EXPECT_EQ(got.cache().spec().token_block_size(), 4);
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-ids"));
+}
+
 TEST_F(ServiceTest, AppendStreamWithManyChunksAndChunkedReads) {
   // F16, 2 layers x 4 heads x (64 + 64): 2048 bytes per token, 32 tokens = 64 KiB.
   AttentionOptions a;

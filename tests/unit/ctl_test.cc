@@ -491,6 +491,26 @@ TEST(ClusterFormatTest, TransferLine) {
   EXPECT_EQ(TransferLine(v1::TransferStats()), "?, 0 B in 0.0 ms");
 }
 
+TEST(TokenRangesTest, TokenIdsRideAlongWithTheirRanges) {
+  google::protobuf::RepeatedPtrField<v1::TokenRange> ranges;
+  AddTokenRanges(7, {0, 1, 2, 5, 6}, &ranges, {10, 11, 12, 15, 16});
+  ASSERT_EQ(ranges.size(), 2);
+  EXPECT_THAT(ranges[0].token_ids(), ElementsAre(10, 11, 12));
+  EXPECT_THAT(ranges[1].token_ids(), ElementsAre(15, 16));
+  google::protobuf::RepeatedPtrField<v1::Token> tokens;
+  v1::Token* t = tokens.Add();
+  t->set_seq(1);
+  t->set_pos(4);
+  t->set_token_id(0);  // id 0 is an id: presence, not the value, says whether one was given
+  tokens.Add()->set_seq(1);
+  tokens[1].set_pos(5);
+  absl::StatusOr<std::vector<Token>> got = TokensFromProto(tokens, ranges, 8);
+  ASSERT_TRUE(got.ok()) << got.status();
+  std::vector<int32_t> ids;
+  for (const Token& token : *got) ids.push_back(token.id);
+  EXPECT_THAT(ids, ElementsAre(0, kNoTokenId, 10, 11, 12, 15, 16));
+}
+
 TEST(TokenRangesTest, RunsOfPositionsRoundTrip) {
   google::protobuf::RepeatedPtrField<v1::TokenRange> ranges;
   AddTokenRanges(7, {}, &ranges);

@@ -56,7 +56,8 @@ def spec_to_proto(spec: CacheSpec) -> "pb.CacheSpec":
     """The ``kvmesh.v1.CacheSpec`` of ``spec``."""
     return pb.CacheSpec(name=spec.name, dtype=int(spec.dtype), max_sequences=spec.max_sequences,
                         capacity=spec.capacity, max_batch=spec.max_batch,
-                        groups=[_group_to_proto(g) for g in spec.groups])
+                        groups=[_group_to_proto(g) for g in spec.groups],
+                        token_block_size=spec.token_block_size)
 
 
 def _rope_from_proto(rope: "pb.Rope") -> Rope:
@@ -93,7 +94,8 @@ def spec_from_proto(spec: "pb.CacheSpec") -> CacheSpec:
     """The :class:`CacheSpec` of a ``kvmesh.v1.CacheSpec`` the node sent."""
     return CacheSpec(name=spec.name, dtype=DType(spec.dtype), max_sequences=spec.max_sequences,
                      capacity=spec.capacity, max_batch=spec.max_batch,
-                     groups=tuple(_group_from_proto(g) for g in spec.groups))
+                     groups=tuple(_group_from_proto(g) for g in spec.groups),
+                     token_block_size=spec.token_block_size)
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -116,7 +118,8 @@ def sequence_from_proto(info: "pb.SequenceInfo") -> SequenceInfo:
     return SequenceInfo(
         seq=info.seq, offset=info.offset, pending=info.pending,
         groups=tuple(GroupSequence(g.group, g.stored, g.shared, g.first, g.last,
-                                   StateStatus(g.state)) for g in info.groups))
+                                   StateStatus(g.state)) for g in info.groups),
+        tokens=info.tokens, exact_tokens=info.exact_tokens, token_blocks=info.token_blocks)
 
 
 def snapshot_from_proto(info: "pb.SnapshotInfo") -> SnapshotInfo:
@@ -124,7 +127,8 @@ def snapshot_from_proto(info: "pb.SnapshotInfo") -> SnapshotInfo:
         id=info.id, seq=info.seq, from_offset=info.from_offset, to_offset=info.to_offset,
         bytes=info.bytes,
         groups=tuple(SnapshotGroup(g.group, g.stored, g.ring_index, StateStatus(g.state))
-                     for g in info.groups))
+                     for g in info.groups),
+        tokens=info.tokens)
 
 
 def transfer_from_proto(message: object, field: str = "transfer") -> Optional[TransferStats]:

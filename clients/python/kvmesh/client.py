@@ -26,16 +26,21 @@ from .spec import CacheSpec, Recurrent
 __all__ = ["Client", "TlsOptions", "Token", "tokens"]
 
 
-def _token_ranges(batch: List[Tuple[int, int]]) -> List["pb.TokenRange"]:
+def _token_ranges(batch: List[Tuple[int, int]],
+                  token_ids: Optional[Sequence[int]] = None) -> List["pb.TokenRange"]:
     """``batch`` in batch order as TokenRanges: one per run of consecutive positions of one
-    sequence, so that a prompt chunk of 2,048 tokens is one range, not 2,048 Tokens."""
+    sequence, so that a prompt chunk of 2,048 tokens is one range, not 2,048 Tokens. With
+    ``token_ids`` (one per token), each range carries the ids of its positions."""
     ranges: List["pb.TokenRange"] = []
-    for seq, pos in batch:
+    for i, (seq, pos) in enumerate(batch):
         last = ranges[-1] if ranges else None
         if last is not None and last.seq == seq and last.first + last.count == pos:
             last.count += 1
         else:
-            ranges.append(pb.TokenRange(seq=seq, first=pos, count=1))
+            last = pb.TokenRange(seq=seq, first=pos, count=1)
+            ranges.append(last)
+        if token_ids is not None:
+            last.token_ids.append(int(token_ids[i]))
     return ranges
 
 Token = Tuple[int, int]
@@ -234,6 +239,7 @@ class Client:
     # ---- data ------------------------------------------------------------------------------
 
     def append(self, cache: str, batch: Sequence[Token], data: Data, *,
+               token_ids: Optional[Sequence[int]] = None,
                speculative: bool = False, stream: Optional[bool] = None,
                chunk_bytes: Optional[int] = None,
                timeout: Optional[float] = None) -> CacheUsage:
@@ -243,11 +249,15 @@ class Client:
         and one :class:`kvmesh.States` per Recurrent group (one state per distinct sequence in
         order of first appearance, or per token when ``speculative``); see
         :mod:`kvmesh.layout`. It is checked against the cache's layout before any RPC
-        (ValueError). ``speculative``: the tokens stay pending until commit_speculation.
+        (ValueError). ``token_ids``: the token id of each token of ``batch`` (ValueError for
+        another count), kept in the sequence's token chain (docs/api.md#tokens).
+        ``speculative``: the tokens stay pending until commit_speculation.
         ``stream``: True sends AppendStream in ``chunk_bytes`` messages, False one Append,
         None decides by the payload's size (``stream_threshold``). Returns the usage after.
         """
         batch = [(int(s), int(p)) for s, p in batch]
+        if token_ids is not None and len(token_ids) != len(batch):
+            raise ValueError(f"token_ids has {len(token_ids)} ids for {len(batch)} tokens")
         layout = self.layout(cache, timeout=timeout)
         states = count_states(batch, speculative)
         if isinstance(data, (bytes, bytearray, memoryview)):
@@ -260,7 +270,7 @@ class Client:
             payload = layout.encode(data, len(batch), states)
         if stream is None:
             stream = len(payload) > self.stream_threshold
-        ranges = _token_ranges(batch)
+        ranges = _token_ranges(batch, token_ids)
         if not stream:
             r = self._call("Append", pb.AppendRequest(cache=cache, token_ranges=ranges,
                                                       payload=payload,

@@ -122,6 +122,11 @@ class SequenceInfo:
     offset: int
     pending: int
     groups: Tuple[GroupSequence, ...]
+    #: Token ids known, for positions [0, tokens); of those, the first ``exact_tokens`` hold K/V
+    #: computed from those tokens alone, in ``token_blocks`` hashed blocks (docs/api.md#tokens).
+    tokens: int = 0
+    exact_tokens: int = 0
+    token_blocks: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -157,6 +162,7 @@ class SnapshotInfo:
     to_offset: int
     bytes: int
     groups: Tuple[SnapshotGroup, ...]
+    tokens: int = 0  #: token ids it keeps, of positions [0, tokens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -178,6 +178,8 @@ class CacheSpec:
     capacity: int
     max_batch: int
     groups: Tuple[Group, ...] = ()
+    #: Tokens per block of a sequence's hash chain (docs/api.md#tokens); 0: the node's 16.
+    token_block_size: int = 0
 
     def __post_init__(self) -> None:
         groups: Sequence[Group] = self.groups

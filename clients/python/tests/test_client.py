@@ -328,6 +328,26 @@ class ClientTest(nodes.NodeTestCase):
 
     # ---- sequences -------------------------------------------------------------------------
 
+    def test_token_ids(self) -> None:
+        spec = CacheSpec("py-tokens", DType.F16, 4, 64, 16, [Attention(1, 1, 4)],
+                         token_block_size=4)
+        layout = self.create(spec)
+        self.assertEqual(self.client.get_cache(spec.name).spec.token_block_size, 4)
+        prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+        self.client.append(spec.name, kvmesh.tokens(0, range(6)), layout.zeros(6),
+                           token_ids=prompt[:6])
+        self.client.append(spec.name, kvmesh.tokens(0, range(6, 10)), layout.zeros(4),
+                           token_ids=prompt[6:], stream=True, chunk_bytes=16)
+        (seq,) = self.client.list_sequences(spec.name)
+        self.assertEqual((seq.tokens, seq.exact_tokens, seq.token_blocks), (10, 10, 2))
+        self.assertEqual(self.client.snapshot(spec.name, 0).tokens, 10)
+        with self.assertRaisesRegex(ValueError, "token_ids has 1 ids for 2 tokens"):
+            self.client.append(spec.name, kvmesh.tokens(0, range(10, 12)), layout.zeros(2),
+                               token_ids=[1])
+        with self.assertRaisesRegex(kvmesh.InvalidArgument, r"token_ids\[0\] = -1"):
+            self.client.append(spec.name, kvmesh.tokens(0, range(10, 11)), layout.zeros(1),
+                               token_ids=[-1])
+
     def test_copy_prefix_remove_and_context_shift(self) -> None:
         for rope in (Rope.normal(4, 10000.0), Rope.neox(4, 500000.0, 0.5)):
             with self.subTest(rope=rope.type.name):
