@@ -790,17 +790,102 @@ void Cache::SyncTokensLocked(int64_t seq) {
   auto it = chains_.find(seq);
   if (it == chains_.end()) return;
   TokenChain& chain = it->second;
-  if (IsLiveLocked(seq)) {
-    chain.Truncate(OffsetLocked(seq));
-    chain.Rehash(hasher_);
+  if (!IsLiveLocked(seq)) return DropChainLocked(seq);
+  chain.Truncate(OffsetLocked(seq));
+  std::vector<uint64_t> dropped;
+  const size_t kept = chain.Rehash(hasher_, &dropped);
+  block_index_.Remove(seq, dropped);
+  block_index_.Add(seq, absl::MakeConstSpan(chain.hashes()).subspan(kept));
+  if (chain.empty()) DropChainLocked(seq);
+}
+
+void Cache::SetChainLocked(int64_t seq, TokenChain chain) {
+  auto it = chains_.find(seq);
+  if (it == chains_.end()) {
+    it = chains_.emplace(seq, std::move(chain)).first;
+  } else {
+    block_index_.Remove(seq, it->second.hashes());
+    it->second = std::move(chain);
   }
-  if (!IsLiveLocked(seq) || chain.empty()) chains_.erase(it);
+  block_index_.Add(seq, it->second.hashes());
+  SyncTokensLocked(seq);
+}
+
+void Cache::DropChainLocked(int64_t seq) {
+  auto it = chains_.find(seq);
+  if (it == chains_.end()) return;
+  block_index_.Remove(seq, it->second.hashes());
+  chains_.erase(it);
 }
 
 TokenChain Cache::Tokens(int64_t seq) const {
   ReaderMutexLock lock(&mu_);
   auto it = chains_.find(seq);
   return it == chains_.end() ? TokenChain() : it->second;
+}
+
+absl::StatusOr<std::vector<PrefixMatch>> Cache::LookupPrefix(absl::Span<const int32_t> tokens,
+                                                             int max_matches) const {
+  if (max_matches < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_matches = ", max_matches, " is below 1"));
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens[", i, "] = ", tokens[i], " is negative"));
+    }
+  }
+  // No chain holds ids past the limit, so no match reaches past it.
+  tokens = tokens.subspan(0, std::min(tokens.size(), static_cast<size_t>(token_limit_)));
+  const size_t b = static_cast<size_t>(hasher_.block_size);
+  std::vector<uint64_t> hashes(tokens.size() / b);
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    hashes[i] = hasher_.Block(i == 0 ? hasher_.seed : hashes[i - 1], tokens.subspan(i * b, b));
+  }
+  std::vector<PrefixMatch> matches;
+  ReaderMutexLock lock(&mu_);
+  // Every block of a real match is in the index, so the match ends before the first block that
+  // is not; a collision can only make `depth` larger, and verification sorts that out.
+  size_t depth = 0;
+  while (depth < hashes.size() && block_index_.Find(hashes[depth]) != nullptr) ++depth;
+  // Each candidate costs a comparison of up to the prompt's length: a prompt shared by many
+  // sequences is answered from the first few found.
+  int budget = std::max(64, 4 * max_matches);
+  absl::flat_hash_set<int64_t> seen;
+  for (size_t level = depth;
+       level-- > 0 && budget > 0 && matches.size() < static_cast<size_t>(max_matches);) {
+    for (int64_t seq : *block_index_.Find(hashes[level])) {
+      if (budget-- <= 0 || matches.size() >= static_cast<size_t>(max_matches)) break;
+      if (!seen.insert(seq).second) continue;
+      const TokenChain& chain = chains_.at(seq);
+      const size_t n = std::min(tokens.size(), static_cast<size_t>(chain.exact()));
+      const size_t same = static_cast<size_t>(
+          std::mismatch(tokens.begin(), tokens.begin() + n, chain.ids().begin()).first -
+          tokens.begin());
+      if (same < b) continue;  // a collision
+      PrefixMatch match;
+      match.seq = seq;
+      match.length = static_cast<int32_t>(same);
+      match.offset = OffsetLocked(seq);
+      match.can_resume = true;
+      for (const auto& group : groups_) match.can_resume &= group->CanResume(seq, match.length);
+      matches.push_back(match);
+    }
+  }
+  std::sort(matches.begin(), matches.end(), [](const PrefixMatch& x, const PrefixMatch& y) {
+    return x.length != y.length ? x.length > y.length : x.seq < y.seq;
+  });
+  return matches;
+}
+
+TokenIndexStats Cache::TokenIndex() const {
+  ReaderMutexLock lock(&mu_);
+  TokenIndexStats stats;
+  stats.sequences = chains_.size();
+  stats.hashes = block_index_.hashes();
+  stats.entries = block_index_.entries();
+  stats.bytes = block_index_.bytes();
+  return stats;
 }
 
 absl::Status Cache::CommitSpeculation(int64_t seq, int32_t accepted) {
@@ -985,10 +1070,9 @@ absl::StatusOr<int32_t> Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int3
   }
   auto src_chain = chains_.find(src_seq);
   if (src_chain == chains_.end()) {
-    chains_.erase(dst_seq);
+    DropChainLocked(dst_seq);
   } else {
-    chains_.insert_or_assign(dst_seq, src_chain->second.CopyPrefix(length));
-    SyncTokensLocked(dst_seq);
+    SetChainLocked(dst_seq, src_chain->second.CopyPrefix(length));
   }
   RETURN_IF_ERROR(FailLocked(status));
   return OffsetLocked(dst_seq);
@@ -1327,11 +1411,10 @@ void Cache::RestoreTokensLocked(int64_t seq, const SnapshotRecord* record, int32
     restored.taint = saved.taint;
   }
   if (restored.ids.empty() && restored.taint == kNoTaint) {
-    chains_.erase(seq);
+    DropChainLocked(seq);
   } else {
-    chains_.insert_or_assign(seq, TokenChain(restored, hasher_));
+    SetChainLocked(seq, TokenChain(restored, hasher_));
   }
-  SyncTokensLocked(seq);
 }
 
 absl::StatusOr<SnapshotInfo> Cache::MergeSnapshots(uint64_t parent, uint64_t child) {

@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "cache/block_index.h"
 #include "cache/device/device.h"
 #include "cache/mutex.h"
 #include "cache/spec.h"
@@ -103,6 +104,22 @@ struct SequenceInfo {
   int32_t tokens = 0;
   int32_t exact_tokens = 0;
   int32_t token_blocks = 0;
+};
+
+// A sequence that holds a prefix of a prompt (Cache::LookupPrefix).
+struct PrefixMatch {
+  int64_t seq = 0;
+  int32_t length = 0;       // the prompt's first `length` tokens, compared id by id
+  int32_t offset = 0;       // the sequence's offset
+  bool can_resume = false;  // CanResume(seq, length): every group can continue there
+};
+
+// What a cache's block index holds (Cache::TokenIndexStats).
+struct TokenIndexStats {
+  size_t sequences = 0;  // sequences with a token chain
+  size_t hashes = 0;     // distinct block hashes
+  size_t entries = 0;    // (hash, sequence) pairs
+  size_t bytes = 0;      // host bytes of the index, roughly
 };
 
 struct GroupUsage {
@@ -395,6 +412,16 @@ class Cache {
   std::vector<SequenceInfo> ListSequences() const;
   // The token chain of `seq` (cache/token_chain.h); empty when it has none.
   TokenChain Tokens(int64_t seq) const;
+  // The sequences whose exact prefixes (docs/api.md#tokens) share the longest prefixes with
+  // the prompt `tokens`, longest first, then by seq: at most `max_matches`, each at least one
+  // whole block long, each compared id by id with the prompt (a hash collision never makes a
+  // match). Found through the block index: the prompt's block hashes are computed without the
+  // lock, then looked up one block after another until one is missing. Of several sequences
+  // that match equally far, which come first is unspecified. INVALID_ARGUMENT for a negative
+  // id or max_matches < 1.
+  absl::StatusOr<std::vector<PrefixMatch>> LookupPrefix(absl::Span<const int32_t> tokens,
+                                                        int max_matches) const;
+  TokenIndexStats TokenIndex() const;
   // What the token chains of this cache are hashed with.
   const TokenHasher& token_hasher() const { return hasher_; }
   // The ListSequences entry of `seq` alone, nullopt when it stores nothing: costs what `seq`
@@ -554,8 +581,12 @@ class Cache {
   Cache(const CacheSpec& spec, const TokenHasher& hasher);
 
   // Brings `seq`'s token chain in line with what it stores now: dropped when seq is not live,
-  // cut at its offset, and rehashed.
+  // cut at its offset, and rehashed; the block index follows. Every change to a chain ends
+  // with it.
   void SyncTokensLocked(int64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Replaces `seq`'s chain by `chain` (then SyncTokensLocked), or drops it, in the index too.
+  void SetChainLocked(int64_t seq, TokenChain chain) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropChainLocked(int64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records a committed Append's token ids in its sequences' chains.
   void RecordTokensLocked(const AppendBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The token chain `seq` gets from a Restore of `record` (null: a rewind) to `target`.
@@ -677,8 +708,10 @@ class Cache {
   std::vector<std::unique_ptr<LayerGroup>> groups_ ABSL_GUARDED_BY(mu_);
   // Sequences with pending speculative tokens: their pending positions, ascending.
   absl::flat_hash_map<int64_t, std::vector<int32_t>> pending_ ABSL_GUARDED_BY(mu_);
-  // Token chains of the sequences that have one (never an empty chain).
+  // Token chains of the sequences that have one (never an empty chain), and which sequences
+  // hold each of their block hashes.
   absl::flat_hash_map<int64_t, TokenChain> chains_ ABSL_GUARDED_BY(mu_);
+  BlockIndex block_index_ ABSL_GUARDED_BY(mu_);
   // Sequences whose Append is writing its bytes with mu_ released: their new cells are taken
   // but in no index yet. appended_ is notified whenever one leaves.
   absl::flat_hash_set<int64_t> appending_ ABSL_GUARDED_BY(mu_);

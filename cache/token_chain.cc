@@ -103,16 +103,19 @@ void TokenChain::Erase(int32_t begin, int32_t end) {
 
 void TokenChain::Taint(int32_t pos) { taint_ = std::min(taint_, pos); }
 
-void TokenChain::Rehash(const TokenHasher& hasher) {
+size_t TokenChain::Rehash(const TokenHasher& hasher, std::vector<uint64_t>* dropped) {
   const size_t b = static_cast<size_t>(hasher.block_size);
   const size_t blocks = static_cast<size_t>(exact()) / b;
-  hashes_.resize(std::min({hashes_.size(), static_cast<size_t>(unchanged_) / b, blocks}));
+  const size_t kept = std::min({hashes_.size(), static_cast<size_t>(unchanged_) / b, blocks});
+  if (dropped != nullptr) dropped->assign(hashes_.begin() + kept, hashes_.end());
+  hashes_.resize(kept);
   while (hashes_.size() < blocks) {
     const size_t i = hashes_.size();
     const uint64_t previous = i == 0 ? hasher.seed : hashes_[i - 1];
     hashes_.push_back(hasher.Block(previous, absl::MakeConstSpan(ids_.data() + i * b, b)));
   }
   unchanged_ = static_cast<int32_t>(ids_.size());
+  return kept;
 }
 
 }  // namespace kvmesh

@@ -95,8 +95,9 @@ class TokenChain {
   void Erase(int32_t begin, int32_t end);
   // Positions from `pos` on were computed after something other than the ids before them.
   void Taint(int32_t pos);
-  // Brings hashes() up to date after the mutations above.
-  void Rehash(const TokenHasher& hasher);
+  // Brings hashes() up to date after the mutations above. Returns how many of the hashes it had
+  // before are still there (they stay first); `dropped`, when given, receives the others.
+  size_t Rehash(const TokenHasher& hasher, std::vector<uint64_t>* dropped = nullptr);
 
  private:
   // The ids from `pos` on changed: hashes of blocks reaching it are stale.

@@ -1,7 +1,9 @@
 // Token ids in the cache: what Append records, and how CopyPrefix, Remove, CommitSpeculation,
 // snapshots (Restore, Merge, Split) and wire images keep each sequence's chain in line with
 // what it stores (docs/api.md#tokens).
+#include <algorithm>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -312,5 +314,128 @@ TEST(CacheTokensTest, HybridCachesKeepIdsThroughSnapshotsAndRestores) {
   EXPECT_EQ(cache.Tokens(1).hashes(), cache.Tokens(0).hashes());
 }
 
+// ---- LookupPrefix ---------------------------------------------------------------------------
+
+namespace lookup {
+
+// The longest exact prefix any sequence of `cache` shares with `prompt`, found by walking every
+// chain: what the index must find.
+int32_t BruteForceLongest(const Cache& cache, const std::vector<int32_t>& prompt) {
+  int32_t best = 0;
+  for (const SequenceInfo& info : cache.ListSequences()) {
+    const TokenChain chain = cache.Tokens(info.seq);
+    int32_t same = 0;
+    while (same < chain.exact() && static_cast<size_t>(same) < prompt.size() &&
+           chain.ids()[static_cast<size_t>(same)] == prompt[static_cast<size_t>(same)]) {
+      ++same;
+    }
+    best = std::max(best, same);
+  }
+  return best >= cache.spec().token_block_size ? best : 0;
+}
+
+}  // namespace lookup
+
+TEST(CacheLookupTest, FindsTheLongestVerifiedPrefix) {
+  TestCache tc(FullSpec());
+  Cache& cache = *tc.cache;
+  const std::vector<int32_t> prompt = Prompt(20);
+  std::vector<int32_t> other = prompt;
+  other[9] = 7;  // shares 9 tokens: two whole blocks and one more
+  ASSERT_TRUE(AppendPrompt(cache, 0, 0, 14, prompt).ok());
+  ASSERT_TRUE(AppendPrompt(cache, 1, 0, 12, other).ok());
+  absl::StatusOr<std::vector<PrefixMatch>> got = cache.LookupPrefix(prompt, 4);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->size(), 2u);
+  EXPECT_EQ((*got)[0].seq, 0);
+  EXPECT_EQ((*got)[0].length, 14);
+  EXPECT_EQ((*got)[0].offset, 14);
+  EXPECT_TRUE((*got)[0].can_resume);
+  EXPECT_EQ((*got)[1].seq, 1);
+  EXPECT_EQ((*got)[1].length, 9);
+  // max_matches 1: the longest only. A prompt shorter than a block, or matching less than one,
+  // finds nothing.
+  got = cache.LookupPrefix(prompt, 1);
+  ASSERT_TRUE(got.ok());
+  ASSERT_EQ(got->size(), 1u);
+  EXPECT_EQ((*got)[0].seq, 0);
+  EXPECT_TRUE(cache.LookupPrefix(Slice(prompt, 0, 3), 4)->empty());
+  EXPECT_TRUE(cache.LookupPrefix(Prompt(20, 500), 4)->empty());
+  // A shift ends what can be shared at the removed range.
+  ASSERT_TRUE(cache.Remove(0, 5, 6).ok());
+  got = cache.LookupPrefix(prompt, 4);
+  ASSERT_TRUE(got.ok());
+  ASSERT_EQ(got->size(), 2u);
+  EXPECT_EQ((*got)[0].seq, 1);
+  EXPECT_EQ((*got)[1].seq, 0);
+  EXPECT_EQ((*got)[1].length, 5);
+  // Gone sequences leave nothing in the index.
+  ASSERT_TRUE(cache.Remove(0, 0, std::nullopt).ok());
+  ASSERT_TRUE(cache.Remove(1, 0, std::nullopt).ok());
+  EXPECT_TRUE(cache.LookupPrefix(prompt, 4)->empty());
+  const TokenIndexStats stats = cache.TokenIndex();
+  EXPECT_EQ(stats.sequences, 0u);
+  EXPECT_EQ(stats.hashes, 0u);
+  EXPECT_EQ(stats.entries, 0u);
+}
+
+TEST(CacheLookupTest, BadArguments) {
+  TestCache tc(FullSpec());
+  EXPECT_TRUE(IsError(tc.cache->LookupPrefix({1, -2}, 1).status(),
+                      absl::StatusCode::kInvalidArgument, {"tokens[1] = -2"}));
+  EXPECT_TRUE(IsError(tc.cache->LookupPrefix({1, 2}, 0).status(),
+                      absl::StatusCode::kInvalidArgument, {"max_matches = 0"}));
+}
+
+TEST(CacheLookupTest, ResumingAHybridSequenceNeedsTheWholeSequence) {
+  CacheSpec spec = Spec(DType::kF16, 3, 32, 16, {Group(Full(), 1, 1, 4, 4), RecurrentGroup()});
+  spec.token_block_size = 4;
+  TestCache tc(spec);
+  Cache& cache = *tc.cache;
+  const std::vector<int32_t> prompt = Prompt(12);
+  ASSERT_TRUE(AppendPrompt(cache, 0, 0, 12, prompt).ok());
+  absl::StatusOr<std::vector<PrefixMatch>> got = cache.LookupPrefix(Slice(prompt, 0, 10), 1);
+  ASSERT_TRUE(got.ok());
+  ASSERT_EQ(got->size(), 1u);
+  EXPECT_EQ((*got)[0].length, 10);
+  EXPECT_FALSE((*got)[0].can_resume);  // the recurrent state is at 12, not 10
+  got = cache.LookupPrefix(Prompt(16), 1);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0].length, 12);
+  EXPECT_TRUE((*got)[0].can_resume);
+}
+
+// With 2-bit hashes nearly every block collides: the index offers wrong candidates all the
+// time, and every answer must still be the longest prefix the chains really hold.
+TEST(CacheLookupTest, ForcedCollisionsNeverGiveAWrongPrefix) {
+  TestCache tc(FullSpec());
+  absl::StatusOr<std::unique_ptr<Cache>> created =
+      Cache::Create(FullSpec(), tc.device.get(), kDefaultTenant, /*token_hash_bits=*/2);
+  ASSERT_TRUE(created.ok()) << created.status();
+  Cache& cache = **created;
+  std::mt19937 rng(11);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int64_t seq = 0; seq < 4; ++seq) {
+    std::vector<int32_t> p(24);
+    for (int32_t& id : p) id = static_cast<int32_t>(rng() % 3);
+    prompts.push_back(p);
+    ASSERT_TRUE(AppendPrompt(cache, seq, 0, 24, p).ok());
+  }
+  for (int trial = 0; trial < 500; ++trial) {
+    // A prompt that starts like one of them and goes on at random.
+    std::vector<int32_t> prompt = prompts[rng() % prompts.size()];
+    prompt.resize(rng() % 25);
+    while (prompt.size() < 30) prompt.push_back(static_cast<int32_t>(rng() % 3));
+    absl::StatusOr<std::vector<PrefixMatch>> got = cache.LookupPrefix(prompt, 8);
+    ASSERT_TRUE(got.ok());
+    const int32_t best = lookup::BruteForceLongest(cache, prompt);
+    ASSERT_EQ(got->empty() ? 0 : (*got)[0].length, best) << "trial " << trial;
+    for (const PrefixMatch& m : *got) {
+      const TokenChain chain = cache.Tokens(m.seq);
+      ASSERT_LE(m.length, chain.exact());
+      ASSERT_TRUE(std::equal(prompt.begin(), prompt.begin() + m.length, chain.ids().begin()));
+    }
+  }
+}
 }  // namespace
 }  // namespace kvmesh
