@@ -80,6 +80,8 @@ grpc::Status InvalidArgument(std::string message) {
 // Reserve's TTL when a request leaves ttl_ms at 0, and the longest one accepted.
 constexpr int64_t kDefaultReserveTtlMs = 60 * 1000;
 constexpr int64_t kMaxReserveTtlMs = 60 * 60 * 1000;
+// The most matches one LookupPrefix returns.
+constexpr int kMaxLookupMatches = 64;
 
 // Heap bytes a parsed request holds for `n` elements of a repeated message field (one allocated
 // message each, with malloc's header, and a pointer to it), plus the engine's copy of `n`
@@ -1277,6 +1279,40 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Reserve(grpc::CallbackServerContext*
         *response->mutable_usage() = UsageToProto(cache.Usage());
         return absl::OkStatus();
       });
+}
+
+grpc::ServerUnaryReactor* CacheServiceImpl::LookupPrefix(grpc::CallbackServerContext* context,
+                                                         const v1::LookupPrefixRequest* request,
+                                                         v1::LookupPrefixResponse* response) {
+  return RunOnCache(context, request, [this, request, response](Cache& cache) -> absl::Status {
+    const int max_matches = request->max_matches() == 0 ? 1 : request->max_matches();
+    if (max_matches < 0 || max_matches > kMaxLookupMatches) {
+      return absl::InvalidArgumentError(absl::StrCat("max_matches = ", request->max_matches(),
+                                                     " is outside [0, ", kMaxLookupMatches, "]"));
+    }
+    if (!v1::LookupScope_IsValid(request->scope())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("scope = ", request->scope(), " is not a LookupScope (0 LOCAL, 1 CLUSTER)"));
+    }
+    if (request->scope() != v1::LOOKUP_SCOPE_LOCAL) {
+      return absl::UnimplementedError(
+          absl::StrCat("scope = ", v1::LookupScope_Name(request->scope()),
+                       ": this node answers LOOKUP_SCOPE_LOCAL only"));
+    }
+    ASSIGN_OR_RETURN(std::vector<PrefixMatch> matches,
+                     cache.LookupPrefix(request->tokens(), max_matches));
+    const std::string node =
+        options_.cluster == nullptr ? std::string() : options_.cluster->options().self_name;
+    for (const PrefixMatch& m : matches) {
+      v1::PrefixMatch* out = response->add_matches();
+      out->set_node(node);
+      out->set_seq(m.seq);
+      out->set_length(m.length);
+      out->set_offset(m.offset);
+      out->set_can_resume(m.can_resume);
+    }
+    return absl::OkStatus();
+  });
 }
 
 // ---- snapshots and speculation --------------------------------------------------------------

@@ -102,7 +102,8 @@ using CacheServiceBase = S::WithCallbackMethod_CreateCache<S::WithCallbackMethod
                                                 S::WithCallbackMethod_ListMembers<
                                                     S::WithCallbackMethod_Drain<
                                                         S::WithCallbackMethod_Reserve<
-                                                            S::Service>>>>>>>>>>>>>>>>>>>>>>>>;
+                                                            S::WithCallbackMethod_LookupPrefix<
+                                                                S::Service>>>>>>>>>>>>>>>>>>>>>>>>>;
 }  // namespace internal
 
 class CacheServiceImpl final : public internal::CacheServiceBase {
@@ -183,6 +184,9 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* context,
                                     const v1::ReserveRequest* request,
                                     v1::ReserveResponse* response) override;
+  grpc::ServerUnaryReactor* LookupPrefix(grpc::CallbackServerContext* context,
+                                         const v1::LookupPrefixRequest* request,
+                                         v1::LookupPrefixResponse* response) override;
   grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* context,
                                      const v1::SnapshotRequest* request,
                                      v1::SnapshotResponse* response) override;

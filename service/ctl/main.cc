@@ -57,6 +57,7 @@ const Command* const kCommands[] = {
     &kCanResumeCommand,
     &kReserveCommand,
     &kListSequencesCommand,
+    &kLookupPrefixCommand,
     &kSnapshotCommand,
     &kRestoreCommand,
     &kMergeSnapshotsCommand,

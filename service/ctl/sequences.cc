@@ -195,6 +195,35 @@ absl::Status CanResume(const Client& client, const Args& args) {
   return absl::OkStatus();
 }
 
+absl::Status LookupPrefix(const Client& client, const Args& args) {
+  v1::LookupPrefixRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(std::vector<int32_t> tokens, GetPositions(args, "tokens"));
+  request.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  ASSIGN_OR_RETURN(int64_t max_matches, args.GetInt("max-matches", 1));
+  request.set_max_matches(static_cast<int32_t>(max_matches));
+  const std::string scope = args.Get("scope").value_or("local");
+  if (scope == "cluster") {
+    request.set_scope(v1::LOOKUP_SCOPE_CLUSTER);
+  } else if (scope != "local") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--scope='", scope, "' is neither 'local' nor 'cluster'"));
+  }
+  v1::LookupPrefixResponse response;
+  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::LookupPrefix, request, &response));
+  if (client.json()) return PrintJson(response);
+  if (response.matches().empty()) {
+    std::printf("no stored prefix of the %zu tokens (a match is at least one block)\n",
+                tokens.size());
+  }
+  for (const v1::PrefixMatch& m : response.matches()) {
+    std::printf("%s%sseq %" PRId64 ": %d of %zu tokens (offset %d)%s\n", m.node().c_str(),
+                m.node().empty() ? "" : " ", m.seq(), m.length(), tokens.size(), m.offset(),
+                m.can_resume() ? "" : ", cannot resume there");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ListSequences(const Client& client, const Args& args) {
   v1::ListSequencesRequest request;
   ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
@@ -253,6 +282,8 @@ constexpr absl::string_view kRemoveFlags[] = {"cache", "name", "seq", "begin", "
 constexpr absl::string_view kCanResumeFlags[] = {"cache", "name", "seq", "pos"};
 constexpr absl::string_view kReserveFlags[] = {"cache", "name", "seq", "positions", "ttl"};
 constexpr absl::string_view kListSequencesFlags[] = {"cache", "name"};
+constexpr absl::string_view kLookupPrefixFlags[] = {"cache", "name", "tokens", "max-matches",
+                                                    "scope"};
 constexpr absl::string_view kCommitSpeculationFlags[] = {"cache", "name", "seq", "accepted"};
 
 }  // namespace
@@ -283,6 +314,13 @@ const Command kRemoveCommand = {
 const Command kCanResumeCommand = {"can-resume", kCanResumeFlags,
                                    R"(  can-resume    --cache=CACHE --seq=N --pos=LIST)",
                                    &CanResume};
+
+const Command kLookupPrefixCommand = {
+    "lookup-prefix", kLookupPrefixFlags,
+    R"(  lookup-prefix --cache=CACHE --tokens=LIST [--max-matches=N (1)] [--scope=local|cluster]
+                the sequences holding the longest prefixes of the prompt LIST (token ids, in
+                append's LIST form), verified token by token (docs/api.md#lookupprefix))",
+    &LookupPrefix};
 
 const Command kReserveCommand = {"reserve", kReserveFlags,
                                  R"(  reserve       --cache=CACHE --seq=N --positions=N [--ttl=60s]

@@ -902,6 +902,28 @@ std::vector<BadCase> Cases() {
   cases.push_back({"CanResumeNegativeSeq", can_resume("bad", -1, 0), kInvalid, {"seq = -1"}});
   cases.push_back({"CanResumeNegativePos", can_resume("bad", 0, -7), kInvalid, {"pos = -7"}});
 
+  // ---- LookupPrefix ----
+  auto lookup = [](std::string cache, std::vector<int32_t> tokens, int32_t max_matches,
+                   v1::LookupScope scope = v1::LOOKUP_SCOPE_LOCAL) {
+    return [=](Stub& stub) {
+      v1::LookupPrefixResponse unused;
+      return LookupPrefix(stub, cache, tokens, &unused, max_matches, scope);
+    };
+  };
+  cases.push_back({"LookupUnknownCache", lookup("nosuch", {1}, 0), kNotFound, {"nosuch"}});
+  cases.push_back(
+      {"LookupNegativeToken", lookup("bad", {1, 2, -4}, 0), kInvalid, {"tokens[2] = -4"}});
+  cases.push_back({"LookupNegativeMaxMatches",
+                   lookup("bad", {1}, -1),
+                   kInvalid,
+                   {"max_matches = -1", "[0, 64]"}});
+  cases.push_back(
+      {"LookupTooManyMatches", lookup("bad", {1}, 65), kInvalid, {"max_matches = 65", "[0, 64]"}});
+  cases.push_back({"LookupUnknownScope",
+                   lookup("bad", {1}, 1, static_cast<v1::LookupScope>(9)),
+                   kInvalid,
+                   {"scope = 9"}});
+
   AddSnapshotCases(&cases);
   return cases;
 }

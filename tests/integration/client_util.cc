@@ -437,6 +437,19 @@ grpc::Status ListSequences(Stub& stub, const std::string& cache,
   return stub.ListSequences(&context, request, response);
 }
 
+grpc::Status LookupPrefix(Stub& stub, const std::string& cache, const std::vector<int32_t>& tokens,
+                          v1::LookupPrefixResponse* response, int32_t max_matches,
+                          v1::LookupScope scope) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::LookupPrefixRequest request;
+  request.set_cache(cache);
+  request.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  request.set_max_matches(max_matches);
+  request.set_scope(scope);
+  return stub.LookupPrefix(&context, request, response);
+}
+
 grpc::Status Snapshot(Stub& stub, const std::string& cache, int64_t seq, int32_t from_offset,
                       v1::SnapshotInfo* snapshot) {
   grpc::ClientContext context;

@@ -170,6 +170,9 @@ grpc::Status Reserve(Stub& stub, const std::string& cache, int64_t seq, int32_t 
                      int64_t ttl_ms = 0, v1::CacheUsage* usage = nullptr);
 grpc::Status ListSequences(Stub& stub, const std::string& cache,
                            v1::ListSequencesResponse* response);
+grpc::Status LookupPrefix(Stub& stub, const std::string& cache, const std::vector<int32_t>& tokens,
+                          v1::LookupPrefixResponse* response, int32_t max_matches = 0,
+                          v1::LookupScope scope = v1::LOOKUP_SCOPE_LOCAL);
 
 // Snapshots and speculation. Output pointers may be null.
 grpc::Status Snapshot(Stub& stub, const std::string& cache, int64_t seq, int32_t from_offset,

@@ -1030,6 +1030,12 @@ TEST(LimitsTest, LongNamesAreRefusedOnEveryRpcWithAShortMessage) {
     cases.push_back({"DropSnapshot", "cache", [&, r] { return Call(*stub, &S::DropSnapshot, r); }});
   }
   {
+    v1::LookupPrefixRequest r;
+    r.set_cache(name);
+    r.add_tokens(1);
+    cases.push_back({"LookupPrefix", "cache", [&, r] { return Call(*stub, &S::LookupPrefix, r); }});
+  }
+  {
     v1::ListSnapshotsRequest r;
     r.set_cache(name);
     cases.push_back(

@@ -351,6 +351,17 @@ TEST_F(ServiceTest, TokenIdsOnTokensAndRanges) {
   EXPECT_EQ(listed.sequences(0).tokens(), 11);
   EXPECT_EQ(listed.sequences(0).exact_tokens(), 5);
   EXPECT_EQ(listed.sequences(0).token_blocks(), 1);
+  // LookupPrefix finds seq 3's exact prefix (5 tokens) for a prompt that goes on.
+  v1::LookupPrefixResponse found;
+  KVMESH_ASSERT_OK(
+      LookupPrefix(stub(), "svc-ids", {50, 51, 52, 53, 54, 55, 99, 99, 99}, &found, 4));
+  ASSERT_EQ(found.matches_size(), 1);
+  EXPECT_EQ(found.matches(0).seq(), 3);
+  EXPECT_EQ(found.matches(0).length(), 5);
+  EXPECT_EQ(found.matches(0).offset(), 11);
+  EXPECT_TRUE(found.matches(0).can_resume());
+  KVMESH_ASSERT_OK(LookupPrefix(stub(), "svc-ids", {1, 2, 3, 4, 5}, &found));
+  EXPECT_EQ(found.matches_size(), 0);
   // The block size is part of the spec the node reports.
   v1::GetCacheResponse got;
   KVMESH_ASSERT_OK(GetCache(stub(), "svc-ids", &got));

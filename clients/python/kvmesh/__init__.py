@@ -30,7 +30,8 @@ from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceed
 from .layout import KV, GroupData, PayloadLayout, States, count_states  # noqa: E402
 from .results import (CacheInfo, CacheUsage, CopiedPrefix, CreateResult,  # noqa: E402
                       DrainedSequence, DrainedSnapshot, DrainResult, DrainStayed, GroupSequence,
-                      GroupUsage, Member, MemberHealth, MigratedSnapshot, NodeResult, ReadResult,
+                      GroupUsage, Member, MemberHealth, MigratedSnapshot, NodeResult,
+                      PrefixMatch, ReadResult,
                       SequenceInfo, SnapshotGroup, SnapshotInfo, SplitResult, StateStatus,
                       TransferStats)
 from .spec import (Attention, CacheSpec, ChunkedWindow, DType, FullWindow,  # noqa: E402
@@ -59,5 +60,6 @@ __all__ = [
     "StateStatus", "MemberHealth", "GroupUsage", "CacheUsage", "CacheInfo", "CreateResult",
     "GroupSequence", "SequenceInfo", "ReadResult", "SnapshotGroup", "SnapshotInfo",
     "SplitResult", "TransferStats", "CopiedPrefix", "MigratedSnapshot", "NodeResult", "Member",
+    "PrefixMatch",
     "DrainedSequence", "DrainedSnapshot", "DrainStayed", "DrainResult",
 ]

@@ -19,6 +19,7 @@ from ._proto import pb, pb_grpc
 from .errors import from_rpc_error
 from .layout import GroupData, PayloadLayout, count_states
 from .results import (CacheInfo, CacheUsage, CopiedPrefix, CreateResult, DrainResult, Member,
+                      PrefixMatch,
                       MigratedSnapshot, NodeResult, ReadResult, SequenceInfo, SnapshotInfo,
                       SplitResult, StateStatus, TransferStats)
 from .spec import CacheSpec, Recurrent
@@ -416,6 +417,18 @@ class Client:
         """The live sequences of ``cache``, ascending by id."""
         r = self._call("ListSequences", pb.ListSequencesRequest(cache=cache), timeout)
         return [_convert.sequence_from_proto(s) for s in r.sequences]
+
+    def lookup_prefix(self, cache: str, tokens: Sequence[int], *, max_matches: int = 1,
+                      cluster: bool = False,
+                      timeout: Optional[float] = None) -> List[PrefixMatch]:
+        """The sequences that hold the longest prefixes of the prompt ``tokens`` (token ids),
+        longest first, at most ``max_matches``; ``cluster``: on every member, from this node's
+        index of the cluster (docs/api.md#lookupprefix)."""
+        scope = pb.LOOKUP_SCOPE_CLUSTER if cluster else pb.LOOKUP_SCOPE_LOCAL
+        r = self._call("LookupPrefix",
+                       pb.LookupPrefixRequest(cache=cache, tokens=[int(t) for t in tokens],
+                                              max_matches=max_matches, scope=scope), timeout)
+        return [PrefixMatch(m.node, m.seq, m.length, m.offset, m.can_resume) for m in r.matches]
 
     # ---- snapshots and speculation ---------------------------------------------------------
 

@@ -197,6 +197,20 @@ class CopiedPrefix:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefixMatch:
+    """A sequence that holds a prefix of a prompt (lookup_prefix): the prompt's first
+    ``length`` tokens, compared token by token; ``node`` holds it ("" without a cluster),
+    ``offset`` is the sequence's, ``can_resume`` whether every group can continue at
+    ``length``."""
+
+    node: str
+    seq: int
+    length: int
+    offset: int
+    can_resume: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class MigratedSnapshot:
     """MigrateSnapshot's answer: the snapshot as stored on the target (its id there)."""
 

@@ -341,6 +341,13 @@ class ClientTest(nodes.NodeTestCase):
         (seq,) = self.client.list_sequences(spec.name)
         self.assertEqual((seq.tokens, seq.exact_tokens, seq.token_blocks), (10, 10, 2))
         self.assertEqual(self.client.snapshot(spec.name, 0).tokens, 10)
+        # A prompt that starts like seq 0 finds it; kvmeshctl says the same.
+        matches = self.client.lookup_prefix(spec.name, prompt[:9] + [1, 2], max_matches=4)
+        self.assertEqual(matches, [kvmesh.PrefixMatch(self.node.name, 0, 9, 10, True)])
+        self.assertEqual(self.client.lookup_prefix(spec.name, [1, 2, 3, 4, 5]), [])
+        out = nodes.run_ctl(self.node.address, "lookup-prefix", f"--cache={spec.name}",
+                            "--tokens=7:16,1,2")
+        self.assertIn(f"{self.node.name} seq 0: 9 of 11 tokens (offset 10)", out.stdout)
         with self.assertRaisesRegex(ValueError, "token_ids has 1 ids for 2 tokens"):
             self.client.append(spec.name, kvmesh.tokens(0, range(10, 12)), layout.zeros(2),
                                token_ids=[1])
