@@ -51,8 +51,8 @@ TokenIds MergeTokens(const SnapshotRecord& parent, const SnapshotRecord& child,
   if (c.ids.size() > start) merged.ids.insert(merged.ids.end(), c.ids.begin() + start, c.ids.end());
   if (!same) {
     merged.taint = std::min(merged.taint, child.from);
-  } else if (merged.taint == kNoTaint) {
-    merged.taint = c.taint;
+  } else if (merged.taint == kNoTaint && c.taint != kNoTaint) {
+    merged.taint = std::max(c.taint, child.from);  // the parent's data below it is exact
   }
   return merged;
 }
@@ -81,8 +81,8 @@ Cache::Cache(const CacheSpec& spec, const TokenHasher& hasher)
 Cache::~Cache() = default;
 
 absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Device* device,
-                                                     absl::string_view tenant,
-                                                     int token_hash_bits) {
+                                                     absl::string_view tenant, int token_hash_bits,
+                                                     EventLog* events) {
   RETURN_IF_ERROR(ValidateSpec(spec));
   if (token_hash_bits < 1 || token_hash_bits > 64) {
     return absl::InvalidArgumentError(
@@ -105,6 +105,8 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
   hasher.block_size = spec.token_block_size;
   hasher.bits = token_hash_bits;
   std::unique_ptr<Cache> cache(new Cache(spec, hasher));
+  cache->tenant_ = std::string(tenant);
+  cache->events_ = events;
   MutexLock lock(&cache->mu_);
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     const int index = static_cast<int>(g);
@@ -794,28 +796,57 @@ void Cache::SyncTokensLocked(int64_t seq) {
   chain.Truncate(OffsetLocked(seq));
   std::vector<uint64_t> dropped;
   const size_t kept = chain.Rehash(hasher_, &dropped);
+  const absl::Span<const uint64_t> added = absl::MakeConstSpan(chain.hashes()).subspan(kept);
   block_index_.Remove(seq, dropped);
-  block_index_.Add(seq, absl::MakeConstSpan(chain.hashes()).subspan(kept));
+  block_index_.Add(seq, added);
+  if (!dropped.empty() || !added.empty()) {
+    Event event;
+    event.kind = EventKind::kBlocks;
+    event.seq = seq;
+    event.offset = OffsetLocked(seq);
+    event.kept_blocks = static_cast<int32_t>(kept);
+    event.block_hashes.assign(added.begin(), added.end());
+    PublishLocked(std::move(event));
+  }
   if (chain.empty()) DropChainLocked(seq);
 }
 
 void Cache::SetChainLocked(int64_t seq, TokenChain chain) {
   auto it = chains_.find(seq);
+  bool had_blocks = false;
   if (it == chains_.end()) {
     it = chains_.emplace(seq, std::move(chain)).first;
   } else {
+    had_blocks = !it->second.hashes().empty();
     block_index_.Remove(seq, it->second.hashes());
     it->second = std::move(chain);
   }
-  block_index_.Add(seq, it->second.hashes());
+  const std::vector<uint64_t>& hashes = it->second.hashes();
+  block_index_.Add(seq, hashes);
+  if (had_blocks || !hashes.empty()) {
+    Event event;
+    event.kind = EventKind::kBlocks;
+    event.seq = seq;
+    event.offset = OffsetLocked(seq);
+    event.block_hashes = hashes;
+    PublishLocked(std::move(event));
+  }
   SyncTokensLocked(seq);
 }
 
 void Cache::DropChainLocked(int64_t seq) {
   auto it = chains_.find(seq);
   if (it == chains_.end()) return;
+  const bool had_blocks = !it->second.hashes().empty();
   block_index_.Remove(seq, it->second.hashes());
   chains_.erase(it);
+  if (had_blocks) {
+    Event event;
+    event.kind = EventKind::kBlocks;
+    event.seq = seq;
+    event.offset = OffsetLocked(seq);
+    PublishLocked(std::move(event));
+  }
 }
 
 TokenChain Cache::Tokens(int64_t seq) const {
@@ -848,21 +879,27 @@ absl::StatusOr<std::vector<PrefixMatch>> Cache::LookupPrefix(absl::Span<const in
   // is not; a collision can only make `depth` larger, and verification sorts that out.
   size_t depth = 0;
   while (depth < hashes.size() && block_index_.Find(hashes[depth]) != nullptr) ++depth;
-  // Each candidate costs a comparison of up to the prompt's length: a prompt shared by many
-  // sequences is answered from the first few found.
+  // Level by level from the deepest: a sequence that really holds block `level` (and not the
+  // next, or it would have been met a level deeper) matches [(level + 1) * b, (level + 2) * b)
+  // tokens, so whole levels come in order of length, and the longest max_matches are among the
+  // levels visited until that many matched. Each candidate costs a comparison of up to the
+  // prompt's length: a prompt that many sequences share is answered from the first `budget`
+  // candidates.
   int budget = std::max(64, 4 * max_matches);
   absl::flat_hash_set<int64_t> seen;
   for (size_t level = depth;
        level-- > 0 && budget > 0 && matches.size() < static_cast<size_t>(max_matches);) {
     for (int64_t seq : *block_index_.Find(hashes[level])) {
-      if (budget-- <= 0 || matches.size() >= static_cast<size_t>(max_matches)) break;
-      if (!seen.insert(seq).second) continue;
+      if (budget-- <= 0) break;
+      if (seen.contains(seq)) continue;
       const TokenChain& chain = chains_.at(seq);
       const size_t n = std::min(tokens.size(), static_cast<size_t>(chain.exact()));
       const size_t same = static_cast<size_t>(
           std::mismatch(tokens.begin(), tokens.begin() + n, chain.ids().begin()).first -
           tokens.begin());
-      if (same < b) continue;  // a collision
+      // Shorter: the hash of this block collided; the sequence may match at a lower level.
+      if (same < (level + 1) * b) continue;
+      seen.insert(seq);
       PrefixMatch match;
       match.seq = seq;
       match.length = static_cast<int32_t>(same);
@@ -875,6 +912,7 @@ absl::StatusOr<std::vector<PrefixMatch>> Cache::LookupPrefix(absl::Span<const in
   std::sort(matches.begin(), matches.end(), [](const PrefixMatch& x, const PrefixMatch& y) {
     return x.length != y.length ? x.length > y.length : x.seq < y.seq;
   });
+  if (matches.size() > static_cast<size_t>(max_matches)) matches.resize(max_matches);
   return matches;
 }
 
@@ -1117,6 +1155,12 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
     const absl::Status s = group->ApplyRemove(seq, begin, end);
     if (status.ok()) status = s;
   }
+  Event removed;
+  removed.kind = EventKind::kRemoved;
+  removed.seq = seq;
+  removed.begin = begin;
+  removed.end = end.value_or(-1);
+  PublishLocked(std::move(removed));
   auto chain = chains_.find(seq);
   if (chain != chains_.end()) {
     // Positions past the range move down only when there are some.
@@ -1238,7 +1282,44 @@ SnapshotInfo Cache::AddSnapshotLocked(SnapshotRecord record) {
   auto stored = std::make_unique<SnapshotRecord>(std::move(record));
   SnapshotInfo info = InfoLocked(*stored);
   snapshots_.emplace(info.id, std::move(stored));
+  Event event;
+  event.kind = EventKind::kSnapshotCreated;
+  event.seq = info.seq;
+  event.snapshot = info.id;
+  PublishLocked(std::move(event));
   return info;
+}
+
+void Cache::EraseSnapshotLocked(uint64_t id) {
+  auto it = snapshots_.find(id);
+  if (it == snapshots_.end()) return;
+  Event event;
+  event.kind = EventKind::kSnapshotDropped;
+  event.seq = it->second->seq;
+  event.snapshot = id;
+  snapshots_.erase(it);
+  PublishLocked(std::move(event));
+}
+
+void Cache::PublishLocked(Event event) {
+  if (events_ == nullptr) return;
+  event.tenant = tenant_;
+  event.cache = spec_.name;
+  last_event_ = events_->Publish(std::move(event));
+}
+
+ChainListing Cache::ListChains() const {
+  ReaderMutexLock lock(&mu_);
+  ChainListing listing;
+  listing.last_event = last_event_;
+  listing.sequences.reserve(chains_.size());
+  for (const auto& [seq, chain] : chains_) {
+    if (chain.hashes().empty()) continue;
+    listing.sequences.push_back({seq, OffsetLocked(seq), chain.hashes()});
+  }
+  std::sort(listing.sequences.begin(), listing.sequences.end(),
+            [](const SequenceBlocks& a, const SequenceBlocks& b) { return a.seq < b.seq; });
+  return listing;
 }
 
 absl::Status Cache::CheckRoomForSequence(int64_t seq, absl::Span<const int64_t> positions,
@@ -1407,8 +1488,10 @@ void Cache::RestoreTokensLocked(int64_t seq, const SnapshotRecord* record, int32
   }
   if (!same_prefix) {
     restored.taint = std::min(restored.taint, from);
-  } else if (restored.taint == kNoTaint) {
-    restored.taint = saved.taint;
+  } else if (restored.taint == kNoTaint && saved.taint != kNoTaint) {
+    // The snapshot's data starts at `from`: a taint below it says that data saw something
+    // other than its ids there, while seq's own positions below `from` stay exact.
+    restored.taint = std::max(saved.taint, from);
   }
   if (restored.ids.empty() && restored.taint == kNoTaint) {
     DropChainLocked(seq);
@@ -1444,8 +1527,8 @@ absl::StatusOr<SnapshotInfo> Cache::MergeSnapshots(uint64_t parent, uint64_t chi
     merged.groups.push_back(std::move(out));
   }
   merged.tokens = MergeTokens(*p, *c, has_attention_);
-  snapshots_.erase(parent);
-  snapshots_.erase(child);
+  EraseSnapshotLocked(parent);
+  EraseSnapshotLocked(child);
   return AddSnapshotLocked(std::move(merged));
 }
 
@@ -1454,7 +1537,7 @@ absl::StatusOr<SplitResult> Cache::SplitSnapshot(uint64_t id, int32_t at) {
   MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(const SnapshotRecord* record, FindSnapshotLocked(id));
   SnapshotRecord whole = *record;
-  snapshots_.erase(id);
+  EraseSnapshotLocked(id);
   SplitResult result;
   // A ring or a recurrent state cannot be cut at a position: the whole snapshot is the child.
   if (contiguous_ || at <= whole.from) {
@@ -1499,7 +1582,7 @@ absl::StatusOr<SplitResult> Cache::SplitSnapshot(uint64_t id, int32_t at) {
 absl::Status Cache::DropSnapshot(uint64_t id) {
   MutexLock lock(&mu_);
   RETURN_IF_ERROR(FindSnapshotLocked(id).status());
-  snapshots_.erase(id);
+  EraseSnapshotLocked(id);
   return absl::OkStatus();
 }
 

@@ -29,6 +29,7 @@
 #include "absl/types/span.h"
 #include "cache/block_index.h"
 #include "cache/device/device.h"
+#include "cache/event_log.h"
 #include "cache/mutex.h"
 #include "cache/spec.h"
 #include "cache/token_chain.h"
@@ -112,6 +113,17 @@ struct PrefixMatch {
   int32_t length = 0;       // the prompt's first `length` tokens, compared id by id
   int32_t offset = 0;       // the sequence's offset
   bool can_resume = false;  // CanResume(seq, length): every group can continue there
+};
+
+// The block hashes of a sequence (Cache::ListChains).
+struct SequenceBlocks {
+  int64_t seq = 0;
+  int32_t offset = 0;
+  std::vector<uint64_t> hashes;
+};
+struct ChainListing {
+  uint64_t last_event = 0;
+  std::vector<SequenceBlocks> sequences;
 };
 
 // What a cache's block index holds (Cache::TokenIndexStats).
@@ -304,9 +316,13 @@ class Cache {
   // (RESOURCE_EXHAUSTED beyond its budget). `device` must outlive the cache. Its sequences'
   // token chains are seeded for `tenant` (TokenHashSeed); `token_hash_bits` < 64 is a test
   // hook that forces hash collisions (TokenHasher::bits).
+  // With `events` (not owned; it must outlive the cache), the cache publishes there what
+  // changes (cache/event_log.h): block hashes of its chains, Removes, snapshots.
   static absl::StatusOr<std::unique_ptr<Cache>> Create(const CacheSpec& spec, Device* device,
                                                        absl::string_view tenant = kDefaultTenant,
-                                                       int token_hash_bits = 64);
+                                                       int token_hash_bits = 64,
+                                                       EventLog* events = nullptr);
+  const std::string& tenant() const { return tenant_; }
   ~Cache();
 
   Cache(const Cache&) = delete;
@@ -416,12 +432,17 @@ class Cache {
   // the prompt `tokens`, longest first, then by seq: at most `max_matches`, each at least one
   // whole block long, each compared id by id with the prompt (a hash collision never makes a
   // match). Found through the block index: the prompt's block hashes are computed without the
-  // lock, then looked up one block after another until one is missing. Of several sequences
-  // that match equally far, which come first is unspecified. INVALID_ARGUMENT for a negative
-  // id or max_matches < 1.
+  // lock, then looked up one block after another until one is missing. Equal lengths come in
+  // ascending seq. At most max(64, 4 * max_matches) candidates are compared: among more
+  // sequences that share a block, the matches come from those compared. INVALID_ARGUMENT for a
+  // negative id or max_matches < 1.
   absl::StatusOr<std::vector<PrefixMatch>> LookupPrefix(absl::Span<const int32_t> tokens,
                                                         int max_matches) const;
   TokenIndexStats TokenIndex() const;
+  // Every sequence with at least one block hash, ascending, and the number of the last event
+  // the cache published (0: none) as of the listing: a reader of the event log applies the
+  // cache's later events only.
+  ChainListing ListChains() const;
   // What the token chains of this cache are hashed with.
   const TokenHasher& token_hasher() const { return hasher_; }
   // The ListSequences entry of `seq` alone, nullopt when it stores nothing: costs what `seq`
@@ -664,6 +685,9 @@ class Cache {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Gives `record` a new id and stores it.
   SnapshotInfo AddSnapshotLocked(SnapshotRecord record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseSnapshotLocked(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Publishes `event` of this cache to events_ (when there is one).
+  void PublishLocked(Event event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Snapshot's checks of its arguments; then, under the lock, of the sequence. The latter
   // returns the snapshot's end.
   absl::Status CheckSnapshotArgs(int64_t seq, int32_t from_offset, std::optional<int32_t> to) const;
@@ -712,6 +736,9 @@ class Cache {
   // hold each of their block hashes.
   absl::flat_hash_map<int64_t, TokenChain> chains_ ABSL_GUARDED_BY(mu_);
   BlockIndex block_index_ ABSL_GUARDED_BY(mu_);
+  std::string tenant_;
+  EventLog* events_ = nullptr;
+  uint64_t last_event_ ABSL_GUARDED_BY(mu_) = 0;  // the number of the last event published
   // Sequences whose Append is writing its bytes with mu_ released: their new cells are taken
   // but in no index yet. appended_ is notified whenever one leaves.
   absl::flat_hash_set<int64_t> appending_ ABSL_GUARDED_BY(mu_);

@@ -62,7 +62,7 @@ absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(absl::string_v
   // Allocate without the lock: a device allocation can be slow, and every RPC looks caches up.
   // The device's budget is reserved atomically, so racing creates cannot overshoot it.
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> cache,
-                   Cache::Create(spec, device_, tenant, token_hash_bits_));
+                   Cache::Create(spec, device_, tenant, token_hash_bits_, events_));
   std::shared_ptr<Cache> shared(std::move(cache));
   const uint64_t bytes = ArenaBytes(*shared);
   MutexLock lock(&mu_);
@@ -80,6 +80,7 @@ absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(absl::string_v
                      "' holds ", usage.bytes, " of its quota of ", quota.max_bytes, " bytes"));
   }
   caches_.emplace(Key(tenant, spec.name), shared);
+  Publish(EventKind::kCacheCreated, tenant, spec.name);
   return CreateResult{std::move(shared), true};
 }
 
@@ -91,8 +92,18 @@ absl::Status CacheRegistry::Delete(absl::string_view tenant, absl::string_view n
     if (it == caches_.end()) return NoSuchCache(name);
     doomed = std::move(it->second);
     caches_.erase(it);
+    Publish(EventKind::kCacheDeleted, tenant, name);
   }
   return absl::OkStatus();
+}
+
+void CacheRegistry::Publish(EventKind kind, absl::string_view tenant, absl::string_view name) {
+  if (events_ == nullptr) return;
+  Event event;
+  event.kind = kind;
+  event.tenant = std::string(tenant);
+  event.cache = std::string(name);
+  events_->Publish(std::move(event));
 }
 
 absl::StatusOr<std::shared_ptr<Cache>> CacheRegistry::Get(absl::string_view tenant,

@@ -22,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "cache/cache.h"
 #include "cache/device/device.h"
+#include "cache/event_log.h"
 #include "cache/mutex.h"
 #include "cache/token_chain.h"
 
@@ -38,8 +39,10 @@ class CacheRegistry {
  public:
   // `device` must outlive the registry and every cache handed out.
   // `token_hash_bits` < 64 is a test hook passed to every Cache::Create (forced collisions).
-  explicit CacheRegistry(Device* device, int token_hash_bits = 64)
-      : device_(device), token_hash_bits_(token_hash_bits) {}
+  // With `events` (not owned, outliving the registry and its caches), every cache publishes
+  // its changes there, and the registry the caches it creates and deletes.
+  explicit CacheRegistry(Device* device, int token_hash_bits = 64, EventLog* events = nullptr)
+      : device_(device), token_hash_bits_(token_hash_bits), events_(events) {}
 
   struct CreateResult {
     std::shared_ptr<Cache> cache;
@@ -101,8 +104,13 @@ class CacheRegistry {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   TenantUsage UsageLocked(absl::string_view tenant) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
+  // Publishes a cache's creation or deletion (under mu_, so in the order they happen).
+  void Publish(EventKind kind, absl::string_view tenant, absl::string_view name)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   Device* const device_;
   const int token_hash_bits_;
+  EventLog* const events_;
   mutable Mutex mu_;
   std::map<Key, std::shared_ptr<Cache>> caches_ ABSL_GUARDED_BY(mu_);
 };

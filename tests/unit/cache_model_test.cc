@@ -11,12 +11,23 @@
 //   - Recurrent groups: per sequence a state (pattern id, offset, VALID/INVALID) and the
 //     reference-counted slot it uses (shared copy-on-write after CopyPrefix).
 //   - Pending speculative tokens per sequence (position, row id, state id after the token).
-//   - Snapshots: per group the rows / ring index / state they copied.
+//   - Snapshots: per group the rows / ring index / state they copied, and the token ids they
+//     keep.
+//   - Token ids per sequence (docs/api.md#tokens): the ids of positions [0, n), how many of them
+//     are settled (not pending speculative tokens), and the taint (the first position whose K/V
+//     saw something other than the ids before it), kept by every operation as the documents
+//     say, independently of cache/token_chain.cc.
+// Appends carry ids from a small alphabet (so that sequences share prefixes), on every token,
+// some or none, and arrive whole, in pieces or through an AppendWriter; snapshots also travel
+// as wire images (imported back as snapshots, and sequence export, import and RestoreImport).
 // After every step the test compares the status code of the operation and every observable:
-// ListSequences (offset, pending, stored/shared/first/last/state per group), Usage (cells per
-// group, sequences live, snapshots, bytes), ListSnapshots, the bytes of every live sequence
-// (byte-exact; RoPE-shifted keys within a tolerance of the float64 reference; recurrent states
-// byte-exact), Visible in every group and CanResume, for every sequence of the pool.
+// ListSequences (offset, pending, stored/shared/first/last/state per group, token counts),
+// Usage (cells per group, sequences live, snapshots, bytes), ListSnapshots (with token counts),
+// the bytes of every live sequence (byte-exact; RoPE-shifted keys within a tolerance of the
+// float64 reference; recurrent states byte-exact), Visible in every group and CanResume, every
+// sequence's token chain (ids, settled, taint, exact, and its block hashes recomputed from the
+// model's ids with the cache's TokenHasher), the block index's counts and a LookupPrefix, for
+// every sequence of the pool.
 //
 // Random specs are small: half Attention-only (1-3 groups mixing FULL, SLIDING and CHUNKED
 // windows), half hybrid (contiguous) caches that add Rotating groups with a small max_size (so
@@ -295,6 +306,56 @@ struct ModelGroup {
   }
 };
 
+// The ids a snapshot keeps of its sequence: those of positions [0, ids.size()), none pending,
+// and the taint then (kNoTaint: none).
+struct SnapTokens {
+  std::vector<int32_t> ids;
+  int32_t taint = kNoTaint;
+  // The ids of positions below `length`, and the taint if below it.
+  SnapTokens Prefix(int32_t length) const {
+    SnapTokens out;
+    out.ids.assign(ids.begin(), ids.begin() + std::min<int32_t>(Size(), std::max(length, 0)));
+    if (taint < length) out.taint = taint;
+    return out;
+  }
+  int32_t Size() const { return static_cast<int32_t>(ids.size()); }
+};
+
+// A sequence's token ids as docs/api.md#tokens describes them: known for positions
+// [0, ids.size()); the first `settled` of them are not pending speculative tokens; from `taint`
+// on (kNoTaint: nowhere) the K/V saw something other than the ids before it. A sequence whose
+// ids and taint are both empty has no chain.
+struct TokenRef {
+  std::vector<int32_t> ids;
+  int32_t settled = 0;
+  int32_t taint = kNoTaint;
+
+  bool empty() const { return ids.empty() && taint == kNoTaint; }
+  int32_t Size() const { return static_cast<int32_t>(ids.size()); }
+  int32_t exact() const { return std::min(settled, taint); }
+  // Positions from `end` on are gone: their ids, and the taint if it lies there.
+  void Truncate(int32_t end) {
+    if (end < Size()) ids.resize(std::max(end, 0));
+    settled = std::min(settled, Size());
+    if (taint >= end) taint = kNoTaint;
+  }
+  // The settled ids of positions below `length`, and the taint if below it (what a snapshot
+  // or a copy of the prefix keeps).
+  SnapTokens Prefix(int32_t length) const {
+    SnapTokens out;
+    out.ids.assign(ids.begin(), ids.begin() + std::min(settled, std::max(length, 0)));
+    if (taint < length) out.taint = taint;
+    return out;
+  }
+  static TokenRef Settled(const SnapTokens& s) {
+    TokenRef ref;
+    ref.ids = s.ids;
+    ref.settled = ref.Size();
+    ref.taint = s.taint;
+    return ref;
+  }
+};
+
 // A snapshot's data in one group.
 struct SnapGroup {
   std::map<int32_t, Cell> rows;  // Attention: rows with their RoPE state; Rotating: row ids
@@ -308,6 +369,7 @@ struct ModelSnapshot {
   int32_t from = 0;
   int32_t to = 0;
   std::vector<SnapGroup> groups;
+  SnapTokens tokens;
 };
 
 class Model {
@@ -342,6 +404,13 @@ class Model {
       has_kind_[static_cast<int>(g.kind)] = true;
     }
     contiguous_ = has_kind_[1] || has_kind_[2];
+    // A sequence keeps the ids of as many positions as the largest Attention group has cells,
+    // or capacity when that is more.
+    int64_t limit = spec.capacity;
+    for (const ModelGroup& g : groups_) {
+      if (g.kind == GroupKind::kAttention) limit = std::max(limit, g.total);
+    }
+    token_limit_ = static_cast<int32_t>(std::min(limit, kMaxCellsPerGroup));
   }
 
   const CacheSpec& spec() const { return spec_; }
@@ -359,6 +428,12 @@ class Model {
     return p == nullptr ? 0 : static_cast<int32_t>(p->size());
   }
   bool AnyPending() const { return !pending_.empty(); }
+
+  // The token ids of `seq`; null when it has no chain.
+  const TokenRef* Tokens(int64_t seq) const {
+    auto it = tokens_.find(seq);
+    return it == tokens_.end() ? nullptr : &it->second;
+  }
 
   std::set<int64_t> Live() const {
     std::set<int64_t> live;
@@ -435,6 +510,7 @@ class Model {
     std::map<int64_t, int32_t> count;
     std::vector<int64_t> order;  // distinct sequences in order of first appearance
     for (const Token& t : tokens) {
+      if (t.id < 0 && t.id != kNoTokenId) errors.insert(kInvalid);
       if (t.seq < 0 || t.pos < 0) {
         errors.insert(kInvalid);
         plannable = false;
@@ -525,6 +601,30 @@ class Model {
         pending_[tokens[i].seq].push_back(PendingToken{tokens[i].pos, ids[i], state_ids[i]});
       }
     }
+    for (const Token& t : tokens) {
+      auto it = tokens_.find(t.seq);
+      if (it == tokens_.end()) {
+        // Only an id at position 0 starts a chain: later ids alone say nothing of the prefix.
+        if (t.id == kNoTokenId || t.pos != 0) continue;
+        it = tokens_.emplace(t.seq, TokenRef()).first;
+      }
+      TokenRef& ref = it->second;
+      // A position below the ids stored again (one a sliding window pruned): the positions
+      // after it that are still stored were computed after what was there before.
+      if (t.pos < ref.Size()) {
+        ref.ids.resize(t.pos);
+        ref.settled = std::min(ref.settled, t.pos);
+        ++token_events["ids cut by a position stored again"];
+      }
+      // An id extends the ids only just past them, and only as far as a sequence keeps ids.
+      if (t.id != kNoTokenId && t.pos == ref.Size() && t.pos < token_limit_) {
+        ref.ids.push_back(t.id);
+        if (!speculative && ref.settled == t.pos) ref.settled = t.pos + 1;
+      } else if (t.id != kNoTokenId && t.pos == ref.Size()) {
+        ++token_events["ids past the limit dropped"];
+      }
+    }
+    ClampTokens();
     return kOk;
   }
 
@@ -563,6 +663,15 @@ class Model {
           break;
       }
     }
+    auto chain = tokens_.find(seq);
+    if (chain != tokens_.end()) {
+      // The accepted ids settle; those of the rejected tokens go.
+      TokenRef& ref = chain->second;
+      const int32_t end = accepted > 0 ? tokens[accepted - 1].pos + 1 : tokens[0].pos;
+      if (end < ref.Size()) ref.ids.resize(end);
+      ref.settled = ref.Size();
+    }
+    ClampTokens();
     return kOk;
   }
 
@@ -642,6 +751,13 @@ class Model {
         g.states[dst] = copy;
       }
     }
+    // dst gets src's settled ids below length (src has no pending ones here).
+    if (const TokenRef* ref = Tokens(src)) {
+      tokens_[dst] = TokenRef::Settled(ref->Prefix(length));
+    } else {
+      tokens_.erase(dst);
+    }
+    ClampTokens();
     return kOk;
   }
 
@@ -685,6 +801,7 @@ class Model {
     }
     if (!errors.empty()) return Codes(errors);
 
+    const int32_t offset = Offset(seq);
     for (ModelGroup& g : groups_) {
       switch (g.kind) {
         case GroupKind::kAttention: {
@@ -742,6 +859,22 @@ class Model {
         }
       }
     }
+    auto chain = tokens_.find(seq);
+    if (chain != tokens_.end()) {
+      TokenRef& ref = chain->second;
+      if (end.has_value() && *end < offset) {
+        // Positions after the range move down with their ids; what moved was computed with the
+        // removed positions before it, so from `begin` on nothing is exact.
+        if (begin < ref.Size()) {
+          ref.ids.erase(ref.ids.begin() + begin, ref.ids.begin() + std::min(*end, ref.Size()));
+          ref.settled = ref.Size();
+        }
+        ref.taint = std::min(ref.taint, begin);
+      } else {
+        ref.Truncate(begin);
+      }
+    }
+    ClampTokens();
     return kOk;
   }
 
@@ -901,20 +1034,23 @@ class Model {
       }
       out->groups.push_back(std::move(sg));
     }
+    if (const TokenRef* ref = Tokens(seq)) out->tokens = ref->Prefix(out->to);
     return kOk;
   }
 
   void AddSnapshot(uint64_t id, ModelSnapshot s) { snapshots_[id] = std::move(s); }
   void EraseSnapshot(uint64_t id) { snapshots_.erase(id); }
 
-  Codes Restore(int64_t seq, std::optional<uint64_t> id, int32_t target) {
+  // With `imported`, Restore of that snapshot, which the cache does not keep (RestoreImport).
+  Codes Restore(int64_t seq, std::optional<uint64_t> id, int32_t target,
+                const ModelSnapshot* imported = nullptr) {
     std::set<absl::StatusCode> errors;
     if (seq < 0 || target < 0) errors.insert(kInvalid);
-    if (id.has_value() && !snapshots_.count(*id)) errors.insert(kNotFound);
+    if (imported == nullptr && id.has_value() && !snapshots_.count(*id)) errors.insert(kNotFound);
     if (seq >= 0 && PendingCount(seq) > 0) errors.insert(kAborted);
     if (!errors.empty()) return Codes(errors);
     const int32_t offset = Offset(seq);
-    if (!id.has_value()) {
+    if (imported == nullptr && !id.has_value()) {
       if (!IsLive(seq)) return target == 0 ? kOk : kPrecondition;
       for (const ModelGroup& g : groups_) {
         switch (g.kind) {
@@ -952,9 +1088,12 @@ class Model {
           if (target == 0) g.rings.erase(it);
         }
       }
+      auto chain = tokens_.find(seq);
+      if (chain != tokens_.end()) chain->second.Truncate(target);
+      ClampTokens();
       return kOk;
     }
-    const ModelSnapshot& snap = snapshots_.at(*id);
+    const ModelSnapshot& snap = imported != nullptr ? *imported : snapshots_.at(*id);
     if (target > snap.to) errors.insert(kPrecondition);
     if (HasKind(GroupKind::kAttention) && offset < snap.from) errors.insert(kPrecondition);
     for (const ModelGroup& g : groups_) {
@@ -1026,6 +1165,8 @@ class Model {
     }
     if (!errors.empty()) return Codes(errors);
     groups_ = std::move(next);
+    RestoreTokens(seq, snap, target);
+    ClampTokens();
     return kOk;
   }
 
@@ -1050,6 +1191,7 @@ class Model {
         out->groups[g].rows[entry.first] = entry.second;
       }
     }
+    out->tokens = MergeTokens(p->second, c->second);
     return kOk;
   }
 
@@ -1070,6 +1212,7 @@ class Model {
       ModelSnapshot b = s;
       a.to = at;
       b.from = at;
+      a.tokens = s.tokens.Prefix(at);  // the child keeps all: they are what its data came after
       for (size_t g = 0; g < groups_.size(); ++g) {
         a.groups[g].rows.clear();
         b.groups[g].rows.clear();
@@ -1082,6 +1225,43 @@ class Model {
     }
     return kOk;
   }
+
+  // Whether a sequence import of `snap`'s rows finds free cells for all of them in every
+  // Attention group, with every room reservation held back (the import's sequence is not known
+  // yet); otherwise they go to the snapshot pool.
+  bool ImportFitsInCells(const ModelSnapshot& snap) const {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      const int64_t rows = static_cast<int64_t>(snap.groups[g].rows.size());
+      if (groups_[g].kind != GroupKind::kAttention || rows == 0) continue;
+      if (rows > Available(groups_[g], HeldCells(groups_[g], {}))) return false;
+    }
+    return true;
+  }
+
+  // Every sequence whose exact ids share at least one whole block with `prompt` (as far as a
+  // sequence keeps ids), with how far they agree: longest first, then by seq.
+  std::vector<PrefixMatch> LookupPrefix(const std::vector<int32_t>& prompt) const {
+    std::vector<PrefixMatch> matches;
+    const int32_t n = std::min(static_cast<int32_t>(prompt.size()), token_limit_);
+    for (const auto& [seq, ref] : tokens_) {
+      int32_t same = 0;
+      while (same < std::min(n, ref.exact()) && prompt[same] == ref.ids[same]) ++same;
+      if (same < spec_.token_block_size) continue;
+      PrefixMatch m;
+      m.seq = seq;
+      m.length = same;
+      m.offset = Offset(seq);
+      m.can_resume = CanResume(seq, same);
+      matches.push_back(m);
+    }
+    std::sort(matches.begin(), matches.end(), [](const PrefixMatch& x, const PrefixMatch& y) {
+      return x.length != y.length ? x.length > y.length : x.seq < y.seq;
+    });
+    return matches;
+  }
+
+  // How often restores and merges found the same ids below a snapshot's start, or others.
+  mutable std::map<std::string, int> token_events;
 
  private:
   // Cells `seq` would still take in `g` to hold `positions` positions (a sliding window's
@@ -1136,10 +1316,77 @@ class Model {
     }
   }
 
+  // A chain says nothing of positions a sequence does not store: it goes with the sequence
+  // and is cut at its offset.
+  void ClampTokens() {
+    const std::set<int64_t> live = Live();
+    for (auto it = tokens_.begin(); it != tokens_.end();) {
+      const bool kept = live.count(it->first) > 0;
+      if (kept) it->second.Truncate(Offset(it->first));
+      it = !kept || it->second.empty() ? tokens_.erase(it) : std::next(it);
+    }
+  }
+
+  // The ids of `seq` after a Restore of `snap` to `target`: seq keeps its positions below the
+  // snapshot's start, and from there gets data that the snapshot's sequence computed after
+  // its own ids below the start. That data continues seq's ids exactly only when those are
+  // the same; otherwise nothing from the start on is exact.
+  void RestoreTokens(int64_t seq, const ModelSnapshot& snap, int32_t target) {
+    const int32_t from = snap.from;
+    const SnapTokens& saved = snap.tokens;
+    const TokenRef* old = Tokens(seq);
+    SnapTokens restored = old != nullptr ? old->Prefix(from) : SnapTokens();
+    const bool whole = restored.Size() == from;
+    const bool same = whole && saved.Size() >= from &&
+                      std::equal(restored.ids.begin(), restored.ids.end(), saved.ids.begin());
+    if (whole && saved.Size() > from) {
+      const int32_t end = std::min(saved.Size(), std::max(target, from));
+      restored.ids.insert(restored.ids.end(), saved.ids.begin() + from, saved.ids.begin() + end);
+    }
+    if (!same) {
+      restored.taint = std::min(restored.taint, from);
+    } else if (restored.taint == kNoTaint) {
+      // The snapshot's data starts at `from`: a taint below it marks what that data saw, and
+      // the restored positions below `from` are the sequence's own.
+      restored.taint = saved.taint == kNoTaint ? kNoTaint : std::max(saved.taint, from);
+      if (saved.taint != kNoTaint) ++token_events["restores that keep the snapshot's taint"];
+    }
+    if (from > 0 && !saved.ids.empty()) {
+      ++token_events[same ? "restores after the same ids" : "restores after other ids"];
+    }
+    tokens_[seq] = TokenRef::Settled(restored);  // ClampTokens drops it if empty
+  }
+
+  // The ids of a merge of `p` and `c`. Without Attention groups the merge is c's data alone.
+  // With them it holds p's data below c's start and c's from there, which continues p's ids
+  // exactly only when the two agree below the start; otherwise nothing from the start on is
+  // exact.
+  SnapTokens MergeTokens(const ModelSnapshot& p, const ModelSnapshot& c) const {
+    if (!HasKind(GroupKind::kAttention)) return c.tokens;
+    const int32_t start = c.from;
+    SnapTokens merged = p.tokens.Prefix(start);
+    if (merged.Size() < start) return merged;
+    const bool same = c.tokens.Size() >= start &&
+                      std::equal(merged.ids.begin(), merged.ids.end(), c.tokens.ids.begin());
+    if (c.tokens.Size() > start) {
+      merged.ids.insert(merged.ids.end(), c.tokens.ids.begin() + start, c.tokens.ids.end());
+    }
+    if (!same) {
+      merged.taint = std::min(merged.taint, start);
+    } else if (merged.taint == kNoTaint) {
+      merged.taint = c.tokens.taint == kNoTaint ? kNoTaint : std::max(c.tokens.taint, start);
+      if (c.tokens.taint != kNoTaint) ++token_events["merges that keep the child's taint"];
+    }
+    if (start > 0) ++token_events[same ? "merges of the same ids" : "merges of other ids"];
+    return merged;
+  }
+
   CacheSpec spec_;
   std::vector<ModelGroup> groups_;
   std::map<int64_t, std::vector<PendingToken>> pending_;
   std::map<uint64_t, ModelSnapshot> snapshots_;
+  std::map<int64_t, TokenRef> tokens_;  // sequences with a chain
+  int32_t token_limit_ = 0;             // the most ids a sequence keeps
   bool has_kind_[3] = {false, false, false};
   bool contiguous_ = false;
 };
@@ -1327,6 +1574,7 @@ SnapshotInfo ExpectedInfo(const CacheSpec& spec, uint64_t id, const ModelSnapsho
   info.seq = s.seq;
   info.from = s.from;
   info.to = s.to;
+  info.tokens = s.tokens.Size();
   for (int g = 0; g < static_cast<int>(spec.groups.size()); ++g) {
     SnapshotGroupInfo gi;
     const SnapGroup& sg = s.groups[g];
@@ -1352,7 +1600,7 @@ SnapshotInfo ExpectedInfo(const CacheSpec& spec, uint64_t id, const ModelSnapsho
 ::testing::AssertionResult CompareSnapshotInfo(const SnapshotInfo& got, const SnapshotInfo& want) {
   std::ostringstream os;
   bool same = got.id == want.id && got.seq == want.seq && got.from == want.from &&
-              got.to == want.to && got.bytes == want.bytes &&
+              got.to == want.to && got.bytes == want.bytes && got.tokens == want.tokens &&
               got.groups.size() == want.groups.size();
   for (size_t g = 0; same && g < want.groups.size(); ++g) {
     same = got.groups[g].stored == want.groups[g].stored &&
@@ -1362,7 +1610,7 @@ SnapshotInfo ExpectedInfo(const CacheSpec& spec, uint64_t id, const ModelSnapsho
   if (same) return ::testing::AssertionSuccess();
   auto describe = [&os](const SnapshotInfo& s) {
     os << "{id " << s.id << " seq " << s.seq << " [" << s.from << ", " << s.to << ") bytes "
-       << s.bytes << " groups";
+       << s.bytes << " tokens " << s.tokens << " groups";
     for (const SnapshotGroupInfo& g : s.groups) {
       os << " (stored " << g.stored << " ring " << g.ring_index << " " << StateName(g.state) << ")";
     }
@@ -1392,7 +1640,8 @@ std::string Describe(const CacheSpec& spec) {
   static const char* kDtypes[] = {"F32", "F16", "BF16"};
   std::ostringstream os;
   os << kDtypes[static_cast<int>(spec.dtype)] << " max_sequences=" << spec.max_sequences
-     << " capacity=" << spec.capacity << " max_batch=" << spec.max_batch;
+     << " capacity=" << spec.capacity << " max_batch=" << spec.max_batch
+     << " token_block_size=" << spec.token_block_size;
   for (const GroupSpec& g : spec.groups) {
     os << " | layers=" << g.num_layers << " ";
     switch (g.kind) {
@@ -1513,6 +1762,9 @@ GroupSpec RandomRecurrent(Rng& rng) {
   return g;
 }
 
+// Small blocks, so that short sequences fill several and their hashes chain.
+int32_t RandomTokenBlockSize(Rng& rng) { return static_cast<int32_t>(rng.Between(1, 5)); }
+
 CacheSpec RandomSpec(Rng& rng) {
   CacheSpec spec;
   spec.name = "model";
@@ -1523,6 +1775,7 @@ CacheSpec RandomSpec(Rng& rng) {
   if (rng.Chance(45)) {  // Attention only
     const int num_groups = static_cast<int>(rng.Between(1, 3));
     for (int i = 0; i < num_groups; ++i) spec.groups.push_back(RandomAttention(rng, spec));
+    spec.token_block_size = RandomTokenBlockSize(rng);
     return spec;
   }
   // Hybrid: at least one Rotating or Recurrent group.
@@ -1543,6 +1796,7 @@ CacheSpec RandomSpec(Rng& rng) {
         break;
     }
   }
+  spec.token_block_size = RandomTokenBlockSize(rng);
   return spec;
 }
 
@@ -1551,6 +1805,7 @@ std::string TokensToString(const std::vector<Token>& tokens) {
   os << "[";
   for (size_t i = 0; i < tokens.size(); ++i) {
     os << (i ? " " : "") << tokens[i].seq << ":" << tokens[i].pos;
+    if (tokens[i].id != kNoTokenId) os << "#" << tokens[i].id;
   }
   os << "]";
   return os.str();
@@ -1563,13 +1818,15 @@ std::string OptEnd(std::optional<int32_t> end) {
 class Episode {
  public:
   // One episode in 16 has no snapshot pool: every Snapshot that copies data is then
-  // RESOURCE_EXHAUSTED.
+  // RESOURCE_EXHAUSTED. In one episode in 3 every token carries an id, so that sequences keep
+  // long ids (in the others a batch without them ends a sequence's ids).
   Episode(uint64_t seed, const CacheSpec& spec)
       : rng_(seed),
         spec_(spec),
         model_(spec),
         memo_(spec_),
         no_snapshot_pool_(Mix64(seed ^ 0xB0D6E7) % 16 == 0),
+        always_ids_(Mix64(seed ^ 0x1D5) % 3 == 0),
         device_(
             testutil::MakeTestDevice(size_t{1} << 30, no_snapshot_pool_ ? 0 : size_t{1} << 30)) {
     // A pool of sequence ids: more than max_sequences, one of them beyond 32 bits.
@@ -1581,6 +1838,13 @@ class Episode {
     absl::StatusOr<std::unique_ptr<Cache>> created = Cache::Create(spec_, device_.get());
     if (!created.ok()) return ::testing::AssertionFailure() << "Create: " << created.status();
     cache_ = std::move(created).value();
+    // Chains are hashed in the spec's blocks, seeded by the (default) tenant and cache name.
+    const TokenHasher& hasher = cache_->token_hasher();
+    if (hasher.block_size != spec_.token_block_size || hasher.bits != 64 ||
+        hasher.seed != TokenHashSeed(kDefaultTenant, spec_.name)) {
+      return ::testing::AssertionFailure()
+             << "token hasher block_size " << hasher.block_size << " bits " << hasher.bits;
+    }
     ::testing::AssertionResult initial = CompareAll();
     if (!initial) return initial << "\nin the empty cache";
     for (int step = 0; step < steps; ++step) {
@@ -1593,6 +1857,7 @@ class Episode {
         return r << os.str();
       }
     }
+    for (const auto& [k, v] : model_.token_events) outcomes[k] += v;
     // Destroying the cache returns every byte, its snapshots' included.
     cache_.reset();
     if (device_->used_bytes(MemoryPool::kCache) != 0 ||
@@ -1634,7 +1899,7 @@ class Episode {
   }
 
   ::testing::AssertionResult Step() {
-    const int64_t r = rng_.Below(100);
+    const int64_t r = rng_.Below(104);
     if (r < 33) return StepAppend();
     if (r < 40) return StepCommit();
     if (r < 49) return StepCopyPrefix();
@@ -1647,7 +1912,9 @@ class Episode {
     if (r < 92) return StepRestore();
     if (r < 95) return StepMerge();
     if (r < 98) return StepSplit();
-    return StepDrop();
+    if (r < 100) return StepDrop();
+    if (r < 102) return StepImage();
+    return StepTransfer();
   }
 
   ::testing::AssertionResult StepAppend() {
@@ -1676,6 +1943,7 @@ class Episode {
     for (size_t i = 0; i < seqs.size(); ++i) {
       const int32_t offset = model_.Offset(seqs[i]);
       int32_t start;
+      int max_count = spec_.max_batch;
       const int64_t kind = rng_.Below(contiguous ? 40 : 10);
       if (kind < 6 || kind >= 10) {
         start = offset;
@@ -1684,9 +1952,23 @@ class Episode {
       } else if (kind < 9) {
         start = static_cast<int32_t>(rng_.Below(PosLimit()));
       } else {
-        start = static_cast<int32_t>(rng_.Below(std::max<int32_t>(offset, 1)));
+        // Below the offset: mostly where nothing is stored (a gap, or what a window pruned), so
+        // that such positions are stored again, below ids the sequence has.
+        std::vector<int32_t> holes;
+        for (int32_t p = 0; p < offset; ++p) {
+          if (!model_.StoredAnywhere(seqs[i], p)) holes.push_back(p);
+        }
+        if (!holes.empty() && rng_.Chance(70)) {
+          // Mostly no further than the hole reaches.
+          start = rng_.Pick(holes);
+          int32_t end = start;
+          while (end < offset && !model_.StoredAnywhere(seqs[i], end)) ++end;
+          if (end < offset) max_count = std::min(max_count, end - start);
+        } else {
+          start = static_cast<int32_t>(rng_.Below(std::max<int32_t>(offset, 1)));
+        }
       }
-      const int count = static_cast<int>(rng_.Between(1, spec_.max_batch));
+      const int count = static_cast<int>(rng_.Between(1, max_count));
       int32_t pos = start;
       for (int k = 0; k < count; ++k) {
         per_seq[i].push_back(pos);
@@ -1708,10 +1990,19 @@ class Episode {
     // Mostly within max_batch; sometimes one more.
     const size_t limit = spec_.max_batch + (rng_.Chance(5) ? 1 : 0);
     if (tokens.size() > limit) tokens.resize(limit);
+    // Token ids: mostly on every token, sometimes on some, sometimes on none. They come from a
+    // small alphabet and are mostly a function of the position, so that sequences often share
+    // prefixes (a snapshot restored into another sequence then finds the same ids below its
+    // start, or not).
+    const int64_t with_ids = always_ids_ ? 0 : rng_.Below(100);
+    for (Token& t : tokens) {
+      if (with_ids >= 85 || (with_ids >= 70 && rng_.Chance(50))) continue;
+      t.id = static_cast<int32_t>(rng_.Chance(60) ? (t.pos / 2) % 4 : rng_.Below(4));
+    }
 
     int payload_fault = 0;
     if (rng_.Chance(12)) {
-      switch (rng_.Below(6)) {
+      switch (rng_.Below(7)) {
         case 0: {  // duplicate a token
           const size_t i = rng_.Below(tokens.size());
           tokens.insert(tokens.begin() + i, tokens[i]);
@@ -1736,6 +2027,9 @@ class Episode {
           break;
         case 4:
           payload_fault = static_cast<int>(rng_.Between(1, 4));
+          break;
+        case 5:  // a negative id other than kNoTokenId
+          tokens[rng_.Below(tokens.size())].id = -2 - static_cast<int32_t>(rng_.Below(3));
           break;
         default:
           tokens.clear();
@@ -1768,8 +2062,48 @@ class Episode {
     std::string what =
         std::string(speculative ? "AppendSpeculative(" : "Append(") + TokensToString(tokens) + ")";
     if (payload_fault != 0) what += " payload fault " + std::to_string(payload_fault);
+    // The payload as one span, in pieces, or piece by piece through an AppendWriter: the same
+    // Append whichever way it comes.
+    std::vector<absl::Span<const uint8_t>> pieces;
+    const int64_t way = rng_.Below(100);
+    if (way >= 70) {
+      size_t at = 0;
+      const int cuts = static_cast<int>(rng_.Between(0, 2));
+      for (int k = 0; k < cuts && at < payload.size(); ++k) {
+        const size_t n = 1 + static_cast<size_t>(rng_.Below(payload.size() - at));
+        pieces.push_back(absl::MakeConstSpan(payload).subspan(at, n));
+        at += n;
+      }
+      pieces.push_back(absl::MakeConstSpan(payload).subspan(at));
+      what += way < 85 ? " in " : " through a writer in ";
+      what += std::to_string(pieces.size()) + " pieces";
+      ++outcomes[way < 85 ? "appends in pieces" : "appends through a writer"];
+    }
     const Codes want = model_.Append(tokens, ids, state_ids, speculative, payload_ok);
-    return Check(what, want, cache_->Append(tokens, payload, speculative));
+    absl::Status got;
+    if (way < 70) {
+      got = cache_->Append(tokens, payload, speculative);
+    } else if (way < 85) {
+      got = cache_->AppendPieces(tokens, pieces, speculative);
+    } else {
+      got = AppendThroughWriter(tokens, pieces, speculative);
+    }
+    return Check(what, want, got);
+  }
+
+  absl::Status AppendThroughWriter(const std::vector<Token>& tokens,
+                                   const std::vector<absl::Span<const uint8_t>>& pieces,
+                                   bool speculative) {
+    size_t bytes = 0;
+    for (absl::Span<const uint8_t> piece : pieces) bytes += piece.size();
+    absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+        Cache::BeginAppend(cache_, tokens, bytes, speculative);
+    if (!writer.ok()) return writer.status();
+    for (absl::Span<const uint8_t> piece : pieces) {
+      const absl::Status written = (*writer)->Write(piece);
+      if (!written.ok()) return written;
+    }
+    return (*writer)->Commit();
   }
 
   ::testing::AssertionResult StepCommit() {
@@ -2072,9 +2406,11 @@ class Episode {
     int32_t from = static_cast<int32_t>(rng_.Below(std::max(offset, 1)));
     const int64_t kind = rng_.Below(100);
     if (kind < 25) {
-      // Continue a snapshot of this sequence, so that MergeSnapshots finds matching pairs.
+      // Continue a snapshot of this sequence, so that MergeSnapshots finds matching pairs;
+      // sometimes one of another sequence, whose ids may differ below the start.
+      const bool any = rng_.Chance(40);
       for (const auto& [id, s] : model_.snapshots()) {
-        if (s.seq == seq && s.to < offset) from = s.to;
+        if ((any || s.seq == seq) && s.to < offset) from = s.to;
       }
     } else if (kind < 35) {
       from = 0;
@@ -2084,6 +2420,10 @@ class Episode {
       from = offset + 1;
     } else if (kind < 48) {
       from = -1;
+    } else if (const TokenRef* chain = model_.Tokens(seq); chain != nullptr && chain->taint > 0 &&
+                                                           chain->taint != kNoTaint &&
+                                                           rng_.Chance(50)) {
+      from = static_cast<int32_t>(rng_.Below(chain->taint));  // ids tainted past the start
     }
     if (rng_.Chance(2)) seq = -1;
     const std::string what = "Snapshot(" + std::to_string(seq) + ", " + std::to_string(from) + ")";
@@ -2109,6 +2449,11 @@ class Episode {
   ::testing::AssertionResult StepRestore() {
     std::optional<uint64_t> id;
     if (!rng_.Chance(25)) id = PickSnapshotId();
+    // Often the newest snapshot (of a merge, a split or an import, say): a restore is where the
+    // ids a snapshot keeps show.
+    if (id.has_value() && !model_.snapshots().empty() && rng_.Chance(30)) {
+      id = model_.snapshots().rbegin()->first;
+    }
     int64_t seq = PickSeq();
     const auto snap = id.has_value() ? model_.snapshots().find(*id) : model_.snapshots().end();
     const bool known = snap != model_.snapshots().end();
@@ -2165,6 +2510,10 @@ class Episode {
       if (!pairs.empty()) std::tie(parent, child) = rng_.Pick(pairs);
     }
     if (rng_.Chance(4)) child = parent;
+    return Merge(parent, child);
+  }
+
+  ::testing::AssertionResult Merge(uint64_t parent, uint64_t child) {
     const std::string what =
         "MergeSnapshots(" + std::to_string(parent) + ", " + std::to_string(child) + ")";
     ModelSnapshot merged;
@@ -2183,11 +2532,24 @@ class Episode {
   }
 
   ::testing::AssertionResult StepSplit() {
-    const uint64_t id = PickSnapshotId();
+    uint64_t id = PickSnapshotId();
     int32_t at = static_cast<int32_t>(rng_.Below(PosLimit()));
     const auto it = model_.snapshots().find(id);
     if (it != model_.snapshots().end() && rng_.Chance(85)) {
       at = static_cast<int32_t>(rng_.Between(std::max(0, it->second.from - 1), it->second.to + 1));
+    }
+    // Sometimes a snapshot whose ids are tainted past its start, cut below the taint: a clean
+    // parent and a tainted child (few snapshots are tainted, and few cuts fall there), which
+    // then merge back.
+    std::vector<uint64_t> tainted;
+    for (const auto& [k, s] : model_.snapshots()) {
+      if (s.from < s.tokens.taint && s.tokens.taint < s.to) tainted.push_back(k);
+    }
+    const bool below_taint = !tainted.empty() && rng_.Chance(60);
+    if (below_taint) {
+      id = rng_.Pick(tainted);
+      const ModelSnapshot& s = model_.snapshots().at(id);
+      at = static_cast<int32_t>(rng_.Between(s.from + 1, s.tokens.taint));
     }
     const std::string what =
         "SplitSnapshot(" + std::to_string(id) + ", " + std::to_string(at) + ")";
@@ -2219,6 +2581,11 @@ class Episode {
       if (!r) return r << " in " << what << " (child)";
       model_.AddSnapshot(got->child->id, std::move(*child));
     }
+    // Sometimes the halves merge back at once: a merge of a parent and a child that agree
+    // below the child's start, which otherwise few pairs of snapshots do.
+    if (got->parent.has_value() && got->child.has_value() && (below_taint || rng_.Chance(30))) {
+      return Merge(got->parent->id, got->child->id);
+    }
     return r;
   }
 
@@ -2229,6 +2596,258 @@ class Episode {
     ::testing::AssertionResult r = Check(what, known ? kOk : kNotFound, cache_->DropSnapshot(id));
     if (r && known) model_.EraseSnapshot(id);
     return r;
+  }
+
+  // Reads the whole wire image of `reader` and lets it go.
+  ::testing::AssertionResult TakeImage(std::unique_ptr<SnapshotExportReader> reader,
+                                       std::vector<uint8_t>* image) {
+    image->assign(reader->size(), 0);
+    const absl::Status read = reader->ReadAt(0, absl::MakeSpan(*image));
+    if (!read.ok()) return ::testing::AssertionFailure() << "ReadAt of a wire image: " << read;
+    return ::testing::AssertionSuccess();
+  }
+
+  // The codes of a write into the snapshot pool of `bytes` bytes.
+  Codes PoolCodes(size_t bytes) const {
+    if (!no_snapshot_pool_) return kOk;
+    // Whether a snapshot of no bytes needs an allocation is not specified.
+    return bytes > 0 ? Codes(kExhausted) : Codes(std::vector<absl::StatusCode>{kOk, kExhausted});
+  }
+
+  // A snapshot's wire image imported back into the cache (as another node with the same spec
+  // would import it): a new snapshot equal to the first, token ids included. The export reader
+  // keeps the data of a snapshot dropped while it is open.
+  ::testing::AssertionResult StepImage() {
+    const uint64_t id = PickSnapshotId();
+    const auto snap = model_.snapshots().find(id);
+    const bool known = snap != model_.snapshots().end();
+    const std::string what = "OpenSnapshotExport(" + std::to_string(id) + ")";
+    absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader = cache_->OpenSnapshotExport(id);
+    ::testing::AssertionResult r = Check(what, known ? kOk : kNotFound, reader.status());
+    if (!r || !reader.ok()) return r;
+    const ModelSnapshot copy = snap->second;
+    r = CompareSnapshotInfo((*reader)->info(), ExpectedInfo(spec_, id, copy));
+    if (!r) return r << " in " << what;
+    if (rng_.Chance(30)) {
+      r = Check("DropSnapshot(" + std::to_string(id) + ")", kOk, cache_->DropSnapshot(id));
+      if (!r) return r;
+      model_.EraseSnapshot(id);
+    }
+    std::vector<uint8_t> image;
+    r = TakeImage(std::move(reader).value(), &image);
+    if (!r) return r;
+    absl::StatusOr<std::unique_ptr<SnapshotImportWriter>> writer =
+        cache_->BeginSnapshotImport(image.size());
+    if (!writer.ok()) {
+      return ::testing::AssertionFailure() << "BeginSnapshotImport: " << writer.status();
+    }
+    const absl::Status written = (*writer)->Write(image);
+    absl::StatusOr<SnapshotInfo> got =
+        written.ok() ? (*writer)->Commit() : absl::StatusOr<SnapshotInfo>(written);
+    const std::string import = "ImportSnapshot(image of " + std::to_string(id) + ")";
+    r = Check(import, PoolCodes(ExpectedInfo(spec_, 0, copy).bytes), got.status());
+    if (!r || !got.ok()) return r;
+    log_.back() += " id " + std::to_string(got->id);
+    r = CheckNewId(got->id);
+    if (r) r = CompareSnapshotInfo(*got, ExpectedInfo(spec_, got->id, copy));
+    if (!r) return r << " in " << import;
+    model_.AddSnapshot(got->id, copy);
+    return r;
+  }
+
+  // A sequence moved through its wire image without a snapshot left (OpenSequenceExport,
+  // BeginSequenceImport, RestoreImport), here into a sequence of the same cache: Snapshot and
+  // Restore of it. A cache of Attention groups only lends the export its cells and imports
+  // into free cells when there are enough; others go through the snapshot pool.
+  ::testing::AssertionResult StepTransfer() {
+    const int64_t src = PickLiveSeq();
+    const int32_t offset = model_.Offset(src);
+    int32_t from = 0;
+    if (rng_.Chance(40)) from = static_cast<int32_t>(rng_.Below(offset + 2));
+    const int64_t dst = rng_.Chance(40) ? src : PickSeq();
+    ModelSnapshot snap;
+    Codes want = model_.Snapshot(src, from, &snap);
+    const bool lends = !model_.contiguous();
+    if (want.ok() && !lends) want = PoolCodes(ExpectedInfo(spec_, 0, snap).bytes);
+    const std::string what =
+        "SequenceExport(" + std::to_string(src) + ", " + std::to_string(from) + ")";
+    absl::StatusOr<std::unique_ptr<SnapshotExportReader>> reader =
+        Cache::OpenSequenceExport(cache_, src, from, std::nullopt);
+    ::testing::AssertionResult r = Check(what, want, reader.status());
+    if (!r || !reader.ok()) return r;
+    const SnapshotInfo exported = (*reader)->info();
+    // A cache that does not lend its cells exports through a snapshot it drops at once.
+    if (exported.id != 0) r = CheckNewId(exported.id);
+    if (r) r = CompareSnapshotInfo(exported, ExpectedInfo(spec_, exported.id, snap));
+    if (!r) return r << " in " << what;
+    std::vector<uint8_t> image;
+    r = TakeImage(std::move(reader).value(), &image);
+    if (!r) return r;
+
+    absl::StatusOr<std::unique_ptr<SequenceImport>> import =
+        Cache::BeginSequenceImport(cache_, image.size());
+    if (!import.ok()) {
+      return ::testing::AssertionFailure() << "BeginSequenceImport: " << import.status();
+    }
+    const bool in_cells = lends && model_.ImportFitsInCells(snap);
+    const absl::Status written = (*import)->Write(image);
+    absl::StatusOr<SnapshotInfo> committed =
+        written.ok() ? (*import)->Commit() : absl::StatusOr<SnapshotInfo>(written);
+    // Without a snapshot pool even an import into cells may be refused: the image's header is
+    // bounded by what the pool's budget could hold before it is known where the rows go.
+    Codes import_want = in_cells ? Codes(kOk) : PoolCodes(exported.bytes);
+    if (in_cells && no_snapshot_pool_) {
+      import_want = Codes(std::vector<absl::StatusCode>{kOk, kExhausted});
+    }
+    r = Check("SequenceImport(image of " + std::to_string(src) + ")", import_want,
+              committed.status());
+    if (!r || !committed.ok()) return r;
+    if ((*import)->in_cells() != in_cells) {
+      return ::testing::AssertionFailure()
+             << "SequenceImport in_cells() " << (*import)->in_cells() << ", model " << in_cells;
+    }
+    r = CompareSnapshotInfo(*committed, ExpectedInfo(spec_, 0, snap));
+    if (!r) return r << " in SequenceImport";
+    if (in_cells) ++outcomes["sequence imports into cells"];
+
+    int32_t target = snap.to;
+    const int64_t kind = rng_.Below(100);
+    if (kind < 30) {
+      target = static_cast<int32_t>(rng_.Between(0, snap.to));
+    } else if (kind < 35) {
+      target = snap.to + 1;
+    }
+    const std::string restore = "RestoreImport(" + std::to_string(dst) + ", image of " +
+                                std::to_string(src) + " [" + std::to_string(snap.from) + ", " +
+                                std::to_string(snap.to) + "), " + std::to_string(target) + ")";
+    const Codes restored = model_.Restore(dst, std::nullopt, target, &snap);
+    return Check(restore, restored, cache_->RestoreImport(dst, **import, target));
+  }
+
+  // The token chain of every sequence of the pool (and of any other live one) against the
+  // model's ids, and what ListSequences says of it.
+  ::testing::AssertionResult CompareTokens(const std::vector<SequenceInfo>& listed) {
+    const TokenHasher& hasher = cache_->token_hasher();
+    std::set<int64_t> seqs(pool_.begin(), pool_.end());
+    const std::set<int64_t> live = model_.Live();
+    seqs.insert(live.begin(), live.end());
+    std::map<int64_t, const SequenceInfo*> by_seq;
+    for (const SequenceInfo& info : listed) by_seq[info.seq] = &info;
+    size_t chains = 0;
+    std::vector<uint64_t> all;  // every chain's hashes
+    for (int64_t seq : seqs) {
+      const TokenChain got = cache_->Tokens(seq);
+      const TokenRef none;
+      const TokenRef* ref = model_.Tokens(seq);
+      const TokenRef& want = ref != nullptr ? *ref : none;
+      // Hashes of the blocks wholly below exact, each seeded by the one before.
+      std::vector<uint64_t> hashes;
+      const int32_t b = spec_.token_block_size;
+      for (int32_t k = 0; (k + 1) * b <= want.exact(); ++k) {
+        hashes.push_back(hasher.Block(k == 0 ? hasher.seed : hashes.back(),
+                                      absl::MakeConstSpan(want.ids).subspan(k * b, b)));
+      }
+      if (got.ids() != want.ids || got.settled() != want.settled || got.taint() != want.taint ||
+          got.exact() != want.exact() || got.hashes() != hashes) {
+        std::ostringstream os;
+        auto describe = [&os](const std::vector<int32_t>& ids, int32_t settled, int32_t taint,
+                              size_t blocks) {
+          os << "{ids";
+          for (int32_t id : ids) os << " " << id;
+          os << ", settled " << settled << ", taint "
+             << (taint == kNoTaint ? std::string("none") : std::to_string(taint)) << ", " << blocks
+             << " blocks}";
+        };
+        os << "tokens of seq " << seq << ": ";
+        describe(got.ids(), got.settled(), got.taint(), got.hashes().size());
+        os << ", model ";
+        describe(want.ids, want.settled, want.taint, hashes.size());
+        if (got.hashes() != hashes && got.hashes().size() == hashes.size()) {
+          os << " (hashes differ)";
+        }
+        return ::testing::AssertionFailure() << os.str();
+      }
+      auto it = by_seq.find(seq);
+      if (it != by_seq.end() &&
+          (it->second->tokens != want.Size() || it->second->exact_tokens != want.exact() ||
+           it->second->token_blocks != static_cast<int32_t>(hashes.size()))) {
+        return ::testing::AssertionFailure()
+               << "ListSequences seq " << seq << ": tokens " << it->second->tokens << " exact "
+               << it->second->exact_tokens << " blocks " << it->second->token_blocks << ", model "
+               << want.Size() << " " << want.exact() << " " << hashes.size();
+      }
+      if (ref == nullptr) continue;
+      ++chains;
+      all.insert(all.end(), hashes.begin(), hashes.end());
+      ++outcomes["token chains compared"];
+      if (!hashes.empty()) ++outcomes["hashed token blocks compared"];
+      if (want.taint != kNoTaint) ++outcomes["tainted token chains compared"];
+      if (want.settled < want.Size()) ++outcomes["pending token ids compared"];
+    }
+    for (const auto& [id, s] : model_.snapshots()) {
+      if (s.tokens.taint != kNoTaint) ++outcomes["tainted snapshot ids compared"];
+    }
+    // The block index holds each chain's hashes (distinct ones: 64-bit hashes of these few
+    // short chains do not collide).
+    const size_t entries = all.size();
+    std::sort(all.begin(), all.end());
+    all.erase(std::unique(all.begin(), all.end()), all.end());
+    const TokenIndexStats index = cache_->TokenIndex();
+    if (index.sequences != chains || index.entries != entries || index.hashes != all.size()) {
+      return ::testing::AssertionFailure()
+             << "TokenIndex: " << index.sequences << " sequences, " << index.entries << " entries, "
+             << index.hashes << " hashes; chains: " << chains << ", " << entries << ", "
+             << all.size();
+    }
+    return ComparePrefixLookup(seqs);
+  }
+
+  // LookupPrefix of a prompt that continues (or leaves) some sequence's ids, asking for more
+  // matches than there are sequences.
+  ::testing::AssertionResult ComparePrefixLookup(const std::set<int64_t>& seqs) {
+    std::vector<int32_t> prompt;
+    const int64_t seq = rng_.Pick(std::vector<int64_t>(seqs.begin(), seqs.end()));
+    if (const TokenRef* ref = model_.Tokens(seq)) {
+      prompt = ref->ids;
+      prompt.resize(rng_.Between(0, ref->Size()));
+    }
+    const int extra = static_cast<int>(rng_.Below(2 * spec_.token_block_size + 1));
+    for (int k = 0; k < extra; ++k) {
+      const int32_t pos = static_cast<int32_t>(prompt.size());
+      prompt.push_back(static_cast<int32_t>(rng_.Chance(60) ? (pos / 2) % 4 : rng_.Below(4)));
+    }
+    const absl::StatusOr<std::vector<PrefixMatch>> got =
+        cache_->LookupPrefix(prompt, static_cast<int>(seqs.size()) + 1);
+    if (!got.ok()) return ::testing::AssertionFailure() << "LookupPrefix: " << got.status();
+    const std::vector<PrefixMatch> want = model_.LookupPrefix(prompt);
+    bool same = got->size() == want.size();
+    for (size_t i = 0; same && i < want.size(); ++i) {
+      const PrefixMatch& a = (*got)[i];
+      const PrefixMatch& b = want[i];
+      same = a.seq == b.seq && a.length == b.length && a.offset == b.offset &&
+             a.can_resume == b.can_resume;
+    }
+    if (!same) {
+      std::ostringstream os;
+      auto describe = [&os](const std::vector<PrefixMatch>& matches) {
+        os << "{";
+        for (const PrefixMatch& m : matches) {
+          os << " seq " << m.seq << " length " << m.length << " offset " << m.offset
+             << (m.can_resume ? " resumable" : "") << ";";
+        }
+        os << " }";
+      };
+      os << "LookupPrefix of " << prompt.size() << " ids:";
+      for (int32_t id : prompt) os << " " << id;
+      os << ": ";
+      describe(*got);
+      os << ", model ";
+      describe(want);
+      return ::testing::AssertionFailure() << os.str();
+    }
+    if (!want.empty()) ++outcomes["prefix lookups that match compared"];
+    if (want.size() > 1) ++outcomes["prefix lookups that match several compared"];
+    return ::testing::AssertionSuccess();
   }
 
   // Every observable against the model.
@@ -2308,7 +2927,9 @@ class Episode {
           continue;
         }
         if (!one.has_value() || one->offset != it->second->offset ||
-            one->pending != it->second->pending ||
+            one->pending != it->second->pending || one->tokens != it->second->tokens ||
+            one->exact_tokens != it->second->exact_tokens ||
+            one->token_blocks != it->second->token_blocks ||
             one->groups.size() != it->second->groups.size()) {
           return ::testing::AssertionFailure() << "GetSequence(" << seq
                                                << ") differs from its "
@@ -2383,6 +3004,8 @@ class Episode {
         }
       }
     }
+    ::testing::AssertionResult tokens = CompareTokens(seqs);
+    if (!tokens) return tokens;
     // Cells (or slots) referenced by more than one sequence, per group: the engine keeps
     // these counts as references come and go; the model counts them afresh.
     const std::vector<int64_t> shared_cells = cache_->SharedCells();
@@ -2482,8 +3105,9 @@ class Episode {
   Model model_;
   RowMemo memo_;
   const bool no_snapshot_pool_;
+  const bool always_ids_;
   std::unique_ptr<Device> device_;  // outlives cache_
-  std::unique_ptr<Cache> cache_;
+  std::shared_ptr<Cache> cache_;
   std::vector<int64_t> pool_;
   std::vector<std::string> log_;
   uint64_t next_id_ = 1;
@@ -2574,7 +3198,29 @@ TEST(CacheModelTest, RandomOperationsMatchTheModel) {
                                 "recurrent states compared INVALID",
                                 "shared recurrent slots compared",
                                 "shared cell counts compared",
-                                "sequences with pending tokens compared"}) {
+                                "sequences with pending tokens compared",
+                                "appends in pieces",
+                                "appends through a writer",
+                                "OpenSnapshotExport OK",
+                                "ImportSnapshot OK",
+                                "SequenceExport OK",
+                                "SequenceImport OK",
+                                "sequence imports into cells",
+                                "RestoreImport OK",
+                                "token chains compared",
+                                "hashed token blocks compared",
+                                "tainted token chains compared",
+                                "pending token ids compared",
+                                "tainted snapshot ids compared",
+                                "restores after the same ids",
+                                "restores after other ids",
+                                "merges of the same ids",
+                                "merges of other ids",
+                                "merges that keep the child's taint",
+                                "restores that keep the snapshot's taint",
+                                "ids past the limit dropped",
+                                "prefix lookups that match compared",
+                                "prefix lookups that match several compared"}) {
       EXPECT_GT(outcomes[outcome], 0) << outcome;
     }
   }
