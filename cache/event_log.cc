@@ -48,7 +48,8 @@ size_t Event::bytes() const {
          block_hashes.capacity() * sizeof(uint64_t);
 }
 
-EventLog::EventLog(Options options) : options_(options), boot_id_(NewBootId()) {}
+EventLog::EventLog(Options options)
+    : options_(options), boot_id_(options.boot_id.empty() ? NewBootId() : options.boot_id) {}
 
 uint64_t EventLog::Publish(Event event) {
   uint64_t number = 0;

@@ -75,6 +75,8 @@ class EventLog {
   struct Options {
     size_t max_bytes = size_t{64} << 20;
     size_t max_events = size_t{1} << 20;
+    // The process's boot id (the node's, as it reports it everywhere); empty: a random one.
+    std::string boot_id;
   };
   EventLog() : EventLog(Options()) {}
   explicit EventLog(Options options);
@@ -82,7 +84,7 @@ class EventLog {
   EventLog(const EventLog&) = delete;
   EventLog& operator=(const EventLog&) = delete;
 
-  // 32 hex digits, random, fixed for the log's life.
+  // Options::boot_id, or 32 random hex digits; fixed for the log's life.
   const std::string& boot_id() const { return boot_id_; }
 
   // Numbers the event and appends it, dropping the oldest events beyond the bounds; wakes

@@ -1315,6 +1315,23 @@ grpc::ServerUnaryReactor* CacheServiceImpl::LookupPrefix(grpc::CallbackServerCon
   });
 }
 
+grpc::ServerWriteReactor<v1::WatchEventsResponse>* CacheServiceImpl::WatchEvents(
+    grpc::CallbackServerContext* context, const v1::WatchEventsRequest* request) {
+  absl::StatusOr<Principal> caller = Caller(*context);
+  if (caller.ok() && options_.events == nullptr) {
+    caller = absl::FailedPreconditionError("this node keeps no event log");
+  }
+  if (caller.ok() && watchers_.stopping.load()) {
+    caller = absl::UnavailableError("the node is shutting down");
+  }
+  return StartWatch(*request, std::move(caller), registry_, options_.events, &watchers_);
+}
+
+void CacheServiceImpl::StopWatchers() {
+  watchers_.stopping.store(true);
+  if (options_.events != nullptr) options_.events->Wake();
+}
+
 // ---- snapshots and speculation --------------------------------------------------------------
 
 grpc::ServerUnaryReactor* CacheServiceImpl::Snapshot(grpc::CallbackServerContext* context,

@@ -53,6 +53,7 @@
 #include "service/executor.h"
 #include "service/idle_reaper.h"
 #include "service/inflight_budget.h"
+#include "service/watch_events.h"
 
 namespace kvmesh {
 
@@ -90,20 +91,20 @@ using S = v1::CacheService;
 using CacheServiceBase = S::WithCallbackMethod_CreateCache<S::WithCallbackMethod_DeleteCache<
     S::WithCallbackMethod_GetCache<S::WithCallbackMethod_ListCaches<S::WithRawCallbackMethod_Append<
         S::WithRawCallbackMethod_AppendStream<S::WithRawCallbackMethod_Read<
-            S::WithCallbackMethod_Visible<S::WithCallbackMethod_CopyPrefix<
-                S::WithCallbackMethod_Remove<S::WithCallbackMethod_CanResume<
-                    S::WithCallbackMethod_ListSequences<S::WithCallbackMethod_Snapshot<
-                        S::WithCallbackMethod_Restore<S::WithCallbackMethod_MergeSnapshots<
-                            S::WithCallbackMethod_SplitSnapshot<S::WithCallbackMethod_DropSnapshot<
-                                S::WithCallbackMethod_ListSnapshots<
-                                    S::WithCallbackMethod_CommitSpeculation<
-                                        S::WithCallbackMethod_Migrate<
-                                            S::WithCallbackMethod_MigrateSnapshot<
-                                                S::WithCallbackMethod_ListMembers<
-                                                    S::WithCallbackMethod_Drain<
-                                                        S::WithCallbackMethod_Reserve<
-                                                            S::WithCallbackMethod_LookupPrefix<
-                                                                S::Service>>>>>>>>>>>>>>>>>>>>>>>>>;
+            S::WithCallbackMethod_Visible<S::WithCallbackMethod_CopyPrefix<S::WithCallbackMethod_Remove<
+                S::WithCallbackMethod_CanResume<S::WithCallbackMethod_ListSequences<
+                    S::WithCallbackMethod_Snapshot<S::WithCallbackMethod_Restore<
+                        S::WithCallbackMethod_MergeSnapshots<S::WithCallbackMethod_SplitSnapshot<
+                            S::WithCallbackMethod_DropSnapshot<S::WithCallbackMethod_ListSnapshots<
+                                S::WithCallbackMethod_CommitSpeculation<
+                                    S::WithCallbackMethod_Migrate<
+                                        S::WithCallbackMethod_MigrateSnapshot<
+                                            S::WithCallbackMethod_ListMembers<
+                                                S::WithCallbackMethod_Drain<
+                                                    S::WithCallbackMethod_Reserve<
+                                                        S::WithCallbackMethod_LookupPrefix<
+                                                            S::WithCallbackMethod_WatchEvents<
+                                                                S::Service>>>>>>>>>>>>>>>>>>>>>>>>>>;
 }  // namespace internal
 
 class CacheServiceImpl final : public internal::CacheServiceBase {
@@ -133,6 +134,9 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
     DrainGate* gate = nullptr;
     Drainer* drainer = nullptr;
     absl::Duration drain_timeout = absl::Seconds(60);
+    // The node's event log, which WatchEvents serves (not owned; null: WatchEvents is
+    // FAILED_PRECONDITION).
+    EventLog* events = nullptr;
   };
 
   // `registry` and `executor` are not owned and must outlive the service.
@@ -187,6 +191,11 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   grpc::ServerUnaryReactor* LookupPrefix(grpc::CallbackServerContext* context,
                                          const v1::LookupPrefixRequest* request,
                                          v1::LookupPrefixResponse* response) override;
+  grpc::ServerWriteReactor<v1::WatchEventsResponse>* WatchEvents(
+      grpc::CallbackServerContext* context, const v1::WatchEventsRequest* request) override;
+  // Ends every WatchEvents stream (UNAVAILABLE) and refuses new ones: call before the server's
+  // Shutdown, or the streams, which never end by themselves, hold it for its grace period.
+  void StopWatchers();
   grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* context,
                                      const v1::SnapshotRequest* request,
                                      v1::SnapshotResponse* response) override;
@@ -301,6 +310,7 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   grpc::Status BusyStatus() const;
 
   CacheRegistry* const registry_;
+  WatcherCount watchers_;
   Executor* const executor_;
   const Options options_;
   // options_.inflight, or an unlimited budget of our own when that is null.

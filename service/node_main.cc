@@ -188,6 +188,12 @@ ABSL_FLAG(int64_t, testing_chunk_delay_ms, 0,
 ABSL_FLAG(int32_t, testing_corrupt_chunk, -1,
           "testing only: the grpc-stream and nccl senders flip a byte of this chunk (nccl: "
           "piece) index of every transfer, after its CRC-32C was computed");
+ABSL_FLAG(kvmesh::ByteSize, event_log_bytes, kvmesh::ByteSize{size_t{64} << 20},
+          "most memory the node's event log keeps (docs/api.md#watchevents): a watcher that falls "
+          "further behind is ended and resumes from a listing");
+ABSL_FLAG(int32_t, testing_token_hash_bits, 64,
+          "testing only: keep this many low bits of every block hash (1 to 64), so that tests "
+          "can force hash collisions");
 ABSL_FLAG(int32_t, testing_lose_pull_replies, 0,
           "testing only: the first this many migrations into this node that commit answer "
           "UNAVAILABLE anyway, as when the reply is lost (a drain then asks again)");
@@ -605,8 +611,13 @@ int Run() {
                                           absl::GetFlag(FLAGS_kept_arena_limit).bytes,
                                           absl::GetFlag(FLAGS_prefault_memory));
   }
+  // Before the registry, whose caches publish into it.
+  EventLog::Options event_options;
+  event_options.max_bytes = absl::GetFlag(FLAGS_event_log_bytes).bytes;
+  event_options.boot_id = ThisProcess().boot_id;
+  EventLog events(event_options);
   // Declared after the device: the registry's caches hold device memory and are destroyed first.
-  CacheRegistry registry(device.get());
+  CacheRegistry registry(device.get(), absl::GetFlag(FLAGS_testing_token_hash_bits), &events);
   Executor executor(threads, static_cast<size_t>(queue));
   // Before everything that counts into it; its endpoint starts once the node listens.
   Metrics metrics;
@@ -764,6 +775,7 @@ int Run() {
   options.gate = &gate;
   options.drainer = &drainer;
   options.drain_timeout = absl::Milliseconds(drain_timeout_ms);
+  options.events = &events;
   CacheServiceImpl service(&registry, &executor, options);
   PeerServiceImpl::Options peer_options;
   peer_options.name = name;
@@ -984,6 +996,7 @@ int Run() {
   // meanwhile: queued tasks are what finish those calls (a Fetch stream whose chunk read is
   // queued on transfer_reads finishes when that read runs and sees the cancellation).
   const absl::Time grace_end = absl::Now() + kShutdownGrace;
+  service.StopWatchers();
   if (peer_server != nullptr) peer_server->Shutdown(absl::ToChronoTime(grace_end));
   server->Shutdown(absl::ToChronoTime(grace_end));
   if (health_server != nullptr) health_server->Shutdown(absl::ToChronoTime(grace_end));

@@ -1,0 +1,51 @@
+// CacheService.WatchEvents (docs/api.md#watchevents): one server stream per watcher, fed from
+// the node's EventLog.
+//
+// Each watcher has a thread of its own that reads the log from its cursor, keeps the events of
+// the caller's tenant (and of the caches it asked for), and writes one message at a time: a
+// watcher holds at most one message, whatever it watches, and writers of the log never wait for
+// it. A watcher whose cursor the log has dropped (it read slower than the node changed) is
+// ended with ABORTED, and resumes with a fresh listing. At most kMaxWatchers watchers run at
+// once on a node (RESOURCE_EXHAUSTED beyond), so their threads stay few.
+//
+// Thread safety: StartWatch is thread-safe; the reactor it returns is gRPC's.
+#ifndef KVMESH_SERVICE_WATCH_EVENTS_H_
+#define KVMESH_SERVICE_WATCH_EVENTS_H_
+
+#include <atomic>
+#include <cstddef>
+
+#include "absl/status/statusor.h"
+#include "cache/cache_registry.h"
+#include "cache/event_log.h"
+#include "grpcpp/grpcpp.h"
+#include "kvmesh/v1/kvmesh.grpc.pb.h"
+#include "service/auth.h"
+
+namespace kvmesh {
+
+inline constexpr int kMaxWatchers = 64;
+// A message holds events up to about this many bytes (one event more when it alone is larger).
+inline constexpr size_t kWatchMessageBytes = size_t{1} << 20;
+
+// Counts the watchers of a node, and ends them when it shuts down.
+struct WatcherCount {
+  std::atomic<int> running{0};
+  // Set when the node shuts down (then EventLog::Wake): every watcher ends with UNAVAILABLE
+  // rather than holding the server's shutdown for its grace period.
+  std::atomic<bool> stopping{false};
+};
+
+// The reactor of one WatchEvents call by `caller` (its error, when not OK, ends the call; `log`
+// may then be null). `registry`, `log` and `count` must outlive every call.
+grpc::ServerWriteReactor<v1::WatchEventsResponse>* StartWatch(const v1::WatchEventsRequest& request,
+                                                              absl::StatusOr<Principal> caller,
+                                                              CacheRegistry* registry,
+                                                              EventLog* log, WatcherCount* count);
+
+// The protobuf form of an event (its tenant left out: a watcher sees its own tenant's only).
+void EventToProto(const Event& event, v1::Event* out);
+
+}  // namespace kvmesh
+
+#endif  // KVMESH_SERVICE_WATCH_EVENTS_H_
