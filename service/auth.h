@@ -127,7 +127,8 @@ class Authenticator {
     int64_t ctime_ns = 0;
     uint64_t inode = 0;
     bool operator==(const FileStamp& o) const {
-      return size == o.size && mtime_ns == o.mtime_ns && ctime_ns == o.ctime_ns && inode == o.inode;
+      return size == o.size && mtime_ns == o.mtime_ns && ctime_ns == o.ctime_ns &&
+             inode == o.inode;
     }
   };
 
