@@ -733,6 +733,7 @@ int Run() {
   cluster_options.transport = transport_flag;
   cluster_options.testing_lose_pull_replies = absl::GetFlag(FLAGS_testing_lose_pull_replies);
   cluster_options.metrics = &metrics;
+  cluster_options.events = &events;
   // Whether the node takes new caches and sequences; readiness follows it (the listener is set
   // once the servers run).
   DrainGate gate(name);
@@ -883,7 +884,14 @@ int Run() {
       probe_health->SetServingStatus(v1::CacheService::service_full_name(), ready);
     }
   };
-  gate.set_listener([&](bool draining) { set_ready(!draining); });
+  gate.set_listener([&](bool draining) {
+    set_ready(!draining);
+    if (draining) {
+      Event event;
+      event.kind = EventKind::kDraining;
+      events.Publish(std::move(event));
+    }
+  });
   set_ready(!gate.draining());
   if (peer_plane_on_client_port) {
     health->SetServingStatus(v1::PeerService::service_full_name(), true);

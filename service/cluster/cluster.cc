@@ -623,6 +623,8 @@ absl::StatusOr<v1::PullResponse> Cluster::PullHere(const v1::PullRequest& reques
     RETURN_IF_ERROR(CommitSequence(request.tenant(), cache, pulled, request.target_seq(),
                                    request.sequence().length(), request.target_seq_unused(),
                                    commit_key, "Migrate"));
+    PublishMigration(EventKind::kMigratedIn, request.tenant(), request.cache(),
+                     request.target_seq(), request.source_node());
     *response.mutable_transfer() = pulled.stats;
     {
       MutexLock lock(&committed_mu_);
@@ -647,6 +649,18 @@ absl::StatusOr<v1::PullResponse> Cluster::PullHere(const v1::PullRequest& reques
 }
 
 // ---- migrations ------------------------------------------------------------------------------
+
+void Cluster::PublishMigration(EventKind kind, const std::string& tenant, const std::string& cache,
+                               int64_t seq, const std::string& peer) {
+  if (options_.events == nullptr) return;
+  Event event;
+  event.kind = kind;
+  event.tenant = tenant;
+  event.cache = cache;
+  event.seq = seq;
+  event.peer = peer;
+  options_.events->Publish(std::move(event));
+}
 
 absl::StatusOr<v1::MigrateResponse> Cluster::Migrate(const std::string& tenant,
                                                      const v1::MigrateRequest& request,
@@ -691,6 +705,7 @@ absl::StatusOr<v1::MigrateResponse> Cluster::MigrateSequence(const std::string& 
   pull.set_target_seq(request.target_seq());
   pull.set_target_seq_unused(target_seq_unused);
   ASSIGN_OR_RETURN(const v1::PullResponse pulled, AskToPull(target, pull, deadline));
+  PublishMigration(EventKind::kMigratedOut, tenant, request.cache(), request.seq(), target.name);
   // The target has committed: the sequence now lives there, and room reserved for it here
   // would only hold a slot and cells back from others until its TTL.
   if (!request.keep_source()) {

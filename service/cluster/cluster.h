@@ -67,6 +67,8 @@ class Cluster {
     int testing_lose_pull_replies = 0;
     // Transfers and migrations are counted here (not owned; null: not counted).
     Metrics* metrics = nullptr;
+    // Sequences migrated in and out are published here (not owned; null: not published).
+    EventLog* events = nullptr;
   };
 
   // `transports` maps transport names (transport::kGrpcStream, transport::kNccl) to the
@@ -176,6 +178,9 @@ class Cluster {
   absl::Status CheckUnused(const Cache& cache, int64_t seq) const;
   // The transport to pull from `source` with.
   // PeerService/Pull on `target` (Migrate, MigrateSnapshot): the target pulls from this node.
+  // Publishes a sequence's arrival from `peer` or departure for it (Options::events).
+  void PublishMigration(EventKind kind, const std::string& tenant, const std::string& cache,
+                        int64_t seq, const std::string& peer);
   absl::StatusOr<v1::PullResponse> AskToPull(const MemberAddress& target,
                                              const v1::PullRequest& pull, absl::Time deadline);
   absl::StatusOr<transport::Transport*> ChooseTransport(const MemberAddress& source,

@@ -46,6 +46,7 @@ extern const Command kRemoveCommand;
 extern const Command kCanResumeCommand;
 extern const Command kReserveCommand;
 extern const Command kLookupPrefixCommand;
+extern const Command kWatchEventsCommand;
 extern const Command kListSequencesCommand;
 extern const Command kCommitSpeculationCommand;
 

@@ -58,6 +58,7 @@ const Command* const kCommands[] = {
     &kReserveCommand,
     &kListSequencesCommand,
     &kLookupPrefixCommand,
+    &kWatchEventsCommand,
     &kSnapshotCommand,
     &kRestoreCommand,
     &kMergeSnapshotsCommand,

@@ -3,7 +3,9 @@
 // commit-speculation.
 #include <cinttypes>
 #include <cstdint>
+#include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "cache/status_macros.h"
+#include "grpcpp/grpcpp.h"
+#include "kvmesh/v1/kvmesh.grpc.pb.h"
 #include "kvmesh/v1/kvmesh.pb.h"
 #include "service/common/convert.h"
 #include "service/ctl/args.h"
@@ -224,6 +228,73 @@ absl::Status LookupPrefix(const Client& client, const Args& args) {
   return absl::OkStatus();
 }
 
+// Prints the events of a WatchEvents stream, one a line, until --count of them (listing entries
+// included) or the end of the stream (its --timeout).
+absl::Status WatchEvents(const Client& client, const Args& args) {
+  v1::WatchEventsRequest request;
+  if (auto cache = args.Get("cache")) request.add_caches(*cache);
+  ASSIGN_OR_RETURN(int64_t count, args.GetInt("count", 0));
+  if (count < 0) return absl::InvalidArgumentError(absl::StrCat("--count=", count, " is < 0"));
+  if (auto boot = args.Get("boot-id")) request.set_boot_id(*boot);
+  ASSIGN_OR_RETURN(int64_t next, args.GetInt("next", 0));
+  request.set_next(static_cast<uint64_t>(next));
+  std::unique_ptr<grpc::ClientContext> context = client.Context();
+  std::unique_ptr<grpc::ClientReader<v1::WatchEventsResponse>> reader =
+      client.stub().WatchEvents(context.get(), request);
+  v1::WatchEventsResponse message;
+  int64_t printed = 0;
+  while ((count == 0 || printed < count) && reader->Read(&message)) {
+    if (client.json()) {
+      RETURN_IF_ERROR(PrintJson(message));
+      printed += std::max(1, message.events_size());
+      continue;
+    }
+    for (const v1::Event& e : message.events()) {
+      std::string what;
+      switch (e.kind()) {
+        case v1::EVENT_KIND_BLOCKS:
+          what = absl::StrCat("seq ", e.seq(), " offset ", e.offset(), ": blocks kept ",
+                              e.kept_blocks(), ", added ", e.block_hashes_size());
+          break;
+        case v1::EVENT_KIND_REMOVED:
+          what = absl::StrCat("seq ", e.seq(), " [", e.begin(), ", ",
+                              e.end() < 0 ? std::string("end") : absl::StrCat(e.end()), ")");
+          break;
+        case v1::EVENT_KIND_SNAPSHOT_CREATED:
+        case v1::EVENT_KIND_SNAPSHOT_DROPPED:
+          what = absl::StrCat("snapshot ", e.snapshot(), " of seq ", e.seq());
+          break;
+        case v1::EVENT_KIND_MIGRATED_IN:
+          what = absl::StrCat("seq ", e.seq(), " from ", e.peer());
+          break;
+        case v1::EVENT_KIND_MIGRATED_OUT:
+          what = absl::StrCat("seq ", e.seq(), " to ", e.peer());
+          break;
+        default:
+          break;
+      }
+      std::printf("%s %-16s %s %s\n",
+                  e.number() == 0 ? "listed" : absl::StrCat("#", e.number()).c_str(),
+                  v1::EventKind_Name(e.kind()).substr(11).c_str(), e.cache().c_str(),
+                  what.c_str());
+      ++printed;
+    }
+    if (message.synced()) {
+      std::printf("synced: boot_id %s, next %" PRIu64 "\n", message.boot_id().c_str(),
+                  message.next());
+    }
+    std::fflush(stdout);
+  }
+  if (count > 0 && printed >= count) {
+    context->TryCancel();
+    while (reader->Read(&message)) {
+    }
+    (void)reader->Finish();
+    return absl::OkStatus();
+  }
+  return FromGrpcStatus(reader->Finish());
+}
+
 absl::Status ListSequences(const Client& client, const Args& args) {
   v1::ListSequencesRequest request;
   ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
@@ -282,6 +353,7 @@ constexpr absl::string_view kRemoveFlags[] = {"cache", "name", "seq", "begin", "
 constexpr absl::string_view kCanResumeFlags[] = {"cache", "name", "seq", "pos"};
 constexpr absl::string_view kReserveFlags[] = {"cache", "name", "seq", "positions", "ttl"};
 constexpr absl::string_view kListSequencesFlags[] = {"cache", "name"};
+constexpr absl::string_view kWatchEventsFlags[] = {"cache", "count", "boot-id", "next"};
 constexpr absl::string_view kLookupPrefixFlags[] = {"cache", "name", "tokens", "max-matches",
                                                     "scope"};
 constexpr absl::string_view kCommitSpeculationFlags[] = {"cache", "name", "seq", "accepted"};
@@ -321,6 +393,14 @@ const Command kLookupPrefixCommand = {
                 the sequences holding the longest prefixes of the prompt LIST (token ids, in
                 append's LIST form), verified token by token (docs/api.md#lookupprefix))",
     &LookupPrefix};
+
+const Command kWatchEventsCommand = {
+    "watch-events", kWatchEventsFlags,
+    R"(  watch-events  [--cache=CACHE] [--count=N] [--boot-id=ID --next=N]
+                the node's events (docs/api.md#watchevents), one a line: a listing of the
+                block hashes first, then changes as they happen, until N (0: until --timeout)
+                or the stream ends; --boot-id and --next resume an earlier stream)",
+    &WatchEvents};
 
 const Command kReserveCommand = {"reserve", kReserveFlags,
                                  R"(  reserve       --cache=CACHE --seq=N --positions=N [--ttl=60s]

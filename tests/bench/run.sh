@@ -7,6 +7,8 @@
 #   tests/bench/run.sh rpc [ARGS]      rpc_bench only; ARGS go to it (--threads=16 --duration=5s)
 #   tests/bench/run.sh migrate [ARGS]  migrate_bench only; ARGS go to it (--reps=9
 #                                      --node-flags="--transport=grpc-stream")
+#   tests/bench/run.sh lookup [ARGS]   lookup_bench only (prefix lookups against the block
+#                                      index up to 10M blocks); ARGS go to it (--max-blocks=N)
 #
 # KVMESH_BUILD_DIR picks the build directory (default <repo>/build).
 set -euo pipefail
@@ -15,11 +17,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build_dir=${KVMESH_BUILD_DIR:-$root/build}
 what=all
 case "${1:-}" in
-  engine|rpc|migrate|all) what=$1; shift ;;
-  -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+  engine|rpc|migrate|lookup|all) what=$1; shift ;;
+  -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
 esac
 if [ "$what" = all ] && [ "$#" -gt 0 ]; then
-  echo "run.sh: ARGS need a mode (engine, rpc or migrate): each bench has its own flags" >&2
+  echo "run.sh: ARGS need a mode (engine, rpc, migrate or lookup): each bench has its own flags" >&2
   exit 2
 fi
 
@@ -31,6 +33,7 @@ case "$what" in
   engine) targets+=(engine_bench) ;;
   rpc) targets+=(rpc_bench kvmesh_node) ;;
   migrate) targets+=(migrate_bench kvmesh_node) ;;
+  lookup) targets+=(lookup_bench) ;;
   all) targets+=(engine_bench rpc_bench migrate_bench kvmesh_node) ;;
 esac
 cmake --build "$build_dir" -j"$(nproc)" --target "${targets[@]}"
@@ -52,6 +55,11 @@ if [ "$what" = rpc ] || [ "$what" = all ]; then
   echo
   echo "== rpc_bench $*"
   "$build_dir/tests/bench/rpc_bench" "$@"
+fi
+if [ "$what" = lookup ]; then
+  echo
+  echo "== lookup_bench $*"
+  "$build_dir/tests/bench/lookup_bench" "$@"
 fi
 if [ "$what" = migrate ] || [ "$what" = all ]; then
   echo

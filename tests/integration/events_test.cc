@@ -35,7 +35,8 @@ std::unique_ptr<NodeProcess> StartEventsNode(const std::string& name,
 }
 
 // Stops `node` after closing the test's connection to it (an idle client channel would hold the
-// node's shutdown for its grace period).
+// node's shutdown for its grace period). Every Watch must be gone: a ClientContext keeps its
+// call's channel.
 void Stop(std::unique_ptr<NodeProcess>& node, std::unique_ptr<Stub>& stub) {
   stub.reset();
   node->ReleaseChannel();
@@ -262,11 +263,13 @@ TEST(EventsTest, BadRequestsAndARestart) {
   v1::WatchEventsRequest old;
   old.set_boot_id(boot_id);
   old.set_next(1);
-  Watch watch(*stub, old);
-  v1::WatchEventsResponse message;
-  EXPECT_FALSE(watch.Next(&message));
-  const grpc::Status status = watch.status();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << StatusText(status);
+  {
+    Watch watch(*stub, old);
+    v1::WatchEventsResponse message;
+    EXPECT_FALSE(watch.Next(&message));
+    const grpc::Status status = watch.status();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << StatusText(status);
+  }
   Stop(node, stub);
 }
 
@@ -282,32 +285,34 @@ TEST(EventsTest, ASlowWatcherIsCutOffNotWaitedFor) {
   spec.set_capacity(4096);
   spec.set_max_batch(1024);
   KVMESH_ASSERT_OK(CreateCache(*stub, spec));
-  Watch watch(*stub, v1::WatchEventsRequest());
-  v1::WatchEventsResponse message;
-  ASSERT_TRUE(watch.Next(&message));
-  ASSERT_TRUE(message.synced());
-  const std::string boot_id = message.boot_id();
-  // Each round: 4,096 tokens in four Appends (a block hash per token), then a Remove of all.
-  const absl::Time start = absl::Now();
-  for (int round = 0; round < 400; ++round) {
-    for (int32_t p = 0; p < 4096; p += 1024)
-      KVMESH_ASSERT_OK(AppendIds(*stub, spec, 0, p, p + 1024));
-    KVMESH_ASSERT_OK(Remove(*stub, "ev", 0, 0));
+  {
+    Watch watch(*stub, v1::WatchEventsRequest());
+    v1::WatchEventsResponse message;
+    ASSERT_TRUE(watch.Next(&message));
+    ASSERT_TRUE(message.synced());
+    const std::string boot_id = message.boot_id();
+    // Each round: 4,096 tokens in four Appends (a block hash per token), then a Remove of all.
+    const absl::Time start = absl::Now();
+    for (int round = 0; round < 400; ++round) {
+      for (int32_t p = 0; p < 4096; p += 1024)
+        KVMESH_ASSERT_OK(AppendIds(*stub, spec, 0, p, p + 1024));
+      KVMESH_ASSERT_OK(Remove(*stub, "ev", 0, 0));
+    }
+    std::printf("[ events   ] 400 rounds of appends and removes in %s\n",
+                absl::FormatDuration(absl::Now() - start).c_str());
+    int messages = 0;
+    while (watch.Next(&message)) ++messages;
+    const grpc::Status status = watch.status();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED) << StatusText(status);
+    EXPECT_THAT(status.error_message(), HasSubstr("fell behind"));
+    v1::WatchEventsRequest resume;
+    resume.set_boot_id(boot_id);
+    resume.set_next(1);
+    Watch again(*stub, resume);
+    EXPECT_FALSE(again.Next(&message));
+    const grpc::Status resumed = again.status();
+    EXPECT_EQ(resumed.error_code(), grpc::StatusCode::OUT_OF_RANGE) << StatusText(resumed);
   }
-  std::printf("[ events   ] 400 rounds of appends and removes in %s\n",
-              absl::FormatDuration(absl::Now() - start).c_str());
-  int messages = 0;
-  while (watch.Next(&message)) ++messages;
-  const grpc::Status status = watch.status();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED) << StatusText(status);
-  EXPECT_THAT(status.error_message(), HasSubstr("fell behind"));
-  v1::WatchEventsRequest resume;
-  resume.set_boot_id(boot_id);
-  resume.set_next(1);
-  Watch again(*stub, resume);
-  EXPECT_FALSE(again.Next(&message));
-  const grpc::Status resumed = again.status();
-  EXPECT_EQ(resumed.error_code(), grpc::StatusCode::OUT_OF_RANGE) << StatusText(resumed);
   Stop(node, stub);
 }
 

@@ -44,9 +44,9 @@ expect() {
 }
 
 commands=(create delete get list usage append read visible copy-prefix remove can-resume
-          reserve list-sequences lookup-prefix snapshot restore merge-snapshots split-snapshot
-          drop-snapshot list-snapshots commit-speculation health list-members migrate
-          migrate-snapshot drain)
+          reserve list-sequences lookup-prefix watch-events snapshot restore merge-snapshots
+          split-snapshot drop-snapshot list-snapshots commit-speculation health list-members
+          migrate migrate-snapshot drain)
 
 # The usage: every command, on stdout with exit 0 for help; on stderr with exit 2 for nothing.
 expect 0 out "usage: kvmeshctl [--addr=HOST:PORT]" help

@@ -31,7 +31,7 @@ from .layout import KV, GroupData, PayloadLayout, States, count_states  # noqa: 
 from .results import (CacheInfo, CacheUsage, CopiedPrefix, CreateResult,  # noqa: E402
                       DrainedSequence, DrainedSnapshot, DrainResult, DrainStayed, GroupSequence,
                       GroupUsage, Member, MemberHealth, MigratedSnapshot, NodeResult,
-                      PrefixMatch, ReadResult,
+                      PrefixMatch, ReadResult, Event, EventBatch,
                       SequenceInfo, SnapshotGroup, SnapshotInfo, SplitResult, StateStatus,
                       TransferStats)
 from .spec import (Attention, CacheSpec, ChunkedWindow, DType, FullWindow,  # noqa: E402
@@ -60,6 +60,6 @@ __all__ = [
     "StateStatus", "MemberHealth", "GroupUsage", "CacheUsage", "CacheInfo", "CreateResult",
     "GroupSequence", "SequenceInfo", "ReadResult", "SnapshotGroup", "SnapshotInfo",
     "SplitResult", "TransferStats", "CopiedPrefix", "MigratedSnapshot", "NodeResult", "Member",
-    "PrefixMatch",
+    "PrefixMatch", "Event", "EventBatch",
     "DrainedSequence", "DrainedSnapshot", "DrainStayed", "DrainResult",
 ]

@@ -19,7 +19,7 @@ from ._proto import pb, pb_grpc
 from .errors import from_rpc_error
 from .layout import GroupData, PayloadLayout, count_states
 from .results import (CacheInfo, CacheUsage, CopiedPrefix, CreateResult, DrainResult, Member,
-                      PrefixMatch,
+                      PrefixMatch, Event, EventBatch,
                       MigratedSnapshot, NodeResult, ReadResult, SequenceInfo, SnapshotInfo,
                       SplitResult, StateStatus, TransferStats)
 from .spec import CacheSpec, Recurrent
@@ -429,6 +429,28 @@ class Client:
                        pb.LookupPrefixRequest(cache=cache, tokens=[int(t) for t in tokens],
                                               max_matches=max_matches, scope=scope), timeout)
         return [PrefixMatch(m.node, m.seq, m.length, m.offset, m.can_resume) for m in r.matches]
+
+    def watch_events(self, caches: Sequence[str] = (), *, boot_id: str = "", next: int = 0,
+                     timeout: Optional[float] = None) -> Iterator[EventBatch]:
+        """What changes on the node (docs/api.md#watchevents), as the messages of a
+        WatchEvents stream: a listing first (ending with ``synced``), unless ``boot_id`` and
+        ``next`` resume an earlier stream. ``caches``: those to watch (all: empty). The
+        stream's errors (ABORTED for a watcher that fell behind, FAILED_PRECONDITION after a
+        restart, ...) are raised as :class:`kvmesh.KvmeshError`s while iterating."""
+        request = pb.WatchEventsRequest(caches=list(caches), boot_id=boot_id, next=next)
+        stream = self._stub.WatchEvents(request, timeout=self._deadline(timeout),
+                                        metadata=self._metadata)
+        try:
+            for m in stream:
+                yield EventBatch(m.boot_id, m.next, m.synced, tuple(
+                    Event(e.number, pb.EventKind.Name(e.kind)[len("EVENT_KIND_"):], e.cache,
+                          e.seq, e.offset, e.kept_blocks, tuple(e.block_hashes), e.begin,
+                          e.end, e.snapshot, e.peer, e.time_unix_micros)
+                    for e in m.events))
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, "WatchEvents") from None
+        finally:
+            stream.cancel()
 
     # ---- snapshots and speculation ---------------------------------------------------------
 

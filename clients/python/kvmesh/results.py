@@ -211,6 +211,37 @@ class PrefixMatch:
 
 
 @dataclasses.dataclass(frozen=True)
+class Event:
+    """One change on a node (watch_events; docs/api.md#watchevents). ``kind`` is the name of
+    ``kvmesh.v1.EventKind`` without its prefix ("BLOCKS", "REMOVED", ...); ``number`` is 0 for
+    the entries of a listing."""
+
+    number: int
+    kind: str
+    cache: str
+    seq: int
+    offset: int = 0
+    kept_blocks: int = 0
+    block_hashes: Tuple[int, ...] = ()
+    begin: int = 0
+    end: int = -1
+    snapshot: int = 0
+    peer: str = ""
+    time_unix_micros: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EventBatch:
+    """One message of a WatchEvents stream: its events, the node's ``boot_id``, ``next`` (where
+    to resume) and whether it ends the listing (``synced``)."""
+
+    boot_id: str
+    next: int
+    synced: bool
+    events: Tuple[Event, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class MigratedSnapshot:
     """MigrateSnapshot's answer: the snapshot as stored on the target (its id there)."""
 

@@ -345,6 +345,18 @@ class ClientTest(nodes.NodeTestCase):
         matches = self.client.lookup_prefix(spec.name, prompt[:9] + [1, 2], max_matches=4)
         self.assertEqual(matches, [kvmesh.PrefixMatch(self.node.name, 0, 9, 10, True)])
         self.assertEqual(self.client.lookup_prefix(spec.name, [1, 2, 3, 4, 5]), [])
+        # The events of that cache: a listing of seq 0's blocks, then a fork's.
+        events = self.client.watch_events([spec.name], timeout=30)
+        batch = next(events)
+        while not batch.synced:
+            batch = next(events)
+        self.client.copy_prefix(spec.name, 0, 5, 8)
+        seen = []
+        while not any(e.kind == "BLOCKS" for e in seen):
+            seen.extend(next(events).events)
+        blocks = [e for e in seen if e.kind == "BLOCKS"][0]
+        self.assertEqual((blocks.seq, blocks.offset, len(blocks.block_hashes)), (5, 8, 2))
+        events.close()
         out = nodes.run_ctl(self.node.address, "lookup-prefix", f"--cache={spec.name}",
                             "--tokens=7:16,1,2")
         self.assertIn(f"{self.node.name} seq 0: 9 of 11 tokens (offset 10)", out.stdout)
