@@ -885,24 +885,40 @@ absl::StatusOr<std::vector<PrefixMatch>> Cache::LookupPrefix(absl::Span<const in
   // levels visited until that many matched. Each candidate costs a comparison of up to the
   // prompt's length: a prompt that many sequences share is answered from the first `budget`
   // candidates.
+  // Within a level, the holders are ranked by how far they go past the level's blocks (at most
+  // b - 1 ids compared each), and only those taken are compared from position 0.
   int budget = std::max(64, 4 * max_matches);
   absl::flat_hash_set<int64_t> seen;
+  std::vector<std::pair<size_t, int64_t>> ranked;  // (length if the blocks match, seq)
   for (size_t level = depth;
        level-- > 0 && budget > 0 && matches.size() < static_cast<size_t>(max_matches);) {
+    const size_t base = (level + 1) * b;
+    ranked.clear();
     for (int64_t seq : *block_index_.Find(hashes[level])) {
       if (budget-- <= 0) break;
       if (seen.contains(seq)) continue;
       const TokenChain& chain = chains_.at(seq);
       const size_t n = std::min(tokens.size(), static_cast<size_t>(chain.exact()));
-      const size_t same = static_cast<size_t>(
-          std::mismatch(tokens.begin(), tokens.begin() + n, chain.ids().begin()).first -
-          tokens.begin());
-      // Shorter: the hash of this block collided; the sequence may match at a lower level.
-      if (same < (level + 1) * b) continue;
+      if (n < base) continue;  // its chain ends before this block: a collision
+      const size_t tail = static_cast<size_t>(
+          std::mismatch(tokens.begin() + base, tokens.begin() + n, chain.ids().begin() + base)
+              .first -
+          (tokens.begin() + base));
+      ranked.emplace_back(base + tail, seq);
+    }
+    std::sort(ranked.begin(), ranked.end(), [](const auto& x, const auto& y) {
+      return x.first != y.first ? x.first > y.first : x.second < y.second;
+    });
+    for (const auto& [length, seq] : ranked) {
+      if (matches.size() >= static_cast<size_t>(max_matches)) break;
+      // The blocks themselves, id by id: a hash that collided leaves the sequence to the
+      // levels below, where it may really match.
+      const TokenChain& chain = chains_.at(seq);
+      if (!std::equal(tokens.begin(), tokens.begin() + base, chain.ids().begin())) continue;
       seen.insert(seq);
       PrefixMatch match;
       match.seq = seq;
-      match.length = static_cast<int32_t>(same);
+      match.length = static_cast<int32_t>(length);
       match.offset = OffsetLocked(seq);
       match.can_resume = true;
       for (const auto& group : groups_) match.can_resume &= group->CanResume(seq, match.length);
