@@ -4,10 +4,13 @@
 It serves a stream of chat requests (token ids; a fake model makes their K/V) on a few kvmesh
 nodes, the way an inference scheduler uses kvmesh:
 
-- **prefix routing**: a request goes to the node holding the sequence that shares the longest
-  prefix with it, and is **forked** from that sequence with CopyPrefix (cells shared, nothing
-  copied), so only the new tokens are prefilled; when that node is busier than the least loaded
-  one, the fork is made on the least loaded node instead, with a cross-node CopyPrefix;
+- **prefix routing**: the nodes know which token ids their sequences hold (Appends carry
+  them), so the scheduler asks them (LookupPrefix) which sequence shares the longest prefix
+  with a request, rather than keeping a map of its own; the request goes to that node and is
+  **forked** from that sequence with CopyPrefix (cells shared, nothing copied), so only the new
+  tokens are prefilled; when that node is busier than the least loaded one, the fork is made on
+  the least loaded node instead, with a cross-node CopyPrefix. A context-shifted sequence is
+  offered only up to the shift (its later positions saw the removed tokens);
 - **context shift**: a sequence that would outgrow the model's context keeps its first tokens
   (the system prompt) and drops the oldest half of the rest with a Remove, which moves the later
   positions down and re-rotates their keys (RoPE);
@@ -43,6 +46,7 @@ import kvmesh
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 64
 MAX_CONTEXT = 96   # tokens a sequence may hold before the scheduler context-shifts it
 KEEP = 16          # tokens a context shift keeps at the start (the system prompt)
+BLOCK = 8          # tokens per block of the nodes' prefix index (CacheSpec.token_block_size)
 
 
 def model_kv(layout: kvmesh.PayloadLayout, token_ids: Sequence[int]) -> List[kvmesh.GroupData]:
@@ -86,7 +90,8 @@ class Scheduler:
         self.spec = kvmesh.CacheSpec(
             name=cache, dtype=kvmesh.DType.F16, max_sequences=32, capacity=256, max_batch=128,
             groups=[kvmesh.Attention(LAYERS, KV_HEADS, HEAD_DIM,
-                                     rope=kvmesh.Rope.normal(HEAD_DIM, 10000.0))])
+                                     rope=kvmesh.Rope.normal(HEAD_DIM, 10000.0))],
+            token_block_size=BLOCK)
 
     def setup(self) -> None:
         """Creates the cache, with the same spec, on every node."""
@@ -110,10 +115,14 @@ class Scheduler:
         """Serves one request: fork the longest cached prefix, then prefill the rest."""
         best: Optional[Placed] = None
         best_len = 0
-        for s in self.sequences:
-            n = common_prefix(s.tokens, tokens)
-            if n > best_len:
-                best, best_len = s, n
+        # Each node answers from its own index (a cluster-wide index on one node is to come).
+        for name, client in self.clients.items():
+            for m in client.lookup_prefix(self.cache, tokens, max_matches=1):
+                if m.length > best_len:
+                    best = next(s for s in self.sequences if s.node == name and s.seq == m.seq)
+                    best_len = m.length
+                    # What the node matched, the scheduler's own record agrees with.
+                    assert common_prefix(best.tokens, tokens) >= best_len
         seq = self.next_seq
         self.next_seq += 1
         if best is None:
@@ -136,7 +145,7 @@ class Scheduler:
             how = ("local CopyPrefix, cells shared" if transfer is None else
                    f"CopyPrefix from {best.node}, {transfer.bytes} bytes over "
                    f"{transfer.transport} in {transfer.micros} us")
-            print(f"{request}: {len(tokens)} tokens, longest prefix {best_len} in seq "
+            print(f"{request}: {len(tokens)} tokens, LookupPrefix: {best_len} tokens held by seq "
                   f"{best.seq} on {best.node}: fork into seq {seq} on {node} ({how})")
             new = Placed(node, seq, list(tokens[:best_len]))
         self.sequences.append(new)
@@ -168,7 +177,7 @@ class Scheduler:
         start = len(s.tokens)
         self.clients[s.node].append(self.cache, kvmesh.tokens(s.seq, range(start,
                                                                            start + len(tokens))),
-                                    model_kv(self.layout, tokens))
+                                    model_kv(self.layout, tokens), token_ids=tokens)
         s.tokens.extend(tokens)
         print(f"  prefill {len(tokens)} tokens into seq {s.seq} on {s.node} "
               f"(positions {start}..{len(s.tokens) - 1})")
