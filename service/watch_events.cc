@@ -56,7 +56,13 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
         registry_(registry),
         log_(log),
         count_(count) {
-    thread_ = std::thread([this] { Run(); });
+    // The thread waits for mu_ before it does anything, so that thread_ is set before it can
+    // call Finish (and gRPC OnDone, which joins it).
+    std::lock_guard<std::mutex> lock(mu_);
+    thread_ = std::thread([this] {
+      { std::lock_guard<std::mutex> started(mu_); }
+      Run();
+    });
   }
 
   void OnWriteDone(bool ok) override {
@@ -85,7 +91,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
     } else {
       thread_.join();
     }
-    if (counted_) count_->running.fetch_sub(1);
+    if (counted_.load()) count_->running.fetch_sub(1);
     delete this;
   }
 
@@ -188,7 +194,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
                           absl::StrCat("this node serves ", kMaxWatchers,
                                        " WatchEvents streams already; retry later"));
     }
-    counted_ = true;
+    counted_.store(true);
     uint64_t cursor = 0;
     if (!request_.boot_id().empty()) {
       if (request_.boot_id() != log_->boot_id()) {
@@ -256,7 +262,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
   CacheRegistry* const registry_;
   EventLog* const log_;
   WatcherCount* const count_;
-  bool counted_ = false;
+  std::atomic<bool> counted_{false};  // read by OnDone
   absl::flat_hash_set<std::string> caches_;
   // Per cache listed: the number of its last event the listing reflects.
   absl::flat_hash_map<std::string, uint64_t> listed_;

@@ -357,6 +357,11 @@ class ClientTest(nodes.NodeTestCase):
         blocks = [e for e in seen if e.kind == "BLOCKS"][0]
         self.assertEqual((blocks.seq, blocks.offset, len(blocks.block_hashes)), (5, 8, 2))
         events.close()
+        out = nodes.run_ctl(self.node.address, "watch-events", f"--cache={spec.name}",
+                            "--count=2")
+        self.assertIn(f"listed BLOCKS           {spec.name} seq 0 offset 10: blocks kept 0, added 2",
+                      out.stdout)
+        self.assertIn(f"listed BLOCKS           {spec.name} seq 5 offset 8", out.stdout)
         out = nodes.run_ctl(self.node.address, "lookup-prefix", f"--cache={spec.name}",
                             "--tokens=7:16,1,2")
         self.assertIn(f"{self.node.name} seq 0: 9 of 11 tokens (offset 10)", out.stdout)
