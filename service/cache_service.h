@@ -196,6 +196,8 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   // Ends every WatchEvents stream (UNAVAILABLE) and refuses new ones: call before the server's
   // Shutdown, or the streams, which never end by themselves, hold it for its grace period.
   void StopWatchers();
+  // WatchEvents streams being served now.
+  int watchers() const { return watchers_.running.load(); }
   grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* context,
                                      const v1::SnapshotRequest* request,
                                      v1::SnapshotResponse* response) override;

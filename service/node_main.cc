@@ -274,6 +274,8 @@ struct NodeState {
   const InflightBudget* inflight;
   const LeaseTable* leases;
   const DrainGate* gate;
+  const EventLog* events;
+  const CacheServiceImpl* service;
 };
 
 void AddNodeCollectors(Metrics* metrics, NodeState state) {
@@ -318,13 +320,15 @@ void AddNodeCollectors(Metrics* metrics, NodeState state) {
       std::map<std::string, std::string> labels;
       CacheUsage usage;
       std::vector<int64_t> shared;
+      TokenIndexStats index;
     };
     std::vector<PerCache> per_cache;
     per_cache.reserve(caches.size());
     for (const CacheRegistry::Entry& entry : caches) {
       per_cache.push_back({{{"tenant", entry.tenant}, {"cache", entry.cache->spec().name}},
                            entry.cache->Usage(),
-                           entry.cache->SharedCells()});
+                           entry.cache->SharedCells(),
+                           entry.cache->TokenIndex()});
     }
     auto per_group = [&](const char* name, const char* help, auto value) {
       sink.Gauge(name, help);
@@ -358,6 +362,18 @@ void AddNodeCollectors(Metrics* metrics, NodeState state) {
     per_cache_gauge("kvmesh_cache_bytes",
                     "Device memory a cache holds: its group arenas and pending speculative data",
                     [](const PerCache& c) { return c.usage.bytes_held; });
+    per_cache_gauge("kvmesh_token_blocks",
+                    "Distinct block hashes of a cache's token chains (its prefix index)",
+                    [](const PerCache& c) { return c.index.hashes; });
+    per_cache_gauge("kvmesh_token_index_bytes", "Host memory of a cache's prefix index",
+                    [](const PerCache& c) { return c.index.bytes; });
+    sink.Counter("kvmesh_events_total", "Events the node published (docs/api.md#watchevents)");
+    sink.Add({}, static_cast<double>(state.events->next_number() - 1));
+    sink.Counter("kvmesh_events_dropped_total",
+                 "Events the event log dropped for its bound (--event-log-bytes)");
+    sink.Add({}, static_cast<double>(state.events->dropped()));
+    sink.Gauge("kvmesh_event_watchers", "WatchEvents streams being served");
+    sink.Add({}, static_cast<double>(state.service->watchers()));
     per_cache_gauge("kvmesh_snapshots", "Snapshots of a cache",
                     [](const PerCache& c) { return c.usage.snapshots; });
     per_cache_gauge("kvmesh_snapshot_bytes", "Snapshot pool memory a cache's snapshots hold",
@@ -922,7 +938,9 @@ int Run() {
                                          {"transfer_reads", &transfer_reads}},
                                         &inflight,
                                         &leases,
-                                        &gate});
+                                        &gate,
+                                        &events,
+                                        &service});
   const std::string metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
   int bound_metrics_port = 0;
   if (metrics_port > 0 || !metrics_port_file.empty()) {

@@ -375,6 +375,19 @@ TEST(MetricsTest, SeriesMoveWithRpcsAndCaches) {
   EXPECT_EQ(with_snapshot.Get("kvmesh_device_memory_used_bytes", {{"pool", "snapshot"}}),
             with_snapshot.Count("kvmesh_snapshot_bytes", cache));
 
+  // Token ids: a sequence of 40 positions with ids holds two blocks of 16 in the prefix
+  // index; every change so far was an event, and nobody watches.
+  EXPECT_EQ(with_snapshot.Get("kvmesh_token_blocks", cache), 0);
+  v1::AppendRequest with_ids = MakeAppend(spec, 3, Positions(40));
+  for (v1::Token& t : *with_ids.mutable_tokens()) t.set_token_id(t.pos());
+  KVMESH_ASSERT_OK(Append(*node.stub, with_ids));
+  const Scrape indexed = node.ScrapeNow();
+  EXPECT_EQ(indexed.Get("kvmesh_token_blocks", cache), 2);
+  EXPECT_GT(indexed.Count("kvmesh_token_index_bytes", cache), 0);
+  EXPECT_GE(indexed.Count("kvmesh_events_total"), 3);  // created, snapshot, blocks
+  EXPECT_EQ(indexed.Count("kvmesh_events_dropped_total"), 0);
+  EXPECT_EQ(indexed.Get("kvmesh_event_watchers"), 0);
+
   // A deleted cache leaves no series behind; its arena may be kept for reuse, within the limit.
   KVMESH_ASSERT_OK(DeleteCache(*node.stub, "m"));
   const Scrape deleted = node.ScrapeNow();
