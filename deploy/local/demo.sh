@@ -349,8 +349,15 @@ for n in node-0 node-1 node-2; do
     --group=attention:layers=32,heads=8,head_dim=128,window=full,rope=$rope
 done
 
-step "node-0: prefill a 1024-token prompt for seq 0 (128 MiB of K/V)"
-ctl node-0 append --cache=$cc --seq=0 --positions=0:1024 --seed=21 --stream --batch=256
+step "node-0: prefill a 1024-token prompt for seq 0 (128 MiB of K/V), with its token ids"
+ctl node-0 append --cache=$cc --seq=0 --positions=0:1024 --token-ids=50000:51024 --seed=21 \
+  --stream --batch=256
+
+step "a new request starts with the same 1024 tokens: which node holds its longest prefix?"
+for n in node-0 node-1; do
+  ctl $n lookup-prefix --cache=$cc --tokens=50000:51024,7,8,9
+done
+ctl node-0 watch-events --cache=$cc --count=1
 
 step "node-1 forks it: CopyPrefix from node-0's seq 0 into its own seq 5 (the destination pulls)"
 ctl node-1 copy-prefix --cache=$cc --src=0 --dst=5 --length=1024 --source-node=node-0 \
@@ -359,6 +366,8 @@ ctl node-1 read --cache=$cc --seq=5 --verify-seed=21
 ctl node-1 append --cache=$cc --seq=5 --positions=1024:1040 --seed=22
 ctl node-0 list-sequences --cache=$cc
 ctl node-1 list-sequences --cache=$cc
+# The fork carried the token ids: node-1 now finds the prefix in its own seq 5.
+ctl node-1 lookup-prefix --cache=$cc --tokens=50000:51024,7,8,9
 
 step "migrate node-0's seq 0 to node-2 as seq 1: copy, commit on node-2, then remove on node-0"
 ctl node-0 migrate --cache=$cc --seq=0 --target-node=node-2 --target-seq=1
