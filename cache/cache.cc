@@ -106,7 +106,10 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
   hasher.bits = token_hash_bits;
   std::unique_ptr<Cache> cache(new Cache(spec, hasher));
   cache->tenant_ = std::string(tenant);
-  cache->events_ = events;
+  {
+    MutexLock lock(&cache->mu_);
+    cache->events_ = events;
+  }
   MutexLock lock(&cache->mu_);
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     const int index = static_cast<int>(g);
@@ -887,7 +890,7 @@ absl::StatusOr<std::vector<PrefixMatch>> Cache::LookupPrefix(absl::Span<const in
   // candidates.
   // Within a level, the holders are ranked by how far they go past the level's blocks (at most
   // b - 1 ids compared each), and only those taken are compared from position 0.
-  int budget = std::max(64, 4 * max_matches);
+  int64_t budget = std::max<int64_t>(64, int64_t{4} * max_matches);
   absl::flat_hash_set<int64_t> seen;
   std::vector<std::pair<size_t, int64_t>> ranked;  // (length if the blocks match, seq)
   for (size_t level = depth;
@@ -895,8 +898,9 @@ absl::StatusOr<std::vector<PrefixMatch>> Cache::LookupPrefix(absl::Span<const in
     const size_t base = (level + 1) * b;
     ranked.clear();
     for (int64_t seq : *block_index_.Find(hashes[level])) {
-      if (budget-- <= 0) break;
+      // A sequence matched a level deeper holds this block too: it costs nothing here.
       if (seen.contains(seq)) continue;
+      if (budget-- <= 0) break;
       const TokenChain& chain = chains_.at(seq);
       const size_t n = std::min(tokens.size(), static_cast<size_t>(chain.exact()));
       if (n < base) continue;  // its chain ends before this block: a collision
@@ -911,6 +915,8 @@ absl::StatusOr<std::vector<PrefixMatch>> Cache::LookupPrefix(absl::Span<const in
     });
     for (const auto& [length, seq] : ranked) {
       if (matches.size() >= static_cast<size_t>(max_matches)) break;
+      // The index lists a sequence once per time it holds a hash: twice only by a collision.
+      if (seen.contains(seq)) continue;
       // The blocks themselves, id by id: a hash that collided leaves the sequence to the
       // levels below, where it may really match.
       const TokenChain& chain = chains_.at(seq);
@@ -1315,6 +1321,13 @@ void Cache::EraseSnapshotLocked(uint64_t id) {
   event.snapshot = id;
   snapshots_.erase(it);
   PublishLocked(std::move(event));
+}
+
+void Cache::DetachEvents(Event last) {
+  MutexLock lock(&mu_);
+  if (events_ == nullptr) return;
+  events_->Publish(std::move(last));
+  events_ = nullptr;
 }
 
 void Cache::PublishLocked(Event event) {

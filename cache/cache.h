@@ -439,6 +439,10 @@ class Cache {
   absl::StatusOr<std::vector<PrefixMatch>> LookupPrefix(absl::Span<const int32_t> tokens,
                                                         int max_matches) const;
   TokenIndexStats TokenIndex() const;
+  // Publishes `last` (CACHE_DELETED, by the registry) and then nothing more: an operation
+  // that still holds the cache after its deletion publishes no event under its name, where a
+  // new cache of that name may live by then.
+  void DetachEvents(Event last);
   // Every sequence with at least one block hash, ascending, and the number of the last event
   // the cache published (0: none) as of the listing: a reader of the event log applies the
   // cache's later events only.
@@ -737,7 +741,7 @@ class Cache {
   absl::flat_hash_map<int64_t, TokenChain> chains_ ABSL_GUARDED_BY(mu_);
   BlockIndex block_index_ ABSL_GUARDED_BY(mu_);
   std::string tenant_;
-  EventLog* events_ = nullptr;
+  EventLog* events_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t last_event_ ABSL_GUARDED_BY(mu_) = 0;  // the number of the last event published
   // Sequences whose Append is writing its bytes with mu_ released: their new cells are taken
   // but in no index yet. appended_ is notified whenever one leaves.

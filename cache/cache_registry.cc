@@ -92,7 +92,13 @@ absl::Status CacheRegistry::Delete(absl::string_view tenant, absl::string_view n
     if (it == caches_.end()) return NoSuchCache(name);
     doomed = std::move(it->second);
     caches_.erase(it);
-    Publish(EventKind::kCacheDeleted, tenant, name);
+    // Under mu_, so that it comes before a new cache of the name is created (and published);
+    // through the cache, so that nothing of the deleted one is published after it.
+    Event deleted;
+    deleted.kind = EventKind::kCacheDeleted;
+    deleted.tenant = std::string(tenant);
+    deleted.cache = std::string(name);
+    doomed->DetachEvents(std::move(deleted));
   }
   return absl::OkStatus();
 }

@@ -63,7 +63,9 @@ class CacheRegistry {
   }
 
   // NOT_FOUND "no cache named 'x'" when `tenant` has no cache of that name (whether or not
-  // another tenant has one).
+  // another tenant has one). Delete publishes CACHE_DELETED through the cache
+  // (Cache::DetachEvents), under the registry's lock: it waits for an operation that holds the
+  // cache's lock meanwhile.
   absl::Status Delete(absl::string_view tenant, absl::string_view name);
   absl::StatusOr<std::shared_ptr<Cache>> Get(absl::string_view tenant,
                                              absl::string_view name) const;

@@ -40,7 +40,7 @@ enum class EventKind {
   kRemoved,
   kSnapshotCreated,
   kSnapshotDropped,
-  // A sequence arrived from `peer` (Migrate, Drain, cross-node CopyPrefix into it) or left for it.
+  // A sequence arrived from `peer` (Migrate, Drain) or left for it.
   kMigratedIn,
   kMigratedOut,
   kCacheCreated,

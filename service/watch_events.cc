@@ -186,6 +186,12 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
       if (name.empty()) {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "caches names an empty cache");
       }
+      // Also when resuming: a name the caller has no cache of is NOT_FOUND either way.
+      if (const absl::StatusOr<std::shared_ptr<Cache>> cache =
+              registry_->Get(caller_->tenant, name);
+          !cache.ok()) {
+        return ToGrpcStatus(cache.status());
+      }
       caches_.insert(name);
     }
     if (count_->running.fetch_add(1) >= kMaxWatchers) {

@@ -439,3 +439,47 @@ TEST(CacheLookupTest, ForcedCollisionsNeverGiveAWrongPrefix) {
 }
 }  // namespace
 }  // namespace kvmesh
+
+namespace kvmesh {
+namespace {
+
+// A sequence matched deep in the prompt holds every block above too: it must not use up the
+// comparisons that find the shorter matches below it.
+TEST(CacheLookupTest, ADeepMatchLeavesRoomForShorterOnes) {
+  CacheSpec spec = FullSpec();
+  spec.token_block_size = 1;
+  spec.capacity = 256;
+  spec.max_batch = 128;
+  TestCache tc(spec);
+  Cache& cache = *tc.cache;
+  const std::vector<int32_t> prompt = Prompt(128);
+  ASSERT_TRUE(AppendPrompt(cache, 0, 0, 128, prompt).ok());
+  ASSERT_TRUE(AppendPrompt(cache, 1, 0, 5, prompt).ok());
+  absl::StatusOr<std::vector<PrefixMatch>> got = cache.LookupPrefix(prompt, 2);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->size(), 2u);
+  EXPECT_EQ((*got)[0].seq, 0);
+  EXPECT_EQ((*got)[0].length, 128);
+  EXPECT_EQ((*got)[1].seq, 1);
+  EXPECT_EQ((*got)[1].length, 5);
+}
+
+// With 2-bit hashes a chain holds the same hash many times, so the index lists it as often:
+// it is still one match.
+TEST(CacheLookupTest, ASequenceIsOneMatchHoweverOftenTheIndexListsIt) {
+  CacheSpec spec = FullSpec();
+  spec.token_block_size = 2;
+  TestCache tc(spec);
+  absl::StatusOr<std::unique_ptr<Cache>> created =
+      Cache::Create(spec, tc.device.get(), kDefaultTenant, /*token_hash_bits=*/2);
+  ASSERT_TRUE(created.ok()) << created.status();
+  const std::vector<int32_t> prompt = Prompt(32);
+  ASSERT_TRUE(AppendPrompt(**created, 0, 0, 32, prompt).ok());
+  absl::StatusOr<std::vector<PrefixMatch>> got = (*created)->LookupPrefix(prompt, 4);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->size(), 1u);
+  EXPECT_EQ((*got)[0].length, 32);
+}
+
+}  // namespace
+}  // namespace kvmesh
