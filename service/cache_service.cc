@@ -1295,9 +1295,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::LookupPrefix(grpc::CallbackServerCon
           absl::StrCat("scope = ", request->scope(), " is not a LookupScope (0 LOCAL, 1 CLUSTER)"));
     }
     if (request->scope() != v1::LOOKUP_SCOPE_LOCAL) {
-      return absl::UnimplementedError(
+      return absl::FailedPreconditionError(
           absl::StrCat("scope = ", v1::LookupScope_Name(request->scope()),
-                       ": this node answers LOOKUP_SCOPE_LOCAL only"));
+                       ": this node does not keep an index of the cluster yet; ask each node "
+                       "with LOOKUP_SCOPE_LOCAL"));
     }
     ASSIGN_OR_RETURN(std::vector<PrefixMatch> matches,
                      cache.LookupPrefix(request->tokens(), max_matches));

@@ -219,7 +219,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
                                          "], the events this node has numbered"));
       }
       if (cursor < first) {
-        return grpc::Status(grpc::StatusCode::OUT_OF_RANGE,
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                             absl::StrCat("events ", cursor, " to ", first - 1,
                                          " are no longer kept; watch again without a boot_id "
                                          "for a listing"));
@@ -242,7 +242,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
       absl::StatusOr<std::vector<Event>> events = log_->Read(cursor, 1024, kWatchMessageBytes);
       if (!events.ok()) {
         return grpc::Status(
-            grpc::StatusCode::ABORTED,
+            grpc::StatusCode::RESOURCE_EXHAUSTED,
             absl::StrCat("this watcher fell behind the node's events (", events.status().message(),
                          "); watch again without a boot_id for a listing"));
       }

@@ -5,7 +5,7 @@
 // the caller's tenant (and of the caches it asked for), and writes one message at a time: a
 // watcher holds at most one message, whatever it watches, and writers of the log never wait for
 // it. A watcher whose cursor the log has dropped (it read slower than the node changed) is
-// ended with ABORTED, and resumes with a fresh listing. At most kMaxWatchers watchers run at
+// ended with RESOURCE_EXHAUSTED (the log's bound), and resumes with a fresh listing. At most kMaxWatchers watchers run at
 // once on a node (RESOURCE_EXHAUSTED beyond), so their threads stay few.
 //
 // Thread safety: StartWatch is thread-safe; the reactor it returns is gRPC's.

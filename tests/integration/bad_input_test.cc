@@ -919,6 +919,10 @@ std::vector<BadCase> Cases() {
                    {"max_matches = -1", "[0, 64]"}});
   cases.push_back(
       {"LookupTooManyMatches", lookup("bad", {1}, 65), kInvalid, {"max_matches = 65", "[0, 64]"}});
+  cases.push_back({"LookupClusterScopeNotServedYet",
+                   lookup("bad", {1}, 1, v1::LOOKUP_SCOPE_CLUSTER),
+                   kPrecondition,
+                   {"LOOKUP_SCOPE_CLUSTER", "LOOKUP_SCOPE_LOCAL"}});
   cases.push_back({"LookupUnknownScope",
                    lookup("bad", {1}, 1, static_cast<v1::LookupScope>(9)),
                    kInvalid,

@@ -275,7 +275,8 @@ TEST(EventsTest, BadRequestsAndARestart) {
 
 // A log of 64 KiB and a watcher that reads nothing while 12 MiB of block hashes are published
 // (more than gRPC's windows hold): the writers go on, the watcher is ended with ABORTED once its
-// cursor is dropped, and resuming from that cursor is OUT_OF_RANGE.
+// cursor is dropped (RESOURCE_EXHAUSTED: the log's bound), and resuming from that cursor is
+// FAILED_PRECONDITION.
 TEST(EventsTest, ASlowWatcherIsCutOffNotWaitedFor) {
   std::unique_ptr<NodeProcess> node = StartEventsNode("ev-slow", {"--event_log_bytes=64KiB"});
   ASSERT_NE(node, nullptr);
@@ -303,7 +304,7 @@ TEST(EventsTest, ASlowWatcherIsCutOffNotWaitedFor) {
     int messages = 0;
     while (watch.Next(&message)) ++messages;
     const grpc::Status status = watch.status();
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED) << StatusText(status);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(status);
     EXPECT_THAT(status.error_message(), HasSubstr("fell behind"));
     v1::WatchEventsRequest resume;
     resume.set_boot_id(boot_id);
@@ -311,7 +312,8 @@ TEST(EventsTest, ASlowWatcherIsCutOffNotWaitedFor) {
     Watch again(*stub, resume);
     EXPECT_FALSE(again.Next(&message));
     const grpc::Status resumed = again.status();
-    EXPECT_EQ(resumed.error_code(), grpc::StatusCode::OUT_OF_RANGE) << StatusText(resumed);
+    EXPECT_EQ(resumed.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << StatusText(resumed);
+    EXPECT_THAT(resumed.error_message(), HasSubstr("no longer kept"));
   }
   Stop(node, stub);
 }

@@ -435,8 +435,8 @@ class Client:
         """What changes on the node (docs/api.md#watchevents), as the messages of a
         WatchEvents stream: a listing first (ending with ``synced``), unless ``boot_id`` and
         ``next`` resume an earlier stream. ``caches``: those to watch (all: empty). The
-        stream's errors (ABORTED for a watcher that fell behind, FAILED_PRECONDITION after a
-        restart, ...) are raised as :class:`kvmesh.KvmeshError`s while iterating."""
+        stream's errors (RESOURCE_EXHAUSTED for a watcher that fell behind,
+        FAILED_PRECONDITION after a restart, ...) are raised as :class:`kvmesh.KvmeshError`s while iterating."""
         request = pb.WatchEventsRequest(caches=list(caches), boot_id=boot_id, next=next)
         stream = self._stub.WatchEvents(request, timeout=self._deadline(timeout),
                                         metadata=self._metadata)
