@@ -863,19 +863,10 @@ absl::StatusOr<std::vector<PrefixMatch>> Cache::LookupPrefix(absl::Span<const in
   if (max_matches < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_matches = ", max_matches, " is below 1"));
   }
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tokens[", i, "] = ", tokens[i], " is negative"));
-    }
-  }
+  ASSIGN_OR_RETURN(const std::vector<uint64_t> hashes, PromptHashes(tokens));
   // No chain holds ids past the limit, so no match reaches past it.
   tokens = tokens.subspan(0, std::min(tokens.size(), static_cast<size_t>(token_limit_)));
   const size_t b = static_cast<size_t>(hasher_.block_size);
-  std::vector<uint64_t> hashes(tokens.size() / b);
-  for (size_t i = 0; i < hashes.size(); ++i) {
-    hashes[i] = hasher_.Block(i == 0 ? hasher_.seed : hashes[i - 1], tokens.subspan(i * b, b));
-  }
   std::vector<PrefixMatch> matches;
   ReaderMutexLock lock(&mu_);
   // Every block of a real match is in the index, so the match ends before the first block that
@@ -936,6 +927,22 @@ absl::StatusOr<std::vector<PrefixMatch>> Cache::LookupPrefix(absl::Span<const in
   });
   if (matches.size() > static_cast<size_t>(max_matches)) matches.resize(max_matches);
   return matches;
+}
+
+absl::StatusOr<std::vector<uint64_t>> Cache::PromptHashes(absl::Span<const int32_t> tokens) const {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens[", i, "] = ", tokens[i], " is negative"));
+    }
+  }
+  tokens = tokens.subspan(0, std::min(tokens.size(), static_cast<size_t>(token_limit_)));
+  const size_t b = static_cast<size_t>(hasher_.block_size);
+  std::vector<uint64_t> hashes(tokens.size() / b);
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    hashes[i] = hasher_.Block(i == 0 ? hasher_.seed : hashes[i - 1], tokens.subspan(i * b, b));
+  }
+  return hashes;
 }
 
 TokenIndexStats Cache::TokenIndex() const {
@@ -1334,6 +1341,7 @@ void Cache::PublishLocked(Event event) {
   if (events_ == nullptr) return;
   event.tenant = tenant_;
   event.cache = spec_.name;
+  if (event.kind == EventKind::kBlocks) event.token_block_size = spec_.token_block_size;
   last_event_ = events_->Publish(std::move(event));
 }
 

@@ -438,6 +438,9 @@ class Cache {
   // negative id or max_matches < 1.
   absl::StatusOr<std::vector<PrefixMatch>> LookupPrefix(absl::Span<const int32_t> tokens,
                                                         int max_matches) const;
+  // The block hashes of the prompt `tokens` as this cache chains them (docs/api.md#tokens): one
+  // per whole block, up to the most ids a chain keeps. INVALID_ARGUMENT for a negative id.
+  absl::StatusOr<std::vector<uint64_t>> PromptHashes(absl::Span<const int32_t> tokens) const;
   TokenIndexStats TokenIndex() const;
   // Publishes `last` (CACHE_DELETED, by the registry) and then nothing more: an operation
   // that still holds the cache after its deletion publishes no event under its name, where a

@@ -80,7 +80,7 @@ absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(absl::string_v
                      "' holds ", usage.bytes, " of its quota of ", quota.max_bytes, " bytes"));
   }
   caches_.emplace(Key(tenant, spec.name), shared);
-  Publish(EventKind::kCacheCreated, tenant, spec.name);
+  Publish(EventKind::kCacheCreated, tenant, spec.name, spec.token_block_size);
   return CreateResult{std::move(shared), true};
 }
 
@@ -103,10 +103,12 @@ absl::Status CacheRegistry::Delete(absl::string_view tenant, absl::string_view n
   return absl::OkStatus();
 }
 
-void CacheRegistry::Publish(EventKind kind, absl::string_view tenant, absl::string_view name) {
+void CacheRegistry::Publish(EventKind kind, absl::string_view tenant, absl::string_view name,
+                            int32_t token_block_size) {
   if (events_ == nullptr) return;
   Event event;
   event.kind = kind;
+  event.token_block_size = token_block_size;
   event.tenant = std::string(tenant);
   event.cache = std::string(name);
   events_->Publish(std::move(event));

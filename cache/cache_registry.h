@@ -106,9 +106,10 @@ class CacheRegistry {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   TenantUsage UsageLocked(absl::string_view tenant) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
-  // Publishes a cache's creation or deletion (under mu_, so in the order they happen).
-  void Publish(EventKind kind, absl::string_view tenant, absl::string_view name)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Publishes a cache's creation (with its token block size) or deletion (under mu_, so in the
+  // order they happen).
+  void Publish(EventKind kind, absl::string_view tenant, absl::string_view name,
+               int32_t token_block_size = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Device* const device_;
   const int token_hash_bits_;

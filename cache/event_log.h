@@ -65,6 +65,8 @@ struct Event {
   int32_t end = -1;
   uint64_t snapshot = 0;
   std::string peer;
+  // kBlocks and kCacheCreated: the cache's token block size (CacheSpec::token_block_size).
+  int32_t token_block_size = 0;
 
   // Bytes the event holds in the log, roughly.
   size_t bytes() const;

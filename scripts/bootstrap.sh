@@ -9,7 +9,7 @@ packages=(
   libabsl-dev
   libssl-dev openssl
   googletest libgtest-dev libgmock-dev libbenchmark-dev
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev lld
   iproute2 procps iperf3
   libyaml-cpp-dev dnsmasq-base nlohmann-json3-dev
   prometheus-cpp-dev libspdlog-dev libcurl4-openssl-dev

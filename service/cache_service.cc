@@ -80,8 +80,6 @@ grpc::Status InvalidArgument(std::string message) {
 // Reserve's TTL when a request leaves ttl_ms at 0, and the longest one accepted.
 constexpr int64_t kDefaultReserveTtlMs = 60 * 1000;
 constexpr int64_t kMaxReserveTtlMs = 60 * 60 * 1000;
-// The most matches one LookupPrefix returns.
-constexpr int kMaxLookupMatches = 64;
 
 // Heap bytes a parsed request holds for `n` elements of a repeated message field (one allocated
 // message each, with malloc's header, and a pointer to it), plus the engine's copy of `n`
@@ -1284,34 +1282,71 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Reserve(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* CacheServiceImpl::LookupPrefix(grpc::CallbackServerContext* context,
                                                          const v1::LookupPrefixRequest* request,
                                                          v1::LookupPrefixResponse* response) {
-  return RunOnCache(context, request, [this, request, response](Cache& cache) -> absl::Status {
-    const int max_matches = request->max_matches() == 0 ? 1 : request->max_matches();
-    if (max_matches < 0 || max_matches > kMaxLookupMatches) {
-      return absl::InvalidArgumentError(absl::StrCat("max_matches = ", request->max_matches(),
-                                                     " is outside [0, ", kMaxLookupMatches, "]"));
+  const std::string node =
+      options_.cluster == nullptr ? std::string() : options_.cluster->options().self_name;
+  if (request->scope() == v1::LOOKUP_SCOPE_CLUSTER) {
+    if (options_.cluster != nullptr && options_.cluster_index == nullptr) {
+      grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+      reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                   "scope = LOOKUP_SCOPE_CLUSTER: this node keeps no index of "
+                                   "the cluster; ask with LOOKUP_SCOPE_LOCAL"));
+      return reactor;
     }
-    if (!v1::LookupScope_IsValid(request->scope())) {
+    return RunCluster(context, [this, context, request, response, node]() -> absl::Status {
+      ASSIGN_OR_RETURN(const int max_matches, LookupMatchCount(request->max_matches()));
+      Principal caller;
+      ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,
+                       FindCache(*context, request->cache(), &caller));
+      ASSIGN_OR_RETURN(const std::vector<PrefixMatch> local,
+                       cache->LookupPrefix(request->tokens(), max_matches));
+      ASSIGN_OR_RETURN(const std::vector<uint64_t> hashes, cache->PromptHashes(request->tokens()));
+      AddPrefixMatches(node, local, response);
+      const int32_t block_size = cache->spec().token_block_size;
+      const std::vector<ClusterIndex::Candidate> candidates = options_.cluster_index->Lookup(
+          caller.tenant, request->cache(), block_size, hashes, max_matches);
+      if (!request->verify()) {
+        for (const ClusterIndex::Candidate& c : candidates) {
+          v1::PrefixMatch* out = response->add_matches();
+          out->set_node(c.node);
+          out->set_seq(c.seq);
+          out->set_length(c.blocks * block_size);
+          out->set_offset(c.offset);
+        }
+        SortPrefixMatches(max_matches, response);
+        return absl::OkStatus();
+      }
+      // The members whose candidates could make the answer: those among the longest
+      // max_matches, the local matches included.
+      // Both lists are longest first: merged, a local match goes first among equal lengths.
+      std::vector<std::string> nodes;
+      for (size_t l = 0, c = 0;
+           l + c < static_cast<size_t>(max_matches) && c < candidates.size();) {
+        if (l < local.size() && local[l].length >= candidates[c].blocks * block_size) {
+          ++l;
+          continue;
+        }
+        if (std::find(nodes.begin(), nodes.end(), candidates[c].node) == nodes.end()) {
+          nodes.push_back(candidates[c].node);
+        }
+        ++c;
+      }
+      const absl::Time deadline =
+          std::min(options_.cluster->Deadline(ContextDeadline(*context)),
+                   absl::Now() + options_.cluster->options().control_timeout);
+      options_.cluster_index->Verify(nodes, caller.tenant, *request, deadline, response);
+      SortPrefixMatches(max_matches, response);
+      return absl::OkStatus();
+    });
+  }
+  return RunOnCache(context, request, [request, response, node](Cache& cache) -> absl::Status {
+    ASSIGN_OR_RETURN(const int max_matches, LookupMatchCount(request->max_matches()));
+    if (request->scope() != v1::LOOKUP_SCOPE_LOCAL) {
       return absl::InvalidArgumentError(
           absl::StrCat("scope = ", request->scope(), " is not a LookupScope (0 LOCAL, 1 CLUSTER)"));
     }
-    if (request->scope() != v1::LOOKUP_SCOPE_LOCAL) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("scope = ", v1::LookupScope_Name(request->scope()),
-                       ": this node does not keep an index of the cluster yet; ask each node "
-                       "with LOOKUP_SCOPE_LOCAL"));
-    }
     ASSIGN_OR_RETURN(std::vector<PrefixMatch> matches,
                      cache.LookupPrefix(request->tokens(), max_matches));
-    const std::string node =
-        options_.cluster == nullptr ? std::string() : options_.cluster->options().self_name;
-    for (const PrefixMatch& m : matches) {
-      v1::PrefixMatch* out = response->add_matches();
-      out->set_node(node);
-      out->set_seq(m.seq);
-      out->set_length(m.length);
-      out->set_offset(m.offset);
-      out->set_can_resume(m.can_resume);
-    }
+    AddPrefixMatches(node, matches, response);
     return absl::OkStatus();
   });
 }
@@ -1325,7 +1360,8 @@ grpc::ServerWriteReactor<v1::WatchEventsResponse>* CacheServiceImpl::WatchEvents
   if (caller.ok() && watchers_.stopping.load()) {
     caller = absl::UnavailableError("the node is shutting down");
   }
-  return StartWatch(*request, std::move(caller), registry_, options_.events, &watchers_);
+  return StartWatch(*request, std::move(caller), WatchScope::kTenant, registry_, options_.events,
+                    &watchers_);
 }
 
 void CacheServiceImpl::StopWatchers() {

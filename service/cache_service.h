@@ -46,6 +46,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
 #include "service/auth.h"
+#include "service/cluster/cluster_index.h"
 #include "service/cluster/drain.h"
 #include "service/cluster/drain_gate.h"
 #include "service/cluster/reservations.h"
@@ -137,6 +138,9 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
     // The node's event log, which WatchEvents serves (not owned; null: WatchEvents is
     // FAILED_PRECONDITION).
     EventLog* events = nullptr;
+    // What the other members hold, for LookupPrefix with LOOKUP_SCOPE_CLUSTER (not owned; null:
+    // FAILED_PRECONDITION on a node with a cluster).
+    ClusterIndex* cluster_index = nullptr;
   };
 
   // `registry` and `executor` are not owned and must outlive the service.

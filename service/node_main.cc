@@ -51,6 +51,7 @@
 #include "service/auth.h"
 #include "service/cache_service.h"
 #include "service/cluster/cluster.h"
+#include "service/cluster/cluster_index.h"
 #include "service/cluster/drain.h"
 #include "service/cluster/drain_gate.h"
 #include "service/cluster/leases.h"
@@ -191,6 +192,9 @@ ABSL_FLAG(int32_t, testing_corrupt_chunk, -1,
 ABSL_FLAG(kvmesh::ByteSize, event_log_bytes, kvmesh::ByteSize{size_t{64} << 20},
           "most memory the node's event log keeps (docs/api.md#watchevents): a watcher that falls "
           "further behind is ended and resumes from a listing");
+ABSL_FLAG(bool, cluster_index, true,
+          "follow every peer's events to answer LookupPrefix with LOOKUP_SCOPE_CLUSTER "
+          "(docs/cluster.md, \"Prefix index\"); off: such lookups are FAILED_PRECONDITION");
 ABSL_FLAG(int32_t, testing_token_hash_bits, 64,
           "testing only: keep this many low bits of every block hash (1 to 64), so that tests "
           "can force hash collisions");
@@ -276,6 +280,7 @@ struct NodeState {
   const DrainGate* gate;
   const EventLog* events;
   const CacheServiceImpl* service;
+  const ClusterIndex* cluster_index;  // null with --cluster_index=false
 };
 
 void AddNodeCollectors(Metrics* metrics, NodeState state) {
@@ -374,6 +379,25 @@ void AddNodeCollectors(Metrics* metrics, NodeState state) {
     sink.Add({}, static_cast<double>(state.events->dropped()));
     sink.Gauge("kvmesh_event_watchers", "WatchEvents streams being served");
     sink.Add({}, static_cast<double>(state.service->watchers()));
+    // The index of the other members' blocks (docs/cluster.md, "Prefix index").
+    const std::vector<ClusterIndex::PeerState> indexed =
+        state.cluster_index != nullptr ? state.cluster_index->Peers()
+                                       : std::vector<ClusterIndex::PeerState>();
+    sink.Gauge("kvmesh_cluster_index_synced",
+               "1 when this node's index holds a peer's blocks (its listing is complete), 0 "
+               "while it lists them or cannot reach the peer");
+    for (const ClusterIndex::PeerState& p : indexed) sink.Add({{"peer", p.node}}, p.synced);
+    sink.Gauge("kvmesh_cluster_index_blocks",
+               "Block hashes of a peer's sequences in this node's index of the cluster");
+    for (const ClusterIndex::PeerState& p : indexed) {
+      sink.Add({{"peer", p.node}}, static_cast<double>(p.blocks));
+    }
+    sink.Counter("kvmesh_cluster_index_resyncs_total",
+                 "Event streams of a peer that ended and were started again (each drops the "
+                 "peer's entries and lists them anew)");
+    for (const ClusterIndex::PeerState& p : indexed) {
+      sink.Add({{"peer", p.node}}, static_cast<double>(p.resyncs));
+    }
     per_cache_gauge("kvmesh_snapshots", "Snapshots of a cache",
                     [](const PerCache& c) { return c.usage.snapshots; });
     per_cache_gauge("kvmesh_snapshot_bytes", "Snapshot pool memory a cache's snapshots hold",
@@ -703,6 +727,14 @@ int Run() {
   transport::GrpcStreamTransport::Options stream_options;
   stream_options.max_receive_message = static_cast<int32_t>(max_message);
   Membership* const members = membership->get();
+  // What the other members hold, by block hash (a watcher per peer; stopped before the
+  // membership goes).
+  std::unique_ptr<ClusterIndex> cluster_index;
+  if (absl::GetFlag(FLAGS_cluster_index)) {
+    ClusterIndex::Options index_options;
+    index_options.membership = members;
+    cluster_index = std::make_unique<ClusterIndex>(index_options);
+  }
   transport::GrpcStreamTransport grpc_stream(
       [members](const std::string& address) {
         return members->Channel(MemberAddress{address, address});
@@ -793,6 +825,7 @@ int Run() {
   options.drainer = &drainer;
   options.drain_timeout = absl::Milliseconds(drain_timeout_ms);
   options.events = &events;
+  options.cluster_index = cluster_index.get();
   CacheServiceImpl service(&registry, &executor, options);
   PeerServiceImpl::Options peer_options;
   peer_options.name = name;
@@ -810,6 +843,8 @@ int Run() {
         transfer_reads.max_queued(), " reads already (or it is shutting down); retry later"));
   };
   peer_options.nccl = std::move(nccl_hooks);
+  peer_options.registry = &registry;
+  peer_options.events = &events;
   PeerServiceImpl peer_service(&cluster, &leases, &executor, &cluster_executor, peer_options);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -940,7 +975,8 @@ int Run() {
                                         &leases,
                                         &gate,
                                         &events,
-                                        &service});
+                                        &service,
+                                        cluster_index.get()});
   const std::string metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
   int bound_metrics_port = 0;
   if (metrics_port > 0 || !metrics_port_file.empty()) {
@@ -1023,6 +1059,8 @@ int Run() {
   // queued on transfer_reads finishes when that read runs and sees the cancellation).
   const absl::Time grace_end = absl::Now() + kShutdownGrace;
   service.StopWatchers();
+  peer_service.StopWatchers();
+  if (cluster_index != nullptr) cluster_index->Stop();
   if (peer_server != nullptr) peer_server->Shutdown(absl::ToChronoTime(grace_end));
   server->Shutdown(absl::ToChronoTime(grace_end));
   if (health_server != nullptr) health_server->Shutdown(absl::ToChronoTime(grace_end));

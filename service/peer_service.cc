@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache/status_macros.h"
+#include "service/cluster/cluster_index.h"
 #include "service/cluster/membership.h"
 #include "service/common/convert.h"
 #include "service/common/process_info.h"
@@ -62,7 +63,9 @@ PeerServiceImpl::PeerServiceImpl(Cluster* cluster, LeaseTable* leases, Executor*
       leases_(leases),
       engine_executor_(engine_executor),
       cluster_executor_(cluster_executor),
-      options_(std::move(options)) {}
+      options_(std::move(options)) {
+  watchers_.max = kMaxPeerWatchers;
+}
 
 grpc::ServerUnaryReactor* PeerServiceImpl::RunOn(Executor* executor,
                                                  grpc::CallbackServerContext* context,
@@ -310,6 +313,54 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Place(grpc::CallbackServerContext* co
   }
   return RunOn(engine_executor_, context, [this, request, response]() -> absl::Status {
     ASSIGN_OR_RETURN(*response, cluster_->Place(*request));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerWriteReactor<v1::WatchEventsResponse>* PeerServiceImpl::WatchEvents(
+    grpc::CallbackServerContext* context, const v1::PeerWatchEventsRequest* request) {
+  absl::StatusOr<Caller> caller = Identify(*context);
+  absl::StatusOr<Principal> principal = Principal{kDefaultTenant, Role::kAdmin};
+  if (!caller.ok()) {
+    principal = caller.status();
+  } else if (options_.events == nullptr || options_.registry == nullptr) {
+    principal = absl::FailedPreconditionError("this node keeps no event log");
+  } else if (watchers_.stopping.load()) {
+    principal = absl::UnavailableError("the node is shutting down");
+  }
+  v1::WatchEventsRequest watch;
+  watch.set_boot_id(request->boot_id());
+  watch.set_next(request->next());
+  return StartWatch(watch, std::move(principal), WatchScope::kAllTenants, options_.registry,
+                    options_.events, &watchers_);
+}
+
+void PeerServiceImpl::StopWatchers() {
+  watchers_.stopping.store(true);
+  if (options_.events != nullptr) options_.events->Wake();
+}
+
+grpc::ServerUnaryReactor* PeerServiceImpl::LookupPrefix(grpc::CallbackServerContext* context,
+                                                        const v1::PeerLookupPrefixRequest* request,
+                                                        v1::LookupPrefixResponse* response) {
+  absl::StatusOr<Caller> caller = Identify(*context);
+  if (!caller.ok()) return Refuse(context, caller.status());
+  if (options_.registry == nullptr) {
+    return Refuse(context, absl::FailedPreconditionError("this node serves no prefix lookups"));
+  }
+  if (absl::Status s =
+          CheckNames({{"lookup.cache", request->lookup().cache()}, {"tenant", request->tenant()}});
+      !s.ok()) {
+    return Refuse(context, s);
+  }
+  return RunOn(engine_executor_, context, [this, request, response]() -> absl::Status {
+    const v1::LookupPrefixRequest& lookup = request->lookup();
+    ASSIGN_OR_RETURN(const int max_matches, LookupMatchCount(lookup.max_matches()));
+    ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,
+                     options_.registry->Get(request->tenant(), lookup.cache()));
+    ASSIGN_OR_RETURN(const std::vector<PrefixMatch> matches,
+                     cache->LookupPrefix(lookup.tokens(), max_matches));
+    AddPrefixMatches(options_.name, matches, response);
     return absl::OkStatus();
   });
 }

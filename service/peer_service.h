@@ -33,14 +33,18 @@
 #include "service/cluster/cluster.h"
 #include "service/cluster/leases.h"
 #include "service/executor.h"
+#include "service/watch_events.h"
 #include "transport/grpc_stream_transport.h"
 
 namespace kvmesh {
 
+// The most WatchEvents streams of members a node serves at once: one per member of a cluster
+// of up to that many nodes and one more.
+inline constexpr int kMaxPeerWatchers = 256;
+
 // Fetch is served raw (grpc::ByteBuffer): the grpc-stream sender writes chunks straight from
 // the exported image (transport/grpc_stream_transport.h).
-class PeerServiceImpl final
-    : public transport::PeerServiceWithRawFetch {
+class PeerServiceImpl final : public transport::PeerServiceWithRawFetch {
  public:
   // Polled by a hook while it waits: CANCELLED once the caller has cancelled the RPC (or its
   // deadline passed), else OK. The hook stops and returns that status (transport::NcclInterrupt).
@@ -65,6 +69,10 @@ class PeerServiceImpl final
     std::vector<std::string> transports;
     transport::SenderOptions sender;
     NcclHooks nccl;  // empty functions: no nccl transport here
+    // WatchEvents and LookupPrefix, for the other members' cluster indexes (not owned; null:
+    // both are FAILED_PRECONDITION).
+    CacheRegistry* registry = nullptr;
+    EventLog* events = nullptr;
   };
 
   PeerServiceImpl(Cluster* cluster, LeaseTable* leases, Executor* engine_executor,
@@ -96,6 +104,16 @@ class PeerServiceImpl final
   grpc::ServerUnaryReactor* Place(grpc::CallbackServerContext* context,
                                   const v1::PlaceRequest* request,
                                   v1::PlaceResponse* response) override;
+  // Every tenant's events (WatchScope::kAllTenants), to at most kMaxPeerWatchers members at once.
+  grpc::ServerWriteReactor<v1::WatchEventsResponse>* WatchEvents(
+      grpc::CallbackServerContext* context, const v1::PeerWatchEventsRequest* request) override;
+  grpc::ServerUnaryReactor* LookupPrefix(grpc::CallbackServerContext* context,
+                                         const v1::PeerLookupPrefixRequest* request,
+                                         v1::LookupPrefixResponse* response) override;
+
+  // Ends every WatchEvents stream with UNAVAILABLE, and refuses new ones: the node is shutting
+  // down (before the server's Shutdown, which would wait for them).
+  void StopWatchers();
 
  private:
   // Who is calling (see the class comment).
@@ -125,6 +143,7 @@ class PeerServiceImpl final
   Executor* const engine_executor_;
   Executor* const cluster_executor_;
   const Options options_;
+  WatcherCount watchers_;
 };
 
 // The deadline a callback server context carries, absl::InfiniteFuture() for none.

@@ -49,10 +49,11 @@ constexpr absl::Duration kProgressInterval = absl::Seconds(1);
 
 class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsResponse> {
  public:
-  WatchReactor(v1::WatchEventsRequest request, absl::StatusOr<Principal> caller,
+  WatchReactor(v1::WatchEventsRequest request, absl::StatusOr<Principal> caller, WatchScope scope,
                CacheRegistry* registry, EventLog* log, WatcherCount* count)
       : request_(std::move(request)),
         caller_(std::move(caller)),
+        scope_(scope),
         registry_(registry),
         log_(log),
         count_(count) {
@@ -122,18 +123,26 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
   // Whether the watcher sees `event`.
   bool Visible(const Event& event) const {
     if (event.cache.empty()) return caches_.empty();  // the node's own events
-    if (event.tenant != caller_->tenant) return false;
+    if (scope_ == WatchScope::kTenant && event.tenant != caller_->tenant) return false;
     if (!caches_.empty() && !caches_.contains(event.cache)) return false;
-    auto it = listed_.find(event.cache);
+    auto it = listed_.find(ListedKey(event.tenant, event.cache));
     return it == listed_.end() || event.number > it->second;
+  }
+
+  static std::string ListedKey(const std::string& tenant, const std::string& cache) {
+    return absl::StrCat(tenant, std::string(1, '\0'), cache);
   }
 
   // The listing: every watched sequence's blocks, then `synced`. Returns false when the call
   // ended (the status in *status).
   bool List(uint64_t next, grpc::Status* status) {
-    std::vector<std::shared_ptr<Cache>> caches;
-    if (caches_.empty()) {
-      caches = registry_->List(caller_->tenant);
+    std::vector<CacheRegistry::Entry> caches;
+    if (scope_ == WatchScope::kAllTenants) {
+      caches = registry_->ListAll();
+    } else if (caches_.empty()) {
+      for (std::shared_ptr<Cache>& cache : registry_->List(caller_->tenant)) {
+        caches.push_back({caller_->tenant, std::move(cache)});
+      }
     } else {
       for (const std::string& name : caches_) {
         absl::StatusOr<std::shared_ptr<Cache>> cache = registry_->Get(caller_->tenant, name);
@@ -141,18 +150,21 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
           *status = ToGrpcStatus(cache.status());
           return false;
         }
-        caches.push_back(*std::move(cache));
+        caches.push_back({caller_->tenant, *std::move(cache)});
       }
     }
     v1::WatchEventsResponse message;
     size_t bytes = 0;
-    for (const std::shared_ptr<Cache>& cache : caches) {
-      ChainListing listing = cache->ListChains();
-      listed_[cache->spec().name] = listing.last_event;
+    for (const CacheRegistry::Entry& entry : caches) {
+      const Cache& cache = *entry.cache;
+      ChainListing listing = cache.ListChains();
+      listed_[ListedKey(entry.tenant, cache.spec().name)] = listing.last_event;
       for (SequenceBlocks& s : listing.sequences) {
         v1::Event* e = message.add_events();
         e->set_kind(v1::EVENT_KIND_BLOCKS);
-        e->set_cache(cache->spec().name);
+        e->set_cache(cache.spec().name);
+        if (scope_ == WatchScope::kAllTenants) e->set_tenant(entry.tenant);
+        e->set_token_block_size(cache.spec().token_block_size);
         e->set_seq(s.seq);
         e->set_offset(s.offset);
         e->mutable_block_hashes()->Add(s.hashes.begin(), s.hashes.end());
@@ -194,10 +206,10 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
       }
       caches_.insert(name);
     }
-    if (count_->running.fetch_add(1) >= kMaxWatchers) {
+    if (count_->running.fetch_add(1) >= count_->max) {
       count_->running.fetch_sub(1);
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("this node serves ", kMaxWatchers,
+                          absl::StrCat("this node serves ", count_->max,
                                        " WatchEvents streams already; retry later"));
     }
     counted_.store(true);
@@ -253,7 +265,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
       v1::WatchEventsResponse message;
       for (const Event& event : *events) {
         cursor = event.number + 1;
-        if (Visible(event)) EventToProto(event, message.add_events());
+        if (Visible(event)) EventToProto(event, scope_, message.add_events());
       }
       message.set_next(cursor);
       if (message.events().empty() && absl::Now() - last_sent < kProgressInterval) continue;
@@ -265,6 +277,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
 
   const v1::WatchEventsRequest request_;
   const absl::StatusOr<Principal> caller_;
+  const WatchScope scope_;
   CacheRegistry* const registry_;
   EventLog* const log_;
   WatcherCount* const count_;
@@ -284,8 +297,10 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
 
 }  // namespace
 
-void EventToProto(const Event& event, v1::Event* out) {
+void EventToProto(const Event& event, WatchScope scope, v1::Event* out) {
   out->set_number(event.number);
+  if (scope == WatchScope::kAllTenants) out->set_tenant(event.tenant);
+  out->set_token_block_size(event.token_block_size);
   out->set_time_unix_micros(absl::ToUnixMicros(event.time));
   out->set_kind(KindToProto(event.kind));
   out->set_cache(event.cache);
@@ -301,9 +316,10 @@ void EventToProto(const Event& event, v1::Event* out) {
 
 grpc::ServerWriteReactor<v1::WatchEventsResponse>* StartWatch(const v1::WatchEventsRequest& request,
                                                               absl::StatusOr<Principal> caller,
+                                                              WatchScope scope,
                                                               CacheRegistry* registry,
                                                               EventLog* log, WatcherCount* count) {
-  return new WatchReactor(request, std::move(caller), registry, log, count);
+  return new WatchReactor(request, std::move(caller), scope, registry, log, count);
 }
 
 }  // namespace kvmesh

@@ -5,8 +5,9 @@
 // the caller's tenant (and of the caches it asked for), and writes one message at a time: a
 // watcher holds at most one message, whatever it watches, and writers of the log never wait for
 // it. A watcher whose cursor the log has dropped (it read slower than the node changed) is
-// ended with RESOURCE_EXHAUSTED (the log's bound), and resumes with a fresh listing. At most kMaxWatchers watchers run at
-// once on a node (RESOURCE_EXHAUSTED beyond), so their threads stay few.
+// ended with RESOURCE_EXHAUSTED (the log's bound), and resumes with a fresh listing. At most
+// kMaxWatchers watchers run at once on a node (RESOURCE_EXHAUSTED beyond), so their threads stay
+// few.
 //
 // Thread safety: StartWatch is thread-safe; the reactor it returns is gRPC's.
 #ifndef KVMESH_SERVICE_WATCH_EVENTS_H_
@@ -30,21 +31,29 @@ inline constexpr size_t kWatchMessageBytes = size_t{1} << 20;
 
 // Counts the watchers of a node, and ends them when it shuts down.
 struct WatcherCount {
+  // The most that may run at once (RESOURCE_EXHAUSTED beyond).
+  int max = kMaxWatchers;
   std::atomic<int> running{0};
   // Set when the node shuts down (then EventLog::Wake): every watcher ends with UNAVAILABLE
   // rather than holding the server's shutdown for its grace period.
   std::atomic<bool> stopping{false};
 };
 
+// Whose events a watcher sees: the caller's tenant's, or (a peer building its index of the
+// cluster, PeerService.WatchEvents) every tenant's, each event naming its tenant.
+enum class WatchScope { kTenant, kAllTenants };
+
 // The reactor of one WatchEvents call by `caller` (its error, when not OK, ends the call; `log`
 // may then be null). `registry`, `log` and `count` must outlive every call.
 grpc::ServerWriteReactor<v1::WatchEventsResponse>* StartWatch(const v1::WatchEventsRequest& request,
                                                               absl::StatusOr<Principal> caller,
+                                                              WatchScope scope,
                                                               CacheRegistry* registry,
                                                               EventLog* log, WatcherCount* count);
 
-// The protobuf form of an event (its tenant left out: a watcher sees its own tenant's only).
-void EventToProto(const Event& event, v1::Event* out);
+// The protobuf form of an event; its tenant only with kAllTenants (a tenant's watcher sees its
+// own tenant's events only).
+void EventToProto(const Event& event, WatchScope scope, v1::Event* out);
 
 }  // namespace kvmesh
 

@@ -52,21 +52,28 @@ fuzz_flags() {
   esac
 }
 
-# Fuzzes each target for KVMESH_FUZZ_SECONDS, from its committed seeds and regression inputs and
-# what earlier runs here found (build-fuzz/fuzz-corpus/, where new inputs go); prints exec/s and
-# coverage per target. Every target runs; the mode fails if any found a crash.
+# Fuzzes the targets at once, each for KVMESH_FUZZ_SECONDS, from its committed seeds and
+# regression inputs and what earlier runs here found (build-fuzz/fuzz-corpus/, where new inputs
+# go); prints exec/s and coverage per target. Every target runs; the mode fails if any found a
+# crash. At once: on 2 cores three targets share the time one after another would take three.
 run_fuzzers() {
-  local dir=$1 seconds=${KVMESH_FUZZ_SECONDS:-60} failed=()
+  local dir=$1 seconds=${KVMESH_FUZZ_SECONDS:-60} failed=() pids=() target
   mkdir -p "$dir/fuzz-corpus" "$dir/fuzz-artifacts" "$dir/fuzz-logs"
+  echo "== tests/run.sh: fuzzing ${fuzz_targets[*]} at once for ${seconds}s"
   for target in "${fuzz_targets[@]}"; do
-    local log="$dir/fuzz-logs/$target.log" rc=0
     mkdir -p "$dir/fuzz-corpus/$target"
-    echo "== tests/run.sh: fuzzing $target for ${seconds}s"
     # shellcheck disable=SC2046
     "$dir/tests/fuzz/$target" -max_total_time="$seconds" -print_final_stats=1 \
         -artifact_prefix="$dir/fuzz-artifacts/$target-" $(fuzz_flags "$target") \
         "$dir/fuzz-corpus/$target" "$root/tests/fuzz/corpus/$target" \
-        "$root/tests/fuzz/regressions/$target" >"$log" 2>&1 || rc=$?
+        "$root/tests/fuzz/regressions/$target" >"$dir/fuzz-logs/$target.log" 2>&1 &
+    pids+=($!)
+  done
+  local i
+  for i in "${!fuzz_targets[@]}"; do
+    target=${fuzz_targets[$i]}
+    local log="$dir/fuzz-logs/$target.log" rc=0
+    wait "${pids[$i]}" || rc=$?
     # "#N INITED cov: C ft: F corp: K/..." after the seeds, "#N DONE ..." at the end.
     local inited done_line execs
     inited=$(grep -E '^#[0-9]+[[:space:]]+INITED' "$log" | head -1 || true)
@@ -76,7 +83,7 @@ run_fuzzers() {
       local a b
       read -r -a a <<<"$inited"
       read -r -a b <<<"$done_line"
-      echo "   ${b[0]#\#} runs, ${execs:-?} exec/s; coverage ${a[3]} -> ${b[3]} edges," \
+      echo "   $target: ${b[0]#\#} runs, ${execs:-?} exec/s; coverage ${a[3]} -> ${b[3]} edges," \
            "${b[5]} features; corpus ${a[7]%%/*} -> ${b[7]%%/*} inputs"
     fi
     if [ "$rc" -ne 0 ]; then

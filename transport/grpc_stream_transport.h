@@ -194,7 +194,10 @@ using PeerServiceWithRawFetch = v1::PeerService::WithCallbackMethod_NodeInfo<
             v1::PeerService::WithCallbackMethod_NcclConnect<
                 v1::PeerService::WithCallbackMethod_NcclSend<
                     v1::PeerService::WithCallbackMethod_Remove<
-                        v1::PeerService::WithCallbackMethod_Place<v1::PeerService::Service>>>>>>>>>;
+                        v1::PeerService::WithCallbackMethod_Place<
+                            v1::PeerService::WithCallbackMethod_WatchEvents<
+                                v1::PeerService::WithCallbackMethod_LookupPrefix<
+                                    v1::PeerService::Service>>>>>>>>>>>;
 
 }  // namespace transport
 }  // namespace kvmesh

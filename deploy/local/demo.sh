@@ -353,10 +353,17 @@ step "node-0: prefill a 1024-token prompt for seq 0 (128 MiB of K/V), with its t
 ctl node-0 append --cache=$cc --seq=0 --positions=0:1024 --token-ids=50000:51024 --seed=21 \
   --stream --batch=256
 
-step "a new request starts with the same 1024 tokens: which node holds its longest prefix?"
-for n in node-0 node-1; do
-  ctl $n lookup-prefix --cache=$cc --tokens=50000:51024,7,8,9
+step "a new request starts with the same 1024 tokens: node-1 asks which node holds its longest prefix"
+# node-1 knows node-0's blocks from node-0's events (its index of the cluster), a moment after
+# the append: by block hash, then verified token by token by node-0.
+for _ in $(seq 50); do
+  "$ctl_bin" --addr="${node_addr[node-1]}" --timeout=10s lookup-prefix --cache=$cc \
+    --tokens=50000:51024 --scope=cluster | grep -q '^node-0 ' && break
+  sleep 0.1
 done
+ctl node-1 lookup-prefix --cache=$cc --tokens=50000:51024,7,8,9 --scope=cluster
+expect_json node-1 '"verified":true' lookup-prefix --cache=$cc --tokens=50000:51024,7,8,9 \
+  --scope=cluster --verify
 ctl node-0 watch-events --cache=$cc --count=1
 
 step "node-1 forks it: CopyPrefix from node-0's seq 0 into its own seq 5 (the destination pulls)"

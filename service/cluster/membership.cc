@@ -282,27 +282,38 @@ std::vector<MemberAddress> Membership::Peers() const {
 std::shared_ptr<grpc::Channel> Membership::Channel(const MemberAddress& member) {
   MutexLock lock(&mu_);
   std::shared_ptr<grpc::Channel>& channel = channels_[member.address];
-  if (channel == nullptr) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(options_.max_message_bytes);
-    args.SetMaxSendMessageSize(options_.max_message_bytes);
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kInitialReconnectBackoffMs);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kMaxReconnectBackoffMs);
-    // Retries stay on (gRPC's default): peer requests are small, so the retry buffer costs
-    // nothing, and transparent retries cover a call that races a connection's shutdown.
-    std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
-    if (options_.channel_credentials) {
-      // Callers that know only an address (the transports) pass it as the name too: the
-      // member's certificate may name the member, so look its name up.
-      MemberAddress named{member.name == member.address ? "" : member.name, member.address};
-      for (const MemberAddress& peer : peers_) {
-        if (named.name.empty() && peer.address == member.address) named.name = peer.name;
-      }
-      credentials = options_.channel_credentials(named);
-    }
-    channel = grpc::CreateCustomChannel(member.address, credentials, args);
-  }
+  if (channel == nullptr) channel = NewChannelLocked(member, /*own_connection=*/false);
   return channel;
+}
+
+std::shared_ptr<grpc::Channel> Membership::OwnChannel(const MemberAddress& member) {
+  MutexLock lock(&mu_);
+  return NewChannelLocked(member, /*own_connection=*/true);
+}
+
+std::shared_ptr<grpc::Channel> Membership::NewChannelLocked(const MemberAddress& member,
+                                                            bool own_connection) {
+  grpc::ChannelArguments args;
+  // gRPC shares connections between channels of equal settings; a channel with a subchannel
+  // pool of its own has its own connection, and its own reconnection backoff.
+  if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  args.SetMaxSendMessageSize(options_.max_message_bytes);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kInitialReconnectBackoffMs);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kMaxReconnectBackoffMs);
+  // Retries stay on (gRPC's default): peer requests are small, so the retry buffer costs
+  // nothing, and transparent retries cover a call that races a connection's shutdown.
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (options_.channel_credentials) {
+    // Callers that know only an address (the transports) pass it as the name too: the
+    // member's certificate may name the member, so look its name up.
+    MemberAddress named{member.name == member.address ? "" : member.name, member.address};
+    for (const MemberAddress& peer : peers_) {
+      if (named.name.empty() && peer.address == member.address) named.name = peer.name;
+    }
+    credentials = options_.channel_credentials(named);
+  }
+  return grpc::CreateCustomChannel(member.address, credentials, args);
 }
 
 v1::ListMembersResponse Membership::Describe(absl::Time deadline) {

@@ -115,6 +115,11 @@ class Membership {
 
   // The channel to `member`'s address, created on first use and shared afterwards.
   std::shared_ptr<grpc::Channel> Channel(const MemberAddress& member);
+  // A new channel to `member` with the same settings and a connection of its own, for a caller
+  // that calls peers before they may listen (the cluster index): a shared channel whose
+  // connection attempts failed waits out its reconnection backoff (up to 2 s) before its next
+  // call can succeed, which would fail the cluster operations that follow a peer's start.
+  std::shared_ptr<grpc::Channel> OwnChannel(const MemberAddress& member);
 
   // This node first (SERVING, its backend and transports), then every peer by name, each
   // checked in parallel: grpc.health.v1.Health/Check of the server ("") and PeerService/NodeInfo
@@ -135,6 +140,8 @@ class Membership {
   // One DNS resolution of peer_dns: the peers it names, without this node.
   absl::StatusOr<std::vector<MemberAddress>> ResolvePeers() const;
   void DiscoveryLoop();
+  std::shared_ptr<grpc::Channel> NewChannelLocked(const MemberAddress& member, bool own_connection)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   std::string dns_host_;  // peer_dns split; immutable after Create

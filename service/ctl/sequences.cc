@@ -1,9 +1,9 @@
 // kvmeshctl's commands on what a sequence holds and edits of it: visible, copy-prefix (from this
 // node or another member), remove (here or cluster-wide), can-resume, list-sequences and
 // commit-speculation.
+#include <algorithm>
 #include <cinttypes>
 #include <cstdint>
-#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -213,6 +213,8 @@ absl::Status LookupPrefix(const Client& client, const Args& args) {
     return absl::InvalidArgumentError(
         absl::StrCat("--scope='", scope, "' is neither 'local' nor 'cluster'"));
   }
+  ASSIGN_OR_RETURN(const bool verify, args.GetBool("verify"));
+  request.set_verify(verify);
   v1::LookupPrefixResponse response;
   RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::LookupPrefix, request, &response));
   if (client.json()) return PrintJson(response);
@@ -223,7 +225,13 @@ absl::Status LookupPrefix(const Client& client, const Args& args) {
   for (const v1::PrefixMatch& m : response.matches()) {
     std::printf("%s%sseq %" PRId64 ": %d of %zu tokens (offset %d)%s\n", m.node().c_str(),
                 m.node().empty() ? "" : " ", m.seq(), m.length(), tokens.size(), m.offset(),
-                m.can_resume() ? "" : ", cannot resume there");
+                !m.verified()    ? ", by block hash (not verified)"
+                : m.can_resume() ? ""
+                                 : ", cannot resume there");
+  }
+  for (const v1::NodeResult& failed : response.unverified()) {
+    std::printf("%s could not verify its candidates: %s\n", failed.node().c_str(),
+                failed.message().c_str());
   }
   return absl::OkStatus();
 }
@@ -275,8 +283,7 @@ absl::Status WatchEvents(const Client& client, const Args& args) {
       }
       std::printf("%s %-16s %s %s\n",
                   e.number() == 0 ? "listed" : absl::StrCat("#", e.number()).c_str(),
-                  v1::EventKind_Name(e.kind()).substr(11).c_str(), e.cache().c_str(),
-                  what.c_str());
+                  v1::EventKind_Name(e.kind()).substr(11).c_str(), e.cache().c_str(), what.c_str());
       ++printed;
     }
     if (message.synced()) {
@@ -354,8 +361,8 @@ constexpr absl::string_view kCanResumeFlags[] = {"cache", "name", "seq", "pos"};
 constexpr absl::string_view kReserveFlags[] = {"cache", "name", "seq", "positions", "ttl"};
 constexpr absl::string_view kListSequencesFlags[] = {"cache", "name"};
 constexpr absl::string_view kWatchEventsFlags[] = {"cache", "count", "boot-id", "next"};
-constexpr absl::string_view kLookupPrefixFlags[] = {"cache", "name", "tokens", "max-matches",
-                                                    "scope"};
+constexpr absl::string_view kLookupPrefixFlags[] = {"cache",       "name",  "tokens",
+                                                    "max-matches", "scope", "verify"};
 constexpr absl::string_view kCommitSpeculationFlags[] = {"cache", "name", "seq", "accepted"};
 
 }  // namespace
@@ -390,8 +397,11 @@ const Command kCanResumeCommand = {"can-resume", kCanResumeFlags,
 const Command kLookupPrefixCommand = {
     "lookup-prefix", kLookupPrefixFlags,
     R"(  lookup-prefix --cache=CACHE --tokens=LIST [--max-matches=N (1)] [--scope=local|cluster]
+                [--verify]
                 the sequences holding the longest prefixes of the prompt LIST (token ids, in
-                append's LIST form), verified token by token (docs/api.md#lookupprefix))",
+                append's LIST form), verified token by token; --scope=cluster adds the other
+                members' from this node's index, by block hash unless --verify asks their
+                holders (docs/api.md#lookupprefix))",
     &LookupPrefix};
 
 const Command kWatchEventsCommand = {

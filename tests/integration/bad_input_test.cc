@@ -919,10 +919,19 @@ std::vector<BadCase> Cases() {
                    {"max_matches = -1", "[0, 64]"}});
   cases.push_back(
       {"LookupTooManyMatches", lookup("bad", {1}, 65), kInvalid, {"max_matches = 65", "[0, 64]"}});
-  cases.push_back({"LookupClusterScopeNotServedYet",
-                   lookup("bad", {1}, 1, v1::LOOKUP_SCOPE_CLUSTER),
-                   kPrecondition,
-                   {"LOOKUP_SCOPE_CLUSTER", "LOOKUP_SCOPE_LOCAL"}});
+  // With the cluster scope the same checks, on the cluster executor.
+  cases.push_back({"LookupClusterUnknownCache",
+                   lookup("nosuch", {1}, 1, v1::LOOKUP_SCOPE_CLUSTER),
+                   kNotFound,
+                   {"nosuch"}});
+  cases.push_back({"LookupClusterNegativeToken",
+                   lookup("bad", {7, -2}, 1, v1::LOOKUP_SCOPE_CLUSTER),
+                   kInvalid,
+                   {"tokens[1] = -2"}});
+  cases.push_back({"LookupClusterTooManyMatches",
+                   lookup("bad", {1}, 65, v1::LOOKUP_SCOPE_CLUSTER),
+                   kInvalid,
+                   {"max_matches = 65", "[0, 64]"}});
   cases.push_back({"LookupUnknownScope",
                    lookup("bad", {1}, 1, static_cast<v1::LookupScope>(9)),
                    kInvalid,

@@ -439,7 +439,7 @@ grpc::Status ListSequences(Stub& stub, const std::string& cache,
 
 grpc::Status LookupPrefix(Stub& stub, const std::string& cache, const std::vector<int32_t>& tokens,
                           v1::LookupPrefixResponse* response, int32_t max_matches,
-                          v1::LookupScope scope) {
+                          v1::LookupScope scope, bool verify) {
   grpc::ClientContext context;
   SetDeadline(&context);
   v1::LookupPrefixRequest request;
@@ -447,6 +447,7 @@ grpc::Status LookupPrefix(Stub& stub, const std::string& cache, const std::vecto
   request.mutable_tokens()->Add(tokens.begin(), tokens.end());
   request.set_max_matches(max_matches);
   request.set_scope(scope);
+  request.set_verify(verify);
   return stub.LookupPrefix(&context, request, response);
 }
 

@@ -172,7 +172,7 @@ grpc::Status ListSequences(Stub& stub, const std::string& cache,
                            v1::ListSequencesResponse* response);
 grpc::Status LookupPrefix(Stub& stub, const std::string& cache, const std::vector<int32_t>& tokens,
                           v1::LookupPrefixResponse* response, int32_t max_matches = 0,
-                          v1::LookupScope scope = v1::LOOKUP_SCOPE_LOCAL);
+                          v1::LookupScope scope = v1::LOOKUP_SCOPE_LOCAL, bool verify = false);
 
 // Snapshots and speculation. Output pointers may be null.
 grpc::Status Snapshot(Stub& stub, const std::string& cache, int64_t seq, int32_t from_offset,

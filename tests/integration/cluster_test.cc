@@ -15,6 +15,7 @@
 // (--testing-chunk-delay-ms, --testing-corrupt-chunk) act on grpc-stream chunks or nccl pieces
 // alike; nccl pieces are 4 MiB there, so that a transfer has several.
 #include <signal.h>
+#include <algorithm>
 #include <array>
 
 #include <atomic>
@@ -25,6 +26,7 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
@@ -90,6 +92,7 @@ constexpr int32_t kBigTokens = 2048;
 
 struct ClusterNode {
   std::string name;
+  NodeProcess::Options options;
   std::unique_ptr<NodeProcess> process;
   std::unique_ptr<Stub> stub;
 };
@@ -127,10 +130,25 @@ class Cluster {
       ASSERT_TRUE(process.ok()) << process.status();
       ClusterNode node;
       node.name = names[i];
+      node.options = options;
       node.process = *std::move(process);
       node.stub = node.process->NewStub();
       nodes_.push_back(std::move(node));
     }
+  }
+  // Stops node i and starts a new process in its place (same name and port, so the others
+  // reach it again), with `extra` flags added to those it had.
+  void Restart(size_t i, const std::vector<std::string>& extra = {}) {
+    ClusterNode& node = nodes_[i];
+    node.stub.reset();
+    node.process->ReleaseChannel();
+    node.process->Stop();
+    NodeProcess::Options options = node.options;
+    options.extra_args.insert(options.extra_args.end(), extra.begin(), extra.end());
+    absl::StatusOr<std::unique_ptr<NodeProcess>> process = NodeProcess::Start(options);
+    ASSERT_TRUE(process.ok()) << process.status();
+    node.process = *std::move(process);
+    node.stub = node.process->NewStub();
   }
   // Clients drop their connections first, so that no node waits for an idle client during
   // its shutdown; then every node is stopped at once.
@@ -384,7 +402,10 @@ TEST_F(ClusterTest, CrossNodeCopyWithAStaleSourceIsRefusedAndDstKept) {
     EXPECT_THAT(status.error_message(), HasSubstr("require_src_offset = 3"));
     ExpectSameRead(ReadAll(cluster_.stub(1), spec.name(), 4), before);
     EXPECT_EQ(Usage(cluster_.stub(1), spec.name()).snapshot_bytes(), 0);
-    EXPECT_EQ(Usage(cluster_.stub(0), spec.name()).export_bytes(), 0);
+    // The sender's transport lets go of the first copy's payload once its stream ends, which
+    // may be just after the receiver answered.
+    EXPECT_TRUE(Eventually([&] { return Usage(cluster_.stub(0), spec.name()).export_bytes() == 0; },
+                           absl::Seconds(10)));
     // Without the precondition, the removed source empties dst (the seed's semantics).
     status = CopyFrom(cluster_.stub(1), spec.name(), "node-a", 1, 4, 12, &response);
     ASSERT_TRUE(status.ok()) << StatusText(status);
@@ -647,6 +668,264 @@ TEST_F(ClusterTest, ConcurrentMigrationsOfOneSequenceOneWinsTheOtherIsAborted) {
     ASSERT_TRUE(MigrateSeq(cluster_.stub(winner), "big", 0, "node-a", 0, false).ok());
     ExpectSameRead(ReadAll(cluster_.stub(0), "big", 0), source);
   }
+}
+
+// ---- prefix lookups across the cluster -----------------------------------------------------
+
+// One small Attention layer, 16 sequences of up to 512 tokens, token blocks of 16 (the default).
+v1::CacheSpec PromptSpec() {
+  AttentionOptions a;
+  a.num_layers = 1;
+  a.num_kv_heads = 1;
+  return SpecProto("prompts", 16, 512, 64, {AttentionGroupProto(a)});
+}
+
+// Appends positions [0, ids.size()) of `seq` with those token ids.
+void AppendIds(Stub& stub, const v1::CacheSpec& spec, int64_t seq,
+               const std::vector<int32_t>& ids) {
+  const int32_t n = static_cast<int32_t>(ids.size());
+  for (int32_t begin = 0; begin < n; begin += spec.max_batch()) {
+    const int32_t end = std::min(n, begin + spec.max_batch());
+    v1::AppendRequest request = MakeAppend(spec, seq, Range(begin, end), 5);
+    for (v1::Token& t : *request.mutable_tokens()) t.set_token_id(ids[t.pos()]);
+    const grpc::Status status = Append(stub, request);
+    ASSERT_TRUE(status.ok()) << StatusText(status);
+  }
+}
+
+// AppendPrompt's ids for positions [0, n), then `extra` ids no sequence holds.
+std::vector<int32_t> Prompt(int32_t n, int32_t extra = 0) {
+  std::vector<int32_t> ids(n + extra);
+  for (int32_t p = 0; p < n + extra; ++p) ids[p] = p < n ? 1000 + p : 7;
+  return ids;
+}
+
+// The matches as "node/seq/length", each followed by " verified" or " hashed".
+std::vector<std::string> Found(const v1::LookupPrefixResponse& response) {
+  std::vector<std::string> out;
+  for (const v1::PrefixMatch& m : response.matches()) {
+    out.push_back(absl::StrCat(m.node(), "/", m.seq(), "/", m.length(),
+                               m.verified() ? " verified" : " hashed"));
+  }
+  return out;
+}
+
+// The boot id a node's events carry (its first WatchEvents message).
+std::string BootId(Stub& stub) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  std::unique_ptr<grpc::ClientReader<v1::WatchEventsResponse>> reader =
+      stub.WatchEvents(&context, v1::WatchEventsRequest());
+  v1::WatchEventsResponse message;
+  std::string boot_id = reader->Read(&message) ? message.boot_id() : "";
+  context.TryCancel();
+  (void)reader->Finish();
+  return boot_id;
+}
+
+// LookupPrefix with the cluster scope (up to 8 matches); "error: ..." when it fails.
+std::vector<std::string> LookupCluster(Stub& stub, const std::string& cache,
+                                       const std::vector<int32_t>& tokens, bool verify) {
+  v1::LookupPrefixResponse response;
+  const grpc::Status status =
+      LookupPrefix(stub, cache, tokens, &response, 8, v1::LOOKUP_SCOPE_CLUSTER, verify);
+  if (!status.ok()) return {absl::StrCat("error: ", StatusText(status))};
+  if (response.unverified_size() > 0) {
+    return {absl::StrCat("unverified: ", response.unverified(0).node(), " ",
+                         response.unverified(0).message())};
+  }
+  return Found(response);
+}
+
+// Waits until the cluster lookup on `stub` answers `expected` (what the index holds follows
+// the peers' events, within a second or so).
+void ExpectClusterLookup(Stub& stub, const std::vector<int32_t>& tokens, bool verify,
+                         const std::vector<std::string>& expected) {
+  std::vector<std::string> got;
+  EXPECT_TRUE(Eventually(
+      [&] {
+        got = LookupCluster(stub, "prompts", tokens, verify);
+        return got == expected;
+      },
+      absl::Seconds(15)))
+      << "got: " << absl::StrJoin(got, ", ") << "\nexpected: " << absl::StrJoin(expected, ", ");
+}
+
+class ClusterLookupTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // The index is the same on either transport: run once.
+    if (NcclCluster()) GTEST_SKIP() << "the cluster index does not depend on the transport";
+    ASSERT_NO_FATAL_FAILURE(
+        cluster_.Start({"node-a", "node-b", "node-c"}, {Flags(), Flags(), Flags()}));
+    for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), PromptSpec()).ok());
+  }
+  virtual std::vector<std::string> Flags() const { return {}; }
+  Cluster cluster_;
+};
+
+// A prompt appended on one node is found from the others, by hash from the index and verified
+// by its holder when asked; forks (local and across nodes), removals and migrations show in the
+// answers as the events arrive.
+TEST_F(ClusterLookupTest, FindsPrefixesOnOtherNodesThroughForksRemovesAndMigrations) {
+  const v1::CacheSpec spec = PromptSpec();
+  ASSERT_NO_FATAL_FAILURE(AppendPrompt(cluster_.stub(1), spec, 1, 40, 7));
+  const std::vector<int32_t> prompt = Prompt(40, 8);
+  // Two whole blocks by hash; 40 tokens compared id by id on node-b.
+  ExpectClusterLookup(cluster_.stub(0), prompt, false, {"node-b/1/32 hashed"});
+  ExpectClusterLookup(cluster_.stub(0), prompt, true, {"node-b/1/40 verified"});
+  {
+    v1::LookupPrefixResponse response;
+    ASSERT_TRUE(LookupPrefix(cluster_.stub(0), "prompts", prompt, &response, 8,
+                             v1::LOOKUP_SCOPE_CLUSTER, true)
+                    .ok());
+    ASSERT_EQ(response.matches_size(), 1);
+    EXPECT_TRUE(response.matches(0).can_resume());
+    EXPECT_EQ(response.matches(0).offset(), 40);
+    // The local scope knows nothing of node-b.
+    ASSERT_TRUE(LookupPrefix(cluster_.stub(0), "prompts", prompt, &response).ok());
+    EXPECT_EQ(response.matches_size(), 0);
+  }
+
+  // Forks: on node-b itself, and onto node-c (24 positions: one whole block).
+  ASSERT_TRUE(CopyPrefix(cluster_.stub(1), "prompts", 1, 2, 40).ok());
+  v1::CopyPrefixResponse copied;
+  grpc::Status status = CopyFrom(cluster_.stub(2), "prompts", "node-b", 1, 5, 24, &copied);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  ExpectClusterLookup(cluster_.stub(0), prompt, false,
+                      {"node-b/1/32 hashed", "node-b/2/32 hashed", "node-c/5/16 hashed"});
+  ExpectClusterLookup(cluster_.stub(0), prompt, true,
+                      {"node-b/1/40 verified", "node-b/2/40 verified", "node-c/5/24 verified"});
+  // node-c answers with its own match verified, its peers' by hash.
+  ExpectClusterLookup(cluster_.stub(2), prompt, false,
+                      {"node-b/1/32 hashed", "node-b/2/32 hashed", "node-c/5/24 verified"});
+
+  // A removed sequence leaves the index; a truncated one keeps the blocks it still has.
+  ASSERT_TRUE(Remove(cluster_.stub(1), "prompts", 1, 0).ok());
+  ASSERT_TRUE(Remove(cluster_.stub(1), "prompts", 2, 20).ok());
+  ExpectClusterLookup(cluster_.stub(0), prompt, true,
+                      {"node-c/5/24 verified", "node-b/2/20 verified"});
+  ExpectClusterLookup(cluster_.stub(0), prompt, false,
+                      {"node-b/2/16 hashed", "node-c/5/16 hashed"});
+
+  // A migration moves the entry: node-c's sequence to node-a, where it is local.
+  status = MigrateSeq(cluster_.stub(2), "prompts", 5, "node-a", 7, false);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  ExpectClusterLookup(cluster_.stub(0), prompt, false,
+                      {"node-a/7/24 verified", "node-b/2/16 hashed"});
+  ExpectClusterLookup(cluster_.stub(1), prompt, true,
+                      {"node-a/7/24 verified", "node-b/2/20 verified"});
+  // A deleted cache takes its entries along.
+  ASSERT_TRUE(DeleteCache(cluster_.stub(1), "prompts").ok());
+  ExpectClusterLookup(cluster_.stub(0), prompt, false, {"node-a/7/24 verified"});
+}
+
+// A node that stops is forgotten at once; once restarted (new boot id, nothing stored), what it
+// stores is found again. A node started without the index refuses the cluster scope.
+TEST_F(ClusterLookupTest, ARestartedNodesEntriesDisappearAndComeBack) {
+  const v1::CacheSpec spec = PromptSpec();
+  ASSERT_NO_FATAL_FAILURE(AppendPrompt(cluster_.stub(1), spec, 1, 32, 7));
+  const std::vector<int32_t> prompt = Prompt(32);
+  ExpectClusterLookup(cluster_.stub(0), prompt, false, {"node-b/1/32 hashed"});
+  const std::string boot_before = BootId(cluster_.stub(1));
+  ASSERT_FALSE(boot_before.empty());
+
+  ASSERT_NO_FATAL_FAILURE(cluster_.Restart(1, {"--cluster-index=false"}));
+  EXPECT_NE(BootId(cluster_.stub(1)), boot_before);
+  ExpectClusterLookup(cluster_.stub(0), prompt, false, {});
+  ASSERT_TRUE(CreateCache(cluster_.stub(1), spec).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendPrompt(cluster_.stub(1), spec, 3, 20, 7));
+  ExpectClusterLookup(cluster_.stub(0), prompt, false, {"node-b/3/16 hashed"});
+  ExpectClusterLookup(cluster_.stub(2), prompt, true, {"node-b/3/20 verified"});
+
+  v1::LookupPrefixResponse response;
+  const grpc::Status status =
+      LookupPrefix(cluster_.stub(1), "prompts", prompt, &response, 1, v1::LOOKUP_SCOPE_CLUSTER);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("keeps no index of the cluster"));
+}
+
+// Block hashes cut to 4 bits: nearly every block hash collides with another. The index's
+// candidates may then be wrong, but a verified match is always the real longest common prefix.
+class ClusterLookupCollisionTest : public ClusterLookupTest {
+ protected:
+  std::vector<std::string> Flags() const override { return {"--testing-token-hash-bits=4"}; }
+};
+
+TEST_F(ClusterLookupCollisionTest, VerifiedMatchesAreExactDespiteCollisions) {
+  const v1::CacheSpec spec = PromptSpec();
+  std::mt19937 random(42);
+  std::uniform_int_distribution<int32_t> id(0, 50);
+  // Six stored prompts of 64 ids on node-b, two on node-a; each shares a random-length prefix
+  // with the first.
+  std::vector<int32_t> base(64);
+  for (int32_t& t : base) t = id(random);
+  std::map<std::pair<size_t, int64_t>, std::vector<int32_t>> stored;  // (node, seq) -> ids
+  for (int64_t seq = 0; seq < 8; ++seq) {
+    std::vector<int32_t> ids = base;
+    const size_t shared = std::uniform_int_distribution<size_t>(0, 64)(random);
+    for (size_t p = shared; p < ids.size(); ++p) ids[p] = id(random);
+    const size_t node = seq < 6 ? 1 : 0;
+    ASSERT_NO_FATAL_FAILURE(AppendIds(cluster_.stub(node), spec, seq, ids));
+    stored[{node, seq}] = ids;
+  }
+  int real_matches = 0;
+  int fake_candidates = 0;  // the index's, longer than the sequence really matches
+  for (int query = 0; query < 12; ++query) {
+    SCOPED_TRACE(query);
+    std::vector<int32_t> prompt = base;
+    const size_t shared = std::uniform_int_distribution<size_t>(0, 64)(random);
+    for (size_t p = shared; p < prompt.size(); ++p) prompt[p] = id(random);
+    // What each sequence really shares with the prompt, where that is a whole block or more.
+    std::vector<std::string> expected;
+    for (const auto& [where, ids] : stored) {
+      const size_t common =
+          std::mismatch(prompt.begin(), prompt.end(), ids.begin()).first - prompt.begin();
+      if (common >= 16) {
+        ++real_matches;
+        expected.push_back(absl::StrCat(where.first == 0 ? "node-a" : "node-b", "/", where.second,
+                                        "/", common, " verified"));
+      }
+    }
+    v1::LookupPrefixResponse response;
+    const grpc::Status status = LookupPrefix(cluster_.stub(0), "prompts", prompt, &response, 8,
+                                             v1::LOOKUP_SCOPE_CLUSTER, true);
+    ASSERT_TRUE(status.ok()) << StatusText(status);
+    // node-b's entries reach node-a's index within a second; until then only node-a's own.
+    std::vector<std::string> got = Found(response);
+    std::sort(got.begin(), got.end());
+    std::sort(expected.begin(), expected.end());
+    if (query == 0) {
+      ASSERT_TRUE(Eventually(
+          [&] {
+            v1::LookupPrefixResponse again;
+            if (!LookupPrefix(cluster_.stub(0), "prompts", prompt, &again, 8,
+                              v1::LOOKUP_SCOPE_CLUSTER, true)
+                     .ok()) {
+              return false;
+            }
+            got = Found(again);
+            std::sort(got.begin(), got.end());
+            return got == expected;
+          },
+          absl::Seconds(15)));
+    }
+    EXPECT_EQ(got, expected);
+    v1::LookupPrefixResponse hashed;
+    ASSERT_TRUE(
+        LookupPrefix(cluster_.stub(0), "prompts", prompt, &hashed, 8, v1::LOOKUP_SCOPE_CLUSTER)
+            .ok());
+    for (const v1::PrefixMatch& m : hashed.matches()) {
+      if (m.verified()) continue;
+      const std::vector<int32_t>& ids = stored.at({1, m.seq()});
+      const size_t common =
+          std::mismatch(prompt.begin(), prompt.end(), ids.begin()).first - prompt.begin();
+      if (static_cast<size_t>(m.length()) > common) ++fake_candidates;
+    }
+  }
+  // The test means something: real matches were found, and the index alone was fooled.
+  EXPECT_GT(real_matches, 3);
+  EXPECT_GT(fake_candidates, 0);
 }
 
 // ---- faults -------------------------------------------------------------------------------

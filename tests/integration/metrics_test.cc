@@ -574,6 +574,20 @@ TEST(MetricsTest, TransfersMigrationsAndDrainsBetweenTwoNodes) {
     EXPECT_EQ(at_b.Get("kvmesh_cache_sequences", {{"cache", "t"}}), 0);
     EXPECT_EQ(a.ScrapeNow().Get("kvmesh_cache_sequences", {{"cache", "t"}}), 2);
   }
+  // Each node's index of the cluster follows the other (a draining node still serves its
+  // events); these sequences carry no token ids, so no blocks. The watchers started with the
+  // nodes, so a watcher that called its peer before it listened retries a second later.
+  for (const MetricsNode* node : {&a, &b}) {
+    const std::string peer = node == &a ? "mx-b" : "mx-a";
+    const absl::Time end = absl::Now() + absl::Seconds(15);
+    while (node->ScrapeNow().Get("kvmesh_cluster_index_synced", {{"peer", peer}}) != 1.0 &&
+           absl::Now() < end) {
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    const Scrape scrape = node->ScrapeNow();
+    EXPECT_EQ(scrape.Get("kvmesh_cluster_index_synced", {{"peer", peer}}), 1) << peer;
+    EXPECT_EQ(scrape.Get("kvmesh_cluster_index_blocks", {{"peer", peer}}), 0) << peer;
+  }
   // After all that, every series either node exposes is one the dashboard and alerts know.
   ExpectWithinContract(a);
   ExpectWithinContract(b);

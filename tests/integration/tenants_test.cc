@@ -483,6 +483,48 @@ TEST_F(PeerPlaneTest, TheTenantTravelsWithCrossNodeOperations) {
   }
 }
 
+// Alice and Bob store the same prompt on node 0, each in a cache "m" of their own: a cluster
+// lookup on node 1 (from its index of node 0, and verified by node 0) finds the caller's only.
+TEST_F(PeerPlaneTest, ClusterLookupsFindTheCallersOwnPrefixesOnly) {
+  std::vector<int32_t> prompt(40);
+  for (int32_t p = 0; p < 40; ++p) prompt[p] = 500 + p;
+  const struct {
+    const char* token;
+    int64_t seq;
+  } callers[] = {{kAlice, 3}, {kBob, 6}};
+  for (const auto& caller : callers) {
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_OK(CreateCache(*StubFor(nodes_[i]->address(), caller.token), SmallSpec("m")));
+    }
+    for (int32_t begin = 0; begin < 32; begin += 16) {
+      std::vector<int32_t> positions(16);
+      for (int32_t p = 0; p < 16; ++p) positions[p] = begin + p;
+      v1::AppendRequest append = MakeAppend(SmallSpec("m"), caller.seq, positions, 3);
+      for (v1::Token& t : *append.mutable_tokens()) t.set_token_id(prompt[t.pos()]);
+      ASSERT_OK(Append(*StubFor(nodes_[0]->address(), caller.token), append));
+    }
+  }
+  for (const auto& caller : callers) {
+    SCOPED_TRACE(caller.seq);
+    std::unique_ptr<Stub> on1 = StubFor(nodes_[1]->address(), caller.token);
+    for (const bool verify : {false, true}) {
+      v1::LookupPrefixResponse found;
+      const absl::Time end = absl::Now() + absl::Seconds(15);
+      do {
+        found.Clear();
+        ASSERT_OK(LookupPrefix(*on1, "m", prompt, &found, 8, v1::LOOKUP_SCOPE_CLUSTER, verify));
+        if (found.matches_size() > 0) break;
+        absl::SleepFor(absl::Milliseconds(50));
+      } while (absl::Now() < end);
+      ASSERT_EQ(found.matches_size(), 1) << found.DebugString();
+      EXPECT_EQ(found.matches(0).node(), "p0");
+      EXPECT_EQ(found.matches(0).seq(), caller.seq);
+      EXPECT_EQ(found.matches(0).length(), 32);
+      EXPECT_EQ(found.matches(0).verified(), verify);
+    }
+  }
+}
+
 TEST_F(PeerPlaneTest, PeerServiceIsNotOnTheClientPort) {
   std::unique_ptr<v1::PeerService::Stub> wrong_port = v1::PeerService::NewStub(
       grpc::CreateChannel(nodes_[0]->address(), grpc::InsecureChannelCredentials()));

@@ -5,8 +5,10 @@ It serves a stream of chat requests (token ids; a fake model makes their K/V) on
 nodes, the way an inference scheduler uses kvmesh:
 
 - **prefix routing**: the nodes know which token ids their sequences hold (Appends carry
-  them), so the scheduler asks them (LookupPrefix) which sequence shares the longest prefix
-  with a request, rather than keeping a map of its own; the request goes to that node and is
+  them), and each keeps an index of the others' (fed by their events), so the scheduler asks
+  one node (LookupPrefix with the cluster scope, verified) which sequence in the cluster shares
+  the longest prefix with a request, rather than keeping a map of its own; the request goes to
+  that node and is
   **forked** from that sequence with CopyPrefix (cells shared, nothing copied), so only the new
   tokens are prefilled; when that node is busier than the least loaded one, the fork is made on
   the least loaded node instead, with a cross-node CopyPrefix. A context-shifted sequence is
@@ -86,6 +88,7 @@ class Scheduler:
         self.clients = clients
         self.cache = cache
         self.sequences: List[Placed] = []
+        self.lookups = 0
         self.next_seq = 1
         self.spec = kvmesh.CacheSpec(
             name=cache, dtype=kvmesh.DType.F16, max_sequences=32, capacity=256, max_batch=128,
@@ -115,14 +118,17 @@ class Scheduler:
         """Serves one request: fork the longest cached prefix, then prefill the rest."""
         best: Optional[Placed] = None
         best_len = 0
-        # Each node answers from its own index (a cluster-wide index on one node is to come).
-        for name, client in self.clients.items():
-            for m in client.lookup_prefix(self.cache, tokens, max_matches=1):
-                if m.length > best_len:
-                    best = next(s for s in self.sequences if s.node == name and s.seq == m.seq)
-                    best_len = m.length
-                    # What the node matched, the scheduler's own record agrees with.
-                    assert common_prefix(best.tokens, tokens) >= best_len
+        # One node answers for the cluster: its own sequences, and the others' from its index
+        # of the cluster (fed by their events), verified token by token by their holders.
+        # Asked in turn, so that every node's index serves.
+        router = list(self.clients)[self.lookups % len(self.clients)]
+        self.lookups += 1
+        for m in self.clients[router].lookup_prefix(self.cache, tokens, max_matches=1,
+                                                    cluster=True, verify=True):
+            best = next(s for s in self.sequences if s.node == m.node and s.seq == m.seq)
+            best_len = m.length
+            # What the node matched, the scheduler's own record agrees with.
+            assert common_prefix(best.tokens, tokens) >= best_len
         seq = self.next_seq
         self.next_seq += 1
         if best is None:
@@ -145,8 +151,8 @@ class Scheduler:
             how = ("local CopyPrefix, cells shared" if transfer is None else
                    f"CopyPrefix from {best.node}, {transfer.bytes} bytes over "
                    f"{transfer.transport} in {transfer.micros} us")
-            print(f"{request}: {len(tokens)} tokens, LookupPrefix: {best_len} tokens held by seq "
-                  f"{best.seq} on {best.node}: fork into seq {seq} on {node} ({how})")
+            print(f"{request}: {len(tokens)} tokens, LookupPrefix on {router}: {best_len} tokens "
+                  f"held by seq {best.seq} on {best.node}: fork into seq {seq} on {node} ({how})")
             new = Placed(node, seq, list(tokens[:best_len]))
         self.sequences.append(new)
         self.extend(new, tokens[len(new.tokens):])

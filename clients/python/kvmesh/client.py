@@ -419,16 +419,20 @@ class Client:
         return [_convert.sequence_from_proto(s) for s in r.sequences]
 
     def lookup_prefix(self, cache: str, tokens: Sequence[int], *, max_matches: int = 1,
-                      cluster: bool = False,
+                      cluster: bool = False, verify: bool = False,
                       timeout: Optional[float] = None) -> List[PrefixMatch]:
         """The sequences that hold the longest prefixes of the prompt ``tokens`` (token ids),
-        longest first, at most ``max_matches``; ``cluster``: on every member, from this node's
-        index of the cluster (docs/api.md#lookupprefix)."""
+        longest first, at most ``max_matches``. ``cluster``: the other members' too, from this
+        node's index of the cluster, by block hash unless ``verify`` asks their holders to
+        compare token by token (docs/api.md#lookupprefix). Members that could not verify are
+        left out."""
         scope = pb.LOOKUP_SCOPE_CLUSTER if cluster else pb.LOOKUP_SCOPE_LOCAL
         r = self._call("LookupPrefix",
                        pb.LookupPrefixRequest(cache=cache, tokens=[int(t) for t in tokens],
-                                              max_matches=max_matches, scope=scope), timeout)
-        return [PrefixMatch(m.node, m.seq, m.length, m.offset, m.can_resume) for m in r.matches]
+                                              max_matches=max_matches, scope=scope,
+                                              verify=verify), timeout)
+        return [PrefixMatch(m.node, m.seq, m.length, m.offset, m.can_resume, m.verified)
+                for m in r.matches]
 
     def watch_events(self, caches: Sequence[str] = (), *, boot_id: str = "", next: int = 0,
                      timeout: Optional[float] = None) -> Iterator[EventBatch]:

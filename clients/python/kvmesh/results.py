@@ -199,15 +199,18 @@ class CopiedPrefix:
 @dataclasses.dataclass(frozen=True)
 class PrefixMatch:
     """A sequence that holds a prefix of a prompt (lookup_prefix): the prompt's first
-    ``length`` tokens, compared token by token; ``node`` holds it ("" without a cluster),
-    ``offset`` is the sequence's, ``can_resume`` whether every group can continue at
-    ``length``."""
+    ``length`` tokens; ``node`` holds it ("" without a cluster), ``offset`` is the
+    sequence's, ``can_resume`` whether every group can continue at ``length``.
+    ``verified``: compared token by token on ``node``; False for another member's sequence
+    known by block hash only (a cluster lookup without ``verify``), whose ``length`` is whole
+    blocks and ``can_resume`` unknown (False)."""
 
     node: str
     seq: int
     length: int
     offset: int
     can_resume: bool
+    verified: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

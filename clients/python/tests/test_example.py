@@ -25,7 +25,7 @@ class SchedulerExampleTest(unittest.TestCase):
                 node.stop_checked()
         out = result.stdout + result.stderr
         self.assertEqual(result.returncode, 0, out)
-        for what in ("LookupPrefix: ", "local CopyPrefix, cells shared", "CopyPrefix from node-",
+        for what in ("LookupPrefix on node-", "local CopyPrefix, cells shared", "CopyPrefix from node-",
                      "context shift of seq", "Migrate: ", "10 sequences on 3 nodes, 0 wrong"):
             self.assertIn(what, out)
         self.assertNotIn("WRONG DATA", out)
