@@ -1282,73 +1282,76 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Reserve(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* CacheServiceImpl::LookupPrefix(grpc::CallbackServerContext* context,
                                                          const v1::LookupPrefixRequest* request,
                                                          v1::LookupPrefixResponse* response) {
-  const std::string node =
-      options_.cluster == nullptr ? std::string() : options_.cluster->options().self_name;
-  if (request->scope() == v1::LOOKUP_SCOPE_CLUSTER) {
-    if (options_.cluster != nullptr && options_.cluster_index == nullptr) {
-      grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-      reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                                   "scope = LOOKUP_SCOPE_CLUSTER: this node keeps no index of "
-                                   "the cluster; ask with LOOKUP_SCOPE_LOCAL"));
-      return reactor;
-    }
-    return RunCluster(context, [this, context, request, response, node]() -> absl::Status {
-      ASSIGN_OR_RETURN(const int max_matches, LookupMatchCount(request->max_matches()));
-      Principal caller;
-      ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,
-                       FindCache(*context, request->cache(), &caller));
-      ASSIGN_OR_RETURN(const std::vector<PrefixMatch> local,
-                       cache->LookupPrefix(request->tokens(), max_matches));
-      ASSIGN_OR_RETURN(const std::vector<uint64_t> hashes, cache->PromptHashes(request->tokens()));
-      AddPrefixMatches(node, local, response);
-      const int32_t block_size = cache->spec().token_block_size;
-      const std::vector<ClusterIndex::Candidate> candidates = options_.cluster_index->Lookup(
-          caller.tenant, request->cache(), block_size, hashes, max_matches);
-      if (!request->verify()) {
-        for (const ClusterIndex::Candidate& c : candidates) {
-          v1::PrefixMatch* out = response->add_matches();
-          out->set_node(c.node);
-          out->set_seq(c.seq);
-          out->set_length(c.blocks * block_size);
-          out->set_offset(c.offset);
-        }
-        SortPrefixMatches(max_matches, response);
-        return absl::OkStatus();
-      }
-      // The members whose candidates could make the answer: those among the longest
-      // max_matches, the local matches included.
-      // Both lists are longest first: merged, a local match goes first among equal lengths.
-      std::vector<std::string> nodes;
-      for (size_t l = 0, c = 0;
-           l + c < static_cast<size_t>(max_matches) && c < candidates.size();) {
-        if (l < local.size() && local[l].length >= candidates[c].blocks * block_size) {
-          ++l;
-          continue;
-        }
-        if (std::find(nodes.begin(), nodes.end(), candidates[c].node) == nodes.end()) {
-          nodes.push_back(candidates[c].node);
-        }
-        ++c;
-      }
-      const absl::Time deadline =
-          std::min(options_.cluster->Deadline(ContextDeadline(*context)),
-                   absl::Now() + options_.cluster->options().control_timeout);
-      options_.cluster_index->Verify(nodes, caller.tenant, *request, deadline, response);
-      SortPrefixMatches(max_matches, response);
-      return absl::OkStatus();
-    });
-  }
-  return RunOnCache(context, request, [request, response, node](Cache& cache) -> absl::Status {
+  // The lookup itself, once the cache is found: this node's matches, then (cluster scope) the
+  // other members' from the index, verified by their holders when asked.
+  auto lookup = [this, context, request, response](const Cache& cache,
+                                                   const Principal& caller) -> absl::Status {
     ASSIGN_OR_RETURN(const int max_matches, LookupMatchCount(request->max_matches()));
-    if (request->scope() != v1::LOOKUP_SCOPE_LOCAL) {
+    if (!v1::LookupScope_IsValid(request->scope())) {
       return absl::InvalidArgumentError(
           absl::StrCat("scope = ", request->scope(), " is not a LookupScope (0 LOCAL, 1 CLUSTER)"));
     }
-    ASSIGN_OR_RETURN(std::vector<PrefixMatch> matches,
+    ASSIGN_OR_RETURN(const std::vector<PrefixMatch> local,
                      cache.LookupPrefix(request->tokens(), max_matches));
-    AddPrefixMatches(node, matches, response);
+    const std::string node =
+        options_.cluster == nullptr ? std::string() : options_.cluster->options().self_name;
+    AddPrefixMatches(node, local, response);
+    if (request->scope() == v1::LOOKUP_SCOPE_LOCAL) return absl::OkStatus();
+    if (options_.cluster_index == nullptr) {
+      return absl::FailedPreconditionError(
+          "scope = LOOKUP_SCOPE_CLUSTER: this node keeps no index of the cluster; ask with "
+          "LOOKUP_SCOPE_LOCAL");
+    }
+    ASSIGN_OR_RETURN(const std::vector<uint64_t> hashes, cache.PromptHashes(request->tokens()));
+    const int32_t block_size = cache.spec().token_block_size;
+    ASSIGN_OR_RETURN(const std::vector<ClusterIndex::Candidate> candidates,
+                     options_.cluster_index->Lookup(caller.tenant, request->cache(), block_size,
+                                                    hashes, max_matches));
+    if (!request->verify()) {
+      for (const ClusterIndex::Candidate& c : candidates) {
+        v1::PrefixMatch* out = response->add_matches();
+        out->set_node(c.node);
+        out->set_seq(c.seq);
+        out->set_length(c.blocks * block_size);
+        out->set_offset(c.offset);
+      }
+      SortPrefixMatches(max_matches, response);
+      return absl::OkStatus();
+    }
+    // The members whose candidates could make the answer: those among the longest max_matches,
+    // this node's matches counted. A candidate of B blocks may verify to up to (B + 1) blocks
+    // less one token, so a local match counts before it only when it is at least that long.
+    std::vector<std::string> nodes;
+    for (size_t l = 0, c = 0; l + c < static_cast<size_t>(max_matches) && c < candidates.size();) {
+      if (l < local.size() && local[l].length >= (candidates[c].blocks + 1) * block_size) {
+        ++l;
+        continue;
+      }
+      if (std::find(nodes.begin(), nodes.end(), candidates[c].node) == nodes.end()) {
+        nodes.push_back(candidates[c].node);
+      }
+      ++c;
+    }
+    const absl::Time deadline = std::min(options_.cluster->Deadline(ContextDeadline(*context)),
+                                         absl::Now() + options_.cluster->options().control_timeout);
+    options_.cluster_index->Verify(nodes, caller.tenant, *request, deadline, response);
+    SortPrefixMatches(max_matches, response);
     return absl::OkStatus();
-  });
+  };
+  if (request->scope() == v1::LOOKUP_SCOPE_CLUSTER && request->verify()) {
+    // Calls other members: on the cluster executor, never the engine's.
+    return RunCluster(context, [this, context, request, lookup]() -> absl::Status {
+      Principal caller;
+      ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,
+                       FindCache(*context, request->cache(), &caller));
+      return lookup(*cache, caller);
+    });
+  }
+  // The index answers in microseconds: with the local lookups, on the engine executor.
+  return RunOnCache(context, request,
+                    [lookup](Cache& cache, const Principal& caller) -> absl::Status {
+                      return lookup(cache, caller);
+                    });
 }
 
 grpc::ServerWriteReactor<v1::WatchEventsResponse>* CacheServiceImpl::WatchEvents(

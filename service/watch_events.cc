@@ -44,8 +44,10 @@ v1::EventKind KindToProto(EventKind kind) {
 }
 
 // Sends progress (`next`) without events at most this often while the log moves on with
-// events the watcher does not see, so that its cursor stays near the log's head.
-constexpr absl::Duration kProgressInterval = absl::Seconds(1);
+// events the watcher does not see, so that its cursor stays near the log's head; and at least
+// this often while nothing happens at all, so that a watcher tells a quiet node from one it can
+// no longer reach (kWatchHeartbeat).
+constexpr absl::Duration kProgressInterval = kWatchHeartbeat;
 
 class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsResponse> {
  public:
@@ -259,7 +261,13 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
                          "); watch again without a boot_id for a listing"));
       }
       if (events->empty()) {
-        log_->Wait(cursor - 1, absl::Now() + kProgressInterval);
+        if (absl::Now() - last_sent >= kProgressInterval) {
+          v1::WatchEventsResponse heartbeat;
+          heartbeat.set_next(cursor);
+          if (!Write(std::move(heartbeat))) break;
+          last_sent = absl::Now();
+        }
+        log_->Wait(cursor - 1, last_sent + kProgressInterval);
         continue;
       }
       v1::WatchEventsResponse message;

@@ -17,6 +17,7 @@
 #include <cstddef>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "cache/cache_registry.h"
 #include "cache/event_log.h"
 #include "grpcpp/grpcpp.h"
@@ -26,6 +27,8 @@
 namespace kvmesh {
 
 inline constexpr int kMaxWatchers = 64;
+// A stream sends a message at least this often, one without events when nothing happened.
+inline constexpr absl::Duration kWatchHeartbeat = absl::Seconds(1);
 // A message holds events up to about this many bytes (one event more when it alone is larger).
 inline constexpr size_t kWatchMessageBytes = size_t{1} << 20;
 

@@ -59,6 +59,14 @@ class ClusterIndex::Watcher {
     ClusterIndex::Lookup(member_.name, data_, key, block_size, hashes, max_matches, out);
   }
 
+  // Cancels the stream when nothing came on it for `timeout`.
+  void CancelIfSilent(absl::Duration timeout) {
+    MutexLock lock(&mu_);
+    if (context_ == nullptr || silent_ || absl::Now() - last_message_ < timeout) return;
+    silent_ = true;
+    context_->TryCancel();
+  }
+
   PeerState State() const {
     ReaderMutexLock lock(&mu_);
     PeerState state;
@@ -105,6 +113,8 @@ class ClusterIndex::Watcher {
       MutexLock lock(&mu_);
       if (stopping_) return "stopped";
       context_ = &context;
+      last_message_ = absl::Now();
+      silent_ = false;
     }
     std::unique_ptr<grpc::ClientReader<v1::WatchEventsResponse>> reader =
         stub->WatchEvents(&context, v1::PeerWatchEventsRequest());
@@ -114,26 +124,39 @@ class ClusterIndex::Watcher {
     while (ended.empty() && reader->Read(&message)) {
       if (boot_id.empty()) boot_id = message.boot_id();
       MutexLock lock(&mu_);
+      last_message_ = absl::Now();
       if (message.boot_id() != boot_id) {
         ended =
             absl::StrCat("the stream changed boot id from ", boot_id, " to ", message.boot_id());
-        break;
       }
       data_.boot_id = boot_id;
-      for (const v1::Event& event : message.events()) {
+      for (int i = 0; ended.empty() && i < message.events_size(); ++i) {
+        const v1::Event& event = message.events(i);
         ++events_;
         if (!Apply(event, &data_)) {
           ended = absl::StrCat("event ", event.number(), " of cache '", event.cache(), "' keeps ",
                                event.kept_blocks(), " blocks of sequence ", event.seq(),
                                ", more than it had");
-          break;
         }
+      }
+      if (!ended.empty()) {
+        // Half applied: never served.
+        data_ = PeerData();
+        synced_ = false;
+        break;
       }
       if (message.synced()) synced_ = true;
     }
+    bool silent = false;
     {
       MutexLock lock(&mu_);
       context_ = nullptr;
+      silent = silent_;
+    }
+    if (silent && ended.empty()) {
+      (void)reader->Finish();
+      return absl::StrCat("nothing from node '", member_.name, "' for ",
+                          absl::FormatDuration(options_.silence_timeout));
     }
     if (!ended.empty()) {
       context.TryCancel();
@@ -155,6 +178,8 @@ class ClusterIndex::Watcher {
   std::condition_variable_any wake_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   grpc::ClientContext* context_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::Time last_message_ ABSL_GUARDED_BY(mu_);  // of the current stream
+  bool silent_ ABSL_GUARDED_BY(mu_) = false;      // it was cancelled for its silence
   PeerData data_ ABSL_GUARDED_BY(mu_);
   bool synced_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t events_ ABSL_GUARDED_BY(mu_) = 0;
@@ -202,6 +227,7 @@ void ClusterIndex::Reconcile() {
   {
     MutexLock lock(&mu_);
     if (stopping_) return;
+    for (auto& [name, watcher] : watchers_) watcher->CancelIfSilent(options_.silence_timeout);
     for (auto it = watchers_.begin(); it != watchers_.end();) {
       const bool member = std::any_of(peers.begin(), peers.end(), [&](const MemberAddress& p) {
         return p == it->second->member();
@@ -301,15 +327,17 @@ void ClusterIndex::Lookup(const std::string& node, const PeerData& data, const s
   }
 }
 
-std::vector<ClusterIndex::Candidate> ClusterIndex::Lookup(const std::string& tenant,
-                                                          const std::string& cache,
-                                                          int32_t block_size,
-                                                          absl::Span<const uint64_t> hashes,
-                                                          int max_matches) const {
+absl::StatusOr<std::vector<ClusterIndex::Candidate>> ClusterIndex::Lookup(
+    const std::string& tenant, const std::string& cache, int32_t block_size,
+    absl::Span<const uint64_t> hashes, int max_matches) const {
   std::vector<Candidate> candidates;
   const std::string key = CacheKey(tenant, cache);
   {
     ReaderMutexLock lock(&mu_);
+    if (stopping_) {
+      return absl::UnavailableError(
+          "the node is shutting down and no longer follows its peers; ask another member");
+    }
     for (const auto& [name, watcher] : watchers_) {
       watcher->Lookup(key, block_size, hashes, max_matches, &candidates);
     }

@@ -57,6 +57,10 @@ class ClusterIndex {
     absl::Duration refresh_interval = absl::Seconds(1);
     // How long a watcher whose stream ended waits before it watches its peer again.
     absl::Duration retry_interval = absl::Seconds(1);
+    // A stream that brings nothing for this long is cancelled, and the peer forgotten: a peer
+    // sends at least a heartbeat a second (kWatchHeartbeat), so silence means it cannot be
+    // reached (a partition, a host that died without closing its connections).
+    absl::Duration silence_timeout = absl::Seconds(5);
   };
   explicit ClusterIndex(Options options);
   ~ClusterIndex();
@@ -75,9 +79,11 @@ class ClusterIndex {
   // peer, deepest first, then by node and seq. A peer's sequence counts only when its own
   // hashes [0, blocks) equal the prompt's, not merely its hash at the deepest block. At most
   // max(64, 4 * max_matches) sequences are compared per peer.
-  std::vector<Candidate> Lookup(const std::string& tenant, const std::string& cache,
-                                int32_t block_size, absl::Span<const uint64_t> hashes,
-                                int max_matches) const;
+  // UNAVAILABLE once the index is stopped (the node is shutting down).
+  absl::StatusOr<std::vector<Candidate>> Lookup(const std::string& tenant, const std::string& cache,
+                                                int32_t block_size,
+                                                absl::Span<const uint64_t> hashes,
+                                                int max_matches) const;
 
   // Asks each of `nodes` for its own verified matches of `lookup` (PeerService.LookupPrefix for
   // `tenant`), in parallel, each by `deadline`. Appends the matches to `response` (verified) and

@@ -9,6 +9,9 @@
 #                                      --node-flags="--transport=grpc-stream")
 #   tests/bench/run.sh lookup [ARGS]   lookup_bench only (prefix lookups against the block
 #                                      index up to 10M blocks); ARGS go to it (--max-blocks=N)
+#   tests/bench/run.sh events [ARGS]   events_bench only (two nodes: how fast appends reach the
+#                                      other's cluster index, and the writer's cost); ARGS go
+#                                      to it (--reps=N --tokens=N --duration=5s)
 #
 # KVMESH_BUILD_DIR picks the build directory (default <repo>/build).
 set -euo pipefail
@@ -17,11 +20,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build_dir=${KVMESH_BUILD_DIR:-$root/build}
 what=all
 case "${1:-}" in
-  engine|rpc|migrate|lookup|all) what=$1; shift ;;
-  -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+  engine|rpc|migrate|lookup|events|all) what=$1; shift ;;
+  -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
 esac
 if [ "$what" = all ] && [ "$#" -gt 0 ]; then
-  echo "run.sh: ARGS need a mode (engine, rpc, migrate or lookup): each bench has its own flags" >&2
+  echo "run.sh: ARGS need a mode (engine, rpc, migrate, lookup or events): each bench has its own flags" >&2
   exit 2
 fi
 
@@ -34,6 +37,7 @@ case "$what" in
   rpc) targets+=(rpc_bench kvmesh_node) ;;
   migrate) targets+=(migrate_bench kvmesh_node) ;;
   lookup) targets+=(lookup_bench) ;;
+  events) targets+=(events_bench kvmesh_node) ;;
   all) targets+=(engine_bench rpc_bench migrate_bench kvmesh_node) ;;
 esac
 cmake --build "$build_dir" -j"$(nproc)" --target "${targets[@]}"
@@ -60,6 +64,11 @@ if [ "$what" = lookup ]; then
   echo
   echo "== lookup_bench $*"
   "$build_dir/tests/bench/lookup_bench" "$@"
+fi
+if [ "$what" = events ]; then
+  echo
+  echo "== events_bench $*"
+  "$build_dir/tests/bench/events_bench" "$@"
 fi
 if [ "$what" = migrate ] || [ "$what" = all ]; then
   echo

@@ -845,26 +845,28 @@ TEST_F(ClusterLookupTest, ARestartedNodesEntriesDisappearAndComeBack) {
   EXPECT_THAT(status.error_message(), HasSubstr("keeps no index of the cluster"));
 }
 
-// Block hashes cut to 4 bits: nearly every block hash collides with another. The index's
+// Block hashes cut to 2 bits: nearly every block hash collides with another. The index's
 // candidates may then be wrong, but a verified match is always the real longest common prefix.
 class ClusterLookupCollisionTest : public ClusterLookupTest {
  protected:
-  std::vector<std::string> Flags() const override { return {"--testing-token-hash-bits=4"}; }
+  std::vector<std::string> Flags() const override { return {"--testing-token-hash-bits=2"}; }
 };
 
 TEST_F(ClusterLookupCollisionTest, VerifiedMatchesAreExactDespiteCollisions) {
   const v1::CacheSpec spec = PromptSpec();
+  // mt19937's output is the same everywhere (std's distributions are not).
   std::mt19937 random(42);
-  std::uniform_int_distribution<int32_t> id(0, 50);
+  auto id = [&random] { return static_cast<int32_t>(random() % 51); };
+  auto cut = [&random] { return static_cast<size_t>(random() % 65); };
   // Six stored prompts of 64 ids on node-b, two on node-a; each shares a random-length prefix
   // with the first.
   std::vector<int32_t> base(64);
-  for (int32_t& t : base) t = id(random);
+  for (int32_t& t : base) t = id();
   std::map<std::pair<size_t, int64_t>, std::vector<int32_t>> stored;  // (node, seq) -> ids
   for (int64_t seq = 0; seq < 8; ++seq) {
     std::vector<int32_t> ids = base;
-    const size_t shared = std::uniform_int_distribution<size_t>(0, 64)(random);
-    for (size_t p = shared; p < ids.size(); ++p) ids[p] = id(random);
+    const size_t shared = cut();
+    for (size_t p = shared; p < ids.size(); ++p) ids[p] = id();
     const size_t node = seq < 6 ? 1 : 0;
     ASSERT_NO_FATAL_FAILURE(AppendIds(cluster_.stub(node), spec, seq, ids));
     stored[{node, seq}] = ids;
@@ -874,8 +876,8 @@ TEST_F(ClusterLookupCollisionTest, VerifiedMatchesAreExactDespiteCollisions) {
   for (int query = 0; query < 12; ++query) {
     SCOPED_TRACE(query);
     std::vector<int32_t> prompt = base;
-    const size_t shared = std::uniform_int_distribution<size_t>(0, 64)(random);
-    for (size_t p = shared; p < prompt.size(); ++p) prompt[p] = id(random);
+    const size_t shared = cut();
+    for (size_t p = shared; p < prompt.size(); ++p) prompt[p] = id();
     // What each sequence really shares with the prompt, where that is a whole block or more.
     std::vector<std::string> expected;
     for (const auto& [where, ids] : stored) {

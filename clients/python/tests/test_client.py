@@ -345,6 +345,10 @@ class ClientTest(nodes.NodeTestCase):
         matches = self.client.lookup_prefix(spec.name, prompt[:9] + [1, 2], max_matches=4)
         self.assertEqual(matches, [kvmesh.PrefixMatch(self.node.name, 0, 9, 10, True)])
         self.assertEqual(self.client.lookup_prefix(spec.name, [1, 2, 3, 4, 5]), [])
+        # The cluster scope on a node without peers: its own matches, verified.
+        self.assertEqual(self.client.lookup_prefix(spec.name, prompt[:9] + [1, 2], max_matches=4,
+                                                   cluster=True, verify=True),
+                         [kvmesh.PrefixMatch(self.node.name, 0, 9, 10, True, True)])
         # The events of that cache: a listing of seq 0's blocks, then a fork's.
         events = self.client.watch_events([spec.name], timeout=30)
         batch = next(events)
@@ -365,6 +369,9 @@ class ClientTest(nodes.NodeTestCase):
         out = nodes.run_ctl(self.node.address, "lookup-prefix", f"--cache={spec.name}",
                             "--tokens=7:16,1,2")
         self.assertIn(f"{self.node.name} seq 0: 9 of 11 tokens (offset 10)", out.stdout)
+        out = nodes.run_ctl(self.node.address, "lookup-prefix", f"--cache={spec.name}",
+                            "--tokens=7:16,1,2", "--scope=cluster", "--verify")
+        self.assertIn(f"{self.node.name} seq 0: 9 of 11 tokens (offset 10)\n", out.stdout)
         with self.assertRaisesRegex(ValueError, "token_ids has 1 ids for 2 tokens"):
             self.client.append(spec.name, kvmesh.tokens(0, range(10, 12)), layout.zeros(2),
                                token_ids=[1])
