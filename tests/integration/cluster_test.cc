@@ -845,6 +845,24 @@ TEST_F(ClusterLookupTest, ARestartedNodesEntriesDisappearAndComeBack) {
   EXPECT_THAT(status.error_message(), HasSubstr("keeps no index of the cluster"));
 }
 
+// A peer that falls silent without closing its connections (SIGSTOP: as a partition or a hung
+// host looks) is forgotten once its heartbeats stop, within the 5 s silence timeout, and found
+// again once it answers.
+TEST_F(ClusterLookupTest, AFrozenPeerIsForgottenAndFoundAgainWhenItThaws) {
+  const v1::CacheSpec spec = PromptSpec();
+  ASSERT_NO_FATAL_FAILURE(AppendPrompt(cluster_.stub(1), spec, 1, 32, 7));
+  const std::vector<int32_t> prompt = Prompt(32);
+  ExpectClusterLookup(cluster_.stub(0), prompt, false, {"node-b/1/32 hashed"});
+  ASSERT_EQ(kill(cluster_[1].process->pid(), SIGSTOP), 0);
+  const absl::Time frozen = absl::Now();
+  ExpectClusterLookup(cluster_.stub(0), prompt, false, {});
+  // Not before the timeout: a quiet peer is not a lost one.
+  EXPECT_GE(absl::Now() - frozen, absl::Seconds(4));
+  ASSERT_EQ(kill(cluster_[1].process->pid(), SIGCONT), 0);
+  ExpectClusterLookup(cluster_.stub(0), prompt, false, {"node-b/1/32 hashed"});
+  ExpectClusterLookup(cluster_.stub(2), prompt, true, {"node-b/1/32 verified"});
+}
+
 // Block hashes cut to 2 bits: nearly every block hash collides with another. The index's
 // candidates may then be wrong, but a verified match is always the real longest common prefix.
 class ClusterLookupCollisionTest : public ClusterLookupTest {
