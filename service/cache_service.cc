@@ -1367,10 +1367,7 @@ grpc::ServerWriteReactor<v1::WatchEventsResponse>* CacheServiceImpl::WatchEvents
                     &watchers_);
 }
 
-void CacheServiceImpl::StopWatchers() {
-  watchers_.stopping.store(true);
-  if (options_.events != nullptr) options_.events->Wake();
-}
+void CacheServiceImpl::StopWatchers() { watchers_.Stop(options_.events); }
 
 // ---- snapshots and speculation --------------------------------------------------------------
 

@@ -335,10 +335,7 @@ grpc::ServerWriteReactor<v1::WatchEventsResponse>* PeerServiceImpl::WatchEvents(
                     options_.events, &watchers_);
 }
 
-void PeerServiceImpl::StopWatchers() {
-  watchers_.stopping.store(true);
-  if (options_.events != nullptr) options_.events->Wake();
-}
+void PeerServiceImpl::StopWatchers() { watchers_.Stop(options_.events); }
 
 grpc::ServerUnaryReactor* PeerServiceImpl::LookupPrefix(grpc::CallbackServerContext* context,
                                                         const v1::PeerLookupPrefixRequest* request,

@@ -40,6 +40,12 @@ struct WatcherCount {
   // Set when the node shuts down (then EventLog::Wake): every watcher ends with UNAVAILABLE
   // rather than holding the server's shutdown for its grace period.
   std::atomic<bool> stopping{false};
+
+  // Sets `stopping` and wakes the watchers reading `log` (may be null).
+  void Stop(EventLog* log) {
+    stopping.store(true);
+    if (log != nullptr) log->Wake();
+  }
 };
 
 // Whose events a watcher sees: the caller's tenant's, or (a peer building its index of the
