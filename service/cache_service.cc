@@ -1332,9 +1332,14 @@ grpc::ServerUnaryReactor* CacheServiceImpl::LookupPrefix(grpc::CallbackServerCon
       }
       ++c;
     }
-    const absl::Time deadline = std::min(options_.cluster->Deadline(ContextDeadline(*context)),
-                                         absl::Now() + options_.cluster->options().control_timeout);
-    options_.cluster_index->Verify(nodes, caller.tenant, *request, deadline, response);
+    // Half the caller's time at most (and the control timeout): a member that does not answer
+    // costs its candidates, listed in `unverified`, not the whole answer.
+    const absl::Time now = absl::Now();
+    absl::Duration budget = options_.cluster->options().control_timeout;
+    if (const absl::Time until = ContextDeadline(*context); until != absl::InfiniteFuture()) {
+      budget = std::min(budget, (until - now) / 2);
+    }
+    options_.cluster_index->Verify(nodes, caller.tenant, *request, now + budget, response);
     SortPrefixMatches(max_matches, response);
     return absl::OkStatus();
   };

@@ -68,12 +68,14 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
     });
   }
 
+  // Both notify under mu_, which OnDone takes before it deletes the reactor: gRPC runs OnDone
+  // after every other reaction has returned, but through synchronization inside libgrpc that
+  // TSan cannot see, and a notify after the unlock would look like a race with the condition
+  // variable's destruction.
   void OnWriteDone(bool ok) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      writing_ = false;
-      write_ok_ = ok;
-    }
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    write_ok_ = ok;
     cv_.notify_all();
   }
 
@@ -81,8 +83,8 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
     {
       std::lock_guard<std::mutex> lock(mu_);
       cancelled_ = true;
+      cv_.notify_all();
     }
-    cv_.notify_all();
     if (log_ != nullptr) log_->Wake();
   }
 
@@ -95,6 +97,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
       thread_.join();
     }
     if (counted_.load()) count_->running.fetch_sub(1);
+    { std::lock_guard<std::mutex> last(mu_); }
     delete this;
   }
 
