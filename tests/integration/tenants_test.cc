@@ -525,6 +525,49 @@ TEST_F(PeerPlaneTest, ClusterLookupsFindTheCallersOwnPrefixesOnly) {
       EXPECT_EQ(found.matches(0).verified(), verify);
     }
   }
+  // The peer calls behind it: a member's stream names each event's tenant; a lookup names the
+  // tenant whose cache it reads, and bad values by name.
+  std::unique_ptr<v1::PeerService::Stub> peer = PeerStub(0);
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    std::unique_ptr<grpc::ClientReader<v1::WatchEventsResponse>> reader =
+        peer->WatchEvents(&context, v1::PeerWatchEventsRequest());
+    std::set<std::string> tenants;
+    v1::WatchEventsResponse message;
+    while (reader->Read(&message)) {
+      for (const v1::Event& e : message.events()) tenants.insert(e.tenant());
+      if (message.synced()) break;
+    }
+    EXPECT_EQ(tenants, (std::set<std::string>{"team-a", "team-b"}));
+    context.TryCancel();
+    (void)reader->Finish();
+  }
+  auto peer_lookup = [&](const std::string& tenant, const std::string& cache, int32_t max,
+                         v1::LookupPrefixResponse* found) {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::PeerLookupPrefixRequest request;
+    request.set_tenant(tenant);
+    request.mutable_lookup()->set_cache(cache);
+    request.mutable_lookup()->mutable_tokens()->Add(prompt.begin(), prompt.end());
+    request.mutable_lookup()->set_max_matches(max);
+    return peer->LookupPrefix(&context, request, found);
+  };
+  v1::LookupPrefixResponse found;
+  ASSERT_OK(peer_lookup("team-b", "m", 4, &found));
+  ASSERT_EQ(found.matches_size(), 1);
+  EXPECT_EQ(found.matches(0).seq(), 6);
+  EXPECT_TRUE(found.matches(0).verified());
+  grpc::Status status = peer_lookup("team-c", "m", 4, &found);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("'m'"));
+  status = peer_lookup("team-a", "m", 65, &found);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("max_matches = 65"));
+  // No tenant named: no tenant's cache (as the other peer calls that name one).
+  status = peer_lookup("", "m", 1, &found);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << StatusText(status);
 }
 
 TEST_F(PeerPlaneTest, PeerServiceIsNotOnTheClientPort) {

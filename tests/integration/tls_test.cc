@@ -640,6 +640,30 @@ TEST_F(TlsClusterTest, PeerPortRefusesNonMembers) {
   status = export_from_a(WithClientCert(pki->mallory));
   EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << StatusText(status);
   EXPECT_THAT(status.error_message(), HasSubstr("'mallory'"));
+  // So are the index's calls: every tenant's events, and another tenant's lookups.
+  {
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+        a.NewPeerChannelWith(WithClientCert(pki->mallory));
+    ASSERT_TRUE(channel.ok()) << channel.status();
+    auto peer = v1::PeerService::NewStub(*channel);
+    grpc::ClientContext watch_context;
+    SetDeadline(&watch_context, kFailFast);
+    std::unique_ptr<grpc::ClientReader<v1::WatchEventsResponse>> reader =
+        peer->WatchEvents(&watch_context, v1::PeerWatchEventsRequest());
+    v1::WatchEventsResponse message;
+    EXPECT_FALSE(reader->Read(&message)) << message.DebugString();
+    status = reader->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << StatusText(status);
+    grpc::ClientContext lookup_context;
+    SetDeadline(&lookup_context, kFailFast);
+    v1::PeerLookupPrefixRequest lookup;
+    lookup.set_tenant("default");
+    lookup.mutable_lookup()->set_cache("secret");
+    lookup.mutable_lookup()->add_tokens(1);
+    v1::LookupPrefixResponse found;
+    status = peer->LookupPrefix(&lookup_context, lookup, &found);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << StatusText(status);
+  }
 
   // The client port does not serve PeerService at all outside development mode.
   auto on_client_port = v1::PeerService::NewStub(nodes_[0]->channel());

@@ -217,7 +217,8 @@ class PrefixMatch:
 class Event:
     """One change on a node (watch_events; docs/api.md#watchevents). ``kind`` is the name of
     ``kvmesh.v1.EventKind`` without its prefix ("BLOCKS", "REMOVED", ...); ``number`` is 0 for
-    the entries of a listing."""
+    the entries of a listing; ``token_block_size`` is the cache's, on BLOCKS and
+    CACHE_CREATED events."""
 
     number: int
     kind: str
@@ -231,6 +232,7 @@ class Event:
     snapshot: int = 0
     peer: str = ""
     time_unix_micros: int = 0
+    token_block_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -360,6 +360,7 @@ class ClientTest(nodes.NodeTestCase):
             seen.extend(next(events).events)
         blocks = [e for e in seen if e.kind == "BLOCKS"][0]
         self.assertEqual((blocks.seq, blocks.offset, len(blocks.block_hashes)), (5, 8, 2))
+        self.assertEqual(blocks.token_block_size, 4)
         events.close()
         out = nodes.run_ctl(self.node.address, "watch-events", f"--cache={spec.name}",
                             "--count=2")
