@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -40,7 +41,6 @@ namespace testutil {
 namespace {
 
 std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
-
 
 // Reaps `pid` if it exits before `deadline`. Polls: a child's exit has no fd to wait on that
 // works on every kernel this runs on.
@@ -82,6 +82,15 @@ grpc::ChannelArguments TestChannelArguments(bool own_connection) {
   args.SetMaxSendMessageSize(-1);
   if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return args;
+}
+
+// `channel` once it has connected, or after 10 s as it is. A first connection can fail with a
+// transient error on a loaded machine (CI saw "No such file or directory" from connect() once),
+// and a channel that failed fails every call that does not wait for ready until its reconnect
+// backoff ends; waiting here keeps that out of tests that are not about connecting.
+std::shared_ptr<grpc::Channel> Connected(std::shared_ptr<grpc::Channel> channel) {
+  channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return channel;
 }
 
 struct Child {
@@ -285,7 +294,8 @@ absl::StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Start(const Options& o
     }
   }
   node->peer_address_ = absl::StrCat("127.0.0.1:", node->peer_port_);
-  node->channel_ = node->client_->NewChannel(node->address_, TestChannelArguments(false));
+  node->channel_ =
+      Connected(node->client_->NewChannel(node->address_, TestChannelArguments(false)));
   return node;
 }
 
@@ -300,7 +310,7 @@ NodeProcess::~NodeProcess() {
 }
 
 std::shared_ptr<grpc::Channel> NodeProcess::NewChannel() const {
-  return client_->NewChannel(address_, TestChannelArguments(true));
+  return Connected(client_->NewChannel(address_, TestChannelArguments(true)));
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> NodeProcess::NewChannelWith(
