@@ -688,6 +688,24 @@ std::vector<int32_t> AttentionGroup::PinFreeCells(int64_t n) {
   return cells;
 }
 
+bool AttentionGroup::HasPinnedCells(int64_t seq) const {
+  const RunIndex* index = Find(seq);
+  if (index == nullptr) return false;
+  for (auto it = index->begin(); it != index->end(); ++it) {
+    if (pins_[it.cell()] > 0) return true;
+  }
+  return false;
+}
+
+void AttentionGroup::TallyEviction(int64_t seq, EvictionTally* tally) const {
+  const RunIndex* index = Find(seq);
+  if (index == nullptr) return;
+  for (auto it = index->begin(); it != index->end(); ++it) {
+    const int32_t cell = it.cell();
+    if (++tally->refs[cell] == refs_[cell] && pins_[cell] == 0) ++tally->units;
+  }
+}
+
 void AttentionGroup::Unpin(absl::Span<const int32_t> cells) {
   // From the last, so that the free pool gives back in ascending order what was pinned so.
   for (size_t i = cells.size(); i-- > 0;) {

@@ -267,6 +267,232 @@ absl::Status Cache::Reserve(int64_t seq, int32_t positions, absl::Time expires) 
   return absl::OkStatus();
 }
 
+// ---- Retention and eviction ----------------------------------------------------------------
+
+void Cache::TouchLocked(absl::Span<const int64_t> seqs) const {
+  const absl::Time now = absl::Now();
+  MutexLock lock(&access_mu_);
+  for (int64_t seq : seqs) {
+    if (IsLiveLocked(seq)) last_used_[seq] = now;
+  }
+}
+
+void Cache::TouchQueriesLocked(absl::Span<const Query> queries) const {
+  const absl::Time now = absl::Now();
+  MutexLock lock(&access_mu_);
+  int64_t last = -1;
+  for (const Query& q : queries) {
+    if (q.seq == last) continue;  // a batch's queries come grouped by sequence
+    last = q.seq;
+    if (IsLiveLocked(q.seq)) last_used_[q.seq] = now;
+  }
+}
+
+void Cache::ForgetIfDeadLocked(int64_t seq) {
+  if (IsLiveLocked(seq) || appending_.contains(seq)) return;
+  retention_.erase(seq);
+  MutexLock lock(&access_mu_);
+  last_used_.erase(seq);
+}
+
+absl::Status Cache::SetRetention(int64_t seq, const Retention& retention) {
+  RETURN_IF_ERROR(ValidateSeq(seq));
+  if (retention.ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ttl ", absl::FormatDuration(retention.ttl), " is negative"));
+  }
+  MutexLock lock(&mu_);
+  if (!IsLiveLocked(seq)) {
+    return absl::NotFoundError(absl::StrCat("sequence ", seq, " stores nothing"));
+  }
+  if (retention.priority == 0 && !retention.pinned && retention.ttl == absl::ZeroDuration()) {
+    retention_.erase(seq);
+  } else {
+    retention_[seq] = retention;
+  }
+  TouchLocked({seq});
+  return absl::OkStatus();
+}
+
+void Cache::SetEvictionFilter(std::function<bool(int64_t seq)> may_evict) {
+  MutexLock lock(&mu_);
+  may_evict_ = std::move(may_evict);
+}
+
+Cache::EvictionCounts Cache::Evictions() const {
+  ReaderMutexLock lock(&mu_);
+  return evictions_;
+}
+
+bool Cache::EvictableLocked(int64_t seq, bool lru, absl::Time now) const {
+  if (pending_.contains(seq) || appending_.contains(seq)) return false;
+  auto room = room_.find(seq);
+  if (room != room_.end() && room->second.expires > now) return false;
+  if (lru) {
+    auto it = retention_.find(seq);
+    if (it != retention_.end() && it->second.pinned) return false;
+  }
+  for (const auto& group : groups_) {
+    if (group->HasPinnedCells(seq)) return false;
+  }
+  return !may_evict_ || may_evict_(seq);
+}
+
+void Cache::EvictLocked(absl::Span<const int64_t> seqs, const char* reason) {
+  absl::Status status;
+  for (int64_t seq : seqs) {
+    Event evicted;
+    evicted.kind = EventKind::kEvicted;
+    evicted.seq = seq;
+    evicted.offset = OffsetLocked(seq);
+    evicted.reason = reason;
+    // A whole sequence goes: nothing moves, so no group copies or re-rotates anything.
+    for (const auto& group : groups_) {
+      const absl::Status s = group->ApplyRemove(seq, 0, std::nullopt);
+      if (status.ok()) status = s;
+    }
+    PublishLocked(std::move(evicted));
+    SyncTokensLocked(seq);
+    ForgetIfDeadLocked(seq);
+    ++(std::string_view(reason) == "ttl" ? evictions_.ttl : evictions_.lru);
+  }
+  FailLocked(status).IgnoreError();
+}
+
+std::vector<int64_t> Cache::ExpireIdle(absl::Time now) {
+  MutexLock lock(&mu_);
+  if (!CheckUsableLocked().ok()) return {};
+  std::vector<int64_t> expired;
+  {
+    MutexLock access(&access_mu_);
+    for (const auto& [seq, retention] : retention_) {
+      if (retention.ttl <= absl::ZeroDuration()) continue;
+      auto used = last_used_.find(seq);
+      const absl::Time last = used == last_used_.end() ? absl::InfinitePast() : used->second;
+      if (last + retention.ttl <= now && EvictableLocked(seq, /*lru=*/false, now)) {
+        expired.push_back(seq);
+      }
+    }
+  }
+  std::sort(expired.begin(), expired.end());
+  EvictLocked(expired, "ttl");
+  return expired;
+}
+
+namespace {
+
+// The shortage of a refusal that evicting sequences can relieve.
+std::optional<Shortage> RoomShortage(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kResourceExhausted) return std::nullopt;
+  std::optional<Shortage> shortage = GetShortage(status);
+  if (!shortage.has_value()) return std::nullopt;
+  switch (shortage->resource) {
+    case Resource::kCells:
+    case Resource::kRings:
+    case Resource::kStateSlots:
+    case Resource::kSequences:
+      return shortage;
+    default:
+      return std::nullopt;
+  }
+}
+
+}  // namespace
+
+absl::Status Cache::AdmitAppendLocked(AppendBatch& batch,
+                                      const absl::flat_hash_map<int64_t, int32_t>& count) {
+  absl::Status status = CheckAppendLocked(batch, count);
+  if (status.ok()) status = PrepareAppendLocked(batch);
+  if (status.ok() || spec_.eviction != EvictionPolicy::kLru) return status;
+  const std::optional<Shortage> shortage = RoomShortage(status);
+  if (!shortage.has_value()) return status;
+  const std::optional<std::vector<int64_t>> victims = PlanEvictionLocked(batch, count, status);
+  if (!victims.has_value()) {
+    return ResourceExhaustedWith(
+        absl::StrCat(status.message(),
+                     "; evicting every sequence the LRU policy may evict (not pinned, not in "
+                     "use) would not make room"),
+        *shortage);
+  }
+  EvictLocked(*victims, "lru");
+  status = CheckAppendLocked(batch, count);
+  if (status.ok()) status = PrepareAppendLocked(batch);
+  return status;
+}
+
+std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
+    AppendBatch& batch, const absl::flat_hash_map<int64_t, int32_t>& count,
+    absl::Status refusal) {
+  const absl::Time now = absl::Now();
+  struct Candidate {
+    int32_t priority;
+    absl::Time last_used;
+    int64_t seq;
+  };
+  std::vector<Candidate> candidates;
+  {
+    absl::flat_hash_set<int64_t> live;
+    for (const auto& group : groups_) group->AddLive(&live);
+    for (int64_t seq : batch.seqs) live.erase(seq);
+    MutexLock access(&access_mu_);
+    for (int64_t seq : live) {
+      if (!EvictableLocked(seq, /*lru=*/true, now)) continue;
+      auto retention = retention_.find(seq);
+      auto used = last_used_.find(seq);
+      candidates.push_back(
+          {retention == retention_.end() ? 0 : retention->second.priority,
+           used == last_used_.end() ? absl::InfinitePast() : used->second, seq});
+    }
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.priority != b.priority) return a.priority < b.priority;
+    if (a.last_used != b.last_used) return a.last_used < b.last_used;
+    return a.seq < b.seq;
+  });
+
+  // Victims are taken in order until they cover what the last refusal said was short; then the
+  // batch is weighed again with what they would free counted as free (a negative held-back),
+  // which may find another group short, and so on.
+  std::vector<LayerGroup::EvictionTally> tallies(groups_.size());
+  std::vector<int64_t> held(groups_.size());
+  for (size_t g = 0; g < groups_.size(); ++g) held[g] = groups_[g]->held_back();
+  const int32_t held_sequences = held_sequences_;
+  std::vector<int64_t> victims;
+  size_t next = 0;
+  while (true) {
+    const std::optional<Shortage> shortage = RoomShortage(refusal);
+    if (!shortage.has_value()) return std::nullopt;
+    const bool sequences = shortage->resource == Resource::kSequences;
+    if (!sequences && (shortage->group < 0 || static_cast<size_t>(shortage->group) >= groups_.size())) {
+      return std::nullopt;
+    }
+    auto gained = [&]() -> int64_t {
+      return sequences ? static_cast<int64_t>(victims.size()) : tallies[shortage->group].units;
+    };
+    const int64_t target = gained() + std::max<int64_t>(1, shortage->needed - shortage->free);
+    while (gained() < target && next < candidates.size()) {
+      const int64_t seq = candidates[next++].seq;
+      victims.push_back(seq);
+      for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->TallyEviction(seq, &tallies[g]);
+    }
+    if (gained() < target) return std::nullopt;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      groups_[g]->set_held_back(held[g] - tallies[g].units);
+    }
+    held_sequences_ = held_sequences - static_cast<int32_t>(victims.size());
+    refusal = CheckAppendLocked(batch, count);
+    if (refusal.ok()) {
+      refusal = PrepareAppendLocked(batch);
+      if (refusal.ok()) {
+        for (const auto& group : groups_) group->AbandonAppend();
+      }
+    }
+    for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->set_held_back(held[g]);
+    held_sequences_ = held_sequences;
+    if (refusal.ok()) return victims;
+  }
+}
+
 std::vector<Cache::RoomReservation> Cache::Reservations() const {
   ReaderMutexLock lock(&mu_);
   const absl::Time now = absl::Now();
@@ -471,8 +697,7 @@ absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
     MutexLock lock(&mu_);
     AwaitNotAppendingLocked(batch.seqs);
     const HeldBack held = HoldBackLocked(batch.seqs);
-    RETURN_IF_ERROR(CheckAppendLocked(batch, count));
-    RETURN_IF_ERROR(PrepareAppendLocked(batch));
+    RETURN_IF_ERROR(AdmitAppendLocked(batch, count));
     for (size_t g = 0; g < groups_.size(); ++g) section_bytes[g] = groups_[g]->SectionBytes(batch);
     if (!reserved_append_) return WriteAndCommitAppendLocked(batch, Sections(whole, section_bytes));
     // Take the cells now and move the bytes with the lock released, so that operations on other
@@ -580,8 +805,7 @@ absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
     MutexLock lock(&cache->mu_);
     cache->AwaitNotAppendingLocked(batch.seqs);
     const HeldBack held = cache->HoldBackLocked(batch.seqs);
-    RETURN_IF_ERROR(cache->CheckAppendLocked(batch, state->count));
-    RETURN_IF_ERROR(cache->PrepareAppendLocked(batch));
+    RETURN_IF_ERROR(cache->AdmitAppendLocked(batch, state->count));
     bool in_cells = cache->reserved_append_;
     for (const auto& group : cache->groups_) {
       in_cells = in_cells && group->CanReserveWithoutPruning(batch);
@@ -789,6 +1013,7 @@ void Cache::RecordTokensLocked(const AppendBatch& batch) {
     if (chain != nullptr) chain->Stored(t.pos, t.id, batch.speculative, token_limit_);
   }
   for (int64_t seq : batch.seqs) SyncTokensLocked(seq);
+  TouchLocked(batch.seqs);
 }
 
 void Cache::SyncTokensLocked(int64_t seq) {
@@ -983,6 +1208,8 @@ absl::Status Cache::CommitSpeculation(int64_t seq, int32_t accepted) {
   }
   pending_.erase(it);
   SyncTokensLocked(seq);
+  TouchLocked({seq});
+  ForgetIfDeadLocked(seq);
   return FailLocked(status);
 }
 
@@ -1030,6 +1257,7 @@ absl::StatusOr<ReadResult> Cache::Read(int64_t seq, int32_t begin, std::optional
     result.positions.push_back(std::move(parts[g].positions));
     result.states.push_back(parts[g].state);
   }
+  TouchLocked({seq});
   return result;
 }
 
@@ -1071,6 +1299,7 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> Cache::Visible(
   std::vector<std::vector<int32_t>> out;
   out.reserve(queries.size());
   for (const Query& q : queries) out.push_back(groups_[group]->Visible(q));
+  TouchQueriesLocked(queries);
   return out;
 }
 
@@ -1084,6 +1313,7 @@ absl::StatusOr<std::vector<std::vector<PositionRange>>> Cache::VisibleRanges(
   RETURN_IF_ERROR(admit(bound));
   std::vector<std::vector<PositionRange>> out(queries.size());
   for (size_t i = 0; i < queries.size(); ++i) groups_[group]->VisibleRanges(queries[i], &out[i]);
+  TouchQueriesLocked(queries);
   return out;
 }
 
@@ -1097,6 +1327,7 @@ absl::StatusOr<bool> Cache::CanResume(int64_t seq, int32_t pos) const {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("pos", pos));
   ReaderMutexLock lock(&mu_);
+  TouchLocked({seq});
   for (const auto& group : groups_) {
     if (!group->CanResume(seq, pos)) return false;
   }
@@ -1141,6 +1372,8 @@ absl::StatusOr<int32_t> Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int3
   } else {
     SetChainLocked(dst_seq, src_chain->second.CopyPrefix(length));
   }
+  TouchLocked({src_seq, dst_seq});
+  ForgetIfDeadLocked(dst_seq);
   RETURN_IF_ERROR(FailLocked(status));
   return OffsetLocked(dst_seq);
 }
@@ -1200,6 +1433,8 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
     }
     SyncTokensLocked(seq);
   }
+  TouchLocked({seq});
+  ForgetIfDeadLocked(seq);
   return FailLocked(status);
 }
 
@@ -1218,6 +1453,15 @@ SequenceInfo Cache::SequenceInfoLocked(int64_t seq) const {
     info.exact_tokens = chain->second.exact();
     info.token_blocks = static_cast<int32_t>(chain->second.hashes().size());
   }
+  auto retention = retention_.find(seq);
+  if (retention != retention_.end()) {
+    info.priority = retention->second.priority;
+    info.pinned = retention->second.pinned;
+    info.ttl = retention->second.ttl;
+  }
+  MutexLock lock(&access_mu_);
+  auto used = last_used_.find(seq);
+  if (used != last_used_.end()) info.last_used = used->second;
   return info;
 }
 
@@ -1436,6 +1680,7 @@ absl::StatusOr<SnapshotInfo> Cache::SnapshotRequiring(int64_t seq, int32_t from_
   }
   auto chain = chains_.find(seq);
   if (chain != chains_.end()) record.tokens = chain->second.Prefix(record.to);
+  TouchLocked({seq});
   return AddSnapshotLocked(std::move(record));
 }
 
@@ -1500,6 +1745,8 @@ absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int
     if (status.ok()) status = s;
   }
   RestoreTokensLocked(seq, record, target);
+  TouchLocked({seq});
+  ForgetIfDeadLocked(seq);
   return FailLocked(status);
 }
 
@@ -1853,6 +2100,7 @@ absl::StatusOr<std::unique_ptr<ReadCursor>> Cache::OpenRead(const std::shared_pt
     const int64_t stop = end.has_value() ? int64_t{*end} : int64_t{INT32_MAX} + 1;
     record = c.PinRecordLocked(cache, seq, begin, stop, &formats);
     info = c.InfoLocked(record);
+    c.TouchLocked({seq});
   }
   ReadResult header;
   for (const GroupSnapshot& g : record.groups) {

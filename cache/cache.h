@@ -13,6 +13,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -105,6 +106,22 @@ struct SequenceInfo {
   int32_t tokens = 0;
   int32_t exact_tokens = 0;
   int32_t token_blocks = 0;
+  // Retention (Cache::SetRetention) and the last use of the sequence.
+  int32_t priority = 0;
+  bool pinned = false;
+  absl::Duration ttl = absl::ZeroDuration();
+  absl::Time last_used = absl::InfinitePast();
+};
+
+// How long a sequence is kept (Cache::SetRetention, docs/api.md#eviction).
+struct Retention {
+  // Under EvictionPolicy::kLru, lower priorities are evicted first; among equal ones the least
+  // recently used sequence goes first.
+  int32_t priority = 0;
+  // Never evicted to make room. A TTL still applies: it is the caller's own request.
+  bool pinned = false;
+  // > 0: the sequence is removed once unused for that long (Cache::ExpireIdle).
+  absl::Duration ttl = absl::ZeroDuration();
 };
 
 // A sequence that holds a prefix of a prompt (Cache::LookupPrefix).
@@ -463,6 +480,30 @@ class Cache {
   // references, as CopyPrefix leaves them. Walks every cell: for monitoring, not per request.
   std::vector<int64_t> SharedCells() const;
 
+  // ---- Retention and eviction (docs/api.md#eviction) -------------------------------------
+  // Sets how long `seq` is kept. NOT_FOUND when seq stores nothing (a sequence gets the default
+  // retention whenever it becomes live); INVALID_ARGUMENT for a negative seq or ttl. Counts as
+  // a use of seq. A sequence "is used" by every operation that names it: Append, Read,
+  // Visible, CanResume, CopyPrefix (both ends), Remove, Restore, Snapshot, CommitSpeculation,
+  // SetRetention; a lookup that finds it is not a use.
+  absl::Status SetRetention(int64_t seq, const Retention& retention);
+  // A sequence the cache may never evict or expire, beyond its own rules (a node: one under
+  // migration). Asked under the cache's lock; it must not call into the cache. Set it before
+  // the cache is shared, or from one thread while no Append runs.
+  void SetEvictionFilter(std::function<bool(int64_t seq)> may_evict);
+  // Removes every sequence whose TTL has passed since its last use as of `now`, except those
+  // in use (pending speculative tokens, an Append writing, cells pinned by a transfer or a
+  // read, a room reservation, refused by the eviction filter): they are looked at again by the
+  // next call. Each removal publishes EVICTED with reason "ttl". Returns the sequences removed,
+  // ascending.
+  std::vector<int64_t> ExpireIdle(absl::Time now);
+  // Sequences evicted (reason "lru") and expired (reason "ttl") since the cache was created.
+  struct EvictionCounts {
+    int64_t lru = 0;
+    int64_t ttl = 0;
+  };
+  EvictionCounts Evictions() const;
+
   // ---- Room reservations ----------------------------------------------------------------
   // Sets aside room for `seq` to hold `positions` positions until `expires`, so that a long
   // prefill sent in pieces cannot be starved half-way by other sequences: a sequence slot when
@@ -635,6 +676,32 @@ class Cache {
   absl::Status CommitReservedAppend(AppendWriter::State& state);
   void AbandonReservedAppend(AppendWriter::State& state);
 
+  // Records a use now (SequenceInfo::last_used) of those of `seqs` that are live.
+  void TouchLocked(absl::Span<const int64_t> seqs) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void TouchQueriesLocked(absl::Span<const Query> queries) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Forgets `seq`'s retention and last use when it stores nothing any more. Every operation
+  // that may empty a sequence ends with it.
+  void ForgetIfDeadLocked(int64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `seq` may be evicted or expired now (not in use; see ExpireIdle). `lru`: also not
+  // pinned.
+  bool EvictableLocked(int64_t seq, bool lru, absl::Time now) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Removes the whole of each of `seqs` and publishes EVICTED with `reason` for each.
+  void EvictLocked(absl::Span<const int64_t> seqs, const char* reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CheckAppendLocked and PrepareAppendLocked of `batch`; under EvictionPolicy::kLru, when they
+  // refuse it for room (cells, rings, state slots, sequence slots), first evicts the fewest
+  // sequences in eviction order that make room, if any do: otherwise the refusal stands and
+  // nothing is evicted.
+  absl::Status AdmitAppendLocked(AppendBatch& batch,
+                                 const absl::flat_hash_map<int64_t, int32_t>& count)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The sequences AdmitAppendLocked would evict for `batch`, refused with `refusal`; nullopt
+  // when evicting every evictable sequence would not make room.
+  std::optional<std::vector<int64_t>> PlanEvictionLocked(
+      AppendBatch& batch, const absl::flat_hash_map<int64_t, int32_t>& count,
+      absl::Status refusal) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   absl::Status ValidateSeq(int64_t seq) const;
   absl::Status CheckUsableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // ABORTED when `seq` has pending speculative tokens; `what` names the refused operation.
@@ -752,6 +819,15 @@ class Cache {
   // Room reservations by sequence (Reserve), and the sequence slots HoldBackLocked holds back
   // for the operation under way (0 otherwise).
   absl::flat_hash_map<int64_t, RoomReservation> room_ ABSL_GUARDED_BY(mu_);
+  // Retention of the live sequences that have one other than the default.
+  absl::flat_hash_map<int64_t, Retention> retention_ ABSL_GUARDED_BY(mu_);
+  std::function<bool(int64_t)> may_evict_ ABSL_GUARDED_BY(mu_);
+  EvictionCounts evictions_ ABSL_GUARDED_BY(mu_);
+  // The last use of each live sequence (and of some that just died: entries go with
+  // ForgetIfDeadLocked). Its own lock, since operations under mu_ shared record uses too;
+  // taken after mu_, never before.
+  mutable Mutex access_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  mutable absl::flat_hash_map<int64_t, absl::Time> last_used_ ABSL_GUARDED_BY(access_mu_);
   int32_t held_sequences_ ABSL_GUARDED_BY(mu_) = 0;
   mutable std::condition_variable_any appended_;
   std::map<uint64_t, std::unique_ptr<SnapshotRecord>> snapshots_ ABSL_GUARDED_BY(mu_);

@@ -39,12 +39,14 @@ const char* EventKindName(EventKind kind) {
       return "CACHE_DELETED";
     case EventKind::kDraining:
       return "DRAINING";
+    case EventKind::kEvicted:
+      return "EVICTED";
   }
   return "UNKNOWN";
 }
 
 size_t Event::bytes() const {
-  return sizeof(Event) + tenant.capacity() + cache.capacity() + peer.capacity() +
+  return sizeof(Event) + tenant.capacity() + cache.capacity() + peer.capacity() + reason.capacity() +
          block_hashes.capacity() * sizeof(uint64_t);
 }
 

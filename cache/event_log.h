@@ -47,6 +47,9 @@ enum class EventKind {
   kCacheDeleted,
   // The node began draining (no cache).
   kDraining,
+  // The cache removed a whole sequence by itself (`reason`: "lru", making room for an Append
+  // under EvictionPolicy::kLru; "ttl", idle longer than its TTL); `offset` is what it held.
+  kEvicted,
 };
 
 const char* EventKindName(EventKind kind);
@@ -67,6 +70,8 @@ struct Event {
   std::string peer;
   // kBlocks and kCacheCreated: the cache's token block size (CacheSpec::token_block_size).
   int32_t token_block_size = 0;
+  // kEvicted: why.
+  std::string reason;
 
   // Bytes the event holds in the log, roughly.
   size_t bytes() const;

@@ -270,6 +270,19 @@ class LayerGroup {
   virtual std::vector<int32_t> PinFreeCells(int64_t n) { return {}; }
   // Drops one pin of each cell; a cell that no sequence references and nothing pins is free.
   virtual void Unpin(absl::Span<const int32_t> cells) {}
+  // Whether a transfer or a read pins some of `seq`'s cells now.
+  virtual bool HasPinnedCells(int64_t seq) const { return false; }
+
+  // ---- Eviction (Cache's EvictionPolicy::kLru) ------------------------------------------
+  // What removing a set of whole sequences would free: TallyEviction adds `seq` to the set
+  // `tally` counts, and tally->units is then the group's units (cells, rings, state slots)
+  // that the set's sequences reference, no sequence outside it references and nothing pins.
+  struct EvictionTally {
+    absl::flat_hash_map<int32_t, int32_t> refs;  // per unit: references from the set
+    int64_t units = 0;
+  };
+  virtual void TallyEviction(int64_t seq, EvictionTally* tally) const = 0;
+
   // The group's cells as a chunk (arena borrowed, cells_of this group). Valid while the group
   // exists.
   RowChunk BorrowCells() const { return RowChunk{DeviceArena::Borrow(arena_), planes_, this}; }

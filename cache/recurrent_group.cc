@@ -81,13 +81,15 @@ absl::Status RecurrentGroup::PrepareAppend(const AppendBatch& batch) {
   for (const Write& w : writes_) needed += w.slot < 0;
   // A write that keeps its sequence's slot overwrites the stored state.
   in_place_ = writes_.size() > needed;
-  if (needed > free_.size()) {
+  // held_back_: 0, or less while the cache weighs an eviction (Cache's LRU policy).
+  const int64_t free = static_cast<int64_t>(free_.size()) - held_back_;
+  if (static_cast<int64_t>(needed) > free) {
     writes_.clear();
     return ResourceExhaustedWith(
-        absl::StrCat("group ", index(), ": the batch needs ", needed, " new state slots; ",
-                     free_.size(), " of ", geo_.slots, " are free"),
-        {Resource::kStateSlots, index(), static_cast<int64_t>(needed),
-         static_cast<int64_t>(free_.size()), geo_.slots});
+        absl::StrCat("group ", index(), ": the batch needs ", needed, " new state slots; ", free,
+                     " of ", geo_.slots, " are free"),
+        {Resource::kStateSlots, index(), static_cast<int64_t>(needed), std::max<int64_t>(0, free),
+         geo_.slots});
   }
   return absl::OkStatus();
 }

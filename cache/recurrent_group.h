@@ -58,6 +58,10 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
   bool CopyPrefixYields(int64_t src, int32_t length) const override;
   absl::Status ApplyCopyPrefix(int64_t src, int64_t dst, int32_t length) override;
 
+  void TallyEviction(int64_t seq, EvictionTally* tally) const override {
+    const Sequence* s = Find(seq);
+    if (s != nullptr && s->slot >= 0 && ++tally->refs[s->slot] == refs_[s->slot]) ++tally->units;
+  }
   absl::Status CheckRemove(int64_t, int32_t, std::optional<int32_t>) const override {
     return absl::OkStatus();
   }

@@ -85,11 +85,13 @@ absl::Status RotatingGroup::PrepareAppend(const AppendBatch& batch) {
   }
   // Writing into a ring that holds a window overwrites stored rows; a fresh ring holds none.
   in_place_ = needed < batch.seqs.size();
-  if (needed > free_rings_.size()) {
+  // held_back_: 0, or less while the cache weighs an eviction (Cache's LRU policy).
+  const int64_t free = static_cast<int64_t>(free_rings_.size()) - held_back_;
+  if (static_cast<int64_t>(needed) > free) {
     return ResourceExhaustedWith(absl::StrCat("group ", index(), ": the batch needs ", needed,
-                                              " new rings; ", free_rings_.size(), " are free"),
+                                              " new rings; ", free, " are free"),
                                  {Resource::kRings, index(), static_cast<int64_t>(needed),
-                                  static_cast<int64_t>(free_rings_.size()), geo_.rings});
+                                  std::max<int64_t>(0, free), geo_.rings});
   }
   return absl::OkStatus();
 }

@@ -58,6 +58,11 @@ class RotatingGroup final : public StagingGroup<RotatingSequence> {
   absl::Status ApplyCopyPrefix(int64_t src, int64_t dst, int32_t length) override;
 
   absl::Status CheckRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) const override;
+  // A ring is one sequence's alone.
+  void TallyEviction(int64_t seq, EvictionTally* tally) const override {
+    const Sequence* s = Find(seq);
+    if (s != nullptr && s->ring >= 0) ++tally->units;
+  }
   absl::Status ApplyRemove(int64_t seq, int32_t begin, std::optional<int32_t> end) override;
 
   absl::StatusOr<GroupSnapshot> TakeSnapshot(int64_t seq, int32_t from, int32_t to) const override;

@@ -58,10 +58,20 @@ const char* GroupKindName(GroupKind kind) {
   return "unknown";
 }
 
+const char* EvictionPolicyName(EvictionPolicy policy) {
+  switch (policy) {
+    case EvictionPolicy::kNone:
+      return "none";
+    case EvictionPolicy::kLru:
+      return "lru";
+  }
+  return "unknown";
+}
+
 bool CacheSpec::operator==(const CacheSpec& o) const {
   return name == o.name && dtype == o.dtype && max_sequences == o.max_sequences &&
          capacity == o.capacity && max_batch == o.max_batch && groups == o.groups &&
-         token_block_size == o.token_block_size;
+         token_block_size == o.token_block_size && eviction == o.eviction;
 }
 
 namespace {
@@ -384,6 +394,10 @@ std::string DescribeSpecDifference(const CacheSpec& a, const CacheSpec& b) {
   }
   if (a.token_block_size != b.token_block_size) {
     return absl::StrCat("token_block_size ", a.token_block_size, " vs ", b.token_block_size);
+  }
+  if (a.eviction != b.eviction) {
+    return absl::StrCat("eviction ", EvictionPolicyName(a.eviction), " vs ",
+                        EvictionPolicyName(b.eviction));
   }
   if (a.groups.size() != b.groups.size()) {
     return absl::StrCat("number of groups ", a.groups.size(), " vs ", b.groups.size());

@@ -71,6 +71,13 @@ struct RecurrentSpec {
 // finds the places a new kind must be handled.
 enum class GroupKind { kAttention, kRotating, kRecurrent };
 
+// What a cache does when an Append needs room that is not free (docs/api.md#eviction).
+// kNone: the Append fails with RESOURCE_EXHAUSTED. kLru: it first evicts whole sequences that
+// may go (not pinned, not in use; see Cache::SetRetention), lowest priority first and then
+// least recently used, when that makes room.
+enum class EvictionPolicy { kNone, kLru };
+const char* EvictionPolicyName(EvictionPolicy policy);
+
 const char* GroupKindName(GroupKind kind);
 
 struct GroupSpec {
@@ -96,6 +103,8 @@ struct CacheSpec {
   // Tokens per block of a sequence's hash chain (cache/token_chain.h), [1, kMaxTokenBlockSize].
   // It shapes no storage, so it is not part of SpecFingerprint; operator== compares it.
   int32_t token_block_size = kDefaultTokenBlockSize;
+  // Shapes no storage either (not in SpecFingerprint); operator== compares it.
+  EvictionPolicy eviction = EvictionPolicy::kNone;
   bool operator==(const CacheSpec& o) const;
   bool operator!=(const CacheSpec& o) const { return !(*this == o); }
 };

@@ -39,6 +39,8 @@ v1::EventKind KindToProto(EventKind kind) {
       return v1::EVENT_KIND_CACHE_DELETED;
     case EventKind::kDraining:
       return v1::EVENT_KIND_DRAINING;
+    case EventKind::kEvicted:
+      return v1::EVENT_KIND_EVICTED;
   }
   return v1::EVENT_KIND_UNSPECIFIED;
 }
@@ -323,6 +325,7 @@ void EventToProto(const Event& event, WatchScope scope, v1::Event* out) {
   out->set_end(event.end);
   out->set_snapshot(event.snapshot);
   out->set_peer(event.peer);
+  out->set_reason(event.reason);
 }
 
 grpc::ServerWriteReactor<v1::WatchEventsResponse>* StartWatch(const v1::WatchEventsRequest& request,

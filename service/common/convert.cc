@@ -139,6 +139,18 @@ absl::StatusOr<CacheSpec> SpecFromProto(const v1::CacheSpec& proto) {
   spec.capacity = proto.capacity();
   spec.max_batch = proto.max_batch();
   if (proto.token_block_size() != 0) spec.token_block_size = proto.token_block_size();
+  switch (proto.eviction()) {
+    case v1::EVICTION_POLICY_UNSPECIFIED:
+    case v1::EVICTION_POLICY_NONE:
+      spec.eviction = EvictionPolicy::kNone;
+      break;
+    case v1::EVICTION_POLICY_LRU:
+      spec.eviction = EvictionPolicy::kLru;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("eviction ", static_cast<int>(proto.eviction()), " is not a policy"));
+  }
   spec.groups.reserve(proto.groups_size());
   for (int g = 0; g < proto.groups_size(); ++g) {
     const v1::LayerGroup& group = proto.groups(g);
@@ -181,6 +193,7 @@ v1::CacheSpec SpecToProto(const CacheSpec& spec) {
   if (spec.token_block_size != kDefaultTokenBlockSize) {
     proto.set_token_block_size(spec.token_block_size);
   }
+  if (spec.eviction == EvictionPolicy::kLru) proto.set_eviction(v1::EVICTION_POLICY_LRU);
   for (const GroupSpec& group : spec.groups) {
     v1::LayerGroup* out = proto.add_groups();
     out->set_num_layers(group.num_layers);

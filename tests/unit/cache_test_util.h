@@ -350,7 +350,8 @@ inline CacheState CaptureState(const Cache& cache) {
   for (const SequenceInfo& info : cache.ListSequences()) {
     os << "seq " << info.seq << " offset " << info.offset << " pending " << info.pending
        << " tokens " << info.tokens << " exact " << info.exact_tokens << " blocks "
-       << info.token_blocks;
+       << info.token_blocks << " priority " << info.priority << " pinned " << info.pinned
+       << " ttl " << absl::FormatDuration(info.ttl);
     const TokenChain chain = cache.Tokens(info.seq);
     if (!chain.hashes().empty()) os << " last hash " << chain.hashes().back();
     if (!chain.ids().empty()) os << " last id " << chain.ids().back();

@@ -1,0 +1,275 @@
+// Retention and eviction (docs/api.md#eviction): the LRU policy evicts whole sequences, lowest
+// priority first and then least recently used, atomically with the Append that needs the room;
+// it never evicts a pinned sequence or one in use, and when evicting everything it may would
+// not make room it evicts nothing. TTLs expire idle sequences. Every eviction is an event.
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cache/cache.h"
+#include "cache/event_log.h"
+#include "cache/shortage.h"
+#include "gtest/gtest.h"
+#include "tests/unit/cache_test_util.h"
+
+namespace kvmesh {
+namespace {
+
+using testutil::AppendPrompt;
+using testutil::AppendRange;
+using testutil::CaptureState;
+using testutil::Full;
+using testutil::Group;
+using testutil::IsError;
+using testutil::SameState;
+using testutil::Spec;
+using testutil::TestCache;
+
+// 8 sequences x 4 positions of one Attention group: 32 cells, 4 sequences of 8 positions.
+CacheSpec LruSpec(EvictionPolicy policy = EvictionPolicy::kLru, int32_t max_sequences = 8) {
+  CacheSpec spec = Spec(DType::kF16, max_sequences, 32 / max_sequences, 8, {Group(Full())});
+  spec.eviction = policy;
+  return spec;
+}
+
+std::vector<int64_t> LiveSeqs(const Cache& cache) {
+  std::vector<int64_t> seqs;
+  for (const SequenceInfo& info : cache.ListSequences()) seqs.push_back(info.seq);
+  return seqs;
+}
+
+// The payload of `seq`'s positions [0, n) as appended (salt 0).
+std::string Expected(const CacheSpec& spec, int64_t seq, int32_t n) {
+  return testutil::ReadPayload(spec, {testutil::Ids(seq, testutil::Range(0, n))});
+}
+
+// Fills the cache with sequences 1..4 of 8 positions, used in that order (1 least recently).
+void FillFour(Cache& cache) {
+  for (int64_t seq = 1; seq <= 4; ++seq) {
+    ASSERT_TRUE(AppendRange(cache, seq, 0, 8).ok());
+    absl::SleepFor(absl::Milliseconds(2));  // distinct last uses
+  }
+}
+
+TEST(CacheEvictionTest, PolicyNoneRefusesAsBefore) {
+  TestCache t(LruSpec(EvictionPolicy::kNone));
+  FillFour(*t.cache);
+  const testutil::CacheState before = CaptureState(*t.cache);
+  const absl::Status status = AppendRange(*t.cache, 5, 0, 8);
+  EXPECT_TRUE(IsError(status, absl::StatusCode::kResourceExhausted, {"8", "0"})) << status;
+  EXPECT_TRUE(SameState(before, CaptureState(*t.cache)));
+  EXPECT_EQ(t.cache->Evictions().lru, 0);
+}
+
+TEST(CacheEvictionTest, LruEvictsTheLeastRecentlyUsedWholeSequence) {
+  const CacheSpec spec = LruSpec();
+  TestCache t(spec);
+  EventLog events;
+  absl::StatusOr<std::unique_ptr<Cache>> created =
+      Cache::Create(spec, t.device.get(), kDefaultTenant, 64, &events);
+  ASSERT_TRUE(created.ok()) << created.status();
+  t.cache.reset();
+  Cache& cache = **created;
+  FillFour(cache);
+  // A Read is a use: 1 becomes the most recently used, so 2 is the least.
+  ASSERT_TRUE(cache.Read(1, 0, std::nullopt).ok());
+  const uint64_t from = events.next_number();
+  ASSERT_TRUE(AppendRange(cache, 5, 0, 8).ok());
+  EXPECT_EQ(LiveSeqs(cache), (std::vector<int64_t>{1, 3, 4, 5}));
+  for (int64_t seq : {1, 3, 4, 5}) {
+    absl::StatusOr<ReadResult> read = cache.Read(seq, 0, std::nullopt);
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_TRUE(testutil::SameBytes(Expected(spec, seq, 8), read->payload)) << "seq " << seq;
+  }
+  EXPECT_EQ(cache.Evictions().lru, 1);
+  absl::StatusOr<std::vector<Event>> published = events.Read(from, 100, 1 << 20);
+  ASSERT_TRUE(published.ok());
+  std::vector<int64_t> evicted;
+  for (const Event& e : *published) {
+    if (e.kind != EventKind::kEvicted) continue;
+    evicted.push_back(e.seq);
+    EXPECT_EQ(e.reason, "lru");
+    EXPECT_EQ(e.offset, 8);
+  }
+  EXPECT_EQ(evicted, (std::vector<int64_t>{2}));
+}
+
+TEST(CacheEvictionTest, LowerPriorityGoesFirstAndAsManyAsTheAppendNeeds) {
+  const CacheSpec spec = LruSpec();
+  TestCache t(spec);
+  FillFour(*t.cache);
+  // 1 is the least recently used but has priority 1; 3 and 4 stay at 0.
+  ASSERT_TRUE(t.cache->SetRetention(1, Retention{1, false, absl::ZeroDuration()}).ok());
+  ASSERT_TRUE(t.cache->Read(2, 0, std::nullopt).ok());
+  // 12 positions need 12 of the 32 cells, none free: 3 then 4 (priority 0, least recently used
+  // first; 2 was used last), 16 cells.
+  ASSERT_TRUE(AppendRange(*t.cache, 5, 0, 8).ok());
+  ASSERT_TRUE(AppendRange(*t.cache, 6, 0, 4).ok());
+  EXPECT_EQ(LiveSeqs(*t.cache), (std::vector<int64_t>{1, 2, 5, 6}));
+  EXPECT_EQ(t.cache->Evictions().lru, 2);
+}
+
+TEST(CacheEvictionTest, PinnedAndInUseSequencesStayAndARefusalEvictsNothing) {
+  const CacheSpec spec = LruSpec();
+  auto cache_ptr = std::make_shared<TestCache>(spec);
+  Cache& cache = *cache_ptr->cache;
+  FillFour(cache);
+  // 1: pinned; 2: pending speculative tokens... in a cache without room for them, so a room
+  // reservation instead; 3: cells pinned by an open read; 4: refused by the filter.
+  ASSERT_TRUE(cache.SetRetention(1, Retention{0, true, absl::ZeroDuration()}).ok());
+  ASSERT_TRUE(cache.Reserve(2, 8, absl::Now() + absl::Hours(1)).ok());
+  std::shared_ptr<Cache> shared(cache_ptr, cache_ptr->cache.get());
+  absl::StatusOr<std::unique_ptr<ReadCursor>> open = Cache::OpenRead(shared, 3, 0, std::nullopt);
+  ASSERT_TRUE(open.ok()) << open.status();
+  cache.SetEvictionFilter([](int64_t seq) { return seq != 4; });
+  const testutil::CacheState before = CaptureState(cache);
+  const absl::Status status = AppendRange(cache, 5, 0, 8);
+  EXPECT_TRUE(IsError(status, absl::StatusCode::kResourceExhausted, {"would not make room"}))
+      << status;
+  ASSERT_TRUE(GetShortage(status).has_value()) << "the details survive the longer message";
+  EXPECT_EQ(GetShortage(status)->resource, Resource::kCells);
+  EXPECT_TRUE(SameState(before, CaptureState(cache)));
+  EXPECT_EQ(cache.Evictions().lru, 0);
+  // The read closed, 3 may go.
+  open->reset();
+  ASSERT_TRUE(AppendRange(cache, 5, 0, 8).ok());
+  EXPECT_EQ(LiveSeqs(cache), (std::vector<int64_t>{1, 2, 4, 5}));
+}
+
+TEST(CacheEvictionTest, SharedCellsCountOnlyWhenEveryHolderGoes) {
+  const CacheSpec spec = LruSpec();
+  TestCache t(spec);
+  Cache& cache = *t.cache;
+  // 1 holds 8 cells; 2 and 3 share 1's first 6 and add 2 each; 4 holds 8: 8 + 2 + 2 + 8 = 20.
+  ASSERT_TRUE(AppendRange(cache, 1, 0, 8).ok());
+  ASSERT_TRUE(cache.CopyPrefix(1, 2, 6).ok());
+  ASSERT_TRUE(AppendRange(cache, 2, 6, 8, /*salt=*/2).ok());
+  ASSERT_TRUE(cache.CopyPrefix(1, 3, 6).ok());
+  ASSERT_TRUE(AppendRange(cache, 3, 6, 8, /*salt=*/3).ok());
+  ASSERT_TRUE(AppendRange(cache, 4, 0, 8).ok());
+  // Order of last use: 1 (CopyPrefix to 3 was its last use), 2, 3, 4... make it 1, 2, 3, 4.
+  absl::SleepFor(absl::Milliseconds(2));
+  ASSERT_TRUE(cache.Read(2, 0, std::nullopt).ok());
+  absl::SleepFor(absl::Milliseconds(2));
+  ASSERT_TRUE(cache.Read(3, 0, std::nullopt).ok());
+  absl::SleepFor(absl::Milliseconds(2));
+  ASSERT_TRUE(cache.Read(4, 0, std::nullopt).ok());
+  // 12 free; 16 positions need 4 more. Evicting 1 frees 2 cells (its last two; its first six
+  // are 2's and 3's too), then 2 frees its 2: enough.
+  ASSERT_TRUE(AppendRange(cache, 5, 0, 16 / 2).ok());
+  ASSERT_TRUE(AppendRange(cache, 5, 8, 16).ok());
+  EXPECT_EQ(LiveSeqs(cache), (std::vector<int64_t>{3, 4, 5}));
+  absl::StatusOr<ReadResult> read = cache.Read(3, 0, std::nullopt);
+  ASSERT_TRUE(read.ok());
+  EXPECT_EQ(read->positions[0], testutil::Range(0, 8));
+}
+
+TEST(CacheEvictionTest, SequenceSlotsAreMadeToo) {
+  // max_sequences 2, 16 positions each: a third sequence needs a slot, not cells.
+  CacheSpec spec = Spec(DType::kF16, 2, 16, 8, {Group(Full())});
+  spec.eviction = EvictionPolicy::kLru;
+  TestCache t(spec);
+  ASSERT_TRUE(AppendRange(*t.cache, 1, 0, 2).ok());
+  absl::SleepFor(absl::Milliseconds(2));
+  ASSERT_TRUE(AppendRange(*t.cache, 2, 0, 2).ok());
+  ASSERT_TRUE(AppendRange(*t.cache, 3, 0, 2).ok());
+  EXPECT_EQ(LiveSeqs(*t.cache), (std::vector<int64_t>{2, 3}));
+}
+
+TEST(CacheEvictionTest, ContiguousCacheEvictsRingsAndStates) {
+  CacheSpec spec = Spec(DType::kF16, 2, 8, 4,
+                        {testutil::RotatingGroup(4), testutil::RecurrentGroup()});
+  spec.eviction = EvictionPolicy::kLru;
+  TestCache t(spec);
+  ASSERT_TRUE(AppendRange(*t.cache, 1, 0, 3).ok());
+  absl::SleepFor(absl::Milliseconds(2));
+  ASSERT_TRUE(AppendRange(*t.cache, 2, 0, 3).ok());
+  ASSERT_TRUE(AppendRange(*t.cache, 3, 0, 3).ok());
+  EXPECT_EQ(LiveSeqs(*t.cache), (std::vector<int64_t>{2, 3}));
+  absl::StatusOr<ReadResult> read = t.cache->Read(3, 0, std::nullopt);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->states[1], StateStatus::kValid);
+}
+
+TEST(CacheEvictionTest, AnAppendWriterEvictsWhenItTakesItsCells) {
+  const CacheSpec spec = LruSpec();
+  auto owner = std::make_shared<TestCache>(spec);
+  std::shared_ptr<Cache> cache(owner, owner->cache.get());
+  FillFour(*cache);
+  const std::vector<Token> tokens = testutil::Tokens(5, 0, 8);
+  const std::vector<uint8_t> payload = testutil::PayloadFor(spec, tokens);
+  absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+      Cache::BeginAppend(cache, tokens, payload.size());
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  ASSERT_TRUE((*writer)->Write(payload).ok());
+  ASSERT_TRUE((*writer)->Commit().ok());
+  EXPECT_EQ(LiveSeqs(*cache), (std::vector<int64_t>{2, 3, 4, 5}));
+}
+
+TEST(CacheEvictionTest, TtlExpiresIdleSequencesPinnedOrNot) {
+  TestCache t(LruSpec(EvictionPolicy::kNone));
+  Cache& cache = *t.cache;
+  FillFour(cache);
+  ASSERT_TRUE(cache.SetRetention(1, Retention{0, false, absl::Seconds(10)}).ok());
+  ASSERT_TRUE(cache.SetRetention(2, Retention{0, true, absl::Seconds(10)}).ok());
+  ASSERT_TRUE(cache.SetRetention(3, Retention{0, false, absl::Seconds(30)}).ok());
+  const absl::Time now = absl::Now();
+  EXPECT_TRUE(cache.ExpireIdle(now).empty());
+  EXPECT_EQ(cache.ExpireIdle(now + absl::Seconds(20)), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(LiveSeqs(cache), (std::vector<int64_t>{3, 4}));
+  EXPECT_EQ(cache.Evictions().ttl, 2);
+  // A use restarts the clock.
+  absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_TRUE(cache.CanResume(3, 8).ok());
+  const absl::Time used = absl::Now();
+  EXPECT_TRUE(cache.ExpireIdle(used + absl::Seconds(29)).empty());
+  // In use: a room reservation holds it past its TTL; the next sweep after it ends takes it.
+  ASSERT_TRUE(cache.Reserve(3, 16, used + absl::Seconds(40)).ok());
+  EXPECT_TRUE(cache.ExpireIdle(used + absl::Seconds(31)).empty());
+  EXPECT_EQ(cache.ExpireIdle(used + absl::Seconds(41)), (std::vector<int64_t>{3}));
+}
+
+TEST(CacheEvictionTest, RetentionIsTheLiveSequencesOwnAndChecked) {
+  TestCache t(LruSpec());
+  Cache& cache = *t.cache;
+  EXPECT_TRUE(IsError(cache.SetRetention(7, Retention{}), absl::StatusCode::kNotFound, {"7"}));
+  ASSERT_TRUE(AppendRange(cache, 7, 0, 4).ok());
+  EXPECT_TRUE(IsError(cache.SetRetention(7, Retention{0, false, absl::Seconds(-1)}),
+                      absl::StatusCode::kInvalidArgument, {"-1s"}));
+  EXPECT_TRUE(IsError(cache.SetRetention(-1, Retention{}), absl::StatusCode::kInvalidArgument,
+                      {"-1"}));
+  ASSERT_TRUE(cache.SetRetention(7, Retention{5, true, absl::Seconds(3)}).ok());
+  std::optional<SequenceInfo> info = cache.GetSequence(7);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->priority, 5);
+  EXPECT_TRUE(info->pinned);
+  EXPECT_EQ(info->ttl, absl::Seconds(3));
+  EXPECT_GT(info->last_used, absl::Now() - absl::Minutes(1));
+  // Gone with the sequence: a new sequence 7 starts with the default.
+  ASSERT_TRUE(cache.Remove(7, 0, std::nullopt).ok());
+  ASSERT_TRUE(AppendRange(cache, 7, 0, 4).ok());
+  info = cache.GetSequence(7);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->priority, 0);
+  EXPECT_FALSE(info->pinned);
+  EXPECT_EQ(info->ttl, absl::ZeroDuration());
+}
+
+TEST(CacheEvictionTest, EvictedChainsLeaveTheBlockIndex) {
+  CacheSpec spec = LruSpec();
+  spec.token_block_size = 4;
+  TestCache t(spec);
+  std::vector<int32_t> prompt = testutil::Range(100, 108);
+  ASSERT_TRUE(AppendPrompt(*t.cache, 1, 0, 8, prompt).ok());
+  absl::SleepFor(absl::Milliseconds(2));
+  for (int64_t seq = 2; seq <= 4; ++seq) ASSERT_TRUE(AppendRange(*t.cache, seq, 0, 8).ok());
+  ASSERT_EQ(t.cache->LookupPrefix(prompt, 4)->size(), 1u);
+  ASSERT_TRUE(AppendRange(*t.cache, 5, 0, 8).ok());
+  EXPECT_TRUE(t.cache->LookupPrefix(prompt, 4)->empty());
+  EXPECT_EQ(t.cache->TokenIndex().entries, 0u);
+}
+
+}  // namespace
+}  // namespace kvmesh
