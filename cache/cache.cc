@@ -421,8 +421,7 @@ absl::Status Cache::AdmitAppendLocked(AppendBatch& batch,
 }
 
 std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
-    AppendBatch& batch, const absl::flat_hash_map<int64_t, int32_t>& count,
-    absl::Status refusal) {
+    AppendBatch& batch, const absl::flat_hash_map<int64_t, int32_t>& count, absl::Status refusal) {
   const absl::Time now = absl::Now();
   struct Candidate {
     int32_t priority;
@@ -439,9 +438,8 @@ std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
       if (!EvictableLocked(seq, /*lru=*/true, now)) continue;
       auto retention = retention_.find(seq);
       auto used = last_used_.find(seq);
-      candidates.push_back(
-          {retention == retention_.end() ? 0 : retention->second.priority,
-           used == last_used_.end() ? absl::InfinitePast() : used->second, seq});
+      candidates.push_back({retention == retention_.end() ? 0 : retention->second.priority,
+                            used == last_used_.end() ? absl::InfinitePast() : used->second, seq});
     }
   }
   std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
@@ -463,7 +461,8 @@ std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
     const std::optional<Shortage> shortage = RoomShortage(refusal);
     if (!shortage.has_value()) return std::nullopt;
     const bool sequences = shortage->resource == Resource::kSequences;
-    if (!sequences && (shortage->group < 0 || static_cast<size_t>(shortage->group) >= groups_.size())) {
+    if (!sequences &&
+        (shortage->group < 0 || static_cast<size_t>(shortage->group) >= groups_.size())) {
       return std::nullopt;
     }
     auto gained = [&]() -> int64_t {

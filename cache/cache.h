@@ -684,8 +684,7 @@ class Cache {
   void ForgetIfDeadLocked(int64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `seq` may be evicted or expired now (not in use; see ExpireIdle). `lru`: also not
   // pinned.
-  bool EvictableLocked(int64_t seq, bool lru, absl::Time now) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool EvictableLocked(int64_t seq, bool lru, absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Removes the whole of each of `seqs` and publishes EVICTED with `reason` for each.
   void EvictLocked(absl::Span<const int64_t> seqs, const char* reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -699,8 +698,8 @@ class Cache {
   // The sequences AdmitAppendLocked would evict for `batch`, refused with `refusal`; nullopt
   // when evicting every evictable sequence would not make room.
   std::optional<std::vector<int64_t>> PlanEvictionLocked(
-      AppendBatch& batch, const absl::flat_hash_map<int64_t, int32_t>& count,
-      absl::Status refusal) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      AppendBatch& batch, const absl::flat_hash_map<int64_t, int32_t>& count, absl::Status refusal)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Status ValidateSeq(int64_t seq) const;
   absl::Status CheckUsableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -63,6 +63,7 @@ absl::StatusOr<CacheRegistry::CreateResult> CacheRegistry::Create(absl::string_v
   // The device's budget is reserved atomically, so racing creates cannot overshoot it.
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> cache,
                    Cache::Create(spec, device_, tenant, token_hash_bits_, events_));
+  if (filter_factory_) cache->SetEvictionFilter(filter_factory_(std::string(tenant), spec.name));
   std::shared_ptr<Cache> shared(std::move(cache));
   const uint64_t bytes = ArenaBytes(*shared);
   MutexLock lock(&mu_);
@@ -138,6 +139,14 @@ std::vector<CacheRegistry::Entry> CacheRegistry::ListAll() const {
   out.reserve(caches_.size());
   for (const auto& [key, cache] : caches_) out.push_back(Entry{key.first, cache});
   return out;
+}
+
+int64_t CacheRegistry::ExpireIdle(absl::Time now) const {
+  int64_t removed = 0;
+  for (const Entry& entry : ListAll()) {
+    removed += static_cast<int64_t>(entry.cache->ExpireIdle(now).size());
+  }
+  return removed;
 }
 
 }  // namespace kvmesh

@@ -10,6 +10,7 @@
 #define KVMESH_CACHE_CACHE_REGISTRY_H_
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -20,6 +21,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "cache/cache.h"
 #include "cache/device/device.h"
 #include "cache/event_log.h"
@@ -94,6 +96,18 @@ class CacheRegistry {
 
   Device* device() const { return device_; }
 
+  // What every cache created from now on asks before it evicts or expires a sequence
+  // (Cache::SetEvictionFilter), made for the cache's tenant and name: a node refuses sequences
+  // under migration. Set it before the first Create.
+  using EvictionFilterFactory = std::function<std::function<bool(int64_t seq)>(
+      const std::string& tenant, const std::string& name)>;
+  void SetEvictionFilterFactory(EvictionFilterFactory factory) {
+    filter_factory_ = std::move(factory);
+  }
+
+  // Cache::ExpireIdle(now) of every cache; the number of sequences removed.
+  int64_t ExpireIdle(absl::Time now) const;
+
   // Device bytes a cache's arenas reserve: what a TenantQuota's max_bytes counts.
   static uint64_t ArenaBytes(const Cache& cache);
 
@@ -114,6 +128,7 @@ class CacheRegistry {
   Device* const device_;
   const int token_hash_bits_;
   EventLog* const events_;
+  EvictionFilterFactory filter_factory_;
   mutable Mutex mu_;
   std::map<Key, std::shared_ptr<Cache>> caches_ ABSL_GUARDED_BY(mu_);
 };

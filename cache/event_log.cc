@@ -46,8 +46,8 @@ const char* EventKindName(EventKind kind) {
 }
 
 size_t Event::bytes() const {
-  return sizeof(Event) + tenant.capacity() + cache.capacity() + peer.capacity() + reason.capacity() +
-         block_hashes.capacity() * sizeof(uint64_t);
+  return sizeof(Event) + tenant.capacity() + cache.capacity() + peer.capacity() +
+         reason.capacity() + block_hashes.capacity() * sizeof(uint64_t);
 }
 
 EventLog::EventLog(Options options)

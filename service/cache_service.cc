@@ -1279,6 +1279,29 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Reserve(grpc::CallbackServerContext*
       });
 }
 
+grpc::ServerUnaryReactor* CacheServiceImpl::SetRetention(grpc::CallbackServerContext* context,
+                                                         const v1::SetRetentionRequest* request,
+                                                         v1::SetRetentionResponse* response) {
+  return RunOnCache(
+      context, request,
+      [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
+        if (request->ttl_ms() < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("ttl_ms = ", request->ttl_ms(), " is negative (0: no TTL)"));
+        }
+        // Not on a sequence under migration: the retention would stay behind with its source.
+        ASSIGN_OR_RETURN(const Reservations::Guard guard,
+                         GuardSequence(Reservations::Key(caller.tenant, request->cache()),
+                                       request->seq(), "SetRetention"));
+        RETURN_IF_ERROR(
+            cache.SetRetention(request->seq(), Retention{request->priority(), request->pinned(),
+                                                         absl::Milliseconds(request->ttl_ms())}));
+        std::optional<SequenceInfo> info = cache.GetSequence(request->seq());
+        if (info.has_value()) *response->mutable_sequence() = SequenceInfoToProto(*info);
+        return absl::OkStatus();
+      });
+}
+
 grpc::ServerUnaryReactor* CacheServiceImpl::LookupPrefix(grpc::CallbackServerContext* context,
                                                          const v1::LookupPrefixRequest* request,
                                                          v1::LookupPrefixResponse* response) {

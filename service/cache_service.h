@@ -97,15 +97,14 @@ using CacheServiceBase = S::WithCallbackMethod_CreateCache<S::WithCallbackMethod
                     S::WithCallbackMethod_Snapshot<S::WithCallbackMethod_Restore<
                         S::WithCallbackMethod_MergeSnapshots<S::WithCallbackMethod_SplitSnapshot<
                             S::WithCallbackMethod_DropSnapshot<S::WithCallbackMethod_ListSnapshots<
-                                S::WithCallbackMethod_CommitSpeculation<
-                                    S::WithCallbackMethod_Migrate<
-                                        S::WithCallbackMethod_MigrateSnapshot<
-                                            S::WithCallbackMethod_ListMembers<
-                                                S::WithCallbackMethod_Drain<
-                                                    S::WithCallbackMethod_Reserve<
-                                                        S::WithCallbackMethod_LookupPrefix<
-                                                            S::WithCallbackMethod_WatchEvents<
-                                                                S::Service>>>>>>>>>>>>>>>>>>>>>>>>>>;
+                                S::WithCallbackMethod_CommitSpeculation<S::WithCallbackMethod_Migrate<
+                                    S::WithCallbackMethod_MigrateSnapshot<
+                                        S::WithCallbackMethod_ListMembers<
+                                            S::WithCallbackMethod_Drain<S::WithCallbackMethod_Reserve<
+                                                S::WithCallbackMethod_SetRetention<
+                                                    S::WithCallbackMethod_LookupPrefix<
+                                                        S::WithCallbackMethod_WatchEvents<
+                                                            S::Service>>>>>>>>>>>>>>>>>>>>>>>>>>>;
 }  // namespace internal
 
 class CacheServiceImpl final : public internal::CacheServiceBase {
@@ -192,6 +191,9 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* context,
                                     const v1::ReserveRequest* request,
                                     v1::ReserveResponse* response) override;
+  grpc::ServerUnaryReactor* SetRetention(grpc::CallbackServerContext* context,
+                                         const v1::SetRetentionRequest* request,
+                                         v1::SetRetentionResponse* response) override;
   grpc::ServerUnaryReactor* LookupPrefix(grpc::CallbackServerContext* context,
                                          const v1::LookupPrefixRequest* request,
                                          v1::LookupPrefixResponse* response) override;

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -24,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -195,6 +197,9 @@ ABSL_FLAG(kvmesh::ByteSize, event_log_bytes, kvmesh::ByteSize{size_t{64} << 20},
 ABSL_FLAG(bool, cluster_index, true,
           "follow every peer's events to answer LookupPrefix with LOOKUP_SCOPE_CLUSTER "
           "(docs/cluster.md, \"Prefix index\"); off: such lookups are FAILED_PRECONDITION");
+ABSL_FLAG(int64_t, ttl_sweep_ms, 1000,
+          "how often the node removes sequences idle past their TTL (SetRetention, "
+          "docs/api.md#eviction), in milliseconds; 0: never");
 ABSL_FLAG(int32_t, testing_token_hash_bits, 64,
           "testing only: keep this many low bits of every block hash (1 to 64), so that tests "
           "can force hash collisions");
@@ -208,6 +213,37 @@ ABSL_FLAG(kvmesh::ByteSize, testing_nccl_chunk_bytes, kvmesh::ByteSize{uint64_t{
 
 namespace kvmesh {
 namespace {
+
+// Removes every cache's sequences idle past their TTL (CacheRegistry::ExpireIdle) once per
+// interval, on a thread of its own, until destroyed.
+class TtlSweeper {
+ public:
+  TtlSweeper(CacheRegistry* registry, absl::Duration interval) {
+    if (interval <= absl::ZeroDuration()) return;
+    thread_ = std::thread([this, registry, interval] {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!cv_.wait_for(lock, absl::ToChronoNanoseconds(interval), [&] { return stop_; })) {
+        lock.unlock();
+        registry->ExpireIdle(absl::Now());
+        lock.lock();
+      }
+    });
+  }
+  ~TtlSweeper() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      cv_.notify_all();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
 
 constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
 // Threads reading grpc-stream chunks that must be copied (see transfer_reads in Run).
@@ -326,6 +362,7 @@ void AddNodeCollectors(Metrics* metrics, NodeState state) {
       CacheUsage usage;
       std::vector<int64_t> shared;
       TokenIndexStats index;
+      Cache::EvictionCounts evictions;
     };
     std::vector<PerCache> per_cache;
     per_cache.reserve(caches.size());
@@ -333,7 +370,8 @@ void AddNodeCollectors(Metrics* metrics, NodeState state) {
       per_cache.push_back({{{"tenant", entry.tenant}, {"cache", entry.cache->spec().name}},
                            entry.cache->Usage(),
                            entry.cache->SharedCells(),
-                           entry.cache->TokenIndex()});
+                           entry.cache->TokenIndex(),
+                           entry.cache->Evictions()});
     }
     auto per_group = [&](const char* name, const char* help, auto value) {
       sink.Gauge(name, help);
@@ -362,6 +400,17 @@ void AddNodeCollectors(Metrics* metrics, NodeState state) {
       sink.Gauge(name, help);
       for (const PerCache& c : per_cache) sink.Add(c.labels, static_cast<double>(value(c)));
     };
+    sink.Counter("kvmesh_cache_evictions_total",
+                 "Sequences a cache removed by itself: reason lru (room for an Append, "
+                 "docs/api.md#eviction), ttl (idle past its TTL)");
+    for (const PerCache& c : per_cache) {
+      for (const auto& [reason, count] :
+           {std::pair<const char*, int64_t>{"lru", c.evictions.lru}, {"ttl", c.evictions.ttl}}) {
+        std::map<std::string, std::string> labels = c.labels;
+        labels.emplace("reason", reason);
+        sink.Add(labels, static_cast<double>(count));
+      }
+    }
     per_cache_gauge("kvmesh_cache_sequences", "Sequences that store something",
                     [](const PerCache& c) { return c.usage.sequences_live; });
     per_cache_gauge("kvmesh_cache_bytes",
@@ -724,6 +773,13 @@ int Run() {
   }
   LeaseTable leases(absl::Milliseconds(100), static_cast<size_t>(max_leases_per_receiver));
   Reservations reservations;
+  // A sequence under migration is neither evicted nor expired: the migration would lose it.
+  registry.SetEvictionFilterFactory([&reservations](const std::string& tenant,
+                                                    const std::string& name) {
+    return [&reservations, key = Reservations::Key(tenant, name)](int64_t seq) {
+      return !reservations.IsReserved(Reservations::Kind::kSequence, key, seq);
+    };
+  });
   transport::GrpcStreamTransport::Options stream_options;
   stream_options.max_receive_message = static_cast<int32_t>(max_message);
   Membership* const members = membership->get();
@@ -1016,6 +1072,7 @@ int Run() {
        {"version", process.version},
        {"boot_id", process.boot_id}});
 
+  const TtlSweeper ttl_sweeper(&registry, absl::Milliseconds(absl::GetFlag(FLAGS_ttl_sweep_ms)));
   int signal = 0;
   if (const int err = sigwait(&signals, &signal); err != 0) {
     gate.set_listener(nullptr);

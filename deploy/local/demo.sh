@@ -236,6 +236,22 @@ step "delete the cache"
 ctl $N delete --cache=$cache
 ctl $N list
 
+step "a full cache with the LRU policy: an Append evicts the least recently used sequence that is not pinned"
+ctl $N create --name=lru-demo --dtype=f16 --max-sequences=2 --capacity=256 --max-batch=256 \
+    --group=attention:layers=2,heads=2,head_dim=64,rope=normal --eviction=lru
+ctl $N append --cache=lru-demo --seq=0 --positions=0:256 --seed=1
+ctl $N append --cache=lru-demo --seq=1 --positions=0:256 --seed=2
+ctl $N set-retention --cache=lru-demo --seq=0 --pin
+ctl $N append --cache=lru-demo --seq=2 --positions=0:256 --seed=3
+ctl $N list-sequences --cache=lru-demo
+echo "seq 1 was evicted to make room for seq 2; seq 0 is pinned and stayed"
+expect_fail $N NOT_FOUND read --cache=lru-demo --seq=1
+ctl $N read --cache=lru-demo --seq=0 --verify-seed=1
+ctl $N read --cache=lru-demo --seq=2 --verify-seed=3
+ctl $N set-retention --cache=lru-demo --seq=2 --pin
+expect_fail $N RESOURCE_EXHAUSTED append --cache=lru-demo --seq=3 --positions=0:256 --seed=4
+ctl $N delete --cache=lru-demo
+
 # ---- a hybrid model: snapshots and speculative decoding -----------------------------------------
 hc=lfm2-1.2b
 step "create an LFM2-1.2B-shaped hybrid cache: 6 attention layers (GQA, NEOX RoPE) + 10 short-conv layers (conv state [2][2048] per layer and sequence)"

@@ -284,6 +284,13 @@ v1::SequenceInfo SequenceInfoToProto(const SequenceInfo& info) {
   proto.set_tokens(info.tokens);
   proto.set_exact_tokens(info.exact_tokens);
   proto.set_token_blocks(info.token_blocks);
+  proto.set_priority(info.priority);
+  proto.set_pinned(info.pinned);
+  proto.set_ttl_ms(absl::ToInt64Milliseconds(info.ttl));
+  if (info.last_used != absl::InfinitePast()) {
+    proto.set_idle_ms(
+        std::max<int64_t>(0, absl::ToInt64Milliseconds(absl::Now() - info.last_used)));
+  }
   return proto;
 }
 

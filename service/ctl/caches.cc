@@ -54,6 +54,16 @@ absl::Status Create(const Client& client, const Args& args) {
     ASSIGN_OR_RETURN(int32_t v, GetInt32(args, "max-batch"));
     spec.set_max_batch(v);
   }
+  if (auto eviction = args.Get("eviction")) {
+    if (*eviction == "none") {
+      spec.set_eviction(v1::EVICTION_POLICY_NONE);
+    } else if (*eviction == "lru") {
+      spec.set_eviction(v1::EVICTION_POLICY_LRU);
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--eviction=", *eviction, ": expected none or lru"));
+    }
+  }
   const std::vector<std::string> groups = args.GetAll("group");
   if (!groups.empty()) {
     spec.clear_groups();
@@ -107,8 +117,8 @@ absl::Status List(const Client& client, const Args&) {
               "SEQUENCES", "CAPACITY", "MAX_BATCH", "HELD");
   for (const v1::CacheInfo& info : response.caches()) {
     const v1::CacheSpec& s = info.spec();
-    std::printf("%-24s %-16s %-5s %6d %10s %9d %9d %12s\n", s.name().c_str(),
-                info.tenant().c_str(), DTypeText(s.dtype()).c_str(), s.groups_size(),
+    std::printf("%-24s %-16s %-5s %6d %10s %9d %9d %12s\n", s.name().c_str(), info.tenant().c_str(),
+                DTypeText(s.dtype()).c_str(), s.groups_size(),
                 absl::StrCat(info.usage().sequences_live(), "/", s.max_sequences()).c_str(),
                 s.capacity(), s.max_batch(), Mib(info.usage().bytes_held()).c_str());
   }
@@ -125,8 +135,9 @@ absl::Status Usage(const Client& client, const Args& args) {
   return absl::OkStatus();
 }
 
-constexpr absl::string_view kCreateFlags[] = {"name",     "cache",     "dtype", "max-sequences",
-                                              "capacity", "max-batch", "group", "spec-json"};
+constexpr absl::string_view kCreateFlags[] = {"name",          "cache",     "dtype",
+                                              "max-sequences", "capacity",  "max-batch",
+                                              "group",         "spec-json", "eviction"};
 constexpr absl::string_view kCacheFlags[] = {"cache", "name"};
 
 }  // namespace
@@ -134,7 +145,8 @@ constexpr absl::string_view kCacheFlags[] = {"cache", "name"};
 const Command kCreateCommand = {
     "create", kCreateFlags,
     R"(  create        --name=CACHE [--dtype=f32|f16|bf16 (f16)] --max-sequences=N --capacity=TOKENS
-                --max-batch=TOKENS --group=GROUP [--group=GROUP]...  |  --spec-json=JSON|@FILE
+                --max-batch=TOKENS --group=GROUP [--group=GROUP]... [--eviction=none|lru]
+                |  --spec-json=JSON|@FILE
                 GROUP: attention:layers=32,heads=8,head_dim=128,window=WINDOW,rope=ROPE
                   also head_dim_k=, head_dim_v=; WINDOW: full | sliding:W[:MEMORY] | chunked:N
                   ROPE: none | normal|neox[:DIMS[:BASE[:FREQ_SCALE]]]
@@ -142,6 +154,8 @@ const Command kCreateCommand = {
                   a ring of the last max_size tokens per sequence; also head_dim_k=, head_dim_v=
                 GROUP: recurrent:layers=N,conv_tail=T,conv_dim=C[,v_heads=V,head_v_dim=DV,
                   head_k_dim=DK]: per-sequence conv state [T][C] (+ delta state [V][DV][DK] f32)
+                --eviction=lru: an Append short of room first evicts whole sequences, lowest
+                  priority, then least recently used (docs/api.md#eviction); none: refused
                 shorthand flags override the fields of --spec-json)",
     &Create};
 
@@ -151,7 +165,8 @@ const Command kGetCommand = {
     "get", kCacheFlags, R"(  get           --cache=CACHE                  spec and usage)", &Get};
 
 const Command kListCommand = {
-    "list", {},
+    "list",
+    {},
     R"(  list                                         the caller's caches (an admin: all))",
     &List};
 

@@ -45,6 +45,7 @@ extern const Command kCopyPrefixCommand;
 extern const Command kRemoveCommand;
 extern const Command kCanResumeCommand;
 extern const Command kReserveCommand;
+extern const Command kSetRetentionCommand;
 extern const Command kLookupPrefixCommand;
 extern const Command kWatchEventsCommand;
 extern const Command kListSequencesCommand;

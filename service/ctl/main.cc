@@ -38,7 +38,8 @@ constexpr char kDefaultAddr[] = "127.0.0.1:7700";
 constexpr absl::Duration kDefaultTimeout = absl::Seconds(30);
 
 constexpr absl::string_view kBoolFlags[] = {"json",        "stream",      "help",  "non-causal",
-                                            "speculative", "keep-source", "resume", "verify"};
+                                            "speculative", "keep-source", "resume", "verify",
+                                            "pin"};
 constexpr absl::string_view kGlobalFlags[] = {"addr", "timeout", "json", "help"};
 
 // The commands in the order `kvmeshctl help` lists them: those of one cache or the node, then
@@ -56,6 +57,7 @@ const Command* const kCommands[] = {
     &kRemoveCommand,
     &kCanResumeCommand,
     &kReserveCommand,
+    &kSetRetentionCommand,
     &kListSequencesCommand,
     &kLookupPrefixCommand,
     &kWatchEventsCommand,

@@ -302,6 +302,30 @@ absl::Status WatchEvents(const Client& client, const Args& args) {
   return FromGrpcStatus(reader->Finish());
 }
 
+absl::Status SetRetention(const Client& client, const Args& args) {
+  v1::SetRetentionRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(const int64_t seq, args.GetInt("seq"));
+  request.set_seq(seq);
+  if (args.Has("priority")) {
+    ASSIGN_OR_RETURN(const int32_t priority, GetInt32(args, "priority"));
+    request.set_priority(priority);
+  }
+  request.set_pinned(args.Has("pin"));
+  ASSIGN_OR_RETURN(const absl::Duration ttl, args.GetDuration("ttl", absl::ZeroDuration()));
+  request.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
+  v1::SetRetentionResponse response;
+  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::SetRetention, request, &response));
+  if (client.json()) return PrintJson(response);
+  std::printf(
+      "seq %" PRId64 ": priority %d%s, %s\n", seq, response.sequence().priority(),
+      response.sequence().pinned() ? ", pinned" : "",
+      response.sequence().ttl_ms() > 0
+          ? absl::StrCat("removed after ", response.sequence().ttl_ms(), " ms unused").c_str()
+          : "no TTL");
+  return absl::OkStatus();
+}
+
 absl::Status ListSequences(const Client& client, const Args& args) {
   v1::ListSequencesRequest request;
   ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
@@ -309,8 +333,8 @@ absl::Status ListSequences(const Client& client, const Args& args) {
   RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::ListSequences, request, &response));
   if (client.json()) return PrintJson(response);
   ASSIGN_OR_RETURN(v1::CacheInfo info, client.FetchInfo(request.cache()));
-  std::printf("%-8s %7s %7s %11s  %s\n", "SEQ", "OFFSET", "PENDING", "EXACT/IDS",
-              "PER GROUP: stored (shared) [first, last] | recurrent: state (shared)");
+  std::printf("%-8s %7s %7s %11s %9s %9s  %s\n", "SEQ", "OFFSET", "PENDING", "EXACT/IDS", "IDLE",
+              "KEEP", "PER GROUP: stored (shared) [first, last] | recurrent: state (shared)");
   for (const v1::SequenceInfo& s : response.sequences()) {
     std::vector<std::string> groups;
     for (const v1::GroupSequence& g : s.groups()) {
@@ -330,8 +354,14 @@ absl::Status ListSequences(const Client& client, const Args& args) {
     }
     const std::string tokens =
         s.tokens() == 0 ? "-" : absl::StrCat(s.exact_tokens(), "/", s.tokens());
-    std::printf("%-8" PRId64 " %7d %7d %11s  %s\n", s.seq(), s.offset(), s.pending(),
-                tokens.c_str(), absl::StrJoin(groups, "  ").c_str());
+    // KEEP: priority, p when pinned, and the TTL ("0", "3p", "1 ttl=60s").
+    std::string keep = absl::StrCat(s.priority(), s.pinned() ? "p" : "");
+    if (s.ttl_ms() > 0) {
+      absl::StrAppend(&keep, ",", absl::FormatDuration(absl::Milliseconds(s.ttl_ms())));
+    }
+    const std::string idle = absl::FormatDuration(absl::Milliseconds(s.idle_ms()));
+    std::printf("%-8" PRId64 " %7d %7d %11s %9s %9s  %s\n", s.seq(), s.offset(), s.pending(),
+                tokens.c_str(), idle.c_str(), keep.c_str(), absl::StrJoin(groups, "  ").c_str());
   }
   if (response.sequences().empty()) std::printf("(no sequences)\n");
   return absl::OkStatus();
@@ -360,6 +390,8 @@ constexpr absl::string_view kRemoveFlags[] = {"cache", "name", "seq", "begin", "
 constexpr absl::string_view kCanResumeFlags[] = {"cache", "name", "seq", "pos"};
 constexpr absl::string_view kReserveFlags[] = {"cache", "name", "seq", "positions", "ttl"};
 constexpr absl::string_view kListSequencesFlags[] = {"cache", "name"};
+constexpr absl::string_view kSetRetentionFlags[] = {"cache",    "name", "seq",
+                                                    "priority", "pin",  "ttl"};
 constexpr absl::string_view kWatchEventsFlags[] = {"cache", "count", "boot-id", "next"};
 constexpr absl::string_view kLookupPrefixFlags[] = {"cache",       "name",  "tokens",
                                                     "max-matches", "scope", "verify"};
@@ -418,10 +450,19 @@ const Command kReserveCommand = {"reserve", kReserveFlags,
                 TTL (at most 1h); --positions=0 drops it)",
                                  &Reserve};
 
+const Command kSetRetentionCommand = {
+    "set-retention", kSetRetentionFlags,
+    R"(  set-retention --cache=CACHE --seq=N [--priority=P (0)] [--pin] [--ttl=DURATION]
+                how long a live sequence is kept: under --eviction=lru lower priorities go
+                first, --pin never (to make room); --ttl removes it once unused that long;
+                each call sets all three (docs/api.md#eviction))",
+    &SetRetention};
+
 const Command kListSequencesCommand = {
     "list-sequences", kListSequencesFlags,
     R"(  list-sequences --cache=CACHE                 offset, pending tokens, token ids (exact/known),
-                                               per-group storage/state)",
+                                               idle time, retention (priority, p: pinned,
+                                               TTL), per-group storage/state)",
     &ListSequences};
 
 const Command kCommitSpeculationCommand = {

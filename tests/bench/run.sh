@@ -12,6 +12,8 @@
 #   tests/bench/run.sh events [ARGS]   events_bench only (two nodes: how fast appends reach the
 #                                      other's cluster index, and the writer's cost); ARGS go
 #                                      to it (--reps=N --tokens=N --duration=5s)
+#   tests/bench/run.sh eviction [ARGS] eviction_bench only (an Append that evicts, against one
+#                                      with room); ARGS go to it (--appends=N)
 #
 # KVMESH_BUILD_DIR picks the build directory (default <repo>/build).
 set -euo pipefail
@@ -20,11 +22,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build_dir=${KVMESH_BUILD_DIR:-$root/build}
 what=all
 case "${1:-}" in
-  engine|rpc|migrate|lookup|events|all) what=$1; shift ;;
+  engine|rpc|migrate|lookup|events|eviction|all) what=$1; shift ;;
   -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
 esac
 if [ "$what" = all ] && [ "$#" -gt 0 ]; then
-  echo "run.sh: ARGS need a mode (engine, rpc, migrate, lookup or events): each bench has its own flags" >&2
+  echo "run.sh: ARGS need a mode (engine, rpc, migrate, lookup, events or eviction): each bench has its own flags" >&2
   exit 2
 fi
 
@@ -38,6 +40,7 @@ case "$what" in
   migrate) targets+=(migrate_bench kvmesh_node) ;;
   lookup) targets+=(lookup_bench) ;;
   events) targets+=(events_bench kvmesh_node) ;;
+  eviction) targets+=(eviction_bench) ;;
   all) targets+=(engine_bench rpc_bench migrate_bench kvmesh_node) ;;
 esac
 cmake --build "$build_dir" -j"$(nproc)" --target "${targets[@]}"
@@ -64,6 +67,11 @@ if [ "$what" = lookup ]; then
   echo
   echo "== lookup_bench $*"
   "$build_dir/tests/bench/lookup_bench" "$@"
+fi
+if [ "$what" = eviction ]; then
+  echo
+  echo "== eviction_bench $*"
+  "$build_dir/tests/bench/eviction_bench" "$@"
 fi
 if [ "$what" = events ]; then
   echo

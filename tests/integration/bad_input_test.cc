@@ -504,6 +504,10 @@ std::vector<BadCase> Cases() {
   cases.push_back(CreateCase("CreateDTypeUnknown",
                              [](v1::CacheSpec* s) { s->set_dtype(static_cast<v1::DType>(7)); },
                              kInvalid, {"dtype = 7"}));
+  cases.push_back(CreateCase(
+      "CreateEvictionUnknown",
+      [](v1::CacheSpec* s) { s->set_eviction(static_cast<v1::EvictionPolicy>(7)); }, kInvalid,
+      {"eviction 7"}));
   cases.push_back(CreateCase("CreateNoGroups", [](v1::CacheSpec* s) { s->clear_groups(); },
                              kInvalid, {"groups is empty"}));
   cases.push_back(CreateCase("CreateGroupWithoutKind",
@@ -872,6 +876,28 @@ std::vector<BadCase> Cases() {
                                 kExhausted,
                                 {"sequence 2", "max_sequences = 2"}},
                                "SEQUENCES_EXHAUSTED needed=1 free=0 total=2"));
+
+  // ---- SetRetention ----
+  auto set_retention = [](std::string cache, int64_t seq, int64_t ttl_ms) {
+    return [=](Stub& stub) {
+      grpc::ClientContext context;
+      SetDeadline(&context);
+      v1::SetRetentionRequest request;
+      request.set_cache(cache);
+      request.set_seq(seq);
+      request.set_pinned(true);
+      request.set_ttl_ms(ttl_ms);
+      v1::SetRetentionResponse response;
+      return stub.SetRetention(&context, request, &response);
+    };
+  };
+  cases.push_back(
+      {"SetRetentionUnknownCache", set_retention("nosuch", 0, 0), kNotFound, {"nosuch"}});
+  cases.push_back(
+      {"SetRetentionUnknownSeq", set_retention("bad", 7, 0), kNotFound, {"sequence 7"}});
+  cases.push_back({"SetRetentionNegativeSeq", set_retention("bad", -3, 0), kInvalid, {"-3"}});
+  cases.push_back(
+      {"SetRetentionNegativeTtl", set_retention("bad", 0, -1), kInvalid, {"ttl_ms = -1"}});
 
   // ---- Remove ----
   auto remove = [](std::string cache, int64_t seq, int32_t begin, std::optional<int32_t> end) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -315,6 +316,93 @@ TEST(EventsTest, ASlowWatcherIsCutOffNotWaitedFor) {
     EXPECT_EQ(resumed.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << StatusText(resumed);
     EXPECT_THAT(resumed.error_message(), HasSubstr("no longer kept"));
   }
+  Stop(node, stub);
+}
+
+// Eviction over the service (docs/api.md#eviction): a cache created with the LRU policy makes
+// room for an Append by evicting the least recently used unpinned sequence, says so in an
+// EVICTED event, and the node's sweep removes a sequence idle past its TTL.
+TEST(EventsTest, EvictionsAndExpiriesAreEventsAndRetentionIsListed) {
+  std::unique_ptr<NodeProcess> node = StartEventsNode("ev-evict", {"--ttl_sweep_ms=50"});
+  ASSERT_NE(node, nullptr);
+  std::unique_ptr<Stub> stub = node->NewStub();
+  // 4 sequences of 16 positions fill the cache's 64 cells.
+  v1::CacheSpec spec =
+      SpecProto("lru", 4, 16, 16, {AttentionGroupProto(AttentionOptions())}, v1::DTYPE_F16);
+  spec.set_eviction(v1::EVICTION_POLICY_LRU);
+  KVMESH_ASSERT_OK(CreateCache(*stub, spec));
+  v1::GetCacheResponse got;
+  KVMESH_ASSERT_OK(GetCache(*stub, "lru", &got));
+  EXPECT_EQ(got.cache().spec().eviction(), v1::EVICTION_POLICY_LRU);
+  std::vector<int32_t> all;
+  for (int32_t p = 0; p < 16; ++p) all.push_back(p);
+  for (int64_t seq = 1; seq <= 4; ++seq) {
+    KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, seq, all)));
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  auto set_retention = [&](int64_t seq, int32_t priority, bool pinned, int64_t ttl_ms,
+                           v1::SetRetentionResponse* response) {
+    v1::SetRetentionRequest request;
+    request.set_cache("lru");
+    request.set_seq(seq);
+    request.set_priority(priority);
+    request.set_pinned(pinned);
+    request.set_ttl_ms(ttl_ms);
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    return stub->SetRetention(&context, request, response);
+  };
+  v1::SetRetentionResponse set;
+  KVMESH_ASSERT_OK(set_retention(1, 0, true, 0, &set));
+  EXPECT_TRUE(set.sequence().pinned());
+  EXPECT_EQ(set.sequence().offset(), 16);
+  // Errors name the bad value and change nothing.
+  grpc::Status bad = set_retention(9, 0, false, 0, &set);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::NOT_FOUND) << StatusText(bad);
+  EXPECT_THAT(bad.error_message(), HasSubstr("9"));
+  bad = set_retention(2, 0, false, -5, &set);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(bad);
+  EXPECT_THAT(bad.error_message(), HasSubstr("-5"));
+
+  v1::WatchEventsRequest request;
+  request.add_caches("lru");
+  std::optional<Watch> watch;
+  watch.emplace(*stub, request);
+  v1::WatchEventsResponse message;
+  while (watch->Next(&message) && !message.synced()) {
+  }
+  ASSERT_TRUE(message.synced());
+  // Sequence 1 is the least recently used but pinned: 2 goes.
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 5, all)));
+  std::vector<v1::Event> events = watch->Until(v1::EVENT_KIND_EVICTED);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().seq(), 2);
+  EXPECT_EQ(events.back().reason(), "lru");
+  EXPECT_EQ(events.back().offset(), 16);
+  v1::ListSequencesResponse listed;
+  KVMESH_ASSERT_OK(ListSequences(*stub, "lru", &listed));
+  std::vector<int64_t> seqs;
+  for (const v1::SequenceInfo& info : listed.sequences()) {
+    seqs.push_back(info.seq());
+    EXPECT_EQ(info.pinned(), info.seq() == 1) << info.seq();
+  }
+  EXPECT_EQ(seqs, (std::vector<int64_t>{1, 3, 4, 5}));
+  // With every other sequence pinned or in use, a refusal keeps everything and says why.
+  for (int64_t seq : {3, 4, 5}) KVMESH_ASSERT_OK(set_retention(seq, 0, true, 0, &set));
+  const grpc::Status refused = Append(*stub, MakeAppend(spec, 6, all));
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(refused);
+  EXPECT_THAT(refused.error_message(), HasSubstr("would not make room"));
+  EXPECT_THAT(ShortageText(refused), HasSubstr("SEQUENCES_EXHAUSTED"));
+  // A TTL: the sweep removes sequence 3 once it has been idle 200 ms, pinned or not.
+  KVMESH_ASSERT_OK(set_retention(3, 0, true, 200, &set));
+  EXPECT_EQ(set.sequence().ttl_ms(), 200);
+  events = watch->Until(v1::EVENT_KIND_EVICTED);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().seq(), 3);
+  EXPECT_EQ(events.back().reason(), "ttl");
+  KVMESH_ASSERT_OK(ListSequences(*stub, "lru", &listed));
+  EXPECT_EQ(listed.sequences_size(), 3);
+  watch.reset();
   Stop(node, stub);
 }
 

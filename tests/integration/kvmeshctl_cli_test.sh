@@ -44,7 +44,8 @@ expect() {
 }
 
 commands=(create delete get list usage append read visible copy-prefix remove can-resume
-          reserve list-sequences lookup-prefix watch-events snapshot restore merge-snapshots
+          reserve set-retention list-sequences lookup-prefix watch-events snapshot restore
+          merge-snapshots
           split-snapshot drop-snapshot list-snapshots commit-speculation health list-members
           migrate migrate-snapshot drain)
 

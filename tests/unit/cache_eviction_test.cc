@@ -179,8 +179,8 @@ TEST(CacheEvictionTest, SequenceSlotsAreMadeToo) {
 }
 
 TEST(CacheEvictionTest, ContiguousCacheEvictsRingsAndStates) {
-  CacheSpec spec = Spec(DType::kF16, 2, 8, 4,
-                        {testutil::RotatingGroup(4), testutil::RecurrentGroup()});
+  CacheSpec spec =
+      Spec(DType::kF16, 2, 8, 4, {testutil::RotatingGroup(4), testutil::RecurrentGroup()});
   spec.eviction = EvictionPolicy::kLru;
   TestCache t(spec);
   ASSERT_TRUE(AppendRange(*t.cache, 1, 0, 3).ok());
@@ -238,8 +238,8 @@ TEST(CacheEvictionTest, RetentionIsTheLiveSequencesOwnAndChecked) {
   ASSERT_TRUE(AppendRange(cache, 7, 0, 4).ok());
   EXPECT_TRUE(IsError(cache.SetRetention(7, Retention{0, false, absl::Seconds(-1)}),
                       absl::StatusCode::kInvalidArgument, {"-1s"}));
-  EXPECT_TRUE(IsError(cache.SetRetention(-1, Retention{}), absl::StatusCode::kInvalidArgument,
-                      {"-1"}));
+  EXPECT_TRUE(
+      IsError(cache.SetRetention(-1, Retention{}), absl::StatusCode::kInvalidArgument, {"-1"}));
   ASSERT_TRUE(cache.SetRetention(7, Retention{5, true, absl::Seconds(3)}).ok());
   std::optional<SequenceInfo> info = cache.GetSequence(7);
   ASSERT_TRUE(info.has_value());

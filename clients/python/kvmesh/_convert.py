@@ -57,7 +57,9 @@ def spec_to_proto(spec: CacheSpec) -> "pb.CacheSpec":
     return pb.CacheSpec(name=spec.name, dtype=int(spec.dtype), max_sequences=spec.max_sequences,
                         capacity=spec.capacity, max_batch=spec.max_batch,
                         groups=[_group_to_proto(g) for g in spec.groups],
-                        token_block_size=spec.token_block_size)
+                        token_block_size=spec.token_block_size,
+                        eviction=(pb.EVICTION_POLICY_LRU if spec.eviction == "lru"
+                                  else pb.EVICTION_POLICY_UNSPECIFIED))
 
 
 def _rope_from_proto(rope: "pb.Rope") -> Rope:
@@ -95,7 +97,8 @@ def spec_from_proto(spec: "pb.CacheSpec") -> CacheSpec:
     return CacheSpec(name=spec.name, dtype=DType(spec.dtype), max_sequences=spec.max_sequences,
                      capacity=spec.capacity, max_batch=spec.max_batch,
                      groups=tuple(_group_from_proto(g) for g in spec.groups),
-                     token_block_size=spec.token_block_size)
+                     token_block_size=spec.token_block_size,
+                     eviction="lru" if spec.eviction == pb.EVICTION_POLICY_LRU else "none")
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -119,7 +122,9 @@ def sequence_from_proto(info: "pb.SequenceInfo") -> SequenceInfo:
         seq=info.seq, offset=info.offset, pending=info.pending,
         groups=tuple(GroupSequence(g.group, g.stored, g.shared, g.first, g.last,
                                    StateStatus(g.state)) for g in info.groups),
-        tokens=info.tokens, exact_tokens=info.exact_tokens, token_blocks=info.token_blocks)
+        tokens=info.tokens, exact_tokens=info.exact_tokens, token_blocks=info.token_blocks,
+        priority=info.priority, pinned=info.pinned, ttl=info.ttl_ms / 1000.0,
+        idle=info.idle_ms / 1000.0)
 
 
 def snapshot_from_proto(info: "pb.SnapshotInfo") -> SnapshotInfo:

@@ -412,6 +412,20 @@ class Client:
                                                     ttl_ms=ttl_ms), timeout)
         return _convert.usage_from_proto(r.usage)
 
+    def set_retention(self, cache: str, seq: int, *, priority: int = 0, pinned: bool = False,
+                      ttl: Optional[float] = None,
+                      timeout: Optional[float] = None) -> SequenceInfo:
+        """How long the live sequence ``seq`` is kept (docs/api.md#eviction): under the LRU
+        eviction policy lower ``priority`` goes first and ``pinned`` never (to make room);
+        ``ttl`` seconds: removed once unused that long (None: no TTL). Each call sets all
+        three. NotFound when ``seq`` stores nothing. Returns the sequence after the call."""
+        ttl_ms = 0 if ttl is None else int(round(ttl * 1000))
+        if ttl is not None and ttl_ms <= 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
+        r = self._call("SetRetention", pb.SetRetentionRequest(
+            cache=cache, seq=seq, priority=priority, pinned=pinned, ttl_ms=ttl_ms), timeout)
+        return _convert.sequence_from_proto(r.sequence)
+
     def list_sequences(self, cache: str, *,
                        timeout: Optional[float] = None) -> List[SequenceInfo]:
         """The live sequences of ``cache``, ascending by id."""

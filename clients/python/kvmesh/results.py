@@ -127,6 +127,12 @@ class SequenceInfo:
     tokens: int = 0
     exact_tokens: int = 0
     token_blocks: int = 0
+    #: Retention (:meth:`Client.set_retention`): priority, pin, TTL in seconds (0: none), and
+    #: seconds since the sequence was last used.
+    priority: int = 0
+    pinned: bool = False
+    ttl: float = 0.0
+    idle: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

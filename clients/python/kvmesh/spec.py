@@ -180,8 +180,13 @@ class CacheSpec:
     groups: Tuple[Group, ...] = ()
     #: Tokens per block of a sequence's hash chain (docs/api.md#tokens); 0: the node's 16.
     token_block_size: int = 0
+    #: What an Append short of room does (docs/api.md#eviction): "none" refuses it, "lru" first
+    #: evicts whole sequences (lowest priority, then least recently used) when that makes room.
+    eviction: str = "none"
 
     def __post_init__(self) -> None:
+        if self.eviction not in ("none", "lru"):
+            raise ValueError(f"eviction must be 'none' or 'lru', got {self.eviction!r}")
         groups: Sequence[Group] = self.groups
         if isinstance(groups, (Attention, Rotating, Recurrent)):
             groups = (groups,)

@@ -326,6 +326,34 @@ class ClientTest(nodes.NodeTestCase):
         self.assertEqual(out.returncode, 1, out.stderr)
         self.assertIn("shortage: SEQUENCES_EXHAUSTED: needed 1, free 0 of 1", out.stderr)
 
+    def test_lru_eviction_and_retention(self) -> None:
+        # 2 sequences x 4 positions (docs/api.md#eviction).
+        spec = CacheSpec("py-lru", DType.F16, 2, 4, 4, [Attention(1, 1, 4)], eviction="lru")
+        layout = self.create(spec)
+        self.assertEqual(self.client.get_cache(spec.name).spec.eviction, "lru")
+        for seq in (1, 2):
+            self.client.append(spec.name, [(seq, p) for p in range(4)], layout.zeros(4))
+        info = self.client.set_retention(spec.name, 1, priority=3, pinned=True, ttl=60)
+        self.assertEqual((info.seq, info.priority, info.pinned, info.ttl), (1, 3, True, 60.0))
+        # 1 is pinned, so 2 makes room for 3.
+        self.client.append(spec.name, [(3, p) for p in range(4)], layout.zeros(4))
+        listed = self.client.list_sequences(spec.name)
+        self.assertEqual([s.seq for s in listed], [1, 3])
+        self.assertGreaterEqual(listed[0].idle, 0.0)
+        with self.assertRaises(kvmesh.NotFound) as raised:
+            self.client.set_retention(spec.name, 2)
+        self.assertIn("2", str(raised.exception))
+        with self.assertRaises(ValueError):
+            self.client.set_retention(spec.name, 1, ttl=0)
+        with self.assertRaises(ValueError):
+            CacheSpec("bad", DType.F16, 2, 4, 4, [Attention(1, 1, 4)], eviction="fifo")
+        # kvmeshctl sets and lists it too.
+        out = nodes.run_ctl(self.node.address, "set-retention", f"--cache={spec.name}", "--seq=3",
+                            "--priority=2", "--pin", "--ttl=90s")
+        self.assertIn("seq 3: priority 2, pinned, removed after 90000 ms unused", out.stdout)
+        out = nodes.run_ctl(self.node.address, "list-sequences", f"--cache={spec.name}")
+        self.assertIn("2p,1m30s", out.stdout)
+
     # ---- sequences -------------------------------------------------------------------------
 
     def test_token_ids(self) -> None:
