@@ -269,11 +269,26 @@ absl::Status Cache::Reserve(int64_t seq, int32_t positions, absl::Time expires) 
 
 // ---- Retention and eviction ----------------------------------------------------------------
 
+void Cache::RecordUseLocked(int64_t seq, absl::Time now) const {
+  auto retention = retention_.find(seq);
+  Use use{now, 0, false};
+  if (retention != retention_.end()) {
+    use.priority = retention->second.priority;
+    use.pinned = retention->second.pinned;
+  }
+  auto [it, inserted] = last_used_.try_emplace(seq);
+  if (!inserted && !it->second.pinned) {
+    lru_.erase(LruKey(it->second.priority, it->second.time, seq));
+  }
+  it->second = use;
+  if (!use.pinned) lru_.insert(LruKey(use.priority, use.time, seq));
+}
+
 void Cache::TouchLocked(absl::Span<const int64_t> seqs) const {
   const absl::Time now = absl::Now();
   MutexLock lock(&access_mu_);
   for (int64_t seq : seqs) {
-    if (IsLiveLocked(seq)) last_used_[seq] = now;
+    if (IsLiveLocked(seq)) RecordUseLocked(seq, now);
   }
 }
 
@@ -284,7 +299,7 @@ void Cache::TouchQueriesLocked(absl::Span<const Query> queries) const {
   for (const Query& q : queries) {
     if (q.seq == last) continue;  // a batch's queries come grouped by sequence
     last = q.seq;
-    if (IsLiveLocked(q.seq)) last_used_[q.seq] = now;
+    if (IsLiveLocked(q.seq)) RecordUseLocked(q.seq, now);
   }
 }
 
@@ -292,7 +307,10 @@ void Cache::ForgetIfDeadLocked(int64_t seq) {
   if (IsLiveLocked(seq) || appending_.contains(seq)) return;
   retention_.erase(seq);
   MutexLock lock(&access_mu_);
-  last_used_.erase(seq);
+  auto it = last_used_.find(seq);
+  if (it == last_used_.end()) return;
+  if (!it->second.pinned) lru_.erase(LruKey(it->second.priority, it->second.time, seq));
+  last_used_.erase(it);
 }
 
 absl::Status Cache::SetRetention(int64_t seq, const Retention& retention) {
@@ -368,7 +386,7 @@ std::vector<int64_t> Cache::ExpireIdle(absl::Time now) {
     for (const auto& [seq, retention] : retention_) {
       if (retention.ttl <= absl::ZeroDuration()) continue;
       auto used = last_used_.find(seq);
-      const absl::Time last = used == last_used_.end() ? absl::InfinitePast() : used->second;
+      const absl::Time last = used == last_used_.end() ? absl::InfinitePast() : used->second.time;
       if (last + retention.ttl <= now && EvictableLocked(seq, /*lru=*/false, now)) {
         expired.push_back(seq);
       }
@@ -423,30 +441,18 @@ absl::Status Cache::AdmitAppendLocked(AppendBatch& batch,
 std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
     AppendBatch& batch, const absl::flat_hash_map<int64_t, int32_t>& count, absl::Status refusal) {
   const absl::Time now = absl::Now();
-  struct Candidate {
-    int32_t priority;
-    absl::Time last_used;
-    int64_t seq;
-  };
-  std::vector<Candidate> candidates;
-  {
-    absl::flat_hash_set<int64_t> live;
-    for (const auto& group : groups_) group->AddLive(&live);
-    for (int64_t seq : batch.seqs) live.erase(seq);
-    MutexLock access(&access_mu_);
-    for (int64_t seq : live) {
-      if (!EvictableLocked(seq, /*lru=*/true, now)) continue;
-      auto retention = retention_.find(seq);
-      auto used = last_used_.find(seq);
-      candidates.push_back({retention == retention_.end() ? 0 : retention->second.priority,
-                            used == last_used_.end() ? absl::InfinitePast() : used->second, seq});
+  // Candidates in eviction order, straight from lru_ (unpinned live sequences): those in use
+  // and the batch's own are passed over.
+  const absl::flat_hash_set<int64_t> own(batch.seqs.begin(), batch.seqs.end());
+  MutexLock access(&access_mu_);
+  auto next = lru_.begin();
+  auto take = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> std::optional<int64_t> {
+    while (next != lru_.end()) {
+      const int64_t seq = std::get<2>(*next++);
+      if (!own.contains(seq) && EvictableLocked(seq, /*lru=*/true, now)) return seq;
     }
-  }
-  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
-    if (a.priority != b.priority) return a.priority < b.priority;
-    if (a.last_used != b.last_used) return a.last_used < b.last_used;
-    return a.seq < b.seq;
-  });
+    return std::nullopt;
+  };
 
   // Victims are taken in order until they cover what the last refusal said was short; then the
   // batch is weighed again with what they would free counted as free (a negative held-back),
@@ -456,7 +462,6 @@ std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
   for (size_t g = 0; g < groups_.size(); ++g) held[g] = groups_[g]->held_back();
   const int32_t held_sequences = held_sequences_;
   std::vector<int64_t> victims;
-  size_t next = 0;
   while (true) {
     const std::optional<Shortage> shortage = RoomShortage(refusal);
     if (!shortage.has_value()) return std::nullopt;
@@ -469,8 +474,10 @@ std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
       return sequences ? static_cast<int64_t>(victims.size()) : tallies[shortage->group].units;
     };
     const int64_t target = gained() + std::max<int64_t>(1, shortage->needed - shortage->free);
-    while (gained() < target && next < candidates.size()) {
-      const int64_t seq = candidates[next++].seq;
+    while (gained() < target) {
+      const std::optional<int64_t> candidate = take();
+      if (!candidate.has_value()) break;
+      const int64_t seq = *candidate;
       victims.push_back(seq);
       for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->TallyEviction(seq, &tallies[g]);
     }
@@ -1460,7 +1467,7 @@ SequenceInfo Cache::SequenceInfoLocked(int64_t seq) const {
   }
   MutexLock lock(&access_mu_);
   auto used = last_used_.find(seq);
-  if (used != last_used_.end()) info.last_used = used->second;
+  if (used != last_used_.end()) info.last_used = used->second.time;
   return info;
 }
 

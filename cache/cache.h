@@ -18,9 +18,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
@@ -679,6 +681,9 @@ class Cache {
   // Records a use now (SequenceInfo::last_used) of those of `seqs` that are live.
   void TouchLocked(absl::Span<const int64_t> seqs) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void TouchQueriesLocked(absl::Span<const Query> queries) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Records a use of the live sequence `seq` at `now` (last_used_ and lru_).
+  void RecordUseLocked(int64_t seq, absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(access_mu_);
   // Forgets `seq`'s retention and last use when it stores nothing any more. Every operation
   // that may empty a sequence ends with it.
   void ForgetIfDeadLocked(int64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -822,11 +827,19 @@ class Cache {
   absl::flat_hash_map<int64_t, Retention> retention_ ABSL_GUARDED_BY(mu_);
   std::function<bool(int64_t)> may_evict_ ABSL_GUARDED_BY(mu_);
   EvictionCounts evictions_ ABSL_GUARDED_BY(mu_);
-  // The last use of each live sequence (and of some that just died: entries go with
-  // ForgetIfDeadLocked). Its own lock, since operations under mu_ shared record uses too;
-  // taken after mu_, never before.
+  // The last use of each live sequence, with the priority and pin it had then, and the
+  // unpinned ones in eviction order (priority, last use, seq), so that an eviction finds its
+  // victims without looking at every sequence. Entries go with ForgetIfDeadLocked. Their own
+  // lock, since operations under mu_ shared record uses too; taken after mu_, never before.
+  struct Use {
+    absl::Time time;
+    int32_t priority = 0;
+    bool pinned = false;
+  };
+  using LruKey = std::tuple<int32_t, absl::Time, int64_t>;
   mutable Mutex access_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  mutable absl::flat_hash_map<int64_t, absl::Time> last_used_ ABSL_GUARDED_BY(access_mu_);
+  mutable absl::flat_hash_map<int64_t, Use> last_used_ ABSL_GUARDED_BY(access_mu_);
+  mutable absl::btree_set<LruKey> lru_ ABSL_GUARDED_BY(access_mu_);
   int32_t held_sequences_ ABSL_GUARDED_BY(mu_) = 0;
   mutable std::condition_variable_any appended_;
   std::map<uint64_t, std::unique_ptr<SnapshotRecord>> snapshots_ ABSL_GUARDED_BY(mu_);
