@@ -164,6 +164,8 @@ AttentionGroup::AppendPlan AttentionGroup::PlanAppend(
   }
   for (int64_t seq : prune_pending_) {
     if (batch_lowest.contains(seq)) continue;
+    // Weighed as evicted (LayerGroup::set_evicting): all its cells are counted as freed there.
+    if (evicting_ != nullptr && evicting_->contains(seq)) continue;
     auto found = seqs_.find(seq);
     if (found == seqs_.end()) continue;  // pending sequences are live; be safe all the same
     plan.prune.emplace_back(seq, bound(seq, int64_t{found->second.last()} + 1));

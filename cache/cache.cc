@@ -417,11 +417,12 @@ std::optional<Shortage> RoomShortage(const absl::Status& status) {
 
 }  // namespace
 
-absl::Status Cache::AdmitAppendLocked(AppendBatch& batch,
-                                      const absl::flat_hash_map<int64_t, int32_t>& count) {
+absl::StatusOr<Cache::Admission> Cache::AdmitAppendLocked(
+    AppendBatch& batch, const absl::flat_hash_map<int64_t, int32_t>& count, bool may_evict) {
   absl::Status status = CheckAppendLocked(batch, count);
   if (status.ok()) status = PrepareAppendLocked(batch);
-  if (status.ok() || spec_.eviction != EvictionPolicy::kLru) return status;
+  if (status.ok()) return Admission::kPrepared;
+  if (spec_.eviction != EvictionPolicy::kLru) return status;
   const std::optional<Shortage> shortage = RoomShortage(status);
   if (!shortage.has_value()) return status;
   const std::optional<std::vector<int64_t>> victims = PlanEvictionLocked(batch, count, status);
@@ -432,10 +433,14 @@ absl::Status Cache::AdmitAppendLocked(AppendBatch& batch,
                      "use) would not make room"),
         *shortage);
   }
+  if (!may_evict) return Admission::kWouldEvict;
   EvictLocked(*victims, "lru");
+  // What the victims freed is at least what the plan counted (cells they shared with others
+  // may be freed by pruning too now), so this cannot fail for room.
   status = CheckAppendLocked(batch, count);
   if (status.ok()) status = PrepareAppendLocked(batch);
-  return status;
+  if (!status.ok()) return status;
+  return Admission::kEvictedAndPrepared;
 }
 
 std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
@@ -462,6 +467,7 @@ std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
   for (size_t g = 0; g < groups_.size(); ++g) held[g] = groups_[g]->held_back();
   const int32_t held_sequences = held_sequences_;
   std::vector<int64_t> victims;
+  absl::flat_hash_set<int64_t> evicting;
   while (true) {
     const std::optional<Shortage> shortage = RoomShortage(refusal);
     if (!shortage.has_value()) return std::nullopt;
@@ -479,11 +485,13 @@ std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
       if (!candidate.has_value()) break;
       const int64_t seq = *candidate;
       victims.push_back(seq);
+      evicting.insert(seq);
       for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->TallyEviction(seq, &tallies[g]);
     }
     if (gained() < target) return std::nullopt;
     for (size_t g = 0; g < groups_.size(); ++g) {
       groups_[g]->set_held_back(held[g] - tallies[g].units);
+      groups_[g]->set_evicting(&evicting);
     }
     held_sequences_ = held_sequences - static_cast<int32_t>(victims.size());
     refusal = CheckAppendLocked(batch, count);
@@ -493,7 +501,10 @@ std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
         for (const auto& group : groups_) group->AbandonAppend();
       }
     }
-    for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->set_held_back(held[g]);
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      groups_[g]->set_held_back(held[g]);
+      groups_[g]->set_evicting(nullptr);
+    }
     held_sequences_ = held_sequences;
     if (refusal.ok()) return victims;
   }
@@ -703,9 +714,16 @@ absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
     MutexLock lock(&mu_);
     AwaitNotAppendingLocked(batch.seqs);
     const HeldBack held = HoldBackLocked(batch.seqs);
-    RETURN_IF_ERROR(AdmitAppendLocked(batch, count));
+    ASSIGN_OR_RETURN(const Admission admission,
+                     AdmitAppendLocked(batch, count, /*may_evict=*/true));
     for (size_t g = 0; g < groups_.size(); ++g) section_bytes[g] = groups_[g]->SectionBytes(batch);
-    if (!reserved_append_) return WriteAndCommitAppendLocked(batch, Sections(whole, section_bytes));
+    // After an eviction the bytes are written under the lock as well, so that no operation
+    // sees the victims gone without the Append (and a failed write cannot leave them gone for
+    // nothing, short of a device error).
+    if (!reserved_append_ || admission == Admission::kEvictedAndPrepared) {
+      if (pieces.size() != 1 && gathered.size() != payload_bytes) gather();
+      return WriteAndCommitAppendLocked(batch, Sections(whole, section_bytes));
+    }
     // Take the cells now and move the bytes with the lock released, so that operations on other
     // sequences do not wait behind the copy; those on the batch's sequences do (appending_).
     for (const auto& group : groups_) reservations.push_back(group->ReserveAppend(batch));
@@ -811,7 +829,13 @@ absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
     MutexLock lock(&cache->mu_);
     cache->AwaitNotAppendingLocked(batch.seqs);
     const HeldBack held = cache->HoldBackLocked(batch.seqs);
-    RETURN_IF_ERROR(cache->AdmitAppendLocked(batch, state->count));
+    // A writer that would need an eviction evicts nothing now: it buffers the payload, and its
+    // Commit's Append evicts, atomically with appending (the writer may never commit).
+    ASSIGN_OR_RETURN(const Admission admission,
+                     cache->AdmitAppendLocked(batch, state->count, /*may_evict=*/false));
+    if (admission == Admission::kWouldEvict) {
+      return std::unique_ptr<AppendWriter>(new AppendWriter(std::move(state)));
+    }
     bool in_cells = cache->reserved_append_;
     for (const auto& group : cache->groups_) {
       in_cells = in_cells && group->CanReserveWithoutPruning(batch);

@@ -694,12 +694,14 @@ class Cache {
   void EvictLocked(absl::Span<const int64_t> seqs, const char* reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // CheckAppendLocked and PrepareAppendLocked of `batch`; under EvictionPolicy::kLru, when they
-  // refuse it for room (cells, rings, state slots, sequence slots), first evicts the fewest
-  // sequences in eviction order that make room, if any do: otherwise the refusal stands and
-  // nothing is evicted.
-  absl::Status AdmitAppendLocked(AppendBatch& batch,
-                                 const absl::flat_hash_map<int64_t, int32_t>& count)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // refuse it for room (cells, rings, state slots, sequence slots) and evicting the fewest
+  // sequences in eviction order would make room, with `may_evict` evicts them and prepares
+  // (kEvictedAndPrepared), without it evicts nothing and prepares nothing (kWouldEvict). When
+  // no eviction would make room the refusal stands and nothing is evicted.
+  enum class Admission { kPrepared, kEvictedAndPrepared, kWouldEvict };
+  absl::StatusOr<Admission> AdmitAppendLocked(AppendBatch& batch,
+                                              const absl::flat_hash_map<int64_t, int32_t>& count,
+                                              bool may_evict) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The sequences AdmitAppendLocked would evict for `batch`, refused with `refusal`; nullopt
   // when evicting every evictable sequence would not make room.
   std::optional<std::vector<int64_t>> PlanEvictionLocked(

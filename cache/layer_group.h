@@ -282,6 +282,10 @@ class LayerGroup {
     int64_t units = 0;
   };
   virtual void TallyEviction(int64_t seq, EvictionTally* tally) const = 0;
+  // While the cache weighs an eviction: the sequences it would evict, whose cells the tally
+  // counts already, so that an Append's plan does not count them again as freed by pruning
+  // (null otherwise).
+  void set_evicting(const absl::flat_hash_set<int64_t>* seqs) { evicting_ = seqs; }
 
   // The group's cells as a chunk (arena borrowed, cells_of this group). Valid while the group
   // exists.
@@ -315,7 +319,8 @@ class LayerGroup {
   const int index_;
 
  protected:
-  int64_t held_back_ = 0;  // see set_held_back
+  int64_t held_back_ = 0;                                   // see set_held_back
+  const absl::flat_hash_set<int64_t>* evicting_ = nullptr;  // see set_evicting
 };
 
 // A LayerGroup whose metadata is one Entry per sequence, kept exactly while the group holds

@@ -516,6 +516,11 @@ int Run() {
   if (drain_timeout_ms < 0) {
     return Fail(absl::StrCat("--drain_timeout_ms=", drain_timeout_ms, " is negative (0: none)"));
   }
+  const int64_t ttl_sweep_ms = absl::GetFlag(FLAGS_ttl_sweep_ms);
+  if (ttl_sweep_ms < 0 || ttl_sweep_ms > 86'400'000) {
+    return Fail(absl::StrCat("--ttl_sweep_ms=", ttl_sweep_ms,
+                             " is outside [0, 86400000] (0: no sweep; at most a day)"));
+  }
   const std::string peer_listen = absl::GetFlag(FLAGS_peer_listen);
   std::string peer_host;
   if (!peer_listen.empty() && !SplitHostPort(peer_listen, &peer_host)) {
@@ -1072,7 +1077,7 @@ int Run() {
        {"version", process.version},
        {"boot_id", process.boot_id}});
 
-  const TtlSweeper ttl_sweeper(&registry, absl::Milliseconds(absl::GetFlag(FLAGS_ttl_sweep_ms)));
+  const TtlSweeper ttl_sweeper(&registry, absl::Milliseconds(ttl_sweep_ms));
   int signal = 0;
   if (const int err = sigwait(&signals, &signal); err != 0) {
     gate.set_listener(nullptr);

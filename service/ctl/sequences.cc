@@ -313,6 +313,10 @@ absl::Status SetRetention(const Client& client, const Args& args) {
   }
   request.set_pinned(args.Has("pin"));
   ASSIGN_OR_RETURN(const absl::Duration ttl, args.GetDuration("ttl", absl::ZeroDuration()));
+  if (ttl != absl::ZeroDuration() && ttl < absl::Milliseconds(1)) {
+    return absl::InvalidArgumentError(absl::StrCat("--ttl=", absl::FormatDuration(ttl),
+                                                   ": a TTL is at least 1ms (0 or none: no TTL)"));
+  }
   request.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
   v1::SetRetentionResponse response;
   RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::SetRetention, request, &response));

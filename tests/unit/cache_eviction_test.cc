@@ -2,8 +2,10 @@
 // priority first and then least recently used, atomically with the Append that needs the room;
 // it never evicts a pinned sequence or one in use, and when evicting everything it may would
 // not make room it evicts nothing. TTLs expire idle sequences. Every eviction is an event.
+#include <atomic>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -193,19 +195,57 @@ TEST(CacheEvictionTest, ContiguousCacheEvictsRingsAndStates) {
   EXPECT_EQ(read->states[1], StateStatus::kValid);
 }
 
-TEST(CacheEvictionTest, AnAppendWriterEvictsWhenItTakesItsCells) {
+TEST(CacheEvictionTest, AnAppendWriterEvictsOnlyWhenItCommits) {
   const CacheSpec spec = LruSpec();
   auto owner = std::make_shared<TestCache>(spec);
   std::shared_ptr<Cache> cache(owner, owner->cache.get());
   FillFour(*cache);
   const std::vector<Token> tokens = testutil::Tokens(5, 0, 8);
   const std::vector<uint8_t> payload = testutil::PayloadFor(spec, tokens);
+  {
+    // A writer that never commits (a cancelled stream) evicts nothing.
+    absl::StatusOr<std::unique_ptr<AppendWriter>> abandoned =
+        Cache::BeginAppend(cache, tokens, payload.size());
+    ASSERT_TRUE(abandoned.ok()) << abandoned.status();
+    EXPECT_FALSE((*abandoned)->in_cells());
+    ASSERT_TRUE((*abandoned)->Write(absl::MakeConstSpan(payload).subspan(0, 8)).ok());
+  }
+  EXPECT_EQ(LiveSeqs(*cache), (std::vector<int64_t>{1, 2, 3, 4}));
+  EXPECT_EQ(cache->Evictions().lru, 0);
   absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
       Cache::BeginAppend(cache, tokens, payload.size());
   ASSERT_TRUE(writer.ok()) << writer.status();
   ASSERT_TRUE((*writer)->Write(payload).ok());
+  EXPECT_EQ(cache->Evictions().lru, 0);
   ASSERT_TRUE((*writer)->Commit().ok());
   EXPECT_EQ(LiveSeqs(*cache), (std::vector<int64_t>{2, 3, 4, 5}));
+  EXPECT_EQ(cache->Evictions().lru, 1);
+  // One that could not make room even by evicting is refused at once.
+  for (int64_t seq : {2, 3, 4, 5}) {
+    ASSERT_TRUE(cache->SetRetention(seq, Retention{0, true, absl::ZeroDuration()}).ok());
+  }
+  const std::vector<Token> more = testutil::Tokens(6, 0, 8);
+  absl::StatusOr<std::unique_ptr<AppendWriter>> refused =
+      Cache::BeginAppend(cache, more, payload.size());
+  EXPECT_TRUE(
+      IsError(refused.status(), absl::StatusCode::kResourceExhausted, {"would not make room"}))
+      << refused.status();
+}
+
+TEST(CacheEvictionTest, SlidingWindowCachesEvictWholeSequencesToo) {
+  // Sliding window 4 (memory 4), 3 sequences, batches of 8: 3 x 4 + 8 = 20 cells.
+  CacheSpec spec = Spec(DType::kF16, 3, 64, 8, {Group(testutil::Sliding(4))});
+  spec.eviction = EvictionPolicy::kLru;
+  TestCache t(spec);
+  for (int64_t seq = 1; seq <= 3; ++seq) {
+    ASSERT_TRUE(AppendRange(*t.cache, seq, 0, 6).ok());
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_TRUE(AppendRange(*t.cache, 4, 0, 8).ok());
+  EXPECT_EQ(LiveSeqs(*t.cache), (std::vector<int64_t>{2, 3, 4}));
+  absl::StatusOr<ReadResult> read = t.cache->Read(4, 0, std::nullopt);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->positions[0], testutil::Range(0, 8));
 }
 
 TEST(CacheEvictionTest, TtlExpiresIdleSequencesPinnedOrNot) {
@@ -269,6 +309,56 @@ TEST(CacheEvictionTest, EvictedChainsLeaveTheBlockIndex) {
   ASSERT_TRUE(AppendRange(*t.cache, 5, 0, 8).ok());
   EXPECT_TRUE(t.cache->LookupPrefix(prompt, 4)->empty());
   EXPECT_EQ(t.cache->TokenIndex().entries, 0u);
+}
+
+TEST(CacheEvictionTest, ConcurrentAppendsEvictWhileReadersSeeWholeSequencesOrNone) {
+  // 16 sequences of 8 positions fill the cache; sequence 0 is pinned.
+  CacheSpec spec = Spec(DType::kF16, 16, 8, 8, {Group(Full())});
+  spec.eviction = EvictionPolicy::kLru;
+  TestCache t(spec);
+  Cache& cache = *t.cache;
+  ASSERT_TRUE(AppendRange(cache, 0, 0, 8).ok());
+  ASSERT_TRUE(cache.SetRetention(0, Retention{0, true, absl::ZeroDuration()}).ok());
+  constexpr int kWriters = 4;
+  constexpr int kPerWriter = 60;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int w = 0; w < kWriters; ++w) {
+    threads.emplace_back([&, w] {
+      for (int i = 0; i < kPerWriter; ++i) {
+        const absl::Status status = AppendRange(cache, 1000 * (w + 1) + i, 0, 8);
+        if (!status.ok()) {
+          ADD_FAILURE() << "writer " << w << " append " << i << ": " << status;
+          ++failures;
+        }
+      }
+    });
+  }
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      for (int i = 0; i < 400; ++i) {
+        const int64_t seq = 1000 * (1 + (i + r) % kWriters) + (i / kWriters) % kPerWriter;
+        absl::StatusOr<ReadResult> read = cache.Read(seq, 0, std::nullopt);
+        if (read.ok()) {
+          if (read->positions[0] != testutil::Range(0, 8) ||
+              read->payload != Expected(spec, seq, 8)) {
+            ADD_FAILURE() << "seq " << seq << " read back partial or wrong";
+            ++failures;
+          }
+        } else if (read.status().code() != absl::StatusCode::kNotFound) {
+          ADD_FAILURE() << "seq " << seq << ": " << read.status();
+          ++failures;
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(cache.ListSequences().size(), 16u);
+  EXPECT_EQ(cache.Evictions().lru, kWriters * kPerWriter + 1 - 16);
+  absl::StatusOr<ReadResult> pinned = cache.Read(0, 0, std::nullopt);
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  EXPECT_EQ(pinned->payload, Expected(spec, 0, 8));
 }
 
 }  // namespace
