@@ -1714,7 +1714,8 @@ absl::StatusOr<SnapshotInfo> Cache::SnapshotRequiring(int64_t seq, int32_t from_
   return AddSnapshotLocked(std::move(record));
 }
 
-absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, int32_t target) {
+absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, int32_t target,
+                            bool keeps_prefix) {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("target", target));
   MutexLock lock(&mu_);
@@ -1725,10 +1726,28 @@ absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, in
   if (snapshot_id.has_value()) {
     ASSIGN_OR_RETURN(record, FindSnapshotLocked(*snapshot_id));
   }
-  return RestoreLocked(seq, record, target);
+  return RestoreLocked(seq, record, target, keeps_prefix);
 }
 
-absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target) {
+absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target,
+                                  bool keeps_prefix) {
+  if (keeps_prefix && record != nullptr && record->from > 0) {
+    // The receiver of an incremental pull keeps seq's positions below `from` in place of the
+    // sender's: only if they are still exactly the ids the sender's were when it took the data.
+    const int32_t from = record->from;
+    auto chain = chains_.find(seq);
+    const TokenIds& sent = record->tokens;
+    const bool sent_exact = static_cast<int32_t>(sent.ids.size()) >= from &&
+                            (sent.taint == kNoTaint || sent.taint >= from);
+    const bool kept_exact = chain != chains_.end() && chain->second.exact() >= from &&
+                            static_cast<int32_t>(chain->second.ids().size()) >= from;
+    if (!sent_exact || !kept_exact ||
+        !std::equal(sent.ids.begin(), sent.ids.begin() + from, chain->second.ids().begin())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", seq, " no longer holds exactly the token ids of positions [0, ", from,
+          ") that the copy skipped (it or the source changed meanwhile); copy again"));
+    }
+  }
   const HeldBack held = HoldBackLocked({seq});
   const int32_t offset = OffsetLocked(seq);
   if (record != nullptr) {
@@ -2240,7 +2259,8 @@ absl::StatusOr<std::unique_ptr<SequenceImport>> Cache::BeginSequenceImport(
   return import;
 }
 
-absl::Status Cache::RestoreImport(int64_t seq, SequenceImport& import, int32_t target) {
+absl::Status Cache::RestoreImport(int64_t seq, SequenceImport& import, int32_t target,
+                                  bool keeps_prefix) {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("target", target));
   if (import.cache_.get() != this) {
@@ -2256,7 +2276,7 @@ absl::Status Cache::RestoreImport(int64_t seq, SequenceImport& import, int32_t t
   AwaitNotAppendingLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Restore"));
-  const absl::Status status = RestoreLocked(seq, &state.record, target);
+  const absl::Status status = RestoreLocked(seq, &state.record, target, keeps_prefix);
   // A refusal changed nothing, and the import may be restored still. Otherwise it is used up:
   // the sequence took the cells it restored, and the others are free again.
   if (!status.ok() && device_failure_.ok()) return status;

@@ -558,7 +558,13 @@ class Cache {
   // Recurrent target != snapshot end. `seq` may be any sequence of the cache. NOT_FOUND for an
   // unknown snapshot; ABORTED while `seq` has pending tokens; RESOURCE_EXHAUSTED when cells or
   // sequences run out. The snapshot stays.
-  absl::Status Restore(int64_t seq, std::optional<uint64_t> snapshot_id, int32_t target);
+  //
+  // With `keeps_prefix` (an incremental pull, docs/api.md#copyprefix): a snapshot starting at
+  // from > 0 replaces only seq's positions from there on, and is refused (FAILED_PRECONDITION,
+  // nothing changed) unless seq's token chain holds, exactly, the snapshot's token ids of
+  // positions [0, from): what seq keeps must be what the snapshot's sequence held there.
+  absl::Status Restore(int64_t seq, std::optional<uint64_t> snapshot_id, int32_t target,
+                       bool keeps_prefix = false);
 
   // [a,b) + [b,c) -> [a,c): Attention groups concatenate (INVALID_ARGUMENT unless the parent
   // ends where the child starts), Rotating and Recurrent groups keep the child. Consumes both;
@@ -623,7 +629,8 @@ class Cache {
   // nothing, the import included; once restored (or after a device error) the import is used
   // up: its cells are free again unless the sequence took them. FAILED_PRECONDITION when
   // `import` is not committed, was used, or is another cache's.
-  absl::Status RestoreImport(int64_t seq, SequenceImport& import, int32_t target);
+  absl::Status RestoreImport(int64_t seq, SequenceImport& import, int32_t target,
+                             bool keeps_prefix = false);
 
   // Whether every group lends cells (see above).
   bool lends_cells() const { return lends_cells_; }
@@ -779,8 +786,8 @@ class Cache {
                                               std::optional<int32_t> to) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Restore's work once the snapshot is found (record null: a rewind without one).
-  absl::Status RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target,
+                             bool keeps_prefix = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // BeginSequenceImport's callbacks: pins free cells for the image's rows (or returns false),
   // and stores the complete record in `state`.
   absl::StatusOr<bool> PlaceImport(SequenceImport::State& state, SnapshotRecord* record);

@@ -25,6 +25,20 @@ namespace {
 // Pieces in which Export reads the wire image to checksum it.
 constexpr size_t kChecksumPiece = size_t{4} << 20;
 
+// The most token ids an incremental pull names (ExportSequence.have_token_ids): 4 MiB.
+constexpr int kMaxHaveTokenIds = 1 << 20;
+
+// Whether every group of `spec` is full attention: a receiver that holds a position's token
+// id exactly holds its K/V too (a sliding or chunked group drops positions, not their ids).
+bool AllFullAttention(const CacheSpec& spec) {
+  for (const GroupSpec& g : spec.groups) {
+    if (g.kind != GroupKind::kAttention || g.attention.window.kind != WindowKind::kFull) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // A lease's payload: the engine's export reader, one ReadAt at a time.
 class ReaderPayload final : public transport::LeasedPayload {
  public:
@@ -218,7 +232,23 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
     }
     const std::optional<int32_t> to =
         attention_only && seq.length() > 0 ? std::optional<int32_t>(seq.length()) : std::nullopt;
-    reader = Cache::OpenSequenceExport(cache, seq.seq(), 0, to, seq.require_offset());
+    // An incremental pull: the positions whose token ids the receiver holds exactly, as the
+    // sequence does, stay out. Full attention only: a sliding or chunked group's receiver may
+    // not hold the positions its ids cover. The receiver checks the ids again as it commits
+    // (Cache::RestoreImport keeps_prefix), against those taken with the data.
+    if (seq.have_token_ids_size() > kMaxHaveTokenIds) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "have_token_ids has ", seq.have_token_ids_size(), " ids, more than ", kMaxHaveTokenIds));
+    }
+    int32_t from = 0;
+    if (to.has_value() && seq.have_token_ids_size() > 0 && AllFullAttention(cache->spec())) {
+      const TokenChain chain = cache->Tokens(seq.seq());
+      const int32_t limit =
+          std::min({static_cast<int32_t>(seq.have_token_ids_size()), chain.exact(),
+                    static_cast<int32_t>(chain.ids().size()), *to - 1, info->offset - 1});
+      while (from < limit && chain.ids()[from] == seq.have_token_ids(from)) ++from;
+    }
+    reader = Cache::OpenSequenceExport(cache, seq.seq(), from, to, seq.require_offset());
   } else if (request.what_case() == v1::ExportRequest::kSnapshotId) {
     reader = cache->OpenSnapshotExport(request.snapshot_id());
   } else {
@@ -491,8 +521,11 @@ absl::Status Cluster::CommitSequence(const std::string& tenant, const std::share
     committed = cache->Remove(dst_seq, 0, std::nullopt);
   } else {
     const int32_t target = length > 0 ? std::min(length, pulled.snapshot.to) : pulled.snapshot.to;
-    committed = pulled.import != nullptr ? cache->RestoreImport(dst_seq, *pulled.import, target)
-                                         : cache->Restore(dst_seq, pulled.snapshot.id, target);
+    // A pull that left out a prefix dst holds (an incremental CopyPrefix) keeps dst's positions
+    // below its start, if they are still what the sender's were.
+    committed = pulled.import != nullptr
+                    ? cache->RestoreImport(dst_seq, *pulled.import, target, /*keeps_prefix=*/true)
+                    : cache->Restore(dst_seq, pulled.snapshot.id, target, /*keeps_prefix=*/true);
   }
   if (committed.ok() && !commit_key.empty()) RememberCommitted(commit_key);
   if (committed.ok() && offset != nullptr) {
@@ -539,6 +572,15 @@ absl::Status Cluster::CopyPrefixFrom(const std::string& tenant,
   what.mutable_sequence()->set_seq(request.src_seq());
   what.mutable_sequence()->set_length(request.length());
   what.mutable_sequence()->set_require_offset(request.require_src_offset());
+  // An incremental pull: the sender leaves out the first positions whose token ids dst holds
+  // exactly, as src does.
+  if (AllFullAttention(cache->spec())) {
+    const TokenChain held = cache->Tokens(request.dst_seq());
+    const int32_t n = std::min({held.exact(), static_cast<int32_t>(held.ids().size()),
+                                request.length(), kMaxHaveTokenIds});
+    what.mutable_sequence()->mutable_have_token_ids()->Add(held.ids().begin(),
+                                                           held.ids().begin() + std::max(0, n));
+  }
   // A cross-node CopyPrefix of length 0 copies nothing: dst is emptied, as locally (the
   // request was refused above if it also named a precondition).
   Pulled pulled;
@@ -555,6 +597,7 @@ absl::Status Cluster::CopyPrefixFrom(const std::string& tenant,
                                  &offset));
   *response->mutable_transfer() = pulled.stats;
   response->set_offset(offset);
+  if (!pulled.empty) response->set_kept_positions(pulled.snapshot.from);
   return absl::OkStatus();
 }
 

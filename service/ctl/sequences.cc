@@ -112,6 +112,12 @@ absl::Status CopyPrefix(const Client& client, const Args& args) {
       dst, response.offset());
   if (response.has_transfer()) {
     std::printf("transfer: %s\n", TransferLine(response.transfer()).c_str());
+    if (response.kept_positions() > 0) {
+      std::printf(
+          "kept dst's first %d positions (the same token ids as src): only the rest "
+          "moved\n",
+          response.kept_positions());
+    }
   }
   return absl::OkStatus();
 }

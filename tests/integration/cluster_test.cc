@@ -449,6 +449,53 @@ TEST_F(ClusterTest, TokenIdsTravelWithCopiesAndMigrations) {
   }
 }
 
+// An incremental pull: a destination that already holds the first positions of the prefix,
+// with the same token ids, keeps them and receives only the rest; one whose ids differ, or a
+// cache with a sliding group, receives everything.
+TEST_F(ClusterTest, CrossNodeCopyMovesOnlyTheTailADestinationLacks) {
+  const v1::CacheSpec big = BigSpec();
+  for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), big).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendPrompt(cluster_.stub(0), big, 1, 40, 7));
+  // node-b: seq 5 holds the prompt's first 24 tokens (its own data, seed 9); seq 6 the same
+  // positions with other ids.
+  ASSERT_NO_FATAL_FAILURE(AppendPrompt(cluster_.stub(1), big, 5, 24, 9));
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(1), big, 6, 24, 9));
+  ReadOutput kept;
+  ASSERT_TRUE(Read(cluster_.stub(1), ReadRequest("big", 5, 0, 24), &kept).ok());
+  ReadOutput tail;
+  ASSERT_TRUE(Read(cluster_.stub(0), ReadRequest("big", 1, 24, 40), &tail).ok());
+
+  v1::CopyPrefixResponse incremental;
+  grpc::Status status = CopyFrom(cluster_.stub(1), "big", "node-a", 1, 5, 40, &incremental);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  EXPECT_EQ(incremental.kept_positions(), 24);
+  EXPECT_EQ(incremental.offset(), 40);
+  ReadOutput got;
+  ASSERT_TRUE(Read(cluster_.stub(1), ReadRequest("big", 5, 0, 24), &got).ok());
+  ExpectSameRead(got, kept);
+  ASSERT_TRUE(Read(cluster_.stub(1), ReadRequest("big", 5, 24, 40), &got).ok());
+  ExpectSameRead(got, tail);
+  EXPECT_EQ(TokenCounts(cluster_.stub(1), "big", 5), (std::array<int32_t, 3>{40, 40, 2}));
+
+  v1::CopyPrefixResponse whole;
+  status = CopyFrom(cluster_.stub(1), "big", "node-a", 1, 6, 40, &whole);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  EXPECT_EQ(whole.kept_positions(), 0);
+  ExpectSameRead(ReadAll(cluster_.stub(1), "big", 6), ReadAll(cluster_.stub(0), "big", 1));
+  // 16 of 40 positions' bytes, plus the image's header.
+  EXPECT_LT(incremental.transfer().bytes(), whole.transfer().bytes() / 2);
+  EXPECT_GT(incremental.transfer().bytes(), whole.transfer().bytes() * 16 / 40);
+
+  // A cache with a sliding group sends everything: its dst may lack positions its ids cover.
+  const v1::CacheSpec hybrid = HybridSpec();
+  ASSERT_NO_FATAL_FAILURE(AppendPrompt(cluster_.stub(0), hybrid, 1, 12, 7));
+  ASSERT_NO_FATAL_FAILURE(AppendPrompt(cluster_.stub(1), hybrid, 2, 8, 9));
+  status = CopyFrom(cluster_.stub(1), "hybrid", "node-a", 1, 2, 12, &whole);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  EXPECT_EQ(whole.kept_positions(), 0);
+  ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", 2), ReadAll(cluster_.stub(0), "hybrid", 1));
+}
+
 // A sequence that moves away leaves no reservation behind: its room would otherwise hold a
 // sequence slot and cells back from others on the node it left until the TTL.
 TEST_F(ClusterTest, MigrateDropsTheSourcesReservation) {

@@ -481,5 +481,44 @@ TEST(CacheLookupTest, ASequenceIsOneMatchHoweverOftenTheIndexListsIt) {
   EXPECT_EQ((*got)[0].length, 32);
 }
 
+// A Restore that keeps the destination's prefix (the receiver's side of an incremental pull):
+// the snapshot from position 8 on is restored into sequences whose first 8 ids are the
+// snapshot's sequence's, and refused (changing nothing) for one whose ids differ.
+TEST(CacheTokensTest, RestoreKeepingThePrefixNeedsTheSameIdsThere) {
+  TestCache t(FullSpec());
+  Cache& cache = *t.cache;
+  const std::vector<int32_t> prompt = Prompt(16);
+  ASSERT_TRUE(AppendPrompt(cache, 1, 0, 16, prompt).ok());
+  absl::StatusOr<SnapshotInfo> tail = cache.Snapshot(1, 8);
+  ASSERT_TRUE(tail.ok()) << tail.status();
+  // Same ids, other data (salt 2): keeps its own first 8 positions, gets the snapshot's rest.
+  ASSERT_TRUE(AppendPrompt(cache, 2, 0, 12, prompt, /*salt=*/2).ok());
+  ASSERT_TRUE(cache.Restore(2, tail->id, 16, /*keeps_prefix=*/true).ok());
+  absl::StatusOr<ReadResult> read = cache.Read(2, 0, std::nullopt);
+  ASSERT_TRUE(read.ok());
+  const std::vector<uint64_t> ids = {
+      testutil::TokenId(2, 0, 2), testutil::TokenId(2, 1, 2), testutil::TokenId(2, 2, 2),
+      testutil::TokenId(2, 3, 2), testutil::TokenId(2, 4, 2), testutil::TokenId(2, 5, 2),
+      testutil::TokenId(2, 6, 2), testutil::TokenId(2, 7, 2), testutil::TokenId(1, 8),
+      testutil::TokenId(1, 9),    testutil::TokenId(1, 10),   testutil::TokenId(1, 11),
+      testutil::TokenId(1, 12),   testutil::TokenId(1, 13),   testutil::TokenId(1, 14),
+      testutil::TokenId(1, 15)};
+  EXPECT_TRUE(testutil::SameBytes(testutil::ReadPayload(cache.spec(), {ids}), read->payload));
+  std::optional<SequenceInfo> info = FindSequence(cache, 2);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->exact_tokens, 16);
+  // Other ids below 8, or none: refused, nothing changes.
+  ASSERT_TRUE(AppendPrompt(cache, 3, 0, 8, Prompt(8, 500)).ok());
+  ASSERT_TRUE(AppendRange(cache, 4, 0, 8).ok());
+  const CacheState before = CaptureState(cache);
+  for (int64_t seq : {3, 4}) {
+    EXPECT_TRUE(IsError(cache.Restore(seq, tail->id, 16, /*keeps_prefix=*/true),
+                        absl::StatusCode::kFailedPrecondition, {"[0, 8)"}));
+  }
+  EXPECT_TRUE(SameState(before, CaptureState(cache)));
+  // Without keeps_prefix, as before: the snapshot's data lands on whatever lies below it.
+  EXPECT_TRUE(cache.Restore(3, tail->id, 16).ok());
+}
+
 }  // namespace
 }  // namespace kvmesh

@@ -375,7 +375,7 @@ class Client:
         r = self._call("CopyPrefix", pb.CopyPrefixRequest(
             cache=cache, src_seq=src_seq, dst_seq=dst_seq, length=length,
             source_node=source_node, require_src_offset=require_src_offset), timeout)
-        return CopiedPrefix(r.offset, _convert.transfer_from_proto(r))
+        return CopiedPrefix(r.offset, _convert.transfer_from_proto(r), r.kept_positions)
 
     def remove(self, cache: str, seq: int, begin: int, end: Optional[int] = None, *,
                cluster: bool = False, timeout: Optional[float] = None) -> List[NodeResult]:

@@ -200,6 +200,9 @@ class CopiedPrefix:
 
     offset: int
     transfer: Optional[TransferStats]
+    #: Across nodes: the positions dst already held with the source's token ids and kept
+    #: instead of receiving them (an incremental pull, docs/api.md#copyprefix).
+    kept_positions: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
