@@ -392,9 +392,20 @@ ctl node-1 list-sequences --cache=$cc
 # The fork carried the token ids: node-1 now finds the prefix in its own seq 5.
 ctl node-1 lookup-prefix --cache=$cc --tokens=50000:51024,7,8,9
 
+step "node-0's conversation grows by 512 tokens; node-1 pulls the longer prefix into seq 5 again: only the new positions move"
+ctl node-0 append --cache=$cc --seq=0 --positions=1024:1536 --token-ids=51024:51536 --seed=23 \
+  --stream --batch=256
+# seq 5 holds the first 1024 token ids exactly (its own turn, appended without ids, does not
+# count): they stay, and positions 1024.. come from node-0.
+expect_json node-1 '"keptPositions":1024' copy-prefix --cache=$cc --src=0 --dst=5 --length=1536 \
+  --source-node=node-0
+ctl node-1 read --cache=$cc --seq=5 --end=1024 --verify-seed=21
+ctl node-1 read --cache=$cc --seq=5 --begin=1024 --verify-seed=23
+
 step "migrate node-0's seq 0 to node-2 as seq 1: copy, commit on node-2, then remove on node-0"
 ctl node-0 migrate --cache=$cc --seq=0 --target-node=node-2 --target-seq=1
-ctl node-2 read --cache=$cc --seq=1 --verify-seed=21
+ctl node-2 read --cache=$cc --seq=1 --end=1024 --verify-seed=21
+ctl node-2 read --cache=$cc --seq=1 --begin=1024 --verify-seed=23
 ctl node-0 list-sequences --cache=$cc
 ctl node-2 list-sequences --cache=$cc
 
