@@ -96,6 +96,24 @@ class ClusterTest(nodes.NodeTestCase):
             self.b.copy_prefix(SPEC.name, 0, 5, 16, source_node="py-a", require_src_offset=17)
         self.assert_holds(self.b, 5)
 
+    def test_incremental_copy_keeps_the_positions_dst_holds(self) -> None:
+        # Full attention: a dst with the source's first token ids keeps those positions.
+        spec = CacheSpec("py-incremental", DType.F16, 4, 64, 16, [Attention(1, 1, 4)])
+        for client in (self.a, self.b):
+            client.create_cache(spec)
+            self.addCleanup(client.delete_cache, spec.name)
+        layout = self.a.layout(spec.name)
+        ids = list(range(300, 332))
+        self.a.append(spec.name, kvmesh.tokens(1, range(16)), layout.zeros(16), token_ids=ids[:16])
+        self.a.append(spec.name, kvmesh.tokens(1, range(16, 32)), layout.zeros(16),
+                      token_ids=ids[16:])
+        self.b.append(spec.name, kvmesh.tokens(2, range(12)), layout.zeros(12),
+                      token_ids=ids[:12])
+        copied = self.b.copy_prefix(spec.name, 1, 2, 32, source_node="py-a")
+        self.assertEqual((copied.offset, copied.kept_positions), (32, 12))
+        (seq,) = self.b.list_sequences(spec.name)
+        self.assertEqual((seq.tokens, seq.exact_tokens), (32, 32))
+
     def test_migrate_and_cluster_remove(self) -> None:
         transfer = self.a.migrate(SPEC.name, 0, "py-b", target_seq=3)
         assert transfer is not None
