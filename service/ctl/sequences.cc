@@ -284,6 +284,9 @@ absl::Status WatchEvents(const Client& client, const Args& args) {
         case v1::EVENT_KIND_MIGRATED_OUT:
           what = absl::StrCat("seq ", e.seq(), " to ", e.peer());
           break;
+        case v1::EVENT_KIND_EVICTED:
+          what = absl::StrCat("seq ", e.seq(), " offset ", e.offset(), " (", e.reason(), ")");
+          break;
         default:
           break;
       }

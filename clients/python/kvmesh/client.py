@@ -463,7 +463,8 @@ class Client:
                 yield EventBatch(m.boot_id, m.next, m.synced, tuple(
                     Event(e.number, pb.EventKind.Name(e.kind)[len("EVENT_KIND_"):], e.cache,
                           e.seq, e.offset, e.kept_blocks, tuple(e.block_hashes), e.begin,
-                          e.end, e.snapshot, e.peer, e.time_unix_micros, e.token_block_size)
+                          e.end, e.snapshot, e.peer, e.time_unix_micros, e.token_block_size,
+                          e.reason)
                     for e in m.events))
         except grpc.RpcError as error:
             raise from_rpc_error(error, "WatchEvents") from None

@@ -242,6 +242,8 @@ class Event:
     peer: str = ""
     time_unix_micros: int = 0
     token_block_size: int = 0
+    #: EVICTED: "lru" (room for an Append) or "ttl" (idle past its TTL).
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

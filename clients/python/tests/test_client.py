@@ -335,8 +335,15 @@ class ClientTest(nodes.NodeTestCase):
             self.client.append(spec.name, [(seq, p) for p in range(4)], layout.zeros(4))
         info = self.client.set_retention(spec.name, 1, priority=3, pinned=True, ttl=60)
         self.assertEqual((info.seq, info.priority, info.pinned, info.ttl), (1, 3, True, 60.0))
-        # 1 is pinned, so 2 makes room for 3.
+        # 1 is pinned, so 2 makes room for 3, and an EVICTED event says so.
+        batches = self.client.watch_events([spec.name], timeout=30)
+        for batch in batches:
+            if batch.synced:
+                break
         self.client.append(spec.name, [(3, p) for p in range(4)], layout.zeros(4))
+        evicted = next(e for b in batches for e in b.events if e.kind == "EVICTED")
+        self.assertEqual((evicted.seq, evicted.offset, evicted.reason), (2, 4, "lru"))
+        batches.close()
         listed = self.client.list_sequences(spec.name)
         self.assertEqual([s.seq for s in listed], [1, 3])
         self.assertGreaterEqual(listed[0].idle, 0.0)
