@@ -81,12 +81,13 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
     cv_.notify_all();
   }
 
+  // Wakes the log under mu_ too: OnDone may run on another thread as soon as this returns, and
+  // only mu_ orders this reaction's last read of the reactor before its deletion for TSan.
+  // (Lock order: mu_, then the log's; the thread never holds mu_ while it waits on the log.)
   void OnCancel() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      cancelled_ = true;
-      cv_.notify_all();
-    }
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled_ = true;
+    cv_.notify_all();
     if (log_ != nullptr) log_->Wake();
   }
 
