@@ -313,21 +313,30 @@ void Cache::ForgetIfDeadLocked(int64_t seq) {
   last_used_.erase(it);
 }
 
-absl::Status Cache::SetRetention(int64_t seq, const Retention& retention) {
-  RETURN_IF_ERROR(ValidateSeq(seq));
+absl::Status Cache::ValidateRetention(const Retention& retention) {
   if (retention.ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("ttl ", absl::FormatDuration(retention.ttl), " is negative"));
   }
-  MutexLock lock(&mu_);
-  if (!IsLiveLocked(seq)) {
-    return absl::NotFoundError(absl::StrCat("sequence ", seq, " stores nothing"));
-  }
+  return absl::OkStatus();
+}
+
+void Cache::SetRetentionLocked(int64_t seq, const Retention& retention) {
   if (retention.priority == 0 && !retention.pinned && retention.ttl == absl::ZeroDuration()) {
     retention_.erase(seq);
   } else {
     retention_[seq] = retention;
   }
+}
+
+absl::Status Cache::SetRetention(int64_t seq, const Retention& retention) {
+  RETURN_IF_ERROR(ValidateSeq(seq));
+  RETURN_IF_ERROR(ValidateRetention(retention));
+  MutexLock lock(&mu_);
+  if (!IsLiveLocked(seq)) {
+    return absl::NotFoundError(absl::StrCat("sequence ", seq, " stores nothing"));
+  }
+  SetRetentionLocked(seq, retention);
   TouchLocked({seq});
   return absl::OkStatus();
 }
@@ -1715,9 +1724,10 @@ absl::StatusOr<SnapshotInfo> Cache::SnapshotRequiring(int64_t seq, int32_t from_
 }
 
 absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, int32_t target,
-                            bool keeps_prefix) {
+                            const RestoreOptions& options) {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("target", target));
+  if (options.retention.has_value()) RETURN_IF_ERROR(ValidateRetention(*options.retention));
   MutexLock lock(&mu_);
   AwaitNotAppendingLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
@@ -1726,12 +1736,12 @@ absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, in
   if (snapshot_id.has_value()) {
     ASSIGN_OR_RETURN(record, FindSnapshotLocked(*snapshot_id));
   }
-  return RestoreLocked(seq, record, target, keeps_prefix);
+  return RestoreLocked(seq, record, target, options);
 }
 
 absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target,
-                                  bool keeps_prefix) {
-  if (keeps_prefix && record != nullptr && record->from > 0) {
+                                  const RestoreOptions& options) {
+  if (options.keeps_prefix && record != nullptr && record->from > 0) {
     // The receiver of an incremental pull keeps seq's positions below `from` in place of the
     // sender's: only if they are still exactly the ids the sender's were when it took the data.
     const int32_t from = record->from;
@@ -1794,6 +1804,9 @@ absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int
     if (status.ok()) status = s;
   }
   RestoreTokensLocked(seq, record, target);
+  // Before the use is recorded, which files the sequence under its priority (or not, pinned);
+  // a sequence the restore leaves empty forgets it again.
+  if (options.retention.has_value()) SetRetentionLocked(seq, *options.retention);
   TouchLocked({seq});
   ForgetIfDeadLocked(seq);
   return FailLocked(status);
@@ -2260,9 +2273,10 @@ absl::StatusOr<std::unique_ptr<SequenceImport>> Cache::BeginSequenceImport(
 }
 
 absl::Status Cache::RestoreImport(int64_t seq, SequenceImport& import, int32_t target,
-                                  bool keeps_prefix) {
+                                  const RestoreOptions& options) {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("target", target));
+  if (options.retention.has_value()) RETURN_IF_ERROR(ValidateRetention(*options.retention));
   if (import.cache_.get() != this) {
     return absl::FailedPreconditionError(
         absl::StrCat("the import was begun on another cache than '", spec_.name, "'"));
@@ -2276,7 +2290,7 @@ absl::Status Cache::RestoreImport(int64_t seq, SequenceImport& import, int32_t t
   AwaitNotAppendingLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(seq, "Restore"));
-  const absl::Status status = RestoreLocked(seq, &state.record, target, keeps_prefix);
+  const absl::Status status = RestoreLocked(seq, &state.record, target, options);
   // A refusal changed nothing, and the import may be restored still. Otherwise it is used up:
   // the sequence took the cells it restored, and the others are free again.
   if (!status.ok() && device_failure_.ok()) return status;

@@ -126,6 +126,19 @@ struct Retention {
   absl::Duration ttl = absl::ZeroDuration();
 };
 
+// How Cache::Restore and Cache::RestoreImport treat what the sequence holds beyond the data.
+struct RestoreOptions {
+  // An incremental pull (docs/api.md#copyprefix): a snapshot starting at from > 0 replaces only
+  // the sequence's positions from there on, and is refused (FAILED_PRECONDITION, nothing
+  // changed) unless its token chain holds, exactly, the snapshot's token ids of positions
+  // [0, from): what it keeps must be what the snapshot's sequence held there.
+  bool keeps_prefix = false;
+  // Set: the sequence's retention once restored, in the same step (a migrated sequence takes
+  // its source's), so that no eviction or expiry sees it in between; INVALID_ARGUMENT for a
+  // negative ttl. Unset: it keeps its own (the default for a sequence that stored nothing).
+  std::optional<Retention> retention;
+};
+
 // A sequence that holds a prefix of a prompt (Cache::LookupPrefix).
 struct PrefixMatch {
   int64_t seq = 0;
@@ -557,14 +570,9 @@ class Cache {
   // snapshot start (Attention), when a clamped Rotating window would be incomplete, or when a
   // Recurrent target != snapshot end. `seq` may be any sequence of the cache. NOT_FOUND for an
   // unknown snapshot; ABORTED while `seq` has pending tokens; RESOURCE_EXHAUSTED when cells or
-  // sequences run out. The snapshot stays.
-  //
-  // With `keeps_prefix` (an incremental pull, docs/api.md#copyprefix): a snapshot starting at
-  // from > 0 replaces only seq's positions from there on, and is refused (FAILED_PRECONDITION,
-  // nothing changed) unless seq's token chain holds, exactly, the snapshot's token ids of
-  // positions [0, from): what seq keeps must be what the snapshot's sequence held there.
+  // sequences run out. The snapshot stays. `options`: see RestoreOptions.
   absl::Status Restore(int64_t seq, std::optional<uint64_t> snapshot_id, int32_t target,
-                       bool keeps_prefix = false);
+                       const RestoreOptions& options = {});
 
   // [a,b) + [b,c) -> [a,c): Attention groups concatenate (INVALID_ARGUMENT unless the parent
   // ends where the child starts), Rotating and Recurrent groups keep the child. Consumes both;
@@ -630,7 +638,7 @@ class Cache {
   // up: its cells are free again unless the sequence took them. FAILED_PRECONDITION when
   // `import` is not committed, was used, or is another cache's.
   absl::Status RestoreImport(int64_t seq, SequenceImport& import, int32_t target,
-                             bool keeps_prefix = false);
+                             const RestoreOptions& options = {});
 
   // Whether every group lends cells (see above).
   bool lends_cells() const { return lends_cells_; }
@@ -787,7 +795,12 @@ class Cache {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Restore's work once the snapshot is found (record null: a rewind without one).
   absl::Status RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target,
-                             bool keeps_prefix = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                             const RestoreOptions& options) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // INVALID_ARGUMENT for a negative ttl.
+  static absl::Status ValidateRetention(const Retention& retention);
+  // Sets seq's retention (the default erases it); its last use is recorded by the caller.
+  void SetRetentionLocked(int64_t seq, const Retention& retention)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // BeginSequenceImport's callbacks: pins free cells for the image's rows (or returns false),
   // and stores the complete record in `state`.
   absl::StatusOr<bool> PlaceImport(SequenceImport::State& state, SnapshotRecord* record);

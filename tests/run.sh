@@ -11,6 +11,9 @@
 #                                finds a crash (the input is left in
 #                                build-fuzz/fuzz-artifacts/, the log in build-fuzz/fuzz-logs/)
 #   tests/run.sh --all           the four builds one after another
+#   tests/run.sh --default --asan --tsan
+#                                the three test builds, what .ci/run runs (every build
+#                                replays the fuzz targets' seeds and regression inputs)
 #   tests/run.sh -L unit         only tests with a label (unit, integration); other
 #                                arguments after the mode go to ctest as they are
 #

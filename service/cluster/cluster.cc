@@ -492,7 +492,8 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
 absl::Status Cluster::CommitSequence(const std::string& tenant, const std::shared_ptr<Cache>& cache,
                                      const Pulled& pulled, int64_t dst_seq, int32_t length,
                                      bool must_be_unused, const std::string& commit_key,
-                                     const char* what, int32_t* offset) {
+                                     const char* what, int32_t* offset,
+                                     const std::optional<Retention>& retention) {
   // The imported snapshot goes whatever happens: it was only the payload's way in.
   struct DropPulled {
     const std::shared_ptr<Cache>& cache;
@@ -523,9 +524,12 @@ absl::Status Cluster::CommitSequence(const std::string& tenant, const std::share
     const int32_t target = length > 0 ? std::min(length, pulled.snapshot.to) : pulled.snapshot.to;
     // A pull that left out a prefix dst holds (an incremental CopyPrefix) keeps dst's positions
     // below its start, if they are still what the sender's were.
+    RestoreOptions options;
+    options.keeps_prefix = true;
+    options.retention = retention;
     committed = pulled.import != nullptr
-                    ? cache->RestoreImport(dst_seq, *pulled.import, target, /*keeps_prefix=*/true)
-                    : cache->Restore(dst_seq, pulled.snapshot.id, target, /*keeps_prefix=*/true);
+                    ? cache->RestoreImport(dst_seq, *pulled.import, target, options)
+                    : cache->Restore(dst_seq, pulled.snapshot.id, target, options);
   }
   if (committed.ok() && !commit_key.empty()) RememberCommitted(commit_key);
   if (committed.ok() && offset != nullptr) {
@@ -659,13 +663,22 @@ absl::StatusOr<v1::PullResponse> Cluster::PullHere(const v1::PullRequest& reques
           "sequence.migration_id is empty: a Pull of a sequence belongs to a migration");
     }
     if (request.target_seq_unused()) RETURN_IF_ERROR(CheckUnused(*cache, request.target_seq()));
+    std::optional<Retention> retention;
+    if (request.has_retention()) {
+      const v1::PeerRetention& r = request.retention();
+      if (r.ttl_ms() < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("retention.ttl_ms = ", r.ttl_ms(), " is negative"));
+      }
+      retention = Retention{r.priority(), r.pinned(), absl::Milliseconds(r.ttl_ms())};
+    }
     *what.mutable_sequence() = request.sequence();
     ASSIGN_OR_RETURN(const Pulled pulled,
                      PullInto(request.tenant(), cache, request.source_node(), what, deadline,
                               request.target_seq(), request.sequence().length()));
     RETURN_IF_ERROR(CommitSequence(request.tenant(), cache, pulled, request.target_seq(),
                                    request.sequence().length(), request.target_seq_unused(),
-                                   commit_key, "Migrate"));
+                                   commit_key, "Migrate", /*offset=*/nullptr, retention));
     PublishMigration(EventKind::kMigratedIn, request.tenant(), request.cache(),
                      request.target_seq(), request.source_node());
     *response.mutable_transfer() = pulled.stats;
@@ -747,6 +760,15 @@ absl::StatusOr<v1::MigrateResponse> Cluster::MigrateSequence(const std::string& 
                                            request.seq(), "@", absl::ToUnixNanos(absl::Now())));
   pull.set_target_seq(request.target_seq());
   pull.set_target_seq_unused(target_seq_unused);
+  // The sequence keeps its retention where it goes (read once reserved, from when SetRetention
+  // of it is ABORTED here).
+  if (const std::optional<SequenceInfo> info = cache->GetSequence(request.seq());
+      info.has_value()) {
+    v1::PeerRetention* retention = pull.mutable_retention();
+    retention->set_priority(info->priority);
+    retention->set_pinned(info->pinned);
+    retention->set_ttl_ms(absl::ToInt64Milliseconds(info->ttl));
+  }
   ASSIGN_OR_RETURN(const v1::PullResponse pulled, AskToPull(target, pull, deadline));
   PublishMigration(EventKind::kMigratedOut, tenant, request.cache(), request.seq(), target.name);
   // The target has committed: the sequence now lives there, and room reserved for it here

@@ -167,11 +167,13 @@ class Cluster {
   // With must_be_unused, ALREADY_EXISTS when dst_seq stores something. A non-empty
   // `commit_key` (a migration's) is remembered once committed; a commit under a key already
   // remembered does nothing and succeeds. With `offset`, dst_seq's offset as the commit left
-  // it (read under the same guard).
+  // it (read under the same guard). With `retention` (a migration's), dst_seq takes it with
+  // the data.
   absl::Status CommitSequence(const std::string& tenant, const std::shared_ptr<Cache>& cache,
                               const Pulled& pulled, int64_t dst_seq, int32_t length,
                               bool must_be_unused, const std::string& commit_key, const char* what,
-                              int32_t* offset = nullptr);
+                              int32_t* offset = nullptr,
+                              const std::optional<Retention>& retention = std::nullopt);
   bool Committed(const std::string& commit_key) const;
   void RememberCommitted(const std::string& commit_key);
   // ALREADY_EXISTS when `seq` stores something in `cache`.

@@ -414,6 +414,20 @@ grpc::Status Reserve(Stub& stub, const std::string& cache, int64_t seq, int32_t 
   return status;
 }
 
+grpc::Status SetRetention(Stub& stub, const std::string& cache, int64_t seq, int32_t priority,
+                          bool pinned, int64_t ttl_ms, v1::SetRetentionResponse* response) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::SetRetentionRequest request;
+  request.set_cache(cache);
+  request.set_seq(seq);
+  request.set_priority(priority);
+  request.set_pinned(pinned);
+  request.set_ttl_ms(ttl_ms);
+  v1::SetRetentionResponse ignored;
+  return stub.SetRetention(&context, request, response != nullptr ? response : &ignored);
+}
+
 grpc::Status CanResume(Stub& stub, const std::string& cache, int64_t seq, int32_t pos,
                        bool* can_resume) {
   grpc::ClientContext context;

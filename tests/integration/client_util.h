@@ -168,6 +168,10 @@ grpc::Status CanResume(Stub& stub, const std::string& cache, int64_t seq, int32_
 // Reserve; with `usage`, the response's.
 grpc::Status Reserve(Stub& stub, const std::string& cache, int64_t seq, int32_t positions,
                      int64_t ttl_ms = 0, v1::CacheUsage* usage = nullptr);
+// SetRetention; with `response`, the response.
+grpc::Status SetRetention(Stub& stub, const std::string& cache, int64_t seq, int32_t priority,
+                          bool pinned, int64_t ttl_ms,
+                          v1::SetRetentionResponse* response = nullptr);
 // ListSequences, each sequence's idle_ms cleared (it changes with time).
 grpc::Status ListSequences(Stub& stub, const std::string& cache,
                            v1::ListSequencesResponse* response);

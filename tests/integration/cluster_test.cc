@@ -29,6 +29,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -616,23 +617,47 @@ TEST_F(ClusterTest, CopyPrefixIntoAFullCacheIsRefusedBeforeTheBytesMove) {
   ExpectSameRead(ReadAll(cluster_.stub(1), "big", 3), expected);
 }
 
+// The retention of `seq` as ListSequences shows it: priority, pinned, ttl_ms.
+std::tuple<int32_t, bool, int64_t> RetentionOf(v1::CacheService::Stub& stub,
+                                               const std::string& cache, int64_t seq) {
+  v1::ListSequencesResponse listed;
+  const grpc::Status status = ListSequences(stub, cache, &listed);
+  EXPECT_TRUE(status.ok()) << StatusText(status);
+  for (const v1::SequenceInfo& info : listed.sequences()) {
+    if (info.seq() == seq) return {info.priority(), info.pinned(), info.ttl_ms()};
+  }
+  ADD_FAILURE() << "sequence " << seq << " of '" << cache << "' is not listed";
+  return {};
+}
+
 TEST_F(ClusterTest, MigrateMovesTheSequenceAndRemovesItAtTheSource) {
   const v1::CacheSpec spec = HybridSpec();
   ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 2, 9, 11));
   const ReadOutput source = ReadAll(cluster_.stub(0), "hybrid", 2);
+  // The sequence keeps its retention where it goes; the target's own sequence 1 had another.
+  grpc::Status status = SetRetention(cluster_.stub(0), "hybrid", 2, 4, true, 3'600'000);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(2), spec, 1, 3, 5));
+  status = SetRetention(cluster_.stub(2), "hybrid", 1, -2, false, 60'000);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
 
   v1::MigrateResponse response;
-  grpc::Status status = MigrateSeq(cluster_.stub(0), "hybrid", 2, "node-c", 1, false, &response);
+  status = MigrateSeq(cluster_.stub(0), "hybrid", 2, "node-c", 1, false, &response);
   ASSERT_TRUE(status.ok()) << StatusText(status);
   EXPECT_GT(response.transfer().bytes(), 0);
   ExpectSameRead(ReadAll(cluster_.stub(2), "hybrid", 1), source);
   EXPECT_THAT(LiveSeqs(cluster_.stub(0), "hybrid"), ::testing::IsEmpty());
+  EXPECT_EQ(RetentionOf(cluster_.stub(2), "hybrid", 1), std::make_tuple(4, true, 3'600'000));
 
-  // keep_source leaves it on both nodes.
+  // keep_source leaves it on both nodes, with the same retention.
+  status = SetRetention(cluster_.stub(2), "hybrid", 1, 7, false, 0);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
   status = MigrateSeq(cluster_.stub(2), "hybrid", 1, "node-b", 0, true);
   ASSERT_TRUE(status.ok()) << StatusText(status);
   ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", 0), source);
   ExpectSameRead(ReadAll(cluster_.stub(2), "hybrid", 1), source);
+  EXPECT_EQ(RetentionOf(cluster_.stub(1), "hybrid", 0), std::make_tuple(7, false, 0));
+  EXPECT_EQ(RetentionOf(cluster_.stub(2), "hybrid", 1), std::make_tuple(7, false, 0));
 
   // Errors name what is wrong, and nothing changes.
   status = MigrateSeq(cluster_.stub(0), "hybrid", 2, "node-c", 1, false);

@@ -342,15 +342,7 @@ TEST(EventsTest, EvictionsAndExpiriesAreEventsAndRetentionIsListed) {
   }
   auto set_retention = [&](int64_t seq, int32_t priority, bool pinned, int64_t ttl_ms,
                            v1::SetRetentionResponse* response) {
-    v1::SetRetentionRequest request;
-    request.set_cache("lru");
-    request.set_seq(seq);
-    request.set_priority(priority);
-    request.set_pinned(pinned);
-    request.set_ttl_ms(ttl_ms);
-    grpc::ClientContext context;
-    SetDeadline(&context);
-    return stub->SetRetention(&context, request, response);
+    return SetRetention(*stub, "lru", seq, priority, pinned, ttl_ms, response);
   };
   v1::SetRetentionResponse set;
   KVMESH_ASSERT_OK(set_retention(1, 0, true, 0, &set));

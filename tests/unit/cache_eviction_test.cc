@@ -297,6 +297,43 @@ TEST(CacheEvictionTest, RetentionIsTheLiveSequencesOwnAndChecked) {
   EXPECT_EQ(info->ttl, absl::ZeroDuration());
 }
 
+// A Restore may set the sequence's retention in the same step (a migrated sequence takes its
+// source's): the restored sequence is pinned before any Append can look for a victim, a
+// default retention clears what the destination had, and a bad one changes nothing.
+TEST(CacheEvictionTest, RestoreSetsTheRetentionWithTheData) {
+  TestCache t(LruSpec());
+  Cache& cache = *t.cache;
+  FillFour(cache);
+  absl::StatusOr<SnapshotInfo> snap = cache.Snapshot(4, 0);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  ASSERT_TRUE(cache.Remove(4, 0, std::nullopt).ok());
+  ASSERT_TRUE(cache.SetRetention(1, Retention{3, false, absl::ZeroDuration()}).ok());
+  const testutil::CacheState before = CaptureState(cache);
+  RestoreOptions bad;
+  bad.retention = Retention{0, true, absl::Milliseconds(-5)};
+  EXPECT_TRUE(
+      IsError(cache.Restore(4, snap->id, 8, bad), absl::StatusCode::kInvalidArgument, {"-5ms"}));
+  EXPECT_TRUE(SameState(before, CaptureState(cache)));
+  // 4 comes back pinned, with a TTL: the next Append evicts 2 (1 has priority 3), never 4.
+  RestoreOptions pinned;
+  pinned.retention = Retention{0, true, absl::Hours(1)};
+  ASSERT_TRUE(cache.Restore(4, snap->id, 8, pinned).ok());
+  std::optional<SequenceInfo> info = cache.GetSequence(4);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_TRUE(info->pinned);
+  EXPECT_EQ(info->ttl, absl::Hours(1));
+  ASSERT_TRUE(AppendRange(cache, 5, 0, 8).ok());
+  EXPECT_EQ(LiveSeqs(cache), (std::vector<int64_t>{1, 3, 4, 5}));
+  // Restoring over 1 with the default retention clears its priority; without one, 3 keeps its.
+  ASSERT_TRUE(cache.SetRetention(3, Retention{2, false, absl::ZeroDuration()}).ok());
+  RestoreOptions plain;
+  plain.retention = Retention{};
+  ASSERT_TRUE(cache.Restore(1, snap->id, 8, plain).ok());
+  ASSERT_TRUE(cache.Restore(3, snap->id, 8).ok());
+  EXPECT_EQ(cache.GetSequence(1)->priority, 0);
+  EXPECT_EQ(cache.GetSequence(3)->priority, 2);
+}
+
 TEST(CacheEvictionTest, EvictedChainsLeaveTheBlockIndex) {
   CacheSpec spec = LruSpec();
   spec.token_block_size = 4;

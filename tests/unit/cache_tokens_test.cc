@@ -481,6 +481,12 @@ TEST(CacheLookupTest, ASequenceIsOneMatchHoweverOftenTheIndexListsIt) {
   EXPECT_EQ((*got)[0].length, 32);
 }
 
+RestoreOptions KeepsPrefix() {
+  RestoreOptions options;
+  options.keeps_prefix = true;
+  return options;
+}
+
 // A Restore that keeps the destination's prefix (the receiver's side of an incremental pull):
 // the snapshot from position 8 on is restored into sequences whose first 8 ids are the
 // snapshot's sequence's, and refused (changing nothing) for one whose ids differ.
@@ -493,7 +499,7 @@ TEST(CacheTokensTest, RestoreKeepingThePrefixNeedsTheSameIdsThere) {
   ASSERT_TRUE(tail.ok()) << tail.status();
   // Same ids, other data (salt 2): keeps its own first 8 positions, gets the snapshot's rest.
   ASSERT_TRUE(AppendPrompt(cache, 2, 0, 12, prompt, /*salt=*/2).ok());
-  ASSERT_TRUE(cache.Restore(2, tail->id, 16, /*keeps_prefix=*/true).ok());
+  ASSERT_TRUE(cache.Restore(2, tail->id, 16, KeepsPrefix()).ok());
   absl::StatusOr<ReadResult> read = cache.Read(2, 0, std::nullopt);
   ASSERT_TRUE(read.ok());
   const std::vector<uint64_t> ids = {
@@ -512,7 +518,7 @@ TEST(CacheTokensTest, RestoreKeepingThePrefixNeedsTheSameIdsThere) {
   ASSERT_TRUE(AppendRange(cache, 4, 0, 8).ok());
   const CacheState before = CaptureState(cache);
   for (int64_t seq : {3, 4}) {
-    EXPECT_TRUE(IsError(cache.Restore(seq, tail->id, 16, /*keeps_prefix=*/true),
+    EXPECT_TRUE(IsError(cache.Restore(seq, tail->id, 16, KeepsPrefix()),
                         absl::StatusCode::kFailedPrecondition, {"[0, 8)"}));
   }
   EXPECT_TRUE(SameState(before, CaptureState(cache)));
