@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
     --default) modes+=(default) ;;
     --fuzz) modes+=(fuzz) ;;
     --all) modes+=(default asan tsan fuzz) ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) ctest_args+=("$1") ;;
   esac
   shift
@@ -140,8 +140,9 @@ run_mode() {
   export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp}
   # The gcc and ASan builds' tests leave cores idle at -j$(nproc) (waiting on nodes, sockets,
   # timeouts): one more at once took the gcc ctest from 308 s to 243 s on 2 cores, and the ASan
-  # one from 474 s to 410 s (1.45 cores busy), all passing. TSan's tests keep the cores busy
-  # (82%) in several times the memory, so they stay at nproc.
+  # one from 474 s to 410 s (1.45 cores busy; with the fuzz replays it has since, 1 s), all
+  # passing. TSan's tests keep the cores busy (82%) in several times the memory, so they stay
+  # at nproc.
   local ctest_jobs=$jobs
   if [ "$mode" = default ] || [ "$mode" = asan ]; then ctest_jobs=$((jobs + 1)); fi
   ctest --test-dir "$dir" --output-on-failure -j"$ctest_jobs" "${ctest_args[@]}"

@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "cache/status_macros.h"
 
 namespace kvmesh {
@@ -154,7 +155,9 @@ absl::Status Prefill(Cache& cache) {
 std::string CacheDigest(const Cache& cache) {
   std::string out;
   for (const SequenceInfo& s : cache.ListSequences()) {
-    absl::StrAppend(&out, "seq ", s.seq, " offset ", s.offset, " pending ", s.pending, ":");
+    absl::StrAppend(&out, "seq ", s.seq, " offset ", s.offset, " pending ", s.pending,
+                    " tokens ", s.tokens, "/", s.exact_tokens, "/", s.token_blocks, " kept ",
+                    s.priority, s.pinned ? " pinned " : " ", absl::FormatDuration(s.ttl), ":");
     for (const GroupSequenceInfo& g : s.groups) {
       absl::StrAppend(&out, " [", g.stored, " ", g.shared, " ", g.first, " ", g.last, " ",
                       StateStatusName(g.state), "]");
@@ -189,10 +192,12 @@ std::string CacheDigest(const Cache& cache) {
   // has finished, a moment after the receiver has it all; the harnesses check instead that
   // every byte comes back once the caches are gone.
   const CacheUsage usage = cache.Usage();
-  absl::StrAppend(&out, "usage live ", usage.sequences_live, " held ", usage.bytes_held,
-                  " snapshots ", usage.snapshots, " ", usage.snapshot_bytes, ":");
+  absl::StrAppend(&out, "usage live ", usage.sequences_live, " reserved ",
+                  usage.sequences_reserved, " held ", usage.bytes_held, " snapshots ",
+                  usage.snapshots, " ", usage.snapshot_bytes, ":");
   for (const GroupUsage& g : usage.groups) {
-    absl::StrAppend(&out, " [", g.cells_total, " ", g.cells_used, " ", g.memory, " ", g.bytes, "]");
+    absl::StrAppend(&out, " [", g.cells_total, " ", g.cells_used, " ", g.cells_reserved, " ",
+                    g.memory, " ", g.bytes, "]");
   }
   return out;
 }

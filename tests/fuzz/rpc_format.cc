@@ -38,6 +38,9 @@ const char* RpcName(Rpc rpc) {
                                                     "Migrate",
                                                     "MigrateSnapshot",
                                                     "ListMembers",
+                                                    "Reserve",
+                                                    "SetRetention",
+                                                    "LookupPrefix",
                                                     "NodeInfo",
                                                     "Export",
                                                     "Fetch",
@@ -45,7 +48,9 @@ const char* RpcName(Rpc rpc) {
                                                     "Pull",
                                                     "NcclConnect",
                                                     "NcclSend",
-                                                    "PeerService.Remove"};
+                                                    "PeerService.Remove",
+                                                    "PeerService.LookupPrefix",
+                                                    "Place"};
   return kNames[static_cast<int>(rpc)];
 }
 
@@ -57,6 +62,7 @@ std::vector<v1::CacheSpec> BaselineSpecs() {
   attn.set_max_sequences(4);
   attn.set_capacity(16);
   attn.set_max_batch(8);
+  attn.set_token_block_size(2);
   v1::LayerGroup* g = attn.add_groups();
   g->set_num_layers(2);
   v1::Attention* a = g->mutable_attention();
@@ -75,6 +81,7 @@ std::vector<v1::CacheSpec> BaselineSpecs() {
   hybrid.set_max_sequences(3);
   hybrid.set_capacity(12);
   hybrid.set_max_batch(6);
+  hybrid.set_token_block_size(2);
   g = hybrid.add_groups();
   g->set_num_layers(1);
   a = g->mutable_attention();

@@ -47,6 +47,9 @@ enum class Rpc : uint8_t {
   kMigrate,
   kMigrateSnapshot,
   kListMembers,
+  kReserve,
+  kSetRetention,
+  kLookupPrefix,
   // kvmesh.v1.PeerService
   kNodeInfo,
   kExport,
@@ -55,9 +58,11 @@ enum class Rpc : uint8_t {
   kPull,
   kNcclConnect,
   kNcclSend,
-  kPeerRemove,  // PeerService.Remove
+  kPeerRemove,        // PeerService.Remove
+  kPeerLookupPrefix,  // PeerService.LookupPrefix
+  kPlace,
 };
-inline constexpr int kRpcCount = static_cast<int>(Rpc::kPeerRemove) + 1;
+inline constexpr int kRpcCount = static_cast<int>(Rpc::kPlace) + 1;
 inline constexpr size_t kMaxRecords = 24;
 
 // The method's name, e.g. "CreateCache".
@@ -96,7 +101,9 @@ struct BaselineCache {
 };
 std::vector<BaselineCache> BaselineCaches();
 // What they hold: sequence 0 at [0, 6) and sequence 1 at [0, 3) of each "attn", sequence 0 at
-// [0, 5) of "hybrid", with a snapshot (id 1) of each cache's sequence 0.
+// [0, 5) of "hybrid", with a snapshot (id 1) of each cache's sequence 0. Every position p holds
+// token id BaselineTokenId(p), so that the sequences share a prefix that LookupPrefix finds
+// (blocks of 2 tokens).
 struct BaselineSequence {
   std::string tenant;
   std::string cache;
@@ -105,6 +112,7 @@ struct BaselineSequence {
   int32_t end;
 };
 std::vector<BaselineSequence> BaselineSequences();
+inline int32_t BaselineTokenId(int32_t pos) { return 100 + pos; }
 
 // Appends one record.
 void AppendRecord(std::string* input, Rpc rpc, const google::protobuf::Message& request,

@@ -1,6 +1,6 @@
-// Fuzz target: every RPC of kvmesh.v1.CacheService and kvmesh.v1.PeerService, with requests
-// built from the input (rpc_format.h), through the real services of two nodes that run in this
-// process (node "a", called; node "b", its peer: CopyPrefix from b, Migrate to b, Pull and
+// Fuzz target: the RPCs of kvmesh.v1.CacheService and kvmesh.v1.PeerService (all but the
+// WatchEvents streams and CacheService.Drain), with requests built from the input
+// (rpc_format.h), through the real services of two nodes that run in this process (node "a", called; node "b", its peer: CopyPrefix from b, Migrate to b, Pull and
 // Export between them move real payloads over loopback), so that authentication, validation,
 // the conversions of service/common/convert.cc, the cluster machinery and the engine all see
 // them. Each CacheService call is made by one of several principals (rpc_format.h, Principal):
@@ -168,8 +168,16 @@ class Node {
           return members->Channel(MemberAddress{address, address});
         },
         stream);
+    // As kvmesh-node: a sequence under migration is neither evicted nor expired.
+    registry_.SetEvictionFilterFactory([this](const std::string& tenant,
+                                              const std::string& cache) {
+      return [this, key = Reservations::Key(tenant, cache)](int64_t seq) {
+        return !reservations_.IsReserved(Reservations::Kind::kSequence, key, seq);
+      };
+    });
     Cluster::Options c;
     c.self_name = name_;
+    c.quota = [auth](const std::string& tenant) { return auth->Quota(tenant); };
     cluster_ = std::make_unique<Cluster>(
         c, &registry_, membership_.get(), &leases_, &reservations_,
         std::map<std::string, transport::Transport*>{{transport::kGrpcStream, grpc_stream_.get()}});
@@ -185,6 +193,7 @@ class Node {
     p.membership = membership_.get();
     p.backend = device_.name();
     p.transports = {transport::kGrpcStream};
+    p.registry = &registry_;
     p.sender.max_chunk_bytes = kMaxMessage / 2;
     p.sender.run_read = [this](std::function<void()> read) {
       if (transfer_reads_.Submit(std::move(read))) return absl::OkStatus();
@@ -289,7 +298,9 @@ class Node {
       absl::StatusOr<std::shared_ptr<Cache>> cache = registry_.Get(s.tenant, s.cache);
       KVMESH_FUZZ_CHECK(cache.ok(), cache.status().ToString());
       std::vector<Token> tokens;
-      for (int32_t p = s.begin; p < s.end; ++p) tokens.push_back(Token{s.seq, p});
+      for (int32_t p = s.begin; p < s.end; ++p) {
+        tokens.push_back(Token{s.seq, p, BaselineTokenId(p)});
+      }
       const std::string payload =
           PrefillPayload((*cache)->spec(), static_cast<int32_t>(tokens.size()),
                          static_cast<uint8_t>(s.seq + 1 + 16 * (s.tenant != "default")));
@@ -583,6 +594,31 @@ class Harness {
                       absl::StrCat("cache '", name, "' of ", tenant,
                                    " after a successful call: ", cache.status().ToString()));
     return *cache;
+  }
+
+  // A local lookup's answer is the engine's: the same sequences in the same order, each named
+  // with the node, verified, and holding exactly the prompt's first `length` ids.
+  void CheckMatches(Node& node, const std::string& tenant, const v1::LookupPrefixRequest& q,
+                    const v1::LookupPrefixResponse& r) {
+    const std::shared_ptr<Cache> cache = CacheOf(node, tenant, q.cache());
+    const int32_t max_matches = q.max_matches() == 0 ? 1 : q.max_matches();
+    absl::StatusOr<std::vector<PrefixMatch>> expected = cache->LookupPrefix(q.tokens(), max_matches);
+    KVMESH_FUZZ_CHECK(expected.ok(), absl::StrCat(Show(q), " answered, the engine: ",
+                                                  expected.status().ToString()));
+    KVMESH_FUZZ_CHECK(static_cast<size_t>(r.matches_size()) == expected->size() &&
+                          r.unverified_size() == 0,
+                      absl::StrCat(Show(r), " for ", expected->size(), " matches"));
+    for (int i = 0; i < r.matches_size(); ++i) {
+      const v1::PrefixMatch& m = r.matches(i);
+      const PrefixMatch& e = (*expected)[i];
+      KVMESH_FUZZ_CHECK(m.node() == node.name() && m.seq() == e.seq && m.length() == e.length &&
+                            m.offset() == e.offset && m.can_resume() == e.can_resume &&
+                            m.verified() && m.length() > 0 && m.length() <= q.tokens_size(),
+                        Show(r));
+      const std::optional<SequenceInfo> info = cache->GetSequence(m.seq());
+      KVMESH_FUZZ_CHECK(info.has_value() && info->exact_tokens >= m.length(),
+                        absl::StrCat(Show(r), ": sequence ", m.seq(), " holds fewer exact ids"));
+    }
   }
 
   // A Read of `seq` of cache `name` up to `end` as text (header and bytes), or nullopt when the
@@ -939,12 +975,23 @@ class Harness {
         // What the sequence holds before it moves, to compare with what arrives.
         v1::MigrateRequest peek;
         std::optional<std::string> before;
+        std::optional<SequenceInfo> kept;  // and how long it is kept
         if (peek.ParseFromString(bytes) && caller.tenant != nullptr) {
           before = ReadText(*a_, t, peek.cache(), peek.seq(), std::nullopt);
+          if (absl::StatusOr<std::shared_ptr<Cache>> c = a_->registry().Get(t, peek.cache());
+              c.ok()) {
+            kept = (*c)->GetSequence(peek.seq());
+          }
         }
         return Unary<v1::MigrateRequest, v1::MigrateResponse>(
             rpc, caller, bytes, s, &S::Migrate,
             [&](const v1::MigrateRequest& q, const v1::MigrateResponse&) {
+              const std::optional<SequenceInfo> moved =
+                  CacheOf(*b_, t, q.cache())->GetSequence(q.target_seq());
+              KVMESH_FUZZ_CHECK(
+                  kept.has_value() && moved.has_value() && moved->priority == kept->priority &&
+                      moved->pinned == kept->pinned && moved->ttl == kept->ttl,
+                  absl::StrCat(Show(q), ": the target sequence is not kept as the source was"));
               if (!before.has_value()) return;
               KVMESH_FUZZ_CHECK(ReadText(*b_, t, q.cache(), q.target_seq(), std::nullopt) == before,
                                 absl::StrCat(Show(q),
@@ -990,6 +1037,38 @@ class Harness {
                                       m.transports().empty() && m.detail().empty(),
                                   absl::StrCat(Show(r), " for tenant ", t));
               }
+            });
+      case Rpc::kReserve:
+        return Unary<v1::ReserveRequest, v1::ReserveResponse>(
+            rpc, caller, bytes, s, &S::Reserve,
+            [&](const v1::ReserveRequest& q, const v1::ReserveResponse& r) {
+              KVMESH_FUZZ_CHECK(MessageDifferencer::Equals(
+                                    r.usage(), UsageToProto(CacheOf(*a_, t, q.cache())->Usage())),
+                                Show(r));
+            });
+      case Rpc::kSetRetention:
+        return Unary<v1::SetRetentionRequest, v1::SetRetentionResponse>(
+            rpc, caller, bytes, s, &S::SetRetention,
+            [&](const v1::SetRetentionRequest& q, const v1::SetRetentionResponse& r) {
+              const std::optional<SequenceInfo> info =
+                  CacheOf(*a_, t, q.cache())->GetSequence(q.seq());
+              KVMESH_FUZZ_CHECK(info.has_value(), absl::StrCat(Show(q), ": no such sequence"));
+              KVMESH_FUZZ_CHECK(info->priority == q.priority() && info->pinned == q.pinned() &&
+                                    info->ttl == absl::Milliseconds(q.ttl_ms()),
+                                absl::StrCat(Show(q), ": the sequence is kept otherwise"));
+              v1::SequenceInfo got = r.sequence();
+              v1::SequenceInfo want = SequenceInfoToProto(*info);
+              got.clear_idle_ms();
+              want.clear_idle_ms();
+              KVMESH_FUZZ_CHECK(MessageDifferencer::Equals(got, want), Show(r));
+            });
+      case Rpc::kLookupPrefix:
+        return Unary<v1::LookupPrefixRequest, v1::LookupPrefixResponse>(
+            rpc, caller, bytes, s, &S::LookupPrefix,
+            [&](const v1::LookupPrefixRequest& q, const v1::LookupPrefixResponse& r) {
+              // The harness's nodes keep no cluster index: a cluster lookup is refused.
+              KVMESH_FUZZ_CHECK(q.scope() == v1::LOOKUP_SCOPE_LOCAL, Show(q));
+              CheckMatches(*a_, t, q, r);
             });
       case Rpc::kNodeInfo:
         return Unary<v1::NodeInfoRequest, v1::NodeInfoResponse>(
@@ -1050,6 +1129,28 @@ class Harness {
       case Rpc::kPeerRemove:
         return Unary<v1::PeerRemoveRequest, v1::PeerRemoveResponse>(rpc, caller, bytes, p,
                                                                     &P::Remove, nullptr);
+      case Rpc::kPeerLookupPrefix:
+        return Unary<v1::PeerLookupPrefixRequest, v1::LookupPrefixResponse>(
+            rpc, caller, bytes, p, &P::LookupPrefix,
+            [&](const v1::PeerLookupPrefixRequest& q, const v1::LookupPrefixResponse& r) {
+              CheckMatches(*a_, PeerTenant(rpc, q), q.lookup(), r);
+            });
+      case Rpc::kPlace:
+        return Unary<v1::PlaceRequest, v1::PlaceResponse>(
+            rpc, caller, bytes, p, &P::Place,
+            [&](const v1::PlaceRequest& q, const v1::PlaceResponse& r) {
+              // What it says of the cache is what the node holds.
+              absl::StatusOr<std::shared_ptr<Cache>> cache =
+                  a_->registry().Get(PeerTenant(rpc, q), q.spec().name());
+              KVMESH_FUZZ_CHECK(r.exists() == cache.ok() && (!r.created() || r.exists()) &&
+                                    !r.draining(),
+                                Show(r));
+              if (!r.exists()) return;
+              std::vector<int64_t> live;
+              for (const SequenceInfo& info : (*cache)->ListSequences()) live.push_back(info.seq);
+              KVMESH_FUZZ_CHECK(std::vector<int64_t>(r.seqs().begin(), r.seqs().end()) == live,
+                                Show(r));
+            });
     }
     return false;
   }

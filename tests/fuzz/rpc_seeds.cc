@@ -290,6 +290,42 @@ absl::Status RpcSeeds(std::vector<Seed>* out) {
     AppendRecord(&in, Rpc::kPeerRemove, remove);
     add("peer-pull", in);
   }
+  {  // Retention, room and prefixes: keep a sequence, reserve room, look up the shared prefix,
+     // migrate the kept sequence (its retention goes along); the peer plane's lookup and Place.
+    std::string in;
+    v1::SetRetentionRequest keep = WithCache<v1::SetRetentionRequest>("attn");
+    keep.set_seq(0);
+    keep.set_priority(2);
+    keep.set_pinned(true);
+    keep.set_ttl_ms(60000);
+    AppendRecord(&in, Rpc::kSetRetention, keep);
+    v1::ReserveRequest reserve = WithCache<v1::ReserveRequest>("attn");
+    reserve.set_seq(3);
+    reserve.set_positions(4);
+    AppendRecord(&in, Rpc::kReserve, reserve);
+    v1::LookupPrefixRequest lookup = WithCache<v1::LookupPrefixRequest>("attn");
+    for (int32_t p = 0; p < 6; ++p) lookup.add_tokens(BaselineTokenId(p));
+    lookup.set_max_matches(4);
+    AppendRecord(&in, Rpc::kLookupPrefix, lookup);
+    AppendRecord(&in, Rpc::kLookupPrefix, lookup, Principal::kTenant1);
+    v1::MigrateRequest migrate = WithCache<v1::MigrateRequest>("attn");
+    migrate.set_seq(0);
+    migrate.set_target_node(kNodeB);
+    migrate.set_target_seq(2);
+    AppendRecord(&in, Rpc::kMigrate, migrate);
+    v1::PeerLookupPrefixRequest peer_lookup;
+    *peer_lookup.mutable_lookup() = lookup;
+    peer_lookup.set_tenant("t1");
+    AppendRecord(&in, Rpc::kPeerLookupPrefix, peer_lookup);
+    v1::PlaceRequest place;
+    place.set_tenant("default");
+    *place.mutable_spec() = attn;
+    AppendRecord(&in, Rpc::kPlace, place);
+    place.mutable_spec()->set_name("placed");
+    place.set_create(true);
+    AppendRecord(&in, Rpc::kPlace, place);
+    add("retention-lookup", in);
+  }
   return absl::OkStatus();
 }
 

@@ -1303,6 +1303,13 @@ TEST_F(DrainTest, DrainRpcMovesEverySequenceAndSnapshotByteForByte) {
   ASSERT_NO_FATAL_FAILURE(Fill());
   EXPECT_EQ(Readiness(*cluster_[0].process), kServing);
   ExpectBSequence0Kept();
+  // Each sequence is kept its own way; it is kept so where it goes.
+  for (size_t i = 0; i < held_.size(); ++i) {
+    const grpc::Status kept =
+        SetRetention(cluster_.stub(0), held_[i].cache, held_[i].seq, static_cast<int32_t>(10 + i),
+                     i % 2 == 1, static_cast<int64_t>(i + 1) * 60'000);
+    ASSERT_TRUE(kept.ok()) << StatusText(kept);
+  }
 
   v1::DrainResponse drained;
   grpc::Status status = DrainNode(cluster_.stub(0), &drained);
@@ -1336,6 +1343,12 @@ TEST_F(DrainTest, DrainRpcMovesEverySequenceAndSnapshotByteForByte) {
     ExpectSameRead(
         ReadAll(cluster_.stub(node_index[moved->node()]), held.cache, moved->target_seq()),
         held.read);
+    const size_t i = static_cast<size_t>(&held - held_.data());
+    EXPECT_EQ(RetentionOf(cluster_.stub(node_index[moved->node()]), held.cache,
+                          moved->target_seq()),
+              std::make_tuple(static_cast<int32_t>(10 + i), i % 2 == 1,
+                              static_cast<int64_t>(i + 1) * 60'000))
+        << held.cache << " seq " << held.seq;
   }
   ExpectBSequence0Kept();
   // The big cache was created from its spec on the peer it went to.

@@ -685,6 +685,14 @@ TEST_F(PeerPlaneTest, APullOfASequenceOutsideAMigrationIsRefused) {
   const grpc::Status status = PeerStub(1)->Pull(&context, pull, &pulled);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
   EXPECT_THAT(status.error_message(), HasSubstr("migration_id is empty"));
+  // A migration's Pull whose retention is bad is refused before anything moves.
+  pull.mutable_sequence()->set_migration_id("m1");
+  pull.mutable_retention()->set_ttl_ms(-7);
+  grpc::ClientContext bad_context;
+  SetDeadline(&bad_context);
+  const grpc::Status bad = PeerStub(1)->Pull(&bad_context, pull, &pulled);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(bad);
+  EXPECT_THAT(bad.error_message(), HasSubstr("retention.ttl_ms = -7"));
   ReadOutput after;
   ASSERT_OK(Read(*alice1, ReadRequest("m", 5), &after));
   EXPECT_EQ(after.payload, before.payload);

@@ -314,7 +314,8 @@ TEST(CacheEvictionTest, RestoreSetsTheRetentionWithTheData) {
   EXPECT_TRUE(
       IsError(cache.Restore(4, snap->id, 8, bad), absl::StatusCode::kInvalidArgument, {"-5ms"}));
   EXPECT_TRUE(SameState(before, CaptureState(cache)));
-  // 4 comes back pinned, with a TTL: the next Append evicts 2 (1 has priority 3), never 4.
+  // 4 comes back pinned, with a TTL. Once 2 and 3 are used after it, 4 is the least recently
+  // used of priority 0 (1 has priority 3): the next Append evicts 2 instead.
   RestoreOptions pinned;
   pinned.retention = Retention{0, true, absl::Hours(1)};
   ASSERT_TRUE(cache.Restore(4, snap->id, 8, pinned).ok());
@@ -322,6 +323,10 @@ TEST(CacheEvictionTest, RestoreSetsTheRetentionWithTheData) {
   ASSERT_TRUE(info.has_value());
   EXPECT_TRUE(info->pinned);
   EXPECT_EQ(info->ttl, absl::Hours(1));
+  for (int64_t seq : {2, 3}) {
+    absl::SleepFor(absl::Milliseconds(2));
+    ASSERT_TRUE(cache.Read(seq, 0, std::nullopt).ok());
+  }
   ASSERT_TRUE(AppendRange(cache, 5, 0, 8).ok());
   EXPECT_EQ(LiveSeqs(cache), (std::vector<int64_t>{1, 3, 4, 5}));
   // Restoring over 1 with the default retention clears its priority; without one, 3 keeps its.
