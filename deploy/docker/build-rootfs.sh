@@ -4,18 +4,21 @@
 # 65532 + the two binaries) with debootstrap, then an OCI image layout of it with umoci.
 #
 #   deploy/docker/build-rootfs.sh [--out DIR] [--node BIN] [--ctl BIN] [--tag TAG] [--no-strip]
-#                                 [--tar] [--refresh]
+#                                 [--tar] [--refresh] [--check-only]
 #
 #   --out DIR    where everything goes (default build-image/, git-ignored):
 #                  DIR/rootfs/       the image's filesystem
 #                  DIR/oci/          OCI image layout, tag TAG (default: kvmesh-node:dev)
 #                  DIR/kvmesh-node-oci.tar  the layout as one tar (an oci-archive), with --tar
 #                  DIR/cache/        debootstrap and package-install results reused by later runs
-#   --node BIN   the kvmesh-node to put in /usr/local/bin (default build/service/kvmesh-node)
-#   --ctl BIN    the kvmeshctl to put beside it (default build/service/kvmeshctl)
+#   --node BIN   the kvmesh-node to put in /usr/local/bin (default
+#                build-release/service/kvmesh-node, which deploy/docker/build-release.sh builds)
+#   --ctl BIN    the kvmeshctl to put beside it (default build-release/service/kvmeshctl)
 #                Build them on Debian 12 (this host): the image's libraries are bookworm's, the
-#                same ones the binaries were linked against. Sanitizer and KVMESH_CUDA=SIM builds
-#                are not for images.
+#                same ones the binaries were linked against. Test builds are refused before
+#                anything else happens: KVMESH_CUDA=SIM (tests/run.sh's builds, which need the
+#                simulated GPU's libkvmesh_cudasim.so), sanitizer and fuzzing builds.
+#   --check-only only that refusal: exits 0 when both binaries may go into an image (no root)
 #   --no-strip   copy the binaries as they are (default: strip --strip-unneeded, as the
 #                Dockerfile's Release build has no debug info either)
 #   --refresh    drop the cache (take the mirror's current packages and security updates)
@@ -28,12 +31,13 @@ set -euo pipefail
 root_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 here="$root_dir/deploy/docker"
 out="$root_dir/build-image"
-node_bin="$root_dir/build/service/kvmesh-node"
-ctl_bin="$root_dir/build/service/kvmeshctl"
+node_bin="$root_dir/build-release/service/kvmesh-node"
+ctl_bin="$root_dir/build-release/service/kvmeshctl"
 tag="dev"
 strip=1
 tarball=0
 refresh=0
+check_only=0
 suite=bookworm
 uid=65532
 
@@ -72,7 +76,74 @@ in_root() {
     exec chroot "$r" "$@"' in_root "$r" "$@"
 }
 
-# test-rootfs.sh sources this file for in_root only.
+# ---- which builds may go into an image ---------------------------------------------------------
+# test_build_reasons BIN: prints, one a line, why BIN is a test build that no image may hold;
+# prints nothing for a production build. Two sources, so that a binary copied out of its build
+# folder (or already in an image, stripped) is recognised too:
+# - the binary itself: a test-tree library among its NEEDED entries (libkvmesh_cudasim.so, the
+#   simulated CUDA runtime of KVMESH_CUDA=SIM), or a sanitizer runtime (gcc links libasan,
+#   libtsan; clang links its runtime statically and exports __asan_init / __tsan_init);
+# - the CMakeCache.txt of the build folder BIN sits in, when there is one: KVMESH_CUDA=SIM,
+#   KVMESH_SANITIZE, KVMESH_FUZZ.
+test_build_reasons() {
+  local bin=$1 dynamic symbols lib dir cache value
+  if ! dynamic=$(LC_ALL=C readelf -d -W "$bin" 2>&1); then
+    echo "it is not an ELF executable (readelf: ${dynamic##*$'\n'})"
+    return 0
+  fi
+  while read -r lib; do
+    case "$lib" in
+      libkvmesh_cudasim*) echo "it needs $lib, the simulated GPU of a KVMESH_CUDA=SIM test build" ;;
+      libkvmesh_*) echo "it needs $lib, a library of kvmesh's test tree" ;;
+      libasan* | libtsan* | libubsan* | liblsan*) echo "it needs $lib, a sanitizer's runtime" ;;
+    esac
+  done < <(sed -n 's/.*(NEEDED).*\[\(.*\)\]$/\1/p' <<<"$dynamic")
+  symbols=$(LC_ALL=C readelf --dyn-syms -W "$bin" 2>/dev/null | awk '{ print $NF }')
+  if grep -qx '__asan_init' <<<"$symbols"; then echo "it is built with AddressSanitizer (__asan_init)"; fi
+  if grep -qx '__tsan_init' <<<"$symbols"; then echo "it is built with ThreadSanitizer (__tsan_init)"; fi
+  dir=$(dirname "$bin")
+  for _ in 1 2 3 4; do
+    if [ -f "$dir/CMakeCache.txt" ]; then
+      cache="$dir/CMakeCache.txt"
+      value=$(sed -n 's/^KVMESH_CUDA:[A-Z]*=//p' "$cache")
+      if [ "$value" = SIM ]; then echo "its build folder $dir is configured with KVMESH_CUDA=SIM"; fi
+      value=$(sed -n 's/^KVMESH_SANITIZE:[A-Z]*=//p' "$cache")
+      if [ -n "$value" ]; then echo "its build folder $dir is configured with KVMESH_SANITIZE=$value"; fi
+      value=$(sed -n 's/^KVMESH_FUZZ:[A-Z]*=//p' "$cache")
+      case "$value" in ON | TRUE | 1 | YES) echo "its build folder $dir is configured with KVMESH_FUZZ=$value" ;; esac
+      break
+    fi
+    [ "$dir" != / ] || break
+    dir=$(dirname "$dir")
+  done
+  return 0
+}
+
+# refuse_test_builds WHO BIN...: when any BIN is a test build, exits 1 with each reason and the
+# build to use instead.
+refuse_test_builds() {
+  local who=$1 bin reasons line refused=0
+  shift
+  for bin in "$@"; do
+    reasons=$(test_build_reasons "$bin")
+    [ -n "$reasons" ] || continue
+    refused=1
+    echo "$who: REFUSED: $bin is a test build, which no image may contain:" >&2
+    while read -r line; do echo "  - $line" >&2; done <<<"$reasons"
+  done
+  [ "$refused" = 1 ] || return 0
+  cat >&2 <<EOF
+$who: an image holds a production build. Make one with
+    deploy/docker/build-release.sh      # Release, KVMESH_CUDA=OFF, in build-release/
+whose build-release/service/kvmesh-node and kvmeshctl build-rootfs.sh and test-rootfs.sh pack
+by default (--node/--ctl take those of another Release build with KVMESH_CUDA=OFF, AUTO or ON
+and no sanitizer). The builds of tests/run.sh (build/, build-asan/, build-tsan/) are
+KVMESH_CUDA=SIM test builds.
+EOF
+  exit 1
+}
+
+# test-rootfs.sh sources this file for in_root and the checks above only.
 if [ "${KVMESH_BUILD_ROOTFS_LIB:-0}" = 1 ]; then return 0; fi
 
 while [ $# -gt 0 ]; do
@@ -88,14 +159,21 @@ while [ $# -gt 0 ]; do
     --no-strip) strip=0; shift ;;
     --tar) tarball=1; shift ;;
     --refresh) refresh=1; shift ;;
+    --check-only) check_only=1; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
 
+[ -x "$node_bin" ] || die "no kvmesh-node at $node_bin (build it: deploy/docker/build-release.sh, or --node BIN)"
+[ -x "$ctl_bin" ] || die "no kvmeshctl at $ctl_bin (build it: deploy/docker/build-release.sh, or --ctl BIN)"
+# Before anything is downloaded or needs root: a test build never gets packed.
+refuse_test_builds build-rootfs "$node_bin" "$ctl_bin"
+if [ "$check_only" = 1 ]; then
+  note "--check-only: $node_bin and $ctl_bin are production builds"
+  exit 0
+fi
 [ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, chroot, mount namespaces)"
-[ -x "$node_bin" ] || die "no kvmesh-node at $node_bin (build it: tests/run.sh, or --node BIN)"
-[ -x "$ctl_bin" ] || die "no kvmeshctl at $ctl_bin (or --ctl BIN)"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 

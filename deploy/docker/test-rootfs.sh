@@ -11,12 +11,16 @@
 #
 #   --out DIR     build-rootfs.sh's output folder (default build-image/)
 #   --no-build    test what DIR holds; default: run build-rootfs.sh first (fast when cached)
+#                 with the other flags, so by default on build-release/'s binaries
+#                 (deploy/docker/build-release.sh)
 #
-# A separate command, not a ctest test: it needs root (chroot, namespaces), the Debian mirror
-# (debootstrap, on a cold cache) and a minute, writes outside the build tree, and tests the
-# binaries of one build (build/service/...) that the sanitizer and simulated-GPU ctest builds
-# must not put in an image. Run it when the image, the runtime package list or the binaries'
-# libraries change (deploy/docker/README.md).
+# Test builds are refused, before anything else when it builds the image, and in the unpacked
+# image with --no-build: KVMESH_CUDA=SIM (every build of tests/run.sh), sanitizer and fuzzing
+# builds (build-rootfs.sh --check-only). The whole flow is build-release.sh, then this script,
+# a separate command rather than a ctest test: it needs root (chroot, namespaces), the Debian
+# mirror (debootstrap, on a cold cache) and a minute, and writes outside the build tree. Run it
+# when the image, the runtime package list or the binaries' libraries change
+# (deploy/docker/README.md); tests/deploy/image_rootfs_test.sh runs the refusal in ctest.
 set -euo pipefail
 
 root_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -41,6 +45,11 @@ while [ $# -gt 0 ]; do
     *) build_args+=("$1"); shift ;;
   esac
 done
+if [ "$build" = 1 ]; then
+  # The binaries build-rootfs.sh would pack (its defaults or --node/--ctl), checked before root
+  # is needed or anything is downloaded.
+  "$here/build-rootfs.sh" --check-only "${build_args[@]}" || exit 1
+fi
 [ "$(id -u)" -eq 0 ] || die "needs root (chroot, mount and PID namespaces)"
 
 if [ "$build" = 1 ]; then
@@ -73,6 +82,8 @@ print(" ".join(p["args"]), "|", "%d:%d" % (p["user"]["uid"], p["user"]["gid"]))'
 [ "$config" = "/usr/local/bin/kvmesh-node | $uid:$uid" ] ||
   die "the image's process is '$config', expected '/usr/local/bin/kvmesh-node | $uid:$uid'"
 grep -q "^kvmesh:x:$uid:$uid:" "$rootfs/etc/passwd" || die "no user $uid in the image's /etc/passwd"
+# What the image holds, however it was packed (--no-build tests an image made earlier).
+refuse_test_builds test-rootfs "$rootfs/usr/local/bin/kvmesh-node" "$rootfs/usr/local/bin/kvmeshctl"
 
 # ---- 2. every library there ----------------------------------------------------------------
 ldd_out=$(in_root "$rootfs" /usr/bin/ldd /usr/local/bin/kvmesh-node /usr/local/bin/kvmeshctl 2>&1) ||
