@@ -81,35 +81,64 @@ grpc::ServerUnaryReactor* PeerServiceImpl::RunOn(Executor* executor,
 
 absl::StatusOr<PeerServiceImpl::Caller> PeerServiceImpl::Identify(
     const grpc::CallbackServerContext& context) const {
-  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
-  const std::vector<std::string> names =
-      auth != nullptr ? PeerCertificateNames(*auth) : std::vector<std::string>();
   if (!options_.require_member_certificate) {
     return Caller{absl::StrCat("address ", PeerHost(context.peer())), ""};
   }
-  if (names.empty()) {
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  const PeerCertificate cert = auth != nullptr ? VerifiedPeerCertificate(*auth) : PeerCertificate();
+  if (!cert.verified) {
     return absl::PermissionDeniedError(absl::StrCat(
         "node '", options_.name,
         "' serves PeerService to cluster members only, and the caller presented no verified "
         "certificate"));
   }
+  // Said whenever a certificate is refused: a common name that names a member is the attempt
+  // this refuses.
+  const std::string common_name_note =
+      cert.common_name.empty() ? std::string()
+                               : absl::StrCat("; its common name '", cert.common_name.substr(0, 64),
+                                              "' is not an identity");
+  if (!cert.has_names()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "node '", options_.name,
+        "' serves PeerService to cluster members only, and the caller's certificate has no "
+        "subject alternative name (a member is named by a DNS, IP or URI subject alternative "
+        "name)",
+        common_name_note));
+  }
   const std::vector<MemberAddress> peers = options_.membership->Peers();
-  for (const std::string& name : names) {
-    for (const MemberAddress& peer : peers) {
-      if (name == peer.name || name == AddressHost(peer.address)) {
-        return Caller{absl::StrCat("member ", peer.name), peer.name};
+  // A name of the member first (a DNS name or its MemberUri), then the host of its address (a
+  // DNS or IP name), so that members sharing a host are told apart by their names.
+  for (const MemberAddress& peer : peers) {
+    const std::string uri = MemberUri(peer.name);
+    for (const std::string& dns : cert.dns_names) {
+      if (dns == peer.name) return Caller{absl::StrCat("member ", peer.name), peer.name};
+    }
+    for (const std::string& named : cert.uri_names) {
+      if (named == uri) return Caller{absl::StrCat("member ", peer.name), peer.name};
+    }
+  }
+  for (const MemberAddress& peer : peers) {
+    const std::string host = AddressHost(peer.address);
+    for (const std::vector<std::string>* names : {&cert.dns_names, &cert.ip_names}) {
+      for (const std::string& name : *names) {
+        if (name == host) return Caller{absl::StrCat("member ", peer.name), peer.name};
       }
     }
   }
   std::string listed;
-  for (size_t i = 0; i < names.size() && i < 4; ++i) {
-    absl::StrAppend(&listed, i == 0 ? "" : ", ", "'", names[i].substr(0, 64), "'");
+  size_t shown = 0;
+  for (const std::vector<std::string>* names : {&cert.dns_names, &cert.ip_names, &cert.uri_names}) {
+    for (const std::string& name : *names) {
+      if (shown == 4) break;
+      absl::StrAppend(&listed, shown++ == 0 ? "" : ", ", "'", name.substr(0, 64), "'");
+    }
   }
   return absl::PermissionDeniedError(
       absl::StrCat("node '", options_.name,
-                   "' serves PeerService to cluster members only; the caller's "
-                   "certificate names ",
-                   listed, ", none of which is a member"));
+                   "' serves PeerService to cluster members only; the caller's certificate's "
+                   "subject alternative names are ",
+                   listed, ", none of which names a member", common_name_note));
 }
 
 absl::Status PeerServiceImpl::CheckSpeaksForItself(const Caller& caller, const std::string& claimed,

@@ -1,14 +1,16 @@
 // PeerServiceImpl: kvmesh.v1.PeerService (proto/kvmesh/v1/peer.proto), the node-to-node API of
 // the pull protocol (docs/cluster.md), on gRPC's callback API.
 //
-// Only members may call it. With TLS (Options::require_member_certificate) the caller's verified
-// certificate must name a current member (its node name, or the host of its peer address), and
-// that member is the caller's identity; without TLS the service is reachable only on the peer
-// plane's private address (or loopback in development mode) and the caller's identity is its IP
-// address. Anyone else gets PERMISSION_DENIED before a request is looked at. Leases are granted
-// to the caller's identity: Fetch, NcclSend and Release of a lease by anyone else are NOT_FOUND,
-// as for an unknown lease. A member may speak only for itself: Export's receiver, Pull's
-// source_node and NcclConnect's from_node must be the member its certificate names.
+// Only members may call it. With TLS (Options::require_member_certificate) a subject
+// alternative name of the caller's verified certificate must name a current member (a DNS name
+// or the URI kvmesh://member/<name> equal to its node name, or a DNS or IP name equal to the host
+// of its peer address; never the common name), and that member is the caller's identity; without
+// TLS the service is reachable only on the peer plane's private address (or loopback in development
+// mode) and the caller's identity is its IP address. Anyone else gets PERMISSION_DENIED before a
+// request is looked at. Leases are granted to the caller's identity: Fetch, NcclSend and Release of
+// a lease by anyone else are NOT_FOUND, as for an unknown lease. A member may speak only for
+// itself: Export's receiver, Pull's source_node and NcclConnect's from_node must be the member its
+// certificate names.
 //
 // Export runs on the engine executor (it snapshots and checksums); Pull, NcclConnect and
 // NcclSend run on the cluster executor (they wait on the network); Fetch is served by the

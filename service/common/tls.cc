@@ -239,9 +239,10 @@ std::vector<std::string> Strings(const std::vector<grpc::string_ref>& refs) {
 }
 
 // Runs after gRPC verified the member's chain against --peer-ca (set_verify_server_certs), in
-// place of gRPC's host name check: accepts a certificate that names the host dialled (what the
-// host name check does) or the member's node name, so members found through --peer-dns (dialled
-// by IP address) may carry certificates that name their pods.
+// place of gRPC's host name check: accepts a certificate whose subject alternative names name
+// the host dialled (what the host name check does, without its common-name fallback) or the
+// member's node name (a DNS name or MemberUri), so members found through --peer-dns (dialled by
+// IP address) may carry certificates that name their pods.
 class MemberVerifier : public grpc::experimental::ExternalCertificateVerifier {
  public:
   explicit MemberVerifier(std::string member_name) : member_name_(std::move(member_name)) {}
@@ -250,19 +251,27 @@ class MemberVerifier : public grpc::experimental::ExternalCertificateVerifier {
               std::function<void(grpc::Status)> /*callback*/, grpc::Status* sync_status) override {
     const std::vector<std::string> dns = Strings(request->dns_names());
     const std::vector<std::string> ips = Strings(request->ip_names());
-    const grpc::string_ref cn_ref = request->common_name();
-    const absl::string_view cn(cn_ref.data(), cn_ref.size());
+    const std::vector<std::string> uris = Strings(request->uri_names());
     const grpc::string_ref target_ref = request->target_name();
     const absl::string_view host =
         TargetHost(absl::string_view(target_ref.data(), target_ref.size()));
-    if (CertificateNamesHost(dns, ips, cn, host) ||
-        (!member_name_.empty() && CertificateNamesHost(dns, ips, cn, member_name_))) {
+    const bool names_member =
+        !member_name_.empty() &&
+        (CertificateNamesHost(dns, ips, member_name_) ||
+         std::find(uris.begin(), uris.end(), MemberUri(member_name_)) != uris.end());
+    if (CertificateNamesHost(dns, ips, host) || names_member) {
       *sync_status = grpc::Status::OK;
     } else {
-      *sync_status =
-          grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                       absl::StrCat("the peer certificate names neither the host dialled ('", host,
-                                    "') nor the member '", member_name_, "'"));
+      std::string why = absl::StrCat(
+          "the peer certificate's subject alternative names name neither the host dialled ('", host,
+          "') nor the member '", member_name_, "'");
+      if (dns.empty() && ips.empty() && uris.empty()) {
+        const grpc::string_ref cn = request->common_name();
+        absl::StrAppend(&why, " (it has none; its common name '",
+                        absl::string_view(cn.data(), std::min<size_t>(cn.size(), 64)),
+                        "' is not an identity)");
+      }
+      *sync_status = grpc::Status(grpc::StatusCode::UNAUTHENTICATED, why);
     }
     return true;  // answered synchronously
   }
@@ -391,14 +400,38 @@ void AddClientTlsChannelArgs(const ClientTlsOptions& options, grpc::ChannelArgum
   }
 }
 
-std::vector<std::string> PeerCertificateNames(const grpc::AuthContext& context) {
-  std::vector<std::string> names;
-  if (!context.IsPeerAuthenticated()) return names;
-  for (const char* property :
-       {GRPC_PEER_DNS_PROPERTY_NAME, GRPC_PEER_IP_PROPERTY_NAME, GRPC_X509_CN_PROPERTY_NAME}) {
+std::string MemberUri(absl::string_view member_name) {
+  return absl::StrCat("kvmesh://member/", member_name);
+}
+
+PeerCertificate VerifiedPeerCertificate(const grpc::AuthContext& context) {
+  PeerCertificate cert;
+  if (!context.IsPeerAuthenticated()) return cert;
+  cert.verified = true;
+  auto collect = [&context](const char* property, std::vector<std::string>* out) {
     for (const grpc::string_ref& value : context.FindPropertyValues(property)) {
       std::string name(value.data(), value.size());
-      if (!name.empty() && std::find(names.begin(), names.end(), name) == names.end()) {
+      if (!name.empty() && std::find(out->begin(), out->end(), name) == out->end()) {
+        out->push_back(std::move(name));
+      }
+    }
+  };
+  collect(GRPC_PEER_DNS_PROPERTY_NAME, &cert.dns_names);
+  collect(GRPC_PEER_IP_PROPERTY_NAME, &cert.ip_names);
+  collect(GRPC_PEER_URI_PROPERTY_NAME, &cert.uri_names);
+  for (const grpc::string_ref& value : context.FindPropertyValues(GRPC_X509_CN_PROPERTY_NAME)) {
+    cert.common_name.assign(value.data(), value.size());
+    break;
+  }
+  return cert;
+}
+
+std::vector<std::string> PeerCertificateNames(const grpc::AuthContext& context) {
+  PeerCertificate cert = VerifiedPeerCertificate(context);
+  std::vector<std::string> names;
+  for (std::vector<std::string>* kind : {&cert.dns_names, &cert.ip_names, &cert.uri_names}) {
+    for (std::string& name : *kind) {
+      if (std::find(names.begin(), names.end(), name) == names.end()) {
         names.push_back(std::move(name));
       }
     }
@@ -407,8 +440,7 @@ std::vector<std::string> PeerCertificateNames(const grpc::AuthContext& context) 
 }
 
 bool CertificateNamesHost(const std::vector<std::string>& dns_names,
-                          const std::vector<std::string>& ip_names, absl::string_view common_name,
-                          absl::string_view host) {
+                          const std::vector<std::string>& ip_names, absl::string_view host) {
   if (host.empty()) return false;
   for (const std::string& ip : ip_names) {
     if (ip == host) return true;
@@ -423,7 +455,7 @@ bool CertificateNamesHost(const std::vector<std::string>& dns_names,
       return true;
     }
   }
-  return dns_names.empty() && ip_names.empty() && common_name == host;
+  return false;
 }
 
 bool IsLoopbackListenAddress(absl::string_view address) {

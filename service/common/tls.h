@@ -4,11 +4,12 @@
 // only quiet there).
 //
 // Everything cryptographic is gRPC's (TlsServerCredentials, TlsChannelCredentials,
-// SslCredentials over OpenSSL; kvmesh only compares names); the node's files are read by gRPC's
-// FileWatcherCertificateProvider, which re-reads them every refresh interval, so a rotated
-// certificate (cert-manager, a Kubernetes Secret update) is used by new connections without a
-// restart. OpenSSL is called directly only to check the files at start-up, so that a bad flag
-// fails there with a message naming the flag and the file instead of as handshake failures later.
+// SslCredentials over OpenSSL); kvmesh only compares names, and only subject alternative names
+// (never a common name). The node's files are read by gRPC's FileWatcherCertificateProvider,
+// which re-reads them every refresh interval, so a rotated certificate (cert-manager, a
+// Kubernetes Secret update) is used by new connections without a restart. OpenSSL is called
+// directly only to check the files at start-up, so that a bad flag fails there with a message
+// naming the flag and the file instead of as handshake failures later.
 //
 // Thread safety: the functions are stateless and NodeTls immutable, all safe from any thread; the
 // credentials they return are gRPC's and may be shared by any number of servers and channels.
@@ -76,14 +77,15 @@ class NodeTls {
   std::shared_ptr<grpc::ServerCredentials> ClientPortServerCredentials() const;
 
   // The peer port (--peer-listen): always mTLS, every caller must present a certificate that
-  // --peer-ca verifies. Which certificate names are members is PeerService's check
-  // (PeerCertificateNames).
+  // --peer-ca verifies. Which subject alternative names are members is PeerService's check
+  // (VerifiedPeerCertificate).
   std::shared_ptr<grpc::ServerCredentials> PeerPortServerCredentials() const;
 
   // A channel to the member `member_name` (empty when not known): the node presents its own
-  // certificate and accepts the member's when --peer-ca verifies it and it names the host
-  // dialled or `member_name`, as a DNS or IP subject alternative name or, without those, as
-  // its common name (a DNS name may be a "*.domain" wildcard for one label).
+  // certificate and accepts the member's when --peer-ca verifies it and one of its subject
+  // alternative names names the host dialled or `member_name`: a DNS or IP name (a DNS name may
+  // be a "*.domain" wildcard for one label), or the URI MemberUri(member_name). Its common name
+  // is never consulted; a certificate without subject alternative names is refused.
   std::shared_ptr<grpc::ChannelCredentials> PeerChannelCredentials(
       const std::string& member_name) const;
 
@@ -110,9 +112,12 @@ struct ClientTlsOptions {
 };
 
 // Channel credentials for a client: insecure when `options` is not enabled(), else TLS with
-// gRPC's SslCredentials. The files are read once, now. INVALID_ARGUMENT naming the flag (spelt
-// `flag_prefix` + "ca", "cert", "key", e.g. "--tls-") and the file when a file cannot be read,
-// is not PEM, or a certificate comes without its key (or the other way round).
+// gRPC's SslCredentials, whose own host name check verifies the node's certificate (unlike the
+// member checks above, gRPC's check still takes a common name equal to the host when the
+// certificate has no subject alternative name at all: give node certificates DNS names). The
+// files are read once, now. INVALID_ARGUMENT naming the flag (spelt `flag_prefix` + "ca",
+// "cert", "key", e.g. "--tls-") and the file when a file cannot be read, is not PEM, or a
+// certificate comes without its key (or the other way round).
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientChannelCredentials(
     const ClientTlsOptions& options, absl::string_view flag_prefix = "--tls-");
 
@@ -120,18 +125,34 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientChannelCredentia
 // (GRPC_SSL_TARGET_NAME_OVERRIDE_ARG) when one is set. Nothing otherwise.
 void AddClientTlsChannelArgs(const ClientTlsOptions& options, grpc::ChannelArguments* args);
 
-// The names a verified peer certificate carries: its DNS and IP subject alternative names and
-// its subject common name, each once, in that order. Empty when the peer is not authenticated
-// (plaintext, or TLS without a client certificate).
+// The URI subject alternative name that names member `member_name` (its node name):
+// "kvmesh://member/<member_name>", compared byte for byte.
+std::string MemberUri(absl::string_view member_name);
+
+// What a verified peer certificate says about who it is. Identities come from its subject
+// alternative names only (DNS, IP and URI names); the subject common name is kept for messages
+// and is never an identity, even in a certificate without subject alternative names.
+struct PeerCertificate {
+  bool verified = false;  // false: plaintext, or TLS without a client certificate
+  std::vector<std::string> dns_names;
+  std::vector<std::string> ip_names;
+  std::vector<std::string> uri_names;
+  std::string common_name;  // for messages only
+
+  bool has_names() const { return !dns_names.empty() || !ip_names.empty() || !uri_names.empty(); }
+};
+PeerCertificate VerifiedPeerCertificate(const grpc::AuthContext& context);
+
+// The subject alternative names of a verified peer certificate: its DNS, IP and URI names, each
+// once, in that order (never its common name). Empty when the peer is not authenticated.
 std::vector<std::string> PeerCertificateNames(const grpc::AuthContext& context);
 
-// Whether a certificate with these names (its DNS and IP subject alternative names, its subject
-// common name) names `host`, a DNS name or an IP address: an IP name equal to it, a DNS name
-// equal to it ignoring case or a "*.domain" wildcard matching its first label, or, when the
-// certificate has no DNS and no IP name, a common name equal to it.
+// Whether a certificate with these subject alternative names names `host`, a DNS name or an IP
+// address: an IP name equal to it, or a DNS name equal to it ignoring case or a "*.domain"
+// wildcard matching its first label. A certificate's common name is never consulted (RFC 9525,
+// which replaced RFC 6125, drops the common name as an identity).
 bool CertificateNamesHost(const std::vector<std::string>& dns_names,
-                          const std::vector<std::string>& ip_names, absl::string_view common_name,
-                          absl::string_view host);
+                          const std::vector<std::string>& ip_names, absl::string_view host);
 
 // Whether `address` (a --listen value: "host:port", "[v6]:port", a bare host, or a "unix:"
 // path) only accepts connections from this machine: 127.0.0.0/8, ::1 (and ::ffff:127.x),

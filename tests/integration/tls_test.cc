@@ -168,19 +168,20 @@ TEST(TlsFunctionsTest, LoopbackListenAddresses) {
 TEST(TlsFunctionsTest, CertificateNamesHost) {
   const std::vector<std::string> dns = {"node-a", "*.kvmesh.default.svc"};
   const std::vector<std::string> ips = {"10.0.0.7"};
-  EXPECT_TRUE(CertificateNamesHost(dns, ips, "ignored", "node-a"));
-  EXPECT_TRUE(CertificateNamesHost(dns, ips, "ignored", "NODE-A"));
-  EXPECT_TRUE(CertificateNamesHost(dns, ips, "ignored", "10.0.0.7"));
-  EXPECT_TRUE(CertificateNamesHost(dns, ips, "ignored", "kvmesh-1.kvmesh.default.svc"));
+  EXPECT_TRUE(CertificateNamesHost(dns, ips, "node-a"));
+  EXPECT_TRUE(CertificateNamesHost(dns, ips, "NODE-A"));
+  EXPECT_TRUE(CertificateNamesHost(dns, ips, "10.0.0.7"));
+  EXPECT_TRUE(CertificateNamesHost(dns, ips, "kvmesh-1.kvmesh.default.svc"));
   // A wildcard stands for exactly one label.
-  EXPECT_FALSE(CertificateNamesHost(dns, ips, "ignored", "kvmesh.default.svc"));
-  EXPECT_FALSE(CertificateNamesHost(dns, ips, "ignored", "a.b.kvmesh.default.svc"));
-  EXPECT_FALSE(CertificateNamesHost(dns, ips, "ignored", ".kvmesh.default.svc"));
-  EXPECT_FALSE(CertificateNamesHost(dns, ips, "node-b", "node-b"));  // CN only without SANs
-  EXPECT_FALSE(CertificateNamesHost(dns, ips, "ignored", "10.0.0.8"));
-  EXPECT_FALSE(CertificateNamesHost(dns, ips, "ignored", ""));
-  EXPECT_TRUE(CertificateNamesHost({}, {}, "node-b", "node-b"));
-  EXPECT_FALSE(CertificateNamesHost({}, {}, "node-b", "node-c"));
+  EXPECT_FALSE(CertificateNamesHost(dns, ips, "kvmesh.default.svc"));
+  EXPECT_FALSE(CertificateNamesHost(dns, ips, "a.b.kvmesh.default.svc"));
+  EXPECT_FALSE(CertificateNamesHost(dns, ips, ".kvmesh.default.svc"));
+  EXPECT_FALSE(CertificateNamesHost(dns, ips, "node-b"));
+  EXPECT_FALSE(CertificateNamesHost(dns, ips, "10.0.0.8"));
+  EXPECT_FALSE(CertificateNamesHost(dns, ips, ""));
+  // Without subject alternative names nothing is named (the common name is not looked at).
+  EXPECT_FALSE(CertificateNamesHost({}, {}, "node-b"));
+  EXPECT_EQ(MemberUri("node-b"), "kvmesh://member/node-b");
 }
 
 // ---- start-up checks ------------------------------------------------------------------------
@@ -283,7 +284,7 @@ TEST(TlsClientPortTest, TlsWithTheCaWorksPlaintextAndWrongCaFail) {
   ASSERT_TRUE(status.ok()) << StatusText(status);
   ASSERT_OK_AND_ASSIGN(std::string node_a_pem, ReadTextFile(pki->node_a.cert));
   EXPECT_EQ(served, node_a_pem);
-  // The client's view of the server: its DNS and IP names, then the CN.
+  // The client's view of the server: its DNS and IP names (never the CN).
   EXPECT_THAT(names, ElementsAre("node-a", "127.0.0.1"));
 
   // Plaintext against a TLS port: the handshake never completes.
@@ -503,7 +504,7 @@ TEST(TlsRotationTest, ANewCertificateIsServedWithoutARestart) {
   } while ((!status.ok() || served != second) && absl::Now() < deadline);
   ASSERT_TRUE(status.ok()) << StatusText(status);
   EXPECT_EQ(served, second);
-  EXPECT_THAT(names, ElementsAre("node-a", "127.0.0.1", "node-a-rotated"));
+  EXPECT_THAT(names, ElementsAre("node-a", "127.0.0.1"));
   // The same process all along.
   EXPECT_TRUE(node->Running());
   node->ReleaseChannel();
@@ -672,6 +673,130 @@ TEST_F(TlsClusterTest, PeerPortRefusesNonMembers) {
   v1::ExportResponse response;
   status = on_client_port->Export(&context, v1::ExportRequest(), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << StatusText(status);
+}
+
+// Calls on node-a's peer port with `leaf` as the client certificate: Export of seq 1 of `spec`'s
+// cache for receiver node-b (released at once when granted), and a PeerService.LookupPrefix in
+// tenant "default" (what the cluster index asks its peers).
+struct PeerCalls {
+  grpc::Status exported;
+  grpc::Status released;
+  grpc::Status looked_up;
+};
+PeerCalls CallPeerPortOfA(const NodeProcess& a, const CertFiles& leaf, const v1::CacheSpec& spec) {
+  PeerCalls calls;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+      a.NewPeerChannelWith(WithClientCert(leaf));
+  EXPECT_TRUE(channel.ok()) << channel.status();
+  if (!channel.ok()) return calls;
+  auto peer = v1::PeerService::NewStub(*channel);
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context, kFailFast);
+    v1::ExportRequest request;
+    request.set_cache(spec.name());
+    request.set_tenant("default");
+    *request.mutable_spec() = spec;
+    request.set_receiver("node-b");
+    request.mutable_sequence()->set_seq(1);
+    request.set_transport("grpc-stream");
+    v1::ExportResponse response;
+    calls.exported = peer->Export(&context, request, &response);
+    if (calls.exported.ok()) {
+      grpc::ClientContext release_context;
+      SetDeadline(&release_context, kFailFast);
+      v1::ReleaseRequest release;
+      release.set_lease_id(response.lease_id());
+      v1::ReleaseResponse released;
+      calls.released = peer->Release(&release_context, release, &released);
+    }
+  }
+  grpc::ClientContext context;
+  SetDeadline(&context, kFailFast);
+  v1::PeerLookupPrefixRequest lookup;
+  lookup.set_tenant("default");
+  lookup.mutable_lookup()->set_cache(spec.name());
+  lookup.mutable_lookup()->add_tokens(1);
+  v1::LookupPrefixResponse found;
+  calls.looked_up = peer->LookupPrefix(&context, lookup, &found);
+  return calls;
+}
+
+// Who a certificate says it is comes from its subject alternative names only. A certificate of
+// the cluster CA with CN=node-b and DNS:mallory2 as its only subject alternative name is not
+// node-b (it was accepted as node-b, by its common name, and fetched tenant data); nor is one
+// with CN=node-b and no subject alternative name at all. DNS:node-b or URI:kvmesh://member/node-b
+// is node-b, whatever the common name.
+TEST_F(TlsClusterTest, PeerPortTakesTheMemberFromSubjectAlternativeNamesOnly) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(pki->node_b));
+  const v1::CacheSpec spec = SpecProto("tenant-data", 2, 16, 8, {AttentionGroupProto({})});
+  ASSERT_NO_FATAL_FAILURE(CreateCaches(spec));
+  const NodeProcess& a = *nodes_[0];
+
+  ASSERT_OK_AND_ASSIGN(CertFiles cn_only_member,
+                       pki->ca->Issue("cn-node-b-dns-mallory2", {"node-b", {"DNS:mallory2"}}));
+  PeerCalls calls = CallPeerPortOfA(a, cn_only_member, spec);
+  EXPECT_EQ(calls.exported.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+      << StatusText(calls.exported);
+  EXPECT_THAT(calls.exported.error_message(), HasSubstr("'mallory2'"));
+  EXPECT_THAT(calls.exported.error_message(), HasSubstr("common name 'node-b' is not an identity"));
+  EXPECT_EQ(calls.looked_up.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+      << StatusText(calls.looked_up);
+
+  ASSERT_OK_AND_ASSIGN(CertFiles no_sans, pki->ca->Issue("cn-node-b-no-san", {"node-b", {}}));
+  calls = CallPeerPortOfA(a, no_sans, spec);
+  EXPECT_EQ(calls.exported.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+      << StatusText(calls.exported);
+  EXPECT_THAT(calls.exported.error_message(), HasSubstr("has no subject alternative name"));
+  EXPECT_THAT(calls.exported.error_message(), HasSubstr("'node-b'"));
+  EXPECT_EQ(calls.looked_up.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+      << StatusText(calls.looked_up);
+
+  ASSERT_OK_AND_ASSIGN(CertFiles by_dns,
+                       pki->ca->Issue("cn-other-dns-node-b", {"someone-else", {"DNS:node-b"}}));
+  calls = CallPeerPortOfA(a, by_dns, spec);
+  EXPECT_TRUE(calls.exported.ok()) << StatusText(calls.exported);
+  EXPECT_TRUE(calls.released.ok()) << StatusText(calls.released);
+  EXPECT_TRUE(calls.looked_up.ok()) << StatusText(calls.looked_up);
+
+  ASSERT_OK_AND_ASSIGN(
+      CertFiles by_uri,
+      pki->ca->Issue("cn-other-uri-node-b", {"someone-else", {"URI:kvmesh://member/node-b"}}));
+  calls = CallPeerPortOfA(a, by_uri, spec);
+  EXPECT_TRUE(calls.exported.ok()) << StatusText(calls.exported);
+  EXPECT_TRUE(calls.released.ok()) << StatusText(calls.released);
+  EXPECT_TRUE(calls.looked_up.ok()) << StatusText(calls.looked_up);
+}
+
+// The channels to members do not take a common name either: node-b with a certificate of the
+// cluster CA that says node-b only in its common name is refused both ways, by node-a's channel
+// when node-a pulls from it (UNAVAILABLE, the handshake fails) and by node-a's peer port when
+// node-b pulls from node-a (PERMISSION_DENIED).
+TEST_F(TlsClusterTest, MemberCertificateWithOnlyACommonNameIsRefused) {
+  ASSERT_OK_AND_ASSIGN(CertFiles cn_only, pki->ca->Issue("node-b-cn-only", {"node-b", {}}));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(cn_only));
+  const v1::CacheSpec spec = SpecProto("cn-only", 2, 16, 8, {AttentionGroupProto({})});
+  ASSERT_NO_FATAL_FAILURE(CreateCaches(spec));
+  ASSERT_TRUE(Append(*stubs_[1], MakeAppend(spec, 1, {0, 1, 2}, 5)).ok());
+
+  grpc::Status status = CopyFromA("cn-only", 6);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("no subject alternative name"));
+
+  grpc::ClientContext context;
+  SetDeadline(&context, absl::Seconds(30));
+  v1::CopyPrefixRequest request;
+  request.set_cache("cn-only");
+  request.set_src_seq(1);
+  request.set_dst_seq(2);
+  request.set_length(3);
+  request.set_source_node("node-b");
+  v1::CopyPrefixResponse response;
+  status = stubs_[0]->CopyPrefix(&context, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << StatusText(status);
+  v1::ListSequencesResponse list;
+  ASSERT_TRUE(ListSequences(*stubs_[0], "cn-only", &list).ok());
+  ASSERT_EQ(list.sequences_size(), 1);  // seq 1 only: seq 2 was never written
 }
 
 // A member whose certificate names it but not the host of its address (node-b: DNS:node-b
