@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "yaml-cpp/yaml.h"
 
@@ -86,12 +87,24 @@ absl::StatusOr<PodTemplate> ParseStatefulSet(const YAML::Node& doc) {
   if (pod_spec["volumes"]) {
     for (const YAML::Node& v : pod_spec["volumes"]) {
       std::string kind = "other";
+      const std::string name = v["name"].as<std::string>();
       if (v["secret"]) {
         kind = absl::StrCat("secret:", v["secret"]["secretName"].as<std::string>());
       } else if (v["emptyDir"]) {
         kind = "emptyDir";
+      } else if (const YAML::Node csi = v["csi"]) {
+        CsiVolume volume;
+        volume.driver = csi["driver"].as<std::string>();
+        volume.read_only = csi["readOnly"] && csi["readOnly"].as<bool>();
+        if (const YAML::Node attributes = csi["volumeAttributes"]) {
+          for (const auto& entry : attributes) {
+            volume.attributes[entry.first.as<std::string>()] = entry.second.as<std::string>();
+          }
+        }
+        kind = absl::StrCat("csi:", volume.driver);
+        pod.csi_volumes[name] = std::move(volume);
       }
-      pod.volumes[v["name"].as<std::string>()] = kind;
+      pod.volumes[name] = kind;
     }
   }
   for (auto [probe, key] :
@@ -187,6 +200,44 @@ absl::StatusOr<ExpandedContainer> Expand(const PodTemplate& pod, const PodIdenti
   }
   for (const std::string& s : pod.command) out.argv.push_back(ExpandK8sVars(s, out.env));
   for (const std::string& s : pod.args) out.argv.push_back(ExpandK8sVars(s, out.env));
+  return out;
+}
+
+absl::StatusOr<std::string> ExpandCsiVars(absl::string_view input, const PodIdentity& identity) {
+  const std::map<std::string, std::string> vars = {{"POD_NAME", identity.name},
+                                                   {"POD_NAMESPACE", identity.namespace_}};
+  std::string out;
+  size_t i = 0;
+  while (i < input.size()) {
+    if (input[i] != '$' || i + 1 == input.size()) {  // a trailing "$" stays, as in os.Expand
+      out.push_back(input[i++]);
+      continue;
+    }
+    std::string name;
+    if (input[i + 1] == '{') {
+      const size_t close = input.find('}', i + 2);
+      if (close == absl::string_view::npos) {
+        return Invalid(absl::StrCat("csi attribute \"", input, "\": unterminated ${"));
+      }
+      name = std::string(input.substr(i + 2, close - i - 2));
+      i = close + 1;
+    } else {
+      size_t end = i + 1;
+      while (end < input.size() && (absl::ascii_isalnum(input[end]) || input[end] == '_')) ++end;
+      if (end == i + 1) {
+        return Invalid(
+            absl::StrCat("csi attribute \"", input, "\": \"$\" before neither a name nor {"));
+      }
+      name = std::string(input.substr(i + 1, end - i - 1));
+      i = end;
+    }
+    const auto it = vars.find(name);
+    if (it == vars.end()) {
+      return Invalid(absl::StrCat("csi attribute \"", input, "\": variable ", name,
+                                  " is not emulated (POD_NAME and POD_NAMESPACE are)"));
+    }
+    out.append(it->second);
+  }
   return out;
 }
 

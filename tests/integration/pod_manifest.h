@@ -1,13 +1,15 @@
 // PodTemplate: what the pods test (pods_test.cc) takes from a rendered Kubernetes manifest
 // (`kubectl kustomize deploy/k8s/overlays/host`): the StatefulSet's one container, its command,
-// args and env, its volume mounts, its probes, the grace period, and the headless Service it
-// names. Parsed with yaml-cpp, no Kubernetes API involved.
+// args and env, its volume mounts and volumes (CSI volumes with their attributes), its probes,
+// the grace period, and the headless Service it names. Parsed with yaml-cpp, no Kubernetes API
+// involved.
 //
 // Expand() applies what the kubelet would to a container's command and args: the env entries
 // in order (plain values and the downward API's metadata.name, metadata.namespace,
 // status.podIP), each value able to refer to earlier ones, and then $(VAR) references in the
 // command and args, with Kubernetes' rules ($$ is a literal $, an unknown $(VAR) stays as it
-// is; ExpandK8sVars).
+// is; ExpandK8sVars). ExpandCsiVars does what cert-manager's csi-driver does to its volume
+// attributes (${POD_NAME} and the like).
 //
 // Thread safety: plain values.
 #ifndef KVMESH_TESTS_INTEGRATION_POD_MANIFEST_H_
@@ -42,6 +44,14 @@ struct EnvVar {
   std::string field_path;  // downward API: metadata.name, metadata.namespace, status.podIP
 };
 
+// A CSI volume of the pod: the driver and its volumeAttributes, as written (a driver expands
+// its own variables in them, per pod).
+struct CsiVolume {
+  std::string driver;
+  bool read_only = false;
+  std::map<std::string, std::string> attributes;
+};
+
 struct PodTemplate {
   std::string statefulset;   // metadata.name
   std::string namespace_;    // metadata.namespace, "" when the manifest sets none
@@ -53,8 +63,9 @@ struct PodTemplate {
   std::vector<std::string> args;
   std::vector<EnvVar> env;
   std::map<std::string, std::string> mounts;  // mountPath -> volume name
-  // Volume name -> "secret:<secretName>", "emptyDir" or "other".
+  // Volume name -> "secret:<secretName>", "csi:<driver>", "emptyDir" or "other".
   std::map<std::string, std::string> volumes;
+  std::map<std::string, CsiVolume> csi_volumes;  // the "csi:" ones, by volume name
   GrpcProbe startup, liveness, readiness;
   // Ports of the Services the manifest defines, by Service name (first port of each).
   std::map<std::string, int32_t> service_ports;
@@ -86,6 +97,12 @@ struct ExpandedContainer {
   std::vector<std::string> argv;
 };
 absl::StatusOr<ExpandedContainer> Expand(const PodTemplate& pod, const PodIdentity& identity);
+
+// cert-manager csi-driver's expansion of a volume attribute for one pod (Go's os.Expand over the
+// pod's facts): ${POD_NAME} or $POD_NAME, ${POD_NAMESPACE}. INVALID_ARGUMENT naming the variable
+// for any other (the driver refuses to issue then; POD_UID and SERVICE_ACCOUNT_NAME, which it
+// knows, are not emulated), and for a "$" followed by neither a name nor "{".
+absl::StatusOr<std::string> ExpandCsiVars(absl::string_view input, const PodIdentity& identity);
 
 }  // namespace testutil
 }  // namespace kvmesh

@@ -3,14 +3,16 @@
 // one machine allows: three replicas of its container, each a real kvmesh-node process in a
 // network namespace of its own with its own address on a bridge, started with the container's
 // command, args and env exactly (downward API values and $(VAR) expansion as the kubelet does),
-// the Secret volumes made of real files (a CA and one certificate per pod, a token file), and a
-// real DNS server (dnsmasq) answering the headless Service and the pods' reverse names, which
-// is how the nodes find each other (--peer-dns). The test then acts as the kubelet (the
-// manifest's startup, liveness and readiness probes over grpc.health.v1 on the health port) and
-// as a tenant client over TLS with a bearer token: the cluster forms through DNS, a cross-node
-// CopyPrefix and a Migrate move data byte-exact, and deleting a pod the kubelet's way (SIGTERM,
-// SIGKILL after terminationGracePeriodSeconds) drains it: readiness turns NOT_SERVING, the node
-// exits 0 in time, and every sequence and snapshot it held reads byte-exact on the survivors.
+// the token Secret made of real files, the TLS volume filled as cert-manager's csi-driver fills
+// it (a key and certificate issued for that pod alone, with the names and files its volume
+// attributes give, and the CA), and a real DNS server (dnsmasq) answering the headless Service
+// and the pods' reverse names, which is how the nodes find each other (--peer-dns). The test then
+// acts as the kubelet (the manifest's startup, liveness and readiness probes over grpc.health.v1 on
+// the health port) and as a tenant client over TLS with a bearer token: the cluster forms through
+// DNS, a cross-node CopyPrefix and a Migrate move data byte-exact, and deleting a pod the kubelet's
+// way (SIGTERM, SIGKILL after terminationGracePeriodSeconds) drains it: readiness turns
+// NOT_SERVING, the node exits 0 in time, and every sequence and snapshot it held reads byte-exact
+// on the survivors.
 //
 // Not emulated: the kubelet itself, a CNI plugin, the Kubernetes API (no Endpoints, the DNS
 // records are static: the headless Service publishes not-ready addresses, so that matches),
@@ -26,8 +28,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -39,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -91,6 +96,47 @@ TEST(PodManifestTest, ExpandsVariablesAsKubernetesDoes) {
   ASSERT_TRUE(out.ok()) << out.status();
   // B may use IP (defined before it), not C (defined after).
   EXPECT_THAT(out->argv, ::testing::ElementsAre("/bin/x", "--a=10.0.0.1:1-$(C)", "--ip=10.0.0.1"));
+}
+
+// cert-manager's csi-driver expands its own variables in volume attributes, per pod.
+TEST(PodManifestTest, ExpandsCsiDriverVariables) {
+  const PodIdentity pod = {"kvmesh-1", "ns", "10.0.0.2"};
+  absl::StatusOr<std::string> out =
+      ExpandCsiVars("${POD_NAME},${POD_NAME}.peers.${POD_NAMESPACE}.svc,$POD_NAME-x,end$", pod);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(*out, "kvmesh-1,kvmesh-1.peers.ns.svc,kvmesh-1-x,end$");
+  // The driver refuses to issue for a variable it does not know; so does the emulation.
+  EXPECT_THAT(ExpandCsiVars("${POD_IP}", pod).status().message(), HasSubstr("POD_IP"));
+  EXPECT_FALSE(ExpandCsiVars("${POD_NAME", pod).ok());
+  EXPECT_FALSE(ExpandCsiVars("$(POD_NAME)", pod).ok());  // Kubernetes' syntax is not the driver's
+}
+
+// The manifest's TLS volume is a per-pod csi.cert-manager.io volume, parsed with its attributes.
+TEST(PodManifestTest, ParsesCsiVolumes) {
+  absl::StatusOr<PodTemplate> pod = ParsePodTemplate(R"(
+apiVersion: apps/v1
+kind: StatefulSet
+metadata: {name: s}
+spec:
+  serviceName: h
+  template:
+    spec:
+      containers:
+        - name: c
+          command: [/bin/x]
+          volumeMounts: [{name: tls, mountPath: /tls, readOnly: true}]
+      volumes:
+        - name: tls
+          csi:
+            driver: csi.cert-manager.io
+            readOnly: true
+            volumeAttributes: {csi.cert-manager.io/dns-names: "${POD_NAME}"}
+)");
+  ASSERT_TRUE(pod.ok()) << pod.status();
+  EXPECT_EQ(pod->volumes.at("tls"), "csi:csi.cert-manager.io");
+  EXPECT_TRUE(pod->csi_volumes.at("tls").read_only);
+  EXPECT_EQ(pod->csi_volumes.at("tls").attributes.at("csi.cert-manager.io/dns-names"),
+            "${POD_NAME}");
 }
 
 // ---- the cluster of pods ---------------------------------------------------------------------
@@ -233,7 +279,7 @@ class PodsTest : public ::testing::Test {
     ASSERT_TRUE(network.ok()) << network.status();
     network_ = *std::move(network);
 
-    ASSERT_NO_FATAL_FAILURE(MakeSecrets(names));
+    ASSERT_NO_FATAL_FAILURE(MakeSecrets());
     for (size_t i = 0; i < names.size(); ++i) ASSERT_NO_FATAL_FAILURE(StartPod(i, names[i]));
     for (Pod& pod : pods_) ASSERT_NO_FATAL_FAILURE(AwaitStarted(pod));
   }
@@ -269,43 +315,78 @@ class PodsTest : public ::testing::Test {
     network_.reset();
   }
 
-  // The Secrets the manifest mounts (deploy/k8s/README.md): kvmesh-tls with ca.crt and
-  // <pod>.crt/<pod>.key per pod, kvmesh-tokens with the key `tokens`. Each certificate names
-  // its pod as the peer plane needs (its member name) and as clients call it (its DNS names).
-  void MakeSecrets(const std::vector<std::string>& names) {
-    const std::string tls = dir_->File("secret-kvmesh-tls");
+  // What exists before the pods (deploy/k8s/README.md, "Before applying"): the Secret
+  // kvmesh-tokens with the key `tokens`, and the CA behind the Issuer the TLS volume names.
+  void MakeSecrets() {
     const std::string tokens = dir_->File("secret-kvmesh-tokens");
-    ASSERT_EQ(mkdir(tls.c_str(), 0700), 0);
     ASSERT_EQ(mkdir(tokens.c_str(), 0700), 0);
     absl::StatusOr<std::unique_ptr<TestCa>> ca =
         TestCa::Create(dir_->path(), "ca", "kvmesh pods test CA");
     ASSERT_TRUE(ca.ok()) << ca.status();
-    absl::StatusOr<std::string> ca_pem = ReadTextFile((*ca)->cert_file());
-    ASSERT_TRUE(ca_pem.ok());
-    ASSERT_TRUE(ReplaceFile(tls + "/ca.crt", *ca_pem).ok());
-    ca_file_ = tls + "/ca.crt";
-    const std::string client_service = absl::StrCat("kvmesh.", namespace_, ".svc");
-    for (size_t i = 0; i < names.size(); ++i) {
-      LeafOptions leaf;
-      leaf.common_name = names[i];
-      leaf.sans = {absl::StrCat("DNS:", names[i]), absl::StrCat("DNS:", network_->PodFqdn(i)),
-                   "DNS:kvmesh", absl::StrCat("DNS:", client_service),
-                   absl::StrCat("DNS:", client_service, ".cluster.local")};
-      absl::StatusOr<CertFiles> files = (*ca)->Issue(names[i], leaf);
-      ASSERT_TRUE(files.ok()) << files.status();
-      for (auto [from, to] : {std::pair{files->cert, absl::StrCat(tls, "/", names[i], ".crt")},
-                              std::pair{files->key, absl::StrCat(tls, "/", names[i], ".key")}}) {
-        absl::StatusOr<std::string> pem = ReadTextFile(from);
-        ASSERT_TRUE(pem.ok());
-        ASSERT_TRUE(ReplaceFile(to, *pem).ok());
-      }
-    }
+    ca_ = *std::move(ca);
+    ca_file_ = ca_->cert_file();  // the client's trust
     token_ = absl::StrCat("pods-test-token-", getpid(), "-", absl::ToUnixNanos(absl::Now()));
     ASSERT_TRUE(ReplaceFile(tokens + "/tokens", absl::StrCat("token sha256:", Sha256Hex(token_),
                                                              " ", kTenant, " tenant\n"))
                     .ok());
-    secrets_["kvmesh-tls"] = tls;
     secrets_["kvmesh-tokens"] = tokens;
+  }
+
+  // Fills `dir` as cert-manager's csi-driver fills the pod's volume: a key made for this pod
+  // alone and a certificate from the CA with the volume's dns-names (expanded for the pod) and
+  // extended key usages, and the CA, under the file names its attributes give (the driver's
+  // defaults otherwise). INVALID_ARGUMENT for attributes the driver would refuse or this
+  // emulation does not do.
+  absl::Status FillCertManagerVolume(const CsiVolume& volume, const PodIdentity& pod,
+                                     const std::string& dir) {
+    const auto attr = [&](const std::string& key, const std::string& fallback) {
+      const auto it = volume.attributes.find(absl::StrCat("csi.cert-manager.io/", key));
+      return it == volume.attributes.end() ? fallback : it->second;
+    };
+    if (!volume.read_only) return absl::InvalidArgumentError("csi.cert-manager.io needs readOnly");
+    if (attr("issuer-name", "").empty()) {
+      return absl::InvalidArgumentError("csi.cert-manager.io/issuer-name is required");
+    }
+    absl::StatusOr<std::string> dns_names = ExpandCsiVars(attr("dns-names", ""), pod);
+    if (!dns_names.ok()) return dns_names.status();
+    LeafOptions leaf;  // no common name unless the attributes ask for one, as the driver does
+    absl::StatusOr<std::string> common_name = ExpandCsiVars(attr("common-name", ""), pod);
+    if (!common_name.ok()) return common_name.status();
+    leaf.common_name = *common_name;
+    for (absl::string_view name : absl::StrSplit(*dns_names, ',', absl::SkipWhitespace())) {
+      leaf.sans.push_back(absl::StrCat("DNS:", absl::StripAsciiWhitespace(name)));
+    }
+    std::vector<std::string> extended;
+    for (absl::string_view usage : absl::StrSplit(attr("key-usages", ""), ',')) {
+      usage = absl::StripAsciiWhitespace(usage);
+      if (usage == "server auth") extended.push_back("serverAuth");
+      if (usage == "client auth") extended.push_back("clientAuth");
+    }
+    if (extended.empty()) {
+      return absl::InvalidArgumentError(
+          "csi.cert-manager.io/key-usages name neither server auth nor client auth");
+    }
+    leaf.extended_key_usage = absl::StrJoin(extended, ",");
+    if (attr("key-algorithm", "ECDSA") != "ECDSA" || attr("key-size", "256") != "256") {
+      return absl::InvalidArgumentError("only ECDSA P-256 keys are emulated (certs.cc)");
+    }
+    absl::StatusOr<CertFiles> files = ca_->Issue(absl::StrCat("issued-", pod.name), leaf);
+    if (!files.ok()) return files.status();
+    for (auto [from, key, fallback] : {std::tuple{files->cert, "certificate-file", "tls.crt"},
+                                       std::tuple{files->key, "privatekey-file", "tls.key"},
+                                       std::tuple{ca_->cert_file(), "ca-file", "ca.crt"}}) {
+      absl::StatusOr<std::string> pem = ReadTextFile(from);
+      if (!pem.ok()) return pem.status();
+      if (absl::Status s = ReplaceFile(absl::StrCat(dir, "/", attr(key, fallback)), *pem);
+          !s.ok()) {
+        return s;
+      }
+    }
+    // The key lives in the pod's volume only, as the driver keeps it.
+    if (unlink(files->key.c_str()) != 0) {
+      return absl::InternalError(absl::StrCat("unlink ", files->key, ": ", strerror(errno)));
+    }
+    return absl::OkStatus();
   }
 
   // The container's command line for pod i: expanded as the kubelet does, with two rewrites:
@@ -334,6 +415,16 @@ class PodsTest : public ::testing::Test {
       } else if (kind == "emptyDir") {
         const std::string d = dir_->File(absl::StrCat(name, "-", volume));
         mkdir(d.c_str(), 0700);
+        volume_dirs[mount_path] = d;
+      } else if (kind == "csi:csi.cert-manager.io") {
+        const std::string d = dir_->File(absl::StrCat(name, "-", volume));
+        mkdir(d.c_str(), 0700);
+        absl::Status filled = FillCertManagerVolume(template_.csi_volumes.at(volume),
+                                                    {name, namespace_, network_->pod_ip(i)}, d);
+        if (!filled.ok()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("volume ", volume, ": ", filled.message()));
+        }
         volume_dirs[mount_path] = d;
       } else {
         return absl::InvalidArgumentError(
@@ -446,6 +537,7 @@ class PodsTest : public ::testing::Test {
   std::unique_ptr<TempDir> dir_;
   std::unique_ptr<PodNetwork> network_;
   std::map<std::string, std::string> secrets_;  // secretName -> directory
+  std::unique_ptr<TestCa> ca_;                  // the Issuer's CA
   std::string ca_file_, token_;
   std::vector<Pod> pods_;
 };
