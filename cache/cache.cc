@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/container/btree_set.h"
@@ -1505,14 +1506,28 @@ SequenceInfo Cache::SequenceInfoLocked(int64_t seq) const {
 }
 
 std::vector<SequenceInfo> Cache::ListSequences() const {
+  return ListSequences(0, std::numeric_limits<size_t>::max() - 1).sequences;
+}
+
+Cache::SequencePage Cache::ListSequences(int64_t first, size_t limit) const {
+  limit = std::clamp<size_t>(limit, 1, std::numeric_limits<size_t>::max() - 1);
   ReaderMutexLock lock(&mu_);
-  absl::flat_hash_set<int64_t> live;
-  for (const auto& group : groups_) group->AddLive(&live);
-  absl::btree_set<int64_t> seqs(live.begin(), live.end());
-  std::vector<SequenceInfo> out;
-  out.reserve(seqs.size());
-  for (int64_t seq : seqs) out.push_back(SequenceInfoLocked(seq));
-  return out;
+  // Each group's first limit + 1 ids from `first`: the page's ids are the lowest limit + 1 of
+  // their union (one more than the page, to tell whether more follow).
+  std::vector<int64_t> ids;
+  for (const auto& group : groups_) {
+    const size_t before = ids.size();
+    group->LiveFrom(first, limit + 1, &ids);
+    std::inplace_merge(ids.begin(), ids.begin() + static_cast<ptrdiff_t>(before), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    if (ids.size() > limit + 1) ids.resize(limit + 1);
+  }
+  SequencePage page;
+  page.more = ids.size() > limit;
+  if (page.more) ids.resize(limit);
+  page.sequences.reserve(ids.size());
+  for (int64_t seq : ids) page.sequences.push_back(SequenceInfoLocked(seq));
+  return page;
 }
 
 std::optional<SequenceInfo> Cache::GetSequence(int64_t seq) const {
@@ -1938,6 +1953,20 @@ std::vector<SnapshotInfo> Cache::ListSnapshots() const {
   out.reserve(snapshots_.size());
   for (const auto& [id, record] : snapshots_) out.push_back(InfoLocked(*record));
   return out;
+}
+
+Cache::SnapshotPage Cache::ListSnapshots(uint64_t first, size_t limit) const {
+  limit = std::max<size_t>(limit, 1);
+  ReaderMutexLock lock(&mu_);
+  SnapshotPage page;
+  for (auto it = snapshots_.lower_bound(first); it != snapshots_.end(); ++it) {
+    if (page.snapshots.size() == limit) {
+      page.more = true;
+      break;
+    }
+    page.snapshots.push_back(InfoLocked(*it->second));
+  }
+  return page;
 }
 
 // ---- Moving snapshots between nodes ---------------------------------------------------------

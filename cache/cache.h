@@ -6,7 +6,7 @@
 // docs/api.md#error-codes and messages name the offending values.
 //
 // Thread safety: all methods are thread-safe. Mutations take the cache's lock exclusively;
-// Read, Visible, CanResume, ListSequences and Usage take it shared.
+// Read, Visible, CanResume, ListSequences, ListSnapshots and Usage take it shared.
 #ifndef KVMESH_CACHE_CACHE_H_
 #define KVMESH_CACHE_CACHE_H_
 
@@ -458,6 +458,15 @@ class Cache {
 
   // Live sequences in ascending id order.
   std::vector<SequenceInfo> ListSequences() const;
+  // One page of that listing: the live sequences with ids >= `first`, ascending, at most
+  // `limit` of them (0 is taken as 1), and whether more follow. Found through each group's
+  // ordered ids under the shared lock, so a page costs O(groups x limit x log n) time and
+  // holds `limit` entries, however many sequences the cache has.
+  struct SequencePage {
+    std::vector<SequenceInfo> sequences;
+    bool more = false;
+  };
+  SequencePage ListSequences(int64_t first, size_t limit) const;
   // The token chain of `seq` (cache/token_chain.h); empty when it has none.
   TokenChain Tokens(int64_t seq) const;
   // The sequences whose exact prefixes (docs/api.md#tokens) share the longest prefixes with
@@ -589,6 +598,13 @@ class Cache {
 
   // All snapshots of the cache in ascending id order.
   std::vector<SnapshotInfo> ListSnapshots() const;
+  // One page of that listing: the snapshots with ids >= `first`, ascending, at most `limit`
+  // (0 is taken as 1), and whether more follow; O(log n + limit) under the shared lock.
+  struct SnapshotPage {
+    std::vector<SnapshotInfo> snapshots;
+    bool more = false;
+  };
+  SnapshotPage ListSnapshots(uint64_t first, size_t limit) const;
 
   // ---- Moving snapshots between nodes (docs/cluster.md) ---------------------------------
   // A snapshot travels as one self-describing byte string, its "wire image": a header (format

@@ -37,6 +37,10 @@ struct TenantQuota {
   uint64_t max_bytes = std::numeric_limits<uint64_t>::max();
 };
 
+// What the bookkeeping of all a node's caches may take in host memory together, by default
+// (CacheMetadataBytes of each; docs/api.md#metadata-budget).
+inline constexpr uint64_t kDefaultMetadataBudget = uint64_t{512} << 20;
+
 class CacheRegistry {
  public:
   // `device` must outlive the registry and every cache handed out.
@@ -56,8 +60,10 @@ class CacheRegistry {
   // memory is freed. Same name and same spec again is an idempotent success; same name with a
   // different spec is ALREADY_EXISTS. RESOURCE_EXHAUSTED naming the tenant and its quota when
   // the new cache would take the tenant past `quota` (checked under the lock against the
-  // caches the tenant holds then, so racing creates cannot overshoot it). Otherwise errors of
-  // Cache::Create.
+  // caches the tenant holds then, so racing creates cannot overshoot it), and naming the
+  // cache's max_sequences, its CacheMetadataBytes and the budget when that would take the
+  // node's caches past the metadata budget (checked before anything is allocated, and again
+  // under the lock). Otherwise errors of Cache::Create.
   absl::StatusOr<CreateResult> Create(absl::string_view tenant, const CacheSpec& spec,
                                       const TenantQuota& quota);
   absl::StatusOr<CreateResult> Create(const CacheSpec& spec) {
@@ -87,6 +93,25 @@ class CacheRegistry {
   // Every cache of every tenant, ordered by tenant, then name.
   std::vector<Entry> ListAll() const;
 
+  // One page of a listing: at most `limit` entries (0 is taken as 1), and whether more follow.
+  struct Page {
+    std::vector<Entry> entries;
+    bool more = false;
+  };
+  // The caches of `tenant` whose names sort after `after` (empty: from the first), by name.
+  Page ListPage(absl::string_view tenant, absl::string_view after, size_t limit) const;
+  // Every tenant's caches after (after_tenant, after_name) in (tenant, name) order (both empty:
+  // from the first). Names and tenants are never empty, so an empty key lies before them all.
+  Page ListAllPage(absl::string_view after_tenant, absl::string_view after_name,
+                   size_t limit) const;
+
+  // The bound on the CacheMetadataBytes of all caches together (kDefaultMetadataBudget until
+  // set). Set it before the first Create; caches that exist are not judged again.
+  void SetMetadataBudget(uint64_t bytes);
+  uint64_t metadata_budget() const;
+  // What the caches hold of it now.
+  uint64_t MetadataBytes() const;
+
   // The caches `tenant` holds and the arena bytes they reserve.
   struct TenantUsage {
     int64_t caches = 0;
@@ -112,13 +137,19 @@ class CacheRegistry {
   static uint64_t ArenaBytes(const Cache& cache);
 
  private:
-  using Key = std::pair<std::string, std::string>;  // tenant, name
 
   // The cache named spec.name of `tenant` if its spec equals `spec` (created = false), an empty
   // result when there is none, ALREADY_EXISTS when the specs differ.
   absl::StatusOr<CreateResult> FindLocked(absl::string_view tenant, const CacheSpec& spec) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   TenantUsage UsageLocked(absl::string_view tenant) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when a cache of `spec` would take the caches past the metadata budget.
+  absl::Status CheckMetadataLocked(const CacheSpec& spec) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Up to `limit` entries from `it` on, of `tenant` only unless it is null.
+  using Key = std::pair<std::string, std::string>;  // tenant, name
+  Page PageFromLocked(std::map<Key, std::shared_ptr<Cache>>::const_iterator it,
+                      const std::string* tenant, size_t limit) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   // Publishes a cache's creation (with its token block size) or deletion (under mu_, so in the
   // order they happen).
@@ -131,6 +162,8 @@ class CacheRegistry {
   EvictionFilterFactory filter_factory_;
   mutable Mutex mu_;
   std::map<Key, std::shared_ptr<Cache>> caches_ ABSL_GUARDED_BY(mu_);
+  uint64_t metadata_budget_ ABSL_GUARDED_BY(mu_) = kDefaultMetadataBudget;
+  uint64_t metadata_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // CacheMetadataBytes of caches_
 };
 
 }  // namespace kvmesh

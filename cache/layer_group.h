@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
@@ -137,6 +138,9 @@ class LayerGroup {
   virtual int32_t Offset(int64_t seq) const = 0;
   virtual void AddLive(absl::flat_hash_set<int64_t>* live) const = 0;
   virtual size_t LiveCount() const = 0;
+  // Appends to *out the first `limit` sequences (ascending) with ids >= `first` that the group
+  // holds anything for: O(log n + limit), for a page of Cache::ListSequences.
+  virtual void LiveFrom(int64_t first, size_t limit, std::vector<int64_t>* out) const = 0;
   virtual GroupSequenceInfo Info(int64_t seq) const = 0;
   virtual GroupUsage Usage() const = 0;
   // Cells (Recurrent: state slots) referenced by more than one sequence: a walk over every
@@ -323,9 +327,60 @@ class LayerGroup {
   const absl::flat_hash_set<int64_t>* evicting_ = nullptr;  // see set_evicting
 };
 
+// One Entry per sequence id: a hash map for the lookups of the request path, with the same ids
+// kept in order beside it for paged listings (LayerGroup::LiveFrom). Only the creation and the
+// erasure of an entry touch the ordered set (O(log n) each, about 12 bytes per id); the map's
+// interface is the subset of absl::flat_hash_map's that the groups use.
+template <typename Entry>
+class SequenceMap {
+ public:
+  using Map = absl::flat_hash_map<int64_t, Entry>;
+  using iterator = typename Map::iterator;
+  using const_iterator = typename Map::const_iterator;
+
+  iterator begin() { return map_.begin(); }
+  iterator end() { return map_.end(); }
+  const_iterator begin() const { return map_.begin(); }
+  const_iterator end() const { return map_.end(); }
+  iterator find(int64_t seq) { return map_.find(seq); }
+  const_iterator find(int64_t seq) const { return map_.find(seq); }
+  bool contains(int64_t seq) const { return map_.contains(seq); }
+  Entry& at(int64_t seq) { return map_.at(seq); }
+  const Entry& at(int64_t seq) const { return map_.at(seq); }
+  size_t size() const { return map_.size(); }
+
+  // The entry of `seq`, default-constructed when it has none.
+  Entry& operator[](int64_t seq) {
+    auto [it, inserted] = map_.try_emplace(seq);
+    if (inserted) order_.insert(seq);
+    return it->second;
+  }
+  template <typename... Args>
+  std::pair<iterator, bool> emplace(int64_t seq, Args&&... args) {
+    auto result = map_.try_emplace(seq, std::forward<Args>(args)...);
+    if (result.second) order_.insert(seq);
+    return result;
+  }
+  void erase(iterator it) {
+    order_.erase(it->first);
+    map_.erase(it);
+  }
+
+  // Appends the first `limit` ids >= `first` to *out, ascending.
+  void IdsFrom(int64_t first, size_t limit, std::vector<int64_t>* out) const {
+    for (auto it = order_.lower_bound(first); it != order_.end() && limit > 0; ++it, --limit) {
+      out->push_back(*it);
+    }
+  }
+
+ private:
+  Map map_;
+  absl::btree_set<int64_t> order_;
+};
+
 // A LayerGroup whose metadata is one Entry per sequence, kept exactly while the group holds
 // anything for the sequence: each kind erases a sequence's entry when it empties it, so the
-// map answers Has, AddLive and LiveCount.
+// map answers Has, AddLive, LiveCount and LiveFrom.
 template <typename Entry>
 class SequenceMapGroup : public LayerGroup {
  public:
@@ -334,6 +389,9 @@ class SequenceMapGroup : public LayerGroup {
     for (const auto& [seq, entry] : seqs_) live->insert(seq);
   }
   size_t LiveCount() const override { return seqs_.size(); }
+  void LiveFrom(int64_t first, size_t limit, std::vector<int64_t>* out) const override {
+    seqs_.IdsFrom(first, limit, out);
+  }
 
  protected:
   using LayerGroup::LayerGroup;
@@ -344,7 +402,7 @@ class SequenceMapGroup : public LayerGroup {
     return it == seqs_.end() ? nullptr : &it->second;
   }
 
-  absl::flat_hash_map<int64_t, Entry> seqs_;
+  SequenceMap<Entry> seqs_;
 };
 
 // What a StagingGroup keeps for every sequence; each kind adds where the committed data lives.

@@ -26,6 +26,7 @@ constexpr ResourceName kReasons[] = {
     {Resource::kPendingTokens, "PENDING_TOKENS_EXHAUSTED"},
     {Resource::kInflightBytes, "INFLIGHT_BUDGET_EXHAUSTED"},
     {Resource::kSnapshotBytes, "SNAPSHOT_POOL_EXHAUSTED"},
+    {Resource::kMetadataBytes, "METADATA_BUDGET_EXHAUSTED"},
 };
 
 }  // namespace
@@ -64,7 +65,7 @@ std::optional<Shortage> GetShortage(const absl::Status& status) {
   for (size_t i = 0; i < 5; ++i) {
     if (!absl::SimpleAtoi(fields[i], &v[i])) return std::nullopt;
   }
-  if (v[0] < 0 || v[0] > static_cast<int64_t>(Resource::kSnapshotBytes)) return std::nullopt;
+  if (v[0] < 0 || v[0] > static_cast<int64_t>(Resource::kMetadataBytes)) return std::nullopt;
   Shortage shortage;
   shortage.resource = static_cast<Resource>(v[0]);
   shortage.group = static_cast<int32_t>(v[1]);

@@ -27,6 +27,7 @@ enum class Resource {
   kPendingTokens,  // a sequence's speculative tokens (max_batch)
   kInflightBytes,  // the node's in-flight budget for request and response bytes
   kSnapshotBytes,  // the device's snapshot pool
+  kMetadataBytes,  // the node's budget for its caches' host bookkeeping (CacheMetadataBytes)
 };
 
 // ErrorInfo's `reason` for a resource: "CELLS_EXHAUSTED", "RINGS_EXHAUSTED", ...

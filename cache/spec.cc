@@ -408,4 +408,28 @@ std::string DescribeSpecDifference(const CacheSpec& a, const CacheSpec& b) {
   return a.name != b.name ? absl::StrCat("name '", a.name, "' vs '", b.name, "'") : "nothing";
 }
 
+uint64_t CacheMetadataBytes(const CacheSpec& spec) {
+  const uint64_t per_sequence =
+      kSequenceMetadataBytes + kGroupSequenceMetadataBytes * spec.groups.size();
+  uint64_t total = per_sequence * static_cast<uint64_t>(spec.max_sequences);
+  for (size_t g = 0; g < spec.groups.size(); ++g) {
+    const int group = static_cast<int>(g);
+    switch (spec.groups[g].kind) {
+      case GroupKind::kAttention:
+        total += kCellMetadataBytes *
+                 static_cast<uint64_t>(ComputeAttentionGeometry(spec, group).cells);
+        break;
+      case GroupKind::kRotating:
+        total += kSlotMetadataBytes *
+                 static_cast<uint64_t>(ComputeRotatingGeometry(spec, group).rings);
+        break;
+      case GroupKind::kRecurrent:
+        total += kSlotMetadataBytes *
+                 static_cast<uint64_t>(ComputeRecurrentGeometry(spec, group).slots);
+        break;
+    }
+  }
+  return total;
+}
+
 }  // namespace kvmesh

@@ -190,6 +190,23 @@ size_t GroupStateBytes(const CacheSpec& spec, int group);
 // Total device bytes a cache of this spec allocates. REQUIRES: ValidateSpec(spec).ok().
 size_t CacheBytes(const CacheSpec& spec);
 
+// Host memory a cache's bookkeeping may take beyond its device arenas, as a bound computed from
+// the spec alone (docs/api.md#metadata-budget): each of max_sequences sequence slots is charged
+// kSequenceMetadataBytes for what the cache keeps per live sequence (its last use and place in
+// the eviction order, retention, pending and reservation entries, a token chain's fixed part)
+// plus kGroupSequenceMetadataBytes per group (the group's entry for the sequence and its place
+// in the group's ordered ids); each Attention cell kCellMetadataBytes (reference and pin
+// counts, holder, free list), each Rotating ring and Recurrent state slot kSlotMetadataBytes.
+// The per-sequence figures are what a sequence holding one position takes, measured with
+// tests/bench/metadata_bench (docs/benchmarks.md), rounded up. What grows with the positions a
+// sequence stores (runs of cells beyond the first, token ids and block hashes) is not in it.
+inline constexpr uint64_t kSequenceMetadataBytes = 320;
+inline constexpr uint64_t kGroupSequenceMetadataBytes = 160;
+inline constexpr uint64_t kCellMetadataBytes = 20;
+inline constexpr uint64_t kSlotMetadataBytes = 8;
+// REQUIRES: ValidateSpec(spec).ok().
+uint64_t CacheMetadataBytes(const CacheSpec& spec);
+
 }  // namespace kvmesh
 
 #endif  // KVMESH_CACHE_SPEC_H_

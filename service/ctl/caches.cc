@@ -108,10 +108,12 @@ absl::Status Get(const Client& client, const Args& args) {
   return absl::OkStatus();
 }
 
-absl::Status List(const Client& client, const Args&) {
+absl::Status List(const Client& client, const Args& args) {
+  v1::ListCachesRequest request;
+  ASSIGN_OR_RETURN(const bool one_page, GetPaging(args, kListCachesPageSize, &request));
   v1::ListCachesResponse response;
   RETURN_IF_ERROR(
-      client.Call(&v1::CacheService::Stub::ListCaches, v1::ListCachesRequest(), &response));
+      client.CallPages(&v1::CacheService::Stub::ListCaches, request, &response, one_page));
   if (client.json()) return PrintJson(response);
   std::printf("%-24s %-16s %-5s %6s %10s %9s %9s %12s\n", "NAME", "TENANT", "DTYPE", "GROUPS",
               "SEQUENCES", "CAPACITY", "MAX_BATCH", "HELD");
@@ -123,6 +125,7 @@ absl::Status List(const Client& client, const Args&) {
                 s.capacity(), s.max_batch(), Mib(info.usage().bytes_held()).c_str());
   }
   if (response.caches().empty()) std::printf("(no caches)\n");
+  PrintNextPage(response.next_page_token());
   return absl::OkStatus();
 }
 
@@ -139,6 +142,7 @@ constexpr absl::string_view kCreateFlags[] = {"name",          "cache",     "dty
                                               "max-sequences", "capacity",  "max-batch",
                                               "group",         "spec-json", "eviction"};
 constexpr absl::string_view kCacheFlags[] = {"cache", "name"};
+constexpr absl::string_view kListFlags[] = {"page-size", "page-token"};
 
 }  // namespace
 
@@ -165,9 +169,9 @@ const Command kGetCommand = {
     "get", kCacheFlags, R"(  get           --cache=CACHE                  spec and usage)", &Get};
 
 const Command kListCommand = {
-    "list",
-    {},
-    R"(  list                                         the caller's caches (an admin: all))",
+    "list", kListFlags,
+    R"(  list          [--page-size=N] [--page-token=T]  the caller's caches (an admin: all);
+                every page, N (1000) a call, unless --page-token asks for the one page from T)",
     &List};
 
 const Command kUsageCommand = {

@@ -48,13 +48,30 @@ absl::StatusOr<CacheSpec> Client::FetchSpec(const std::string& cache) const {
 absl::StatusOr<int32_t> Client::FetchOffset(const std::string& cache, int64_t seq) const {
   v1::ListSequencesRequest request;
   request.set_cache(cache);
-  v1::ListSequencesResponse response;
-  RETURN_IF_ERROR(Call(&v1::CacheService::Stub::ListSequences, request, &response));
-  for (const v1::SequenceInfo& s : response.sequences()) {
-    if (s.seq() == seq) return s.offset();
+  request.set_page_size(kListPageSize);
+  // Page by page, ascending: stop at the page that reaches seq.
+  for (;;) {
+    v1::ListSequencesResponse response;
+    RETURN_IF_ERROR(Call(&v1::CacheService::Stub::ListSequences, request, &response));
+    for (const v1::SequenceInfo& s : response.sequences()) {
+      if (s.seq() == seq) return s.offset();
+      if (s.seq() > seq) break;
+    }
+    const bool past = !response.sequences().empty() &&
+                      response.sequences(response.sequences_size() - 1).seq() >= seq;
+    if (past || response.next_page_token().empty() ||
+        response.next_page_token() == request.page_token()) {
+      break;
+    }
+    request.set_page_token(response.next_page_token());
   }
   return absl::NotFoundError(
       absl::StrCat("seq ", seq, " is not listed by cache ", cache, " (needed for its offset)"));
+}
+
+void PrintNextPage(const std::string& next_page_token) {
+  if (next_page_token.empty()) return;
+  std::printf("next page: --page-token=%s\n", next_page_token.c_str());
 }
 
 absl::StatusOr<CacheSpec> EngineSpec(const v1::CacheSpec& proto) {

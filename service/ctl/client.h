@@ -13,13 +13,16 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "cache/spec.h"
+#include "cache/status_macros.h"
 #include "google/protobuf/message.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -32,6 +35,11 @@
 
 namespace kvmesh {
 namespace ctl {
+
+// The page sizes kvmeshctl asks for: the node's maxima (docs/api.md#paging), so that a whole
+// listing takes as few calls as the node allows.
+inline constexpr int32_t kListPageSize = 4096;       // sequences, snapshots
+inline constexpr int32_t kListCachesPageSize = 1000;  // caches
 
 class Client {
  public:
@@ -62,6 +70,34 @@ class Client {
                                                                    const Request&, Response*),
                     const Request& request, Response* response) const {
     return FromGrpcStatus((stub_.get()->*method)(Context().get(), request, response));
+  }
+
+  // Calls the paged List RPC `method` (ListCaches, ListSequences, ListSnapshots) from
+  // request.page_token() on and merges the pages' entries into *response in order: every page
+  // up to the last, or with `one_page` only the first, whose next_page_token *response keeps
+  // (empty otherwise). INTERNAL when the node hands back the token it was given, which would
+  // never end.
+  template <typename Request, typename Response>
+  absl::Status CallPages(grpc::Status (v1::CacheService::Stub::*method)(grpc::ClientContext*,
+                                                                        const Request&, Response*),
+                         Request request, Response* response, bool one_page) const {
+    response->Clear();
+    for (;;) {
+      Response page;
+      RETURN_IF_ERROR(Call(method, request, &page));
+      std::string next = std::move(*page.mutable_next_page_token());
+      page.clear_next_page_token();
+      response->MergeFrom(page);
+      if (one_page) {
+        response->set_next_page_token(std::move(next));
+        return absl::OkStatus();
+      }
+      if (next.empty()) return absl::OkStatus();
+      if (next == request.page_token()) {
+        return absl::InternalError("the node returned the page token it was given");
+      }
+      request.set_page_token(std::move(next));
+    }
   }
 
   // The spec and usage of `cache` (GetCache). The RPC's status on failure (NOT_FOUND for an
@@ -111,6 +147,31 @@ absl::StatusOr<int32_t> GetInt32(const Args& args, absl::string_view name,
                                  std::optional<int64_t> fallback = std::nullopt);
 // A snapshot id flag: > 0.
 absl::StatusOr<uint64_t> GetSnapshotId(const Args& args, absl::string_view name);
+
+// The flags of the paged listings: --page-size=N (entries per call; default: the node's
+// maximum, 4096 sequences or snapshots, 1000 caches) into request.page_size, and --page-token=T
+// into request.page_token. Returns whether to list one page only (--page-token given); without
+// it a command follows the pages to the end.
+template <typename Request>
+absl::StatusOr<bool> GetPaging(const Args& args, int32_t default_page_size, Request* request) {
+  int32_t page_size = 0;
+  {
+    absl::StatusOr<int32_t> got = GetInt32(args, "page-size", default_page_size);
+    if (!got.ok()) return got.status();
+    page_size = *got;
+  }
+  if (page_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--page-size=", page_size, " must be at least 1"));
+  }
+  request->set_page_size(page_size);
+  const std::optional<std::string> token = args.Get("page-token");
+  if (!token.has_value()) return false;
+  request->set_page_token(*token);
+  return true;
+}
+// Prints where the next page starts, when a one-page listing has one.
+void PrintNextPage(const std::string& next_page_token);
 
 }  // namespace ctl
 }  // namespace kvmesh

@@ -342,8 +342,10 @@ absl::Status SetRetention(const Client& client, const Args& args) {
 absl::Status ListSequences(const Client& client, const Args& args) {
   v1::ListSequencesRequest request;
   ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(const bool one_page, GetPaging(args, kListPageSize, &request));
   v1::ListSequencesResponse response;
-  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::ListSequences, request, &response));
+  RETURN_IF_ERROR(client.CallPages(&v1::CacheService::Stub::ListSequences, request, &response,
+                                   one_page));
   if (client.json()) return PrintJson(response);
   ASSIGN_OR_RETURN(v1::CacheInfo info, client.FetchInfo(request.cache()));
   std::printf("%-8s %7s %7s %11s %9s %9s  %s\n", "SEQ", "OFFSET", "PENDING", "EXACT/IDS", "IDLE",
@@ -377,6 +379,7 @@ absl::Status ListSequences(const Client& client, const Args& args) {
                 tokens.c_str(), idle.c_str(), keep.c_str(), absl::StrJoin(groups, "  ").c_str());
   }
   if (response.sequences().empty()) std::printf("(no sequences)\n");
+  PrintNextPage(response.next_page_token());
   return absl::OkStatus();
 }
 
@@ -402,7 +405,8 @@ constexpr absl::string_view kCopyPrefixFlags[] = {
 constexpr absl::string_view kRemoveFlags[] = {"cache", "name", "seq", "begin", "end", "scope"};
 constexpr absl::string_view kCanResumeFlags[] = {"cache", "name", "seq", "pos"};
 constexpr absl::string_view kReserveFlags[] = {"cache", "name", "seq", "positions", "ttl"};
-constexpr absl::string_view kListSequencesFlags[] = {"cache", "name"};
+constexpr absl::string_view kListSequencesFlags[] = {"cache", "name", "page-size",
+                                                     "page-token"};
 constexpr absl::string_view kSetRetentionFlags[] = {"cache",    "name", "seq",
                                                     "priority", "pin",  "ttl"};
 constexpr absl::string_view kWatchEventsFlags[] = {"cache", "count", "boot-id", "next"};
@@ -473,9 +477,10 @@ const Command kSetRetentionCommand = {
 
 const Command kListSequencesCommand = {
     "list-sequences", kListSequencesFlags,
-    R"(  list-sequences --cache=CACHE                 offset, pending tokens, token ids (exact/known),
-                                               idle time, retention (priority, p: pinned,
-                                               TTL), per-group storage/state)",
+    R"(  list-sequences --cache=CACHE [--page-size=N] [--page-token=T]
+                offset, pending tokens, token ids (exact/known), idle time, retention
+                (priority, p: pinned, TTL), per-group storage/state; every page, N (4096) a
+                call, unless --page-token asks for the one page from T (docs/api.md#paging))",
     &ListSequences};
 
 const Command kCommitSpeculationCommand = {

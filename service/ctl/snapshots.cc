@@ -107,14 +107,17 @@ absl::Status DropSnapshot(const Client& client, const Args& args) {
 absl::Status ListSnapshots(const Client& client, const Args& args) {
   v1::ListSnapshotsRequest request;
   ASSIGN_OR_RETURN(*request.mutable_cache(), GetCacheName(args));
+  ASSIGN_OR_RETURN(const bool one_page, GetPaging(args, kListPageSize, &request));
   v1::ListSnapshotsResponse response;
-  RETURN_IF_ERROR(client.Call(&v1::CacheService::Stub::ListSnapshots, request, &response));
+  RETURN_IF_ERROR(client.CallPages(&v1::CacheService::Stub::ListSnapshots, request, &response,
+                                   one_page));
   if (client.json()) return PrintJson(response);
   ASSIGN_OR_RETURN(v1::CacheInfo info, client.FetchInfo(request.cache()));
   for (const v1::SnapshotInfo& snap : response.snapshots()) {
     std::printf("%s\n", SnapshotLine(snap, info.spec()).c_str());
   }
   if (response.snapshots().empty()) std::printf("(no snapshots)\n");
+  PrintNextPage(response.next_page_token());
   std::printf("pool: %d snapshots, %s\n", info.usage().snapshots(),
               Mib(info.usage().snapshot_bytes()).c_str());
   return absl::OkStatus();
@@ -125,7 +128,8 @@ constexpr absl::string_view kRestoreFlags[] = {"cache", "name", "seq", "snapshot
 constexpr absl::string_view kMergeSnapshotsFlags[] = {"cache", "name", "parent", "child"};
 constexpr absl::string_view kSplitSnapshotFlags[] = {"cache", "name", "snapshot", "at"};
 constexpr absl::string_view kDropSnapshotFlags[] = {"cache", "name", "snapshot"};
-constexpr absl::string_view kListSnapshotsFlags[] = {"cache", "name"};
+constexpr absl::string_view kListSnapshotsFlags[] = {"cache", "name", "page-size",
+                                                     "page-token"};
 
 }  // namespace
 
@@ -156,7 +160,8 @@ const Command kDropSnapshotCommand = {"drop-snapshot", kDropSnapshotFlags,
                                       &DropSnapshot};
 
 const Command kListSnapshotsCommand = {"list-snapshots", kListSnapshotsFlags,
-                                       R"(  list-snapshots --cache=CACHE)", &ListSnapshots};
+                                       R"(  list-snapshots --cache=CACHE [--page-size=N] [--page-token=T]
+                every page, N (4096) a call, unless --page-token asks for the one page from T)", &ListSnapshots};
 
 }  // namespace ctl
 }  // namespace kvmesh

@@ -20,6 +20,7 @@ namespace kvmesh {
 namespace testutil {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
@@ -211,6 +212,187 @@ TEST_F(ServiceTest, CreateIsIdempotentAndGetListDeleteAgree) {
   EXPECT_TRUE(again.created());
   KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-create"));
   KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-create-b"));
+}
+
+// ---- paged listings (docs/api.md#paging) ---------------------------------------------------
+
+grpc::Status ListSequencesPage(Stub& stub, const std::string& cache, int32_t page_size,
+                               const std::string& token, v1::ListSequencesResponse* response) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::ListSequencesRequest request;
+  request.set_cache(cache);
+  request.set_page_size(page_size);
+  request.set_page_token(token);
+  return stub.ListSequences(&context, request, response);
+}
+
+std::vector<int64_t> SeqsOf(const v1::ListSequencesResponse& response) {
+  std::vector<int64_t> out;
+  for (const v1::SequenceInfo& s : response.sequences()) out.push_back(s.seq());
+  return out;
+}
+
+TEST_F(ServiceTest, ListSequencesComesInPages) {
+  const v1::CacheSpec spec = BasicSpec("svc-pages", 8, 4, 8);
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  KVMESH_ASSERT_OK(Append(stub(), MakeMultiAppend(spec, {9, 2, 7, 0, 5}, {0, 0, 0, 0, 0})));
+
+  // A page size of 2 over 5 sequences: three pages, in order, the last without a token.
+  std::vector<std::vector<int64_t>> pages;
+  std::string token;
+  do {
+    v1::ListSequencesResponse page;
+    KVMESH_ASSERT_OK(ListSequencesPage(stub(), "svc-pages", 2, token, &page));
+    pages.push_back(SeqsOf(page));
+    ASSERT_NE(page.next_page_token(), token);
+    token = page.next_page_token();
+    ASSERT_LE(pages.size(), 3u);
+  } while (!token.empty());
+  EXPECT_THAT(pages, ElementsAre(ElementsAre(0, 2), ElementsAre(5, 7), ElementsAre(9)));
+
+  // A page that ends exactly at the last sequence has no next page.
+  v1::ListSequencesResponse all;
+  KVMESH_ASSERT_OK(ListSequencesPage(stub(), "svc-pages", 5, "", &all));
+  EXPECT_THAT(SeqsOf(all), ElementsAre(0, 2, 5, 7, 9));
+  EXPECT_EQ(all.next_page_token(), "");
+  // Above the maximum: taken as the maximum.
+  KVMESH_ASSERT_OK(ListSequencesPage(stub(), "svc-pages", 1 << 30, "", &all));
+  EXPECT_EQ(all.sequences_size(), 5);
+
+  // A sequence removed between pages is not listed; the cursor goes on from where it was.
+  v1::ListSequencesResponse first;
+  KVMESH_ASSERT_OK(ListSequencesPage(stub(), "svc-pages", 2, "", &first));
+  KVMESH_ASSERT_OK(Remove(stub(), "svc-pages", 5, 0, std::nullopt));
+  v1::ListSequencesResponse second;
+  KVMESH_ASSERT_OK(ListSequencesPage(stub(), "svc-pages", 2, first.next_page_token(), &second));
+  EXPECT_THAT(SeqsOf(second), ElementsAre(7, 9));
+  EXPECT_EQ(second.next_page_token(), "");
+
+  // Bad page sizes and tokens are INVALID_ARGUMENT naming them; a token of another listing too.
+  v1::ListSequencesResponse bad;
+  grpc::Status status = ListSequencesPage(stub(), "svc-pages", -1, "", &bad);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("page_size = -1"));
+  for (const std::string& token : {std::string("not a token!"), std::string("c2VxOi0x"),
+                                   std::string("c2VxOjEyeA"), std::string(4000, 'A')}) {
+    status = ListSequencesPage(stub(), "svc-pages", 2, token, &bad);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+    EXPECT_THAT(status.error_message(), HasSubstr("page_token"));
+    EXPECT_LT(status.error_message().size(), 400u);
+  }
+  KVMESH_ASSERT_OK(Snapshot(stub(), "svc-pages", 0, 0));
+  KVMESH_ASSERT_OK(Snapshot(stub(), "svc-pages", 2, 0));
+  v1::ListSnapshotsResponse snapshots;
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::ListSnapshotsRequest request;
+    request.set_cache("svc-pages");
+    request.set_page_size(1);
+    KVMESH_ASSERT_OK(stub().ListSnapshots(&context, request, &snapshots));
+  }
+  ASSERT_EQ(snapshots.snapshots_size(), 1);
+  ASSERT_NE(snapshots.next_page_token(), "");
+  status = ListSequencesPage(stub(), "svc-pages", 2, snapshots.next_page_token(), &bad);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("not a page token of this listing"));
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::ListSnapshotsRequest request;
+    request.set_cache("svc-pages");
+    request.set_page_size(1);
+    request.set_page_token(snapshots.next_page_token());
+    v1::ListSnapshotsResponse rest;
+    KVMESH_ASSERT_OK(stub().ListSnapshots(&context, request, &rest));
+    ASSERT_EQ(rest.snapshots_size(), 1);
+    EXPECT_GT(rest.snapshots(0).id(), snapshots.snapshots(0).id());
+    EXPECT_EQ(rest.next_page_token(), "");
+  }
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-pages"));
+}
+
+// Without page_size a page holds 1,024 sequences; at most 4,096 are listed per call.
+TEST_F(ServiceTest, ListSequencesDefaultAndLargestPage) {
+  const int32_t n = 4100;
+  const v1::CacheSpec spec = BasicSpec("svc-page-sizes", n, 1, n);
+  KVMESH_ASSERT_OK(CreateCache(stub(), spec));
+  std::vector<int64_t> seqs(n);
+  std::iota(seqs.begin(), seqs.end(), 0);
+  KVMESH_ASSERT_OK(Append(stub(), MakeMultiAppend(spec, seqs, std::vector<int32_t>(n, 0))));
+  v1::ListSequencesResponse page;
+  KVMESH_ASSERT_OK(ListSequencesPage(stub(), "svc-page-sizes", 0, "", &page));
+  EXPECT_EQ(page.sequences_size(), 1024);
+  EXPECT_NE(page.next_page_token(), "");
+  KVMESH_ASSERT_OK(ListSequencesPage(stub(), "svc-page-sizes", 100000, "", &page));
+  EXPECT_EQ(page.sequences_size(), 4096);
+  ASSERT_NE(page.next_page_token(), "");
+  KVMESH_ASSERT_OK(ListSequencesPage(stub(), "svc-page-sizes", 100000, page.next_page_token(), &page));
+  EXPECT_THAT(SeqsOf(page), ElementsAre(4096, 4097, 4098, 4099));
+  EXPECT_EQ(page.next_page_token(), "");
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-page-sizes"));
+}
+
+TEST_F(ServiceTest, ListCachesComesInPages) {
+  for (const char* name : {"svc-page-c", "svc-page-a", "svc-page-b"}) {
+    KVMESH_ASSERT_OK(CreateCache(stub(), BasicSpec(name)));
+  }
+  std::vector<std::string> names;
+  std::string token;
+  int calls = 0;
+  do {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::ListCachesRequest request;
+    request.set_page_size(1);
+    request.set_page_token(token);
+    v1::ListCachesResponse page;
+    KVMESH_ASSERT_OK(stub().ListCaches(&context, request, &page));
+    ASSERT_LE(page.caches_size(), 1);
+    for (const v1::CacheInfo& info : page.caches()) names.push_back(info.spec().name());
+    token = page.next_page_token();
+    ASSERT_LT(++calls, 1000);
+  } while (!token.empty());
+  EXPECT_TRUE(std::is_sorted(names.begin(), names.end()));
+  EXPECT_THAT(names, ::testing::IsSupersetOf({"svc-page-a", "svc-page-b", "svc-page-c"}));
+  EXPECT_EQ(calls, static_cast<int>(names.size()));
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::ListCachesRequest request;
+    request.set_page_token("Y2FjaGU6");  // "cache:" and no key
+    v1::ListCachesResponse page;
+    const grpc::Status status = stub().ListCaches(&context, request, &page);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
+    EXPECT_THAT(status.error_message(), HasSubstr("page_token 'Y2FjaGU6'"));
+  }
+  for (const char* name : {"svc-page-c", "svc-page-a", "svc-page-b"}) {
+    KVMESH_ASSERT_OK(DeleteCache(stub(), name));
+  }
+}
+
+// A cache's bookkeeping counts against the node's metadata budget (512 MiB by default): a
+// second cache of 2^20 sequences is refused at creation, naming the numbers.
+TEST_F(ServiceTest, CachesBeyondTheMetadataBudgetAreRefused) {
+  AttentionOptions a;
+  a.num_layers = 1;
+  a.num_kv_heads = 1;
+  a.head_dim_k = 1;
+  a.head_dim_v = 1;
+  a.rope = v1::ROPE_TYPE_NONE;
+  const v1::CacheSpec first = SpecProto("svc-meta-1", 1 << 20, 1, 16, {AttentionGroupProto(a)});
+  KVMESH_ASSERT_OK(CreateCache(stub(), first));
+  v1::CacheSpec second = first;
+  second.set_name("svc-meta-2");
+  const grpc::Status refused = CreateCache(stub(), second);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(refused);
+  EXPECT_THAT(refused.error_message(),
+              AllOf(HasSubstr("max_sequences = 1048576"), HasSubstr("metadata budget of 536870912")));
+  EXPECT_THAT(ShortageText(refused), HasSubstr("METADATA_BUDGET_EXHAUSTED"));
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-meta-1"));
+  KVMESH_ASSERT_OK(CreateCache(stub(), second));
+  KVMESH_ASSERT_OK(DeleteCache(stub(), "svc-meta-2"));
 }
 
 TEST_F(ServiceTest, AppendThenReadBackByteExact) {

@@ -26,6 +26,11 @@ from .spec import CacheSpec, Recurrent
 
 __all__ = ["Client", "TlsOptions", "Token", "tokens"]
 
+# The page size the List methods ask for unless told: the node's largest for sequences and
+# snapshots; it takes more than its maximum for caches (1000) as that maximum
+# (docs/api.md#paging).
+_MAX_PAGE_SIZE = 4096
+
 
 def _token_ranges(batch: List[Tuple[int, int]],
                   token_ids: Optional[Sequence[int]] = None) -> List["pb.TokenRange"]:
@@ -195,6 +200,27 @@ class Client:
         except grpc.RpcError as error:
             raise from_rpc_error(error, method) from None
 
+    def _pages(self, method: str, request: Any, page_size: Optional[int],
+               timeout: Optional[float]) -> Iterator[Any]:
+        """Calls the paged List ``method`` page after page until the node's last one
+        (docs/api.md#paging), yielding each response; ``timeout`` applies to each call.
+        ``page_size``: entries per call (None: the node's maximum)."""
+        if page_size is not None:
+            if page_size < 1:
+                raise ValueError(f"page_size = {page_size} must be at least 1")
+            request.page_size = page_size
+        elif request.page_size == 0:
+            # The node takes any size above its maximum as the maximum.
+            request.page_size = _MAX_PAGE_SIZE
+        while True:
+            response = self._call(method, request, timeout)
+            yield response
+            if not response.next_page_token:
+                return
+            if response.next_page_token == request.page_token:
+                raise RuntimeError(f"{method}: the node returned the page token it was given")
+            request.page_token = response.next_page_token
+
     # ---- caches ----------------------------------------------------------------------------
 
     def create_cache(self, spec: CacheSpec, *, timeout: Optional[float] = None) -> CreateResult:
@@ -219,10 +245,19 @@ class Client:
         self._remember(info.spec)
         return info
 
-    def list_caches(self, *, timeout: Optional[float] = None) -> List[CacheInfo]:
-        """Every cache of the caller's tenant (an admin without a tenant: every cache)."""
-        r = self._call("ListCaches", pb.ListCachesRequest(), timeout)
-        return [_convert.cache_info_from_proto(c) for c in r.caches]
+    def list_caches(self, *, page_size: Optional[int] = None,
+                    timeout: Optional[float] = None) -> List[CacheInfo]:
+        """Every cache of the caller's tenant (an admin without a tenant: every cache), by
+        name (tenant, then name), fetched ``page_size`` at a time (None: the node's maximum)
+        until the last page; ``timeout`` applies to each call."""
+        return list(self.iter_caches(page_size=page_size, timeout=timeout))
+
+    def iter_caches(self, *, page_size: Optional[int] = None,
+                    timeout: Optional[float] = None) -> Iterator[CacheInfo]:
+        """list_caches one page at a time: holds one page, fetches the next when needed."""
+        for r in self._pages("ListCaches", pb.ListCachesRequest(), page_size, timeout):
+            for c in r.caches:
+                yield _convert.cache_info_from_proto(c)
 
     def layout(self, cache: str, *, timeout: Optional[float] = None) -> PayloadLayout:
         """The payload layout of ``cache``, from the spec this client saw for it in
@@ -426,11 +461,20 @@ class Client:
             cache=cache, seq=seq, priority=priority, pinned=pinned, ttl_ms=ttl_ms), timeout)
         return _convert.sequence_from_proto(r.sequence)
 
-    def list_sequences(self, cache: str, *,
+    def list_sequences(self, cache: str, *, page_size: Optional[int] = None,
                        timeout: Optional[float] = None) -> List[SequenceInfo]:
-        """The live sequences of ``cache``, ascending by id."""
-        r = self._call("ListSequences", pb.ListSequencesRequest(cache=cache), timeout)
-        return [_convert.sequence_from_proto(s) for s in r.sequences]
+        """The live sequences of ``cache``, ascending by id, fetched ``page_size`` at a time
+        (None: the node's maximum) until the last page; ``timeout`` applies to each call."""
+        return list(self.iter_sequences(cache, page_size=page_size, timeout=timeout))
+
+    def iter_sequences(self, cache: str, *, page_size: Optional[int] = None,
+                       timeout: Optional[float] = None) -> Iterator[SequenceInfo]:
+        """list_sequences one page at a time: holds one page, fetches the next when needed.
+        Sequences created or removed meanwhile may or may not be seen; none is seen twice."""
+        request = pb.ListSequencesRequest(cache=cache)
+        for r in self._pages("ListSequences", request, page_size, timeout):
+            for s in r.sequences:
+                yield _convert.sequence_from_proto(s)
 
     def lookup_prefix(self, cache: str, tokens: Sequence[int], *, max_matches: int = 1,
                       cluster: bool = False, verify: bool = False,
@@ -511,11 +555,19 @@ class Client:
         self._call("DropSnapshot", pb.DropSnapshotRequest(cache=cache, snapshot_id=snapshot_id),
                    timeout)
 
-    def list_snapshots(self, cache: str, *,
+    def list_snapshots(self, cache: str, *, page_size: Optional[int] = None,
                        timeout: Optional[float] = None) -> List[SnapshotInfo]:
-        """The snapshots of ``cache``, ascending by id."""
-        r = self._call("ListSnapshots", pb.ListSnapshotsRequest(cache=cache), timeout)
-        return [_convert.snapshot_from_proto(s) for s in r.snapshots]
+        """The snapshots of ``cache``, ascending by id, fetched ``page_size`` at a time (None:
+        the node's maximum) until the last page; ``timeout`` applies to each call."""
+        return list(self.iter_snapshots(cache, page_size=page_size, timeout=timeout))
+
+    def iter_snapshots(self, cache: str, *, page_size: Optional[int] = None,
+                       timeout: Optional[float] = None) -> Iterator[SnapshotInfo]:
+        """list_snapshots one page at a time."""
+        request = pb.ListSnapshotsRequest(cache=cache)
+        for r in self._pages("ListSnapshots", request, page_size, timeout):
+            for s in r.snapshots:
+                yield _convert.snapshot_from_proto(s)
 
     def commit_speculation(self, cache: str, seq: int, accepted: int, *,
                            timeout: Optional[float] = None) -> int:

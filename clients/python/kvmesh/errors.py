@@ -120,7 +120,8 @@ class Shortage:
     Attributes:
         reason: "CELLS_EXHAUSTED", "RINGS_EXHAUSTED", "STATE_SLOTS_EXHAUSTED",
             "SEQUENCES_EXHAUSTED", "PENDING_TOKENS_EXHAUSTED", "DEVICE_MEMORY_EXHAUSTED",
-            "SNAPSHOT_POOL_EXHAUSTED" or "INFLIGHT_BUDGET_EXHAUSTED".
+            "SNAPSHOT_POOL_EXHAUSTED", "INFLIGHT_BUDGET_EXHAUSTED" or
+            "METADATA_BUDGET_EXHAUSTED".
         group: the layer group's index, -1 when the resource is not a group's.
         needed: units the call needed; free: units free when it was refused; total: in all.
     """

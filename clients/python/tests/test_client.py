@@ -225,6 +225,29 @@ class ClientTest(nodes.NodeTestCase):
             self.client.append(spec.name, batch[:1], rows(data, [0]), stream=True)
         self.assertEqual(e.exception.method, "AppendStream")
 
+    def test_listings_follow_every_page(self) -> None:
+        spec = CacheSpec("py-pages", DType.F16, 8, 4, 8, [Attention(1, 1, 4)])
+        layout = self.create(spec)
+        seqs = [9, 2, 7, 0, 5]
+        self.client.append(spec.name, [(s, 0) for s in seqs], random_data(layout, len(seqs), 0))
+        # The node answers a page of two and where the next starts; the client follows them.
+        from kvmesh._proto import pb
+        first = self.client._call(
+            "ListSequences", pb.ListSequencesRequest(cache=spec.name, page_size=2), None)
+        self.assertEqual([s.seq for s in first.sequences], [0, 2])
+        self.assertNotEqual(first.next_page_token, "")
+        for page_size in (1, 2, None):
+            self.assertEqual([s.seq for s in self.client.list_sequences(
+                spec.name, page_size=page_size)], [0, 2, 5, 7, 9])
+        self.assertEqual([s.seq for s in self.client.iter_sequences(spec.name, page_size=2)],
+                         [0, 2, 5, 7, 9])
+        ids = [self.client.snapshot(spec.name, s).id for s in seqs]
+        self.assertEqual([s.id for s in self.client.list_snapshots(spec.name, page_size=2)],
+                         sorted(ids))
+        self.assertIn(spec.name, [c.spec.name for c in self.client.list_caches(page_size=1)])
+        with self.assertRaisesRegex(ValueError, "page_size = 0"):
+            self.client.list_sequences(spec.name, page_size=0)
+
     def test_rotating_keeps_the_last_max_size(self) -> None:
         spec = CacheSpec("py-rot", DType.F16, 2, 32, 16, [Rotating(2, 1, 4, max_size=4)])
         layout = self.create(spec)
