@@ -206,6 +206,9 @@ ABSL_FLAG(int32_t, testing_token_hash_bits, 64,
 ABSL_FLAG(int32_t, testing_lose_pull_replies, 0,
           "testing only: the first this many migrations into this node that commit answer "
           "UNAVAILABLE anyway, as when the reply is lost (a drain then asks again)");
+ABSL_FLAG(int64_t, testing_release_lag_ms, 0,
+          "testing only: an export's payload is freed this much later than its lease is "
+          "released, as when gRPC finishes the Fetch stream late (Release answers after it)");
 // The default is transport::kNcclChunkBytes (checked below where NCCL is built).
 ABSL_FLAG(kvmesh::ByteSize, testing_nccl_chunk_bytes, kvmesh::ByteSize{uint64_t{64} << 20},
           "testing only: the nccl transport's piece size (a protocol constant: every node of "
@@ -777,6 +780,7 @@ int Run() {
                      kDefaultTenant, "' and nothing is authenticated"));
   }
   LeaseTable leases(absl::Milliseconds(100), static_cast<size_t>(max_leases_per_receiver));
+  leases.set_testing_release_lag(absl::Milliseconds(absl::GetFlag(FLAGS_testing_release_lag_ms)));
   Reservations reservations;
   // A sequence under migration is neither evicted nor expired: the migration would lose it.
   registry.SetEvictionFilterFactory([&reservations](const std::string& tenant,

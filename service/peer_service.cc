@@ -1,12 +1,14 @@
 #include "service/peer_service.h"
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cache/mutex.h"
 #include "cache/status_macros.h"
 #include "service/cluster/cluster_index.h"
 #include "service/cluster/membership.h"
@@ -47,6 +49,43 @@ std::string AddressHost(const std::string& address) {
   }
   return host;
 }
+
+// A Release, answered once the export's payload is freed (Cluster::Release's `freed`), or at
+// once with an error, or CANCELLED when the caller goes away (its deadline) first. Finish is
+// called exactly once, by whichever comes first, from any thread.
+class ReleaseReactor final : public grpc::ServerUnaryReactor {
+ public:
+  ReleaseReactor() : state_(std::make_shared<State>()) { state_->reactor = this; }
+
+  // A callback that finishes the call with OK when it runs (unless it has finished already).
+  std::function<void()> FinishOkWhenCalled() {
+    return [state = state_] { State::Finish(state, grpc::Status::OK); };
+  }
+  void FinishNow(const grpc::Status& status) { State::Finish(state_, status); }
+
+  void OnCancel() override {
+    State::Finish(state_, grpc::Status(grpc::StatusCode::CANCELLED,
+                                       "Release cancelled before the export's memory was freed"));
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  struct State {
+    Mutex mu;
+    ReleaseReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;  // null once finished
+
+    // By value: the reactor (which holds a reference too) may be gone once Finish returns.
+    static void Finish(std::shared_ptr<State> state, const grpc::Status& status) {
+      ReleaseReactor* reactor = nullptr;
+      {
+        MutexLock lock(&state->mu);
+        std::swap(reactor, state->reactor);
+      }
+      if (reactor != nullptr) reactor->Finish(status);
+    }
+  };
+  const std::shared_ptr<State> state_;
+};
 
 // A write reactor that only finishes the call (a Fetch refused before any chunk).
 class RefusedFetch final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
@@ -218,11 +257,20 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* PeerServiceImpl::Fetch(
 grpc::ServerUnaryReactor* PeerServiceImpl::Release(grpc::CallbackServerContext* context,
                                                    const v1::ReleaseRequest* request,
                                                    v1::ReleaseResponse* response) {
-  // Ending a lease frees host memory only (the export reader's pinned data): cheap enough for
-  // gRPC's thread.
+  // Ending a lease only drops references (cheap enough for gRPC's thread); the answer waits
+  // until the export's payload is freed, which a Fetch stream still finishing may delay a
+  // little, so that the receiver, and the cluster operation it runs, sees the cells and
+  // snapshot chunks the export pinned back on this node.
+  auto* reactor = new ReleaseReactor();
   absl::StatusOr<Caller> caller = Identify(*context);
-  if (!caller.ok()) return Refuse(context, caller.status());
-  return Refuse(context, cluster_->Release(*request, caller->identity));
+  if (!caller.ok()) {
+    reactor->FinishNow(ToGrpcStatus(caller.status()));
+    return reactor;
+  }
+  const absl::Status released =
+      cluster_->Release(*request, caller->identity, reactor->FinishOkWhenCalled());
+  if (!released.ok()) reactor->FinishNow(ToGrpcStatus(released));
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* PeerServiceImpl::Pull(grpc::CallbackServerContext* context,
@@ -360,8 +408,14 @@ grpc::ServerWriteReactor<v1::WatchEventsResponse>* PeerServiceImpl::WatchEvents(
   v1::WatchEventsRequest watch;
   watch.set_boot_id(request->boot_id());
   watch.set_next(request->next());
+  // A peer removed from the membership (or whose certificate no longer names a member) loses
+  // its stream within about a second: Identify is asked again at every heartbeat.
+  std::function<absl::Status()> still_allowed;
+  if (caller.ok()) {
+    still_allowed = [this, context] { return Identify(*context).status(); };
+  }
   return StartWatch(watch, std::move(principal), WatchScope::kAllTenants, options_.registry,
-                    options_.events, &watchers_);
+                    options_.events, &watchers_, std::move(still_allowed));
 }
 
 void PeerServiceImpl::StopWatchers() { watchers_.Stop(options_.events); }

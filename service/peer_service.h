@@ -16,7 +16,10 @@
 // NcclSend run on the cluster executor (they wait on the network); Fetch is served by the
 // grpc-stream transport's sender (transport::ServeFetch) over the lease table, which reads
 // chunks that need a copy on Options::sender.run_read (kvmesh-node: a pool of its own); NodeInfo
-// and Release answer inline. A full executor answers UNAVAILABLE.
+// answers inline. Release ends the lease inline and answers once the export's payload is freed
+// (LeaseTable::Release): a Fetch stream still finishing may hold it a moment longer, and the
+// receiver's cluster operation must not answer before the cells it pinned are back. A full
+// executor answers UNAVAILABLE.
 //
 // Thread safety: thread-safe; everything passed to the constructor must outlive it, and the
 // executors (and what sender.run_read runs reads on) must keep running until the server has

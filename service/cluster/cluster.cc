@@ -288,10 +288,11 @@ absl::StatusOr<v1::ExportResponse> Cluster::Export(const v1::ExportRequest& requ
   return response;
 }
 
-absl::Status Cluster::Release(const v1::ReleaseRequest& request, const std::string& caller) {
+absl::Status Cluster::Release(const v1::ReleaseRequest& request, const std::string& caller,
+                              std::function<void()> freed) {
   RETURN_IF_ERROR(leases_->CheckReceiver(request.lease_id(), caller));
   const absl::StatusOr<LeaseTable::Info> lease = leases_->Describe(request.lease_id());
-  RETURN_IF_ERROR(leases_->Release(request.lease_id()));
+  RETURN_IF_ERROR(leases_->Release(request.lease_id(), std::move(freed)));
   // The sender's view of the transfer: from the export to the receiver's verdict.
   if (options_.metrics != nullptr && lease.ok()) {
     options_.metrics->Transfer(lease->transport, lease->peer, "send",

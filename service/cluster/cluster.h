@@ -124,7 +124,12 @@ class Cluster {
   // (INVALID_ARGUMENT) and a receiver that is not a member.
   absl::StatusOr<v1::ExportResponse> Export(const v1::ExportRequest& request,
                                             const std::string& caller);
-  absl::Status Release(const v1::ReleaseRequest& request, const std::string& caller);
+  // Ends the lease; `freed` (if set, and only when OK is returned) runs once the export's
+  // payload is freed, i.e. the cells or snapshot chunks it pinned are back (LeaseTable::Release):
+  // PeerService answers the receiver's Release only then, so that a cluster operation that
+  // waits for its Release (every one does) answers after the sender is consistent.
+  absl::Status Release(const v1::ReleaseRequest& request, const std::string& caller,
+                       std::function<void()> freed = nullptr);
   absl::StatusOr<v1::PullResponse> Pull(const v1::PullRequest& request, absl::Time deadline);
   // The local part of another node's cluster-wide Remove.
   absl::Status RemoveLocal(const v1::PeerRemoveRequest& request);

@@ -1,6 +1,7 @@
 #include "service/cluster/leases.h"
 
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -16,28 +17,69 @@ std::string RandomLeaseId() { return RandomHex128(); }
 }  // namespace
 
 LeaseTable::LeaseTable(absl::Duration tick, size_t max_per_receiver)
-    : tick_(tick), max_per_receiver_(max_per_receiver) {
+    : tick_(tick),
+      max_per_receiver_(max_per_receiver),
+      background_(std::make_shared<Background>()) {
   expiry_thread_ = std::thread([this] { ExpiryLoop(); });
 }
 
 LeaseTable::~LeaseTable() {
+  {
+    MutexLock lock(&background_->mu);
+    background_->stopping = true;
+  }
+  background_->wake.notify_all();
+  expiry_thread_.join();
   std::map<std::string, Lease> remaining;
   {
     MutexLock lock(&mu_);
-    stopping_ = true;
     remaining.swap(leases_);
   }
-  stop_cv_.notify_all();
-  expiry_thread_.join();
   for (auto& [id, lease] : remaining) {
     if (lease.on_end) lease.on_end();
   }
+  remaining.clear();
+  // What the thread left: from here on a payload's deleter runs its waiters itself.
+  std::vector<std::function<void()>> freed;
+  std::vector<std::pair<absl::Time, std::shared_ptr<transport::LeasedPayload>>> lagging;
+  {
+    MutexLock lock(&background_->mu);
+    freed.swap(background_->freed);
+    lagging.swap(background_->lagging);
+  }
+  lagging.clear();  // their deleters run their waiters themselves now
+  for (std::function<void()>& callback : freed) callback();
 }
 
 absl::StatusOr<std::string> LeaseTable::Grant(std::shared_ptr<transport::LeasedPayload> payload,
                                               std::string receiver, absl::Duration ttl,
                                               std::function<void()> on_end, std::string transport,
                                               std::string peer) {
+  // The table hands out (Touch) and keeps only this tracking reference: when the last of its
+  // copies goes, its deleter frees the payload and tells whoever waits for that (Release).
+  auto state = std::make_shared<PayloadState>();
+  transport::LeasedPayload* const raw = payload.get();
+  std::shared_ptr<transport::LeasedPayload> tracked(
+      raw, [payload = std::move(payload), state,
+            background = background_](transport::LeasedPayload* /*raw*/) mutable {
+        payload.reset();  // the export reader goes: what it pinned is free again
+        std::vector<std::function<void()>> waiters;
+        {
+          MutexLock lock(&state->mu);
+          state->freed = true;
+          waiters.swap(state->waiters);
+        }
+        if (waiters.empty()) return;
+        {
+          MutexLock lock(&background->mu);
+          if (!background->stopping) {
+            for (std::function<void()>& w : waiters) background->freed.push_back(std::move(w));
+            background->wake.notify_all();
+            return;
+          }
+        }
+        for (std::function<void()>& w : waiters) w();
+      });
   MutexLock lock(&mu_);
   size_t& held = per_receiver_[receiver];
   if (held >= max_per_receiver_) {
@@ -51,8 +93,9 @@ absl::StatusOr<std::string> LeaseTable::Grant(std::shared_ptr<transport::LeasedP
   while (leases_.count(id) != 0) id = RandomLeaseId();  // 2^-128: never, but never reuse either
   ++held;
   const absl::Time now = absl::Now();
-  leases_.emplace(id, Lease{std::move(payload), std::move(receiver), ttl, now + ttl,
-                            std::move(on_end), std::move(transport), std::move(peer), now});
+  leases_.emplace(id,
+                  Lease{std::move(tracked), std::move(state), std::move(receiver), ttl, now + ttl,
+                        std::move(on_end), std::move(transport), std::move(peer), now});
   return id;
 }
 
@@ -80,7 +123,7 @@ absl::Status LeaseTable::CheckReceiver(const std::string& id, const std::string&
   return absl::OkStatus();
 }
 
-absl::Status LeaseTable::Release(const std::string& id) {
+absl::Status LeaseTable::Release(const std::string& id, std::function<void()> freed) {
   Lease ended;
   {
     MutexLock lock(&mu_);
@@ -91,8 +134,27 @@ absl::Status LeaseTable::Release(const std::string& id) {
     auto held = per_receiver_.find(ended.receiver);
     if (--held->second == 0) per_receiver_.erase(held);
   }
+  if (freed) {
+    // Before the table's reference goes: the payload cannot be freed yet.
+    MutexLock lock(&ended.state->mu);
+    ended.state->waiters.push_back(std::move(freed));
+  }
+  {
+    MutexLock lock(&background_->mu);
+    if (background_->release_lag > absl::ZeroDuration() && !background_->stopping) {
+      background_->lagging.emplace_back(absl::Now() + background_->release_lag,
+                                        std::move(ended.payload));
+    }
+  }
+  // Outside every lock: the deleter may run here.
+  ended.payload.reset();
   if (ended.on_end) ended.on_end();
   return absl::OkStatus();
+}
+
+void LeaseTable::set_testing_release_lag(absl::Duration lag) {
+  MutexLock lock(&background_->mu);
+  background_->release_lag = lag;
 }
 
 size_t LeaseTable::size() const {
@@ -125,7 +187,6 @@ void LeaseTable::ExpiryLoop() {
     std::vector<Lease> ended;
     {
       MutexLock lock(&mu_);
-      if (stopping_) return;
       const absl::Time now = absl::Now();
       for (auto it = leases_.begin(); it != leases_.end();) {
         if (it->second.expires <= now) {
@@ -144,9 +205,29 @@ void LeaseTable::ExpiryLoop() {
       if (lease.on_end) lease.on_end();
     }
     ended.clear();
-    MutexLock lock(&mu_);
-    if (stopping_) return;
-    stop_cv_.wait_for(mu_, absl::ToChronoNanoseconds(tick_));
+    std::vector<std::function<void()>> freed;
+    std::vector<std::shared_ptr<transport::LeasedPayload>> due;
+    {
+      MutexLock lock(&background_->mu);
+      if (background_->stopping) return;
+      if (background_->freed.empty()) {
+        background_->wake.wait_for(background_->mu, absl::ToChronoNanoseconds(tick_));
+        if (background_->stopping) return;
+      }
+      freed.swap(background_->freed);
+      const absl::Time now = absl::Now();
+      auto& lagging = background_->lagging;
+      for (auto it = lagging.begin(); it != lagging.end();) {
+        if (it->first <= now) {
+          due.push_back(std::move(it->second));
+          it = lagging.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    due.clear();  // outside the lock: a deleter queues its waiters (run on the next turn)
+    for (std::function<void()>& callback : freed) callback();
   }
 }
 

@@ -24,7 +24,10 @@
 // After each session: every lease granted is released and no other is left, and once the
 // caches are deleted every device byte and every in-flight byte is back.
 //
-// KVMESH_FUZZ_VERBOSE=1 prints every call and its status.
+// KVMESH_FUZZ_VERBOSE=1 prints every call and its status. KVMESH_FUZZ_RELEASE_LAG_MS=N frees a
+// released export's payload N ms late (LeaseTable::set_testing_release_lag), as gRPC may when it
+// ends a Fetch stream, and checks after each call that moved a payload that nothing changes
+// once the lag is over: the call answered with its source consistent.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -139,6 +142,13 @@ int FreePort() {
 // peer plane of its own (--peer-listen, plaintext on loopback): CacheService on a server that
 // the harness reaches in-process, PeerService on 127.0.0.1:port, the address the other node
 // knows it by.
+// KVMESH_FUZZ_RELEASE_LAG_MS: how much later than its lease's release a node frees an export's
+// payload (LeaseTable::set_testing_release_lag); 0 without it.
+absl::Duration ReleaseLag() {
+  const char* lag = std::getenv("KVMESH_FUZZ_RELEASE_LAG_MS");
+  return lag == nullptr ? absl::ZeroDuration() : absl::Milliseconds(std::atoi(lag));
+}
+
 class Node {
  public:
   Node(std::string name, int port, std::string peer_name, int peer_port, const Authenticator* auth)
@@ -201,6 +211,7 @@ class Node {
     };
     peer_service_ = std::make_unique<PeerServiceImpl>(cluster_.get(), &leases_, &executor_,
                                                       &cluster_executor_, p);
+    leases_.set_testing_release_lag(ReleaseLag());
   }
 
   void Start() {
@@ -562,6 +573,27 @@ class Harness {
         KVMESH_FUZZ_CHECK(after_b.at(tenant) == before_b.at(tenant),
                           absl::StrCat(call, "b:\n--- before\n", before_b.at(tenant), "--- after\n",
                                        after_b.at(tenant)));
+      }
+    }
+    // With a release lag, a call that moved a payload is looked at again once every lagging
+    // payload would have been freed: nothing may change after the call answered (the source of a
+    // Migrate, MigrateSnapshot or CopyPrefix is consistent when the caller sees OK).
+    if (release_lag_ > absl::ZeroDuration() && status.ok() &&
+        (rpc == Rpc::kMigrate || rpc == Rpc::kMigrateSnapshot || rpc == Rpc::kCopyPrefix ||
+         rpc == Rpc::kPull || rpc == Rpc::kRelease)) {
+      absl::SleepFor(release_lag_ + absl::Milliseconds(250));  // the lease table's tick: 100 ms
+      const std::map<std::string, std::string> settled_a = Digests(*a_);
+      const std::map<std::string, std::string> settled_b = Digests(*b_);
+      for (const char* tenant : kTenants) {
+        const std::string call = absl::StrCat(RpcName(rpc), "(", Show(request), ") by ",
+                                              caller.name, " answered OK, then tenant ", tenant,
+                                              "'s caches changed on node ");
+        KVMESH_FUZZ_CHECK(settled_a.at(tenant) == after_a.at(tenant),
+                          absl::StrCat(call, "a:\n--- answered\n", after_a.at(tenant),
+                                       "--- later\n", settled_a.at(tenant)));
+        KVMESH_FUZZ_CHECK(settled_b.at(tenant) == after_b.at(tenant),
+                          absl::StrCat(call, "b:\n--- answered\n", after_b.at(tenant),
+                                       "--- later\n", settled_b.at(tenant)));
       }
     }
     return true;
@@ -1157,6 +1189,7 @@ class Harness {
 
   // KVMESH_FUZZ_VERBOSE=1: print every call and its status (to see what an input does).
   const bool verbose_ = std::getenv("KVMESH_FUZZ_VERBOSE") != nullptr;
+  const absl::Duration release_lag_ = ReleaseLag();
   std::string token_file_;
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<Node> a_;

@@ -696,6 +696,67 @@ TEST_F(ClusterTest, MigrateSnapshotMovesASnapshotThatRestoresTheSameBytes) {
   ExpectSameRead(ReadAll(cluster_.stub(1), "hybrid", 2), at6);
 }
 
+// Migrate, MigrateSnapshot and a cross-node CopyPrefix answer only once the source holds nothing
+// more for the transfer: the cells or snapshot chunks its export pinned are back by the time the
+// caller sees OK. The source here frees an export's payload 300 ms after its lease is released
+// (--testing-release-lag-ms: what gRPC does, briefly, when it finishes the Fetch stream after
+// the receiver has its last chunk). Before Release waited for the payload, a usage read right
+// after the call still counted the export (the fuzzer's "cells_used dropped 9 -> 3" in a
+// read-only call after a Migrate). Both kinds of export: an Attention-only cache exports
+// straight from the cells, a hybrid one through a snapshot.
+TEST(ClusterConsistencyTest, CallsAnswerOnceTheSourceHasFreedItsExport) {
+  Cluster cluster;
+  ASSERT_NO_FATAL_FAILURE(cluster.Start({"node-a", "node-b"}, {{"--testing-release-lag-ms=300"}}));
+  AttentionOptions full;
+  full.num_layers = 1;
+  full.num_kv_heads = 1;
+  const v1::CacheSpec attention = SpecProto("attention", 4, 64, 16, {AttentionGroupProto(full)});
+  for (const v1::CacheSpec& spec : {attention, HybridSpec()}) {
+    SCOPED_TRACE(spec.name());
+    for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(CreateCache(cluster.stub(i), spec).ok());
+    const v1::CacheUsage empty = Usage(cluster.stub(0), spec.name());
+    auto expect_source_back_to = [&](const v1::CacheUsage& expected, const char* after) {
+      const v1::CacheUsage now = Usage(cluster.stub(0), spec.name());
+      EXPECT_EQ(now.export_bytes(), 0) << after << ": " << now.DebugString();
+      EXPECT_EQ(now.snapshot_bytes(), expected.snapshot_bytes()) << after;
+      EXPECT_EQ(now.bytes_held(), expected.bytes_held()) << after;
+      ASSERT_EQ(now.groups_size(), expected.groups_size());
+      for (int g = 0; g < now.groups_size(); ++g) {
+        EXPECT_EQ(now.groups(g).cells_used(), expected.groups(g).cells_used())
+            << after << ", group " << g << ": " << now.DebugString();
+      }
+    };
+
+    // Migrate: the sequence leaves, and so does everything it held.
+    ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster.stub(0), spec, 1, 9, 3));
+    grpc::Status status = MigrateSeq(cluster.stub(0), spec.name(), 1, "node-b", 1, false);
+    ASSERT_TRUE(status.ok()) << StatusText(status);
+    expect_source_back_to(empty, "Migrate");
+
+    // MigrateSnapshot: the snapshot leaves; its chunks are free.
+    ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster.stub(0), spec, 2, 6, 4));
+    const v1::CacheUsage with_seq = Usage(cluster.stub(0), spec.name());
+    v1::SnapshotInfo snapshot;
+    ASSERT_TRUE(Snapshot(cluster.stub(0), spec.name(), 2, 0, &snapshot).ok());
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::MigrateSnapshotRequest request;
+    request.set_cache(spec.name());
+    request.set_snapshot_id(snapshot.id());
+    request.set_target_node("node-b");
+    v1::MigrateSnapshotResponse migrated;
+    status = cluster.stub(0).MigrateSnapshot(&context, request, &migrated);
+    ASSERT_TRUE(status.ok()) << StatusText(status);
+    expect_source_back_to(with_seq, "MigrateSnapshot");
+
+    // CopyPrefix from node-a: the source keeps its sequence, and nothing more.
+    v1::CopyPrefixResponse copied;
+    status = CopyFrom(cluster.stub(1), spec.name(), "node-a", 2, 2, 6, &copied);
+    ASSERT_TRUE(status.ok()) << StatusText(status);
+    expect_source_back_to(with_seq, "CopyPrefix");
+  }
+}
+
 TEST_F(ClusterTest, RemoveWithClusterScopeReportsEveryNode) {
   const v1::CacheSpec spec = HybridSpec();
   ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 1, 4, 1));

@@ -59,6 +59,88 @@ TEST(LeaseTableTest, TouchRenewsReleaseEndsAndCallbacksRunOnce) {
   EXPECT_EQ(table.expired(), 0u);
 }
 
+// A payload that counts its own destruction (what its export reader pinned is free then).
+class CountedPayload final : public transport::LeasedPayload {
+ public:
+  explicit CountedPayload(std::atomic<int>* destroyed) : destroyed_(destroyed) {}
+  ~CountedPayload() override { ++*destroyed_; }
+  size_t size() const override { return 3; }
+  absl::Status ReadAt(size_t, absl::Span<uint8_t>) override { return absl::OkStatus(); }
+
+ private:
+  std::atomic<int>* const destroyed_;
+};
+
+// Release's `freed` runs once the last reference to the payload is gone, not when the lease
+// ends: a Fetch stream still holding it (here, the reference Touch gave) delays it, on the
+// table's own thread, never the caller's.
+TEST(LeaseTableTest, FreedRunsOnceTheLastReferenceIsGone) {
+  std::atomic<int> destroyed{0};
+  std::atomic<int> freed{0};
+  std::atomic<bool> freed_on_caller{false};
+  LeaseTable table(absl::Milliseconds(10));
+  const std::string id = *table.Grant(std::make_shared<CountedPayload>(&destroyed), "node-b",
+                                      absl::Seconds(30), nullptr);
+  absl::StatusOr<std::shared_ptr<transport::LeasedPayload>> held = table.Touch(id);
+  ASSERT_TRUE(held.ok());
+  const std::thread::id caller = std::this_thread::get_id();
+  ASSERT_TRUE(table
+                  .Release(id,
+                           [&] {
+                             EXPECT_EQ(destroyed.load(), 1);  // freed before it says so
+                             freed_on_caller = std::this_thread::get_id() == caller;
+                             ++freed;
+                           })
+                  .ok());
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(table.size(), 0u);
+  EXPECT_EQ(destroyed.load(), 0);
+  EXPECT_EQ(freed.load(), 0);  // the stream still holds the payload
+  held->reset();               // the stream ends
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (freed.load() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(freed.load(), 1);
+  EXPECT_EQ(destroyed.load(), 1);
+  EXPECT_FALSE(freed_on_caller.load());
+
+  // Nothing else holding it: freed at once (on the table's thread).
+  const std::string alone = *table.Grant(std::make_shared<CountedPayload>(&destroyed), "node-b",
+                                         absl::Seconds(30), nullptr);
+  ASSERT_TRUE(table.Release(alone, [&] { ++freed; }).ok());
+  while (freed.load() == 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(freed.load(), 2);
+  EXPECT_EQ(destroyed.load(), 2);
+
+  // The testing lag keeps a released payload that much longer.
+  table.set_testing_release_lag(absl::Milliseconds(200));
+  const std::string lagged = *table.Grant(std::make_shared<CountedPayload>(&destroyed), "node-b",
+                                          absl::Seconds(30), nullptr);
+  const absl::Time released = absl::Now();
+  ASSERT_TRUE(table.Release(lagged, [&] { ++freed; }).ok());
+  while (freed.load() == 2 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(freed.load(), 3);
+  EXPECT_GE(absl::Now() - released, absl::Milliseconds(200));
+  EXPECT_EQ(destroyed.load(), 3);
+}
+
+// A payload still held when the table goes: its waiter runs where the last reference goes.
+TEST(LeaseTableTest, FreedRunsAfterTheTableIsGone) {
+  std::atomic<int> destroyed{0};
+  std::atomic<int> freed{0};
+  std::shared_ptr<transport::LeasedPayload> held;
+  {
+    LeaseTable table(absl::Milliseconds(10));
+    const std::string id = *table.Grant(std::make_shared<CountedPayload>(&destroyed), "node-b",
+                                        absl::Seconds(30), nullptr);
+    held = *table.Touch(id);
+    ASSERT_TRUE(table.Release(id, [&] { ++freed; }).ok());
+  }
+  EXPECT_EQ(freed.load(), 0);
+  held.reset();
+  EXPECT_EQ(freed.load(), 1);
+  EXPECT_EQ(destroyed.load(), 1);
+}
+
 TEST(LeaseTableTest, UntouchedLeaseExpiresOnItsOwn) {
   std::atomic<int> ended{0};  // declared first: the table's destructor may still call back
   LeaseTable table(absl::Milliseconds(10));
