@@ -1105,8 +1105,24 @@ int Run() {
         }
       }
     });
-    (void)drainer.Drain(absl::Now() + absl::Milliseconds(drain_timeout_ms),
-                        Drainer::Mode::kShutdown);
+    const absl::Time drain_deadline = absl::Now() + absl::Milliseconds(drain_timeout_ms);
+    (void)drainer.Drain(drain_deadline, Drainer::Mode::kShutdown);
+    // Peers still fetching an export of this node (a cross-node CopyPrefix or a Migrate pulling
+    // from here) get it to the end, within the drain's time: shutting the servers down would
+    // cut their transfers off after the grace. A lease ends when its receiver releases it, or
+    // expires when the receiver is gone.
+    if (leases.size() > 0) {
+      Log(LogLevel::kInfo, absl::StrCat("waiting for ", leases.size(),
+                                        " transfers to peers to finish before shutting down"));
+      while (leases.size() > 0 && absl::Now() < drain_deadline) {
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+      if (leases.size() > 0) {
+        Log(LogLevel::kWarning,
+            absl::StrCat(leases.size(),
+                         " transfers to peers were still running at the drain's deadline"));
+      }
+    }
     drained.store(true);
     repeat_signals.join();
   }

@@ -493,8 +493,8 @@ absl::StatusOr<Cluster::Pulled> Cluster::PullInto(const std::string& tenant,
 absl::Status Cluster::CommitSequence(const std::string& tenant, const std::shared_ptr<Cache>& cache,
                                      const Pulled& pulled, int64_t dst_seq, int32_t length,
                                      bool must_be_unused, const std::string& commit_key,
-                                     const char* what, int32_t* offset,
-                                     const std::optional<Retention>& retention) {
+                                     const char* what, const DrainGate::Ticket& admitted,
+                                     int32_t* offset, const std::optional<Retention>& retention) {
   // The imported snapshot goes whatever happens: it was only the payload's way in.
   struct DropPulled {
     const std::shared_ptr<Cache>& cache;
@@ -513,10 +513,11 @@ absl::Status Cluster::CommitSequence(const std::string& tenant, const std::share
   // Checked again under the guard: the sequence may have started while the payload moved.
   if (must_be_unused) RETURN_IF_ERROR(CheckUnused(*cache, dst_seq));
   // Under the guard too: a sequence that stored something when the operation began may have
-  // been drained away meanwhile; writing it now would start it again on a draining node.
-  DrainGate::Ticket admitted;
+  // been drained away meanwhile; writing it now would start it again on a draining node. An
+  // operation admitted before the drain began goes on: the drain waits for it.
+  DrainGate::Ticket readmitted;
   if (options_.gate != nullptr) {
-    ASSIGN_OR_RETURN(admitted, options_.gate->AdmitSequences(*cache, dst, what));
+    ASSIGN_OR_RETURN(readmitted, options_.gate->Readmit(admitted, *cache, dst, what));
   }
   absl::Status committed;
   if (pulled.empty) {
@@ -567,11 +568,12 @@ absl::Status Cluster::CopyPrefixFrom(const std::string& tenant,
         ": none may be negative"));
   }
   RETURN_IF_ERROR(Cache::CheckCopyPrefixCondition(request.length(), request.require_src_offset()));
-  // A new dst_seq is a new sequence here, which a draining node does not take.
+  // A new dst_seq is a new sequence here, which a draining node does not take; a drain that
+  // begins while the payload moves waits for the copy.
   DrainGate::Ticket admitted;
   if (options_.gate != nullptr) {
     const int64_t dst[] = {request.dst_seq()};
-    ASSIGN_OR_RETURN(admitted, options_.gate->AdmitSequences(*cache, dst, "CopyPrefix"));
+    ASSIGN_OR_RETURN(admitted, options_.gate->AdmitWrite(*cache, dst, "CopyPrefix"));
   }
   v1::ExportRequest what;
   what.mutable_sequence()->set_seq(request.src_seq());
@@ -599,7 +601,7 @@ absl::Status Cluster::CopyPrefixFrom(const std::string& tenant,
   int32_t offset = 0;
   RETURN_IF_ERROR(CommitSequence(tenant, cache, pulled, request.dst_seq(), request.length(),
                                  /*must_be_unused=*/false, /*commit_key=*/"", "CopyPrefix",
-                                 &offset));
+                                 admitted, &offset));
   *response->mutable_transfer() = pulled.stats;
   response->set_offset(offset);
   if (!pulled.empty) response->set_kept_positions(pulled.snapshot.from);
@@ -679,7 +681,7 @@ absl::StatusOr<v1::PullResponse> Cluster::PullHere(const v1::PullRequest& reques
                               request.target_seq(), request.sequence().length()));
     RETURN_IF_ERROR(CommitSequence(request.tenant(), cache, pulled, request.target_seq(),
                                    request.sequence().length(), request.target_seq_unused(),
-                                   commit_key, "Migrate", /*offset=*/nullptr, retention));
+                                   commit_key, "Migrate", admitted, /*offset=*/nullptr, retention));
     PublishMigration(EventKind::kMigratedIn, request.tenant(), request.cache(),
                      request.target_seq(), request.source_node());
     *response.mutable_transfer() = pulled.stats;

@@ -173,11 +173,11 @@ class Cluster {
   // `commit_key` (a migration's) is remembered once committed; a commit under a key already
   // remembered does nothing and succeeds. With `offset`, dst_seq's offset as the commit left
   // it (read under the same guard). With `retention` (a migration's), dst_seq takes it with
-  // the data.
+  // the data. `admitted`: the operation's DrainGate ticket (DrainGate::Readmit).
   absl::Status CommitSequence(const std::string& tenant, const std::shared_ptr<Cache>& cache,
                               const Pulled& pulled, int64_t dst_seq, int32_t length,
                               bool must_be_unused, const std::string& commit_key, const char* what,
-                              int32_t* offset = nullptr,
+                              const DrainGate::Ticket& admitted, int32_t* offset = nullptr,
                               const std::optional<Retention>& retention = std::nullopt);
   bool Committed(const std::string& commit_key) const;
   void RememberCommitted(const std::string& commit_key);

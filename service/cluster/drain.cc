@@ -409,7 +409,8 @@ v1::DrainResponse Drainer::Run(absl::Time deadline, uint64_t epoch) {
                    "its sequences and snapshots to peers until ",
                    absl::FormatTime("%H:%M:%E3S", Until(deadline), absl::UTCTimeZone()), " UTC"));
   if (!gate_->AwaitAdmitted(Until(deadline)) && !Resumed(epoch)) {
-    Log("drain: operations that create sequences were still running at the deadline");
+    Log("drain: operations that create sequences or pull data into them were still running "
+        "at the deadline");
   }
   std::map<std::string, std::string> reasons;  // item key -> why it is still here
   std::map<std::string, Unclear> unclear;      // item key -> an attempt of unclear outcome

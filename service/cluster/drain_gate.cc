@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "cache/status_macros.h"
 
 namespace kvmesh {
 
@@ -10,12 +11,13 @@ DrainGate::Ticket& DrainGate::Ticket::operator=(Ticket&& o) noexcept {
   if (this != &o) {
     Reset();
     gate_ = std::exchange(o.gate_, nullptr);
+    generation_ = o.generation_;
   }
   return *this;
 }
 
 void DrainGate::Ticket::Reset() {
-  if (gate_ != nullptr) std::exchange(gate_, nullptr)->Release();
+  if (gate_ != nullptr) std::exchange(gate_, nullptr)->Release(generation_);
 }
 
 absl::StatusOr<DrainGate::Ticket> DrainGate::Admit(absl::string_view what) {
@@ -25,8 +27,16 @@ absl::StatusOr<DrainGate::Ticket> DrainGate::Admit(absl::string_view what) {
         "node '", self_name_, "' is draining: it takes no ", what,
         "; use another node (ListMembers), or this one after it is resumed"));
   }
-  ++held_;
-  return Ticket(this);
+  return Issue();
+}
+
+DrainGate::Ticket DrainGate::Issue() {
+  ++held_[generation_];
+  return Ticket(this, generation_);
+}
+
+bool DrainGate::HoldsEarlier() const {
+  return !held_.empty() && held_.begin()->first < generation_;
 }
 
 absl::StatusOr<DrainGate::Ticket> DrainGate::AdmitSequences(const Cache& cache,
@@ -41,6 +51,26 @@ absl::StatusOr<DrainGate::Ticket> DrainGate::AdmitSequences(const Cache& cache,
   return Ticket();
 }
 
+absl::StatusOr<DrainGate::Ticket> DrainGate::AdmitWrite(const Cache& cache,
+                                                        absl::Span<const int64_t> seqs,
+                                                        const char* what) {
+  ASSIGN_OR_RETURN(Ticket admitted, AdmitSequences(cache, seqs, what));
+  if (admitted.gate_ != nullptr) return admitted;
+  // Every sequence exists: a ticket that a drain waits for, draining or not.
+  MutexLock lock(&mu_);
+  return Issue();
+}
+
+absl::StatusOr<DrainGate::Ticket> DrainGate::Readmit(const Ticket& held, const Cache& cache,
+                                                     absl::Span<const int64_t> seqs,
+                                                     const char* what) {
+  if (held.gate_ == this) {
+    ReaderMutexLock lock(&mu_);
+    if (draining_ && held.generation_ < generation_ && !gave_up_) return Ticket();
+  }
+  return AdmitSequences(cache, seqs, what);
+}
+
 void DrainGate::set_listener(std::function<void(bool draining)> listener) {
   MutexLock lock(&mu_);
   listener_ = std::move(listener);
@@ -52,6 +82,10 @@ void DrainGate::Close() {
     MutexLock lock(&mu_);
     changed = !draining_;
     draining_ = true;
+    if (changed) {
+      ++generation_;
+      gave_up_ = false;
+    }
   }
   // Not ready from now on, also while admitted operations finish.
   if (changed) Notify();
@@ -60,10 +94,13 @@ void DrainGate::Close() {
 bool DrainGate::AwaitAdmitted(absl::Time deadline) {
   MutexLock lock(&mu_);
   const auto until = absl::ToChronoTime(deadline);
-  while (held_ > 0 && draining_ &&
+  gave_up_ = false;  // a drain that gives way to the shutdown drain gave up; this one waits
+  while (HoldsEarlier() && draining_ &&
          released_.wait_until(mu_, until) != std::cv_status::timeout) {
   }
-  return held_ == 0;
+  if (!HoldsEarlier()) return true;
+  gave_up_ = true;
+  return false;
 }
 
 void DrainGate::Open() {
@@ -96,9 +133,12 @@ bool DrainGate::draining() const {
   return draining_;
 }
 
-void DrainGate::Release() {
+void DrainGate::Release(uint64_t generation) {
   MutexLock lock(&mu_);
-  if (--held_ == 0) released_.notify_all();
+  auto it = held_.find(generation);
+  if (--it->second > 0) return;
+  held_.erase(it);
+  if (!HoldsEarlier()) released_.notify_all();
 }
 
 }  // namespace kvmesh
