@@ -253,6 +253,7 @@ absl::Status Authenticator::ReloadIfChanged() {
   stamp_ = stamp;  // a bad version is reported once, not at every poll
   if (!table.ok()) return table.status();
   table_ = std::make_shared<const TokenTable>(*std::move(table));
+  generation_.fetch_add(1, std::memory_order_acq_rel);
   return absl::OkStatus();
 }
 
@@ -325,6 +326,38 @@ absl::Status Authenticator::RequireAdmin(const Principal& caller, absl::string_v
   return absl::PermissionDeniedError(
       absl::StrCat(what, " needs an admin token; this one belongs to tenant '", caller.tenant,
                    "' with role tenant"));
+}
+
+CallerRecheck::CallerRecheck(const Authenticator* auth, const grpc::ServerContextBase& context,
+                             Principal who)
+    : auth_(auth), who_(std::move(who)) {
+  if (auth_ == nullptr || !auth_->enabled()) return;
+  generation_ = auth_->generation();
+  if (std::optional<absl::string_view> v = Metadata(context, kAuthorizationMetadata)) {
+    authorization_ = std::string(*v);
+  }
+  if (std::optional<absl::string_view> v = Metadata(context, kTenantMetadata)) {
+    tenant_ = std::string(*v);
+  }
+}
+
+absl::Status CallerRecheck::Check() {
+  if (auth_ == nullptr || !auth_->enabled()) return absl::OkStatus();
+  const uint64_t generation = auth_->generation();
+  if (generation == generation_) return absl::OkStatus();
+  generation_ = generation;
+  auto view = [](const std::optional<std::string>& v) -> std::optional<absl::string_view> {
+    if (!v.has_value()) return std::nullopt;
+    return absl::string_view(*v);
+  };
+  ASSIGN_OR_RETURN(const Principal now, auth_->Authenticate(view(authorization_), view(tenant_)));
+  if (now.tenant != who_.tenant || now.role != who_.role) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "the call's token now acts for tenant '", now.tenant, "' as ",
+        now.admin() ? "admin" : "tenant", ", not for tenant '", who_.tenant, "' as ",
+        who_.admin() ? "admin" : "tenant", " as when the call began (the token file changed)"));
+  }
+  return absl::OkStatus();
 }
 
 TenantQuota Authenticator::Quota(absl::string_view tenant) const {

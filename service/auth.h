@@ -22,6 +22,7 @@
 #ifndef KVMESH_SERVICE_AUTH_H_
 #define KVMESH_SERVICE_AUTH_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -114,6 +115,11 @@ class Authenticator {
 
   TenantQuota Quota(absl::string_view tenant) const;
 
+  // Counts the versions of the token file in force: it grows at every reload that changed the
+  // table. A long-lived call (a stream) authenticates again when it has grown, so a revoked
+  // token ends its streams (docs/security.md, "Revocation").
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
+
   // Reads the file again when it changed since the last read: OK when unchanged or reloaded,
   // the parse error otherwise (the previous table stays in force). The polling thread calls it;
   // tests may too.
@@ -127,8 +133,7 @@ class Authenticator {
     int64_t ctime_ns = 0;
     uint64_t inode = 0;
     bool operator==(const FileStamp& o) const {
-      return size == o.size && mtime_ns == o.mtime_ns && ctime_ns == o.ctime_ns &&
-             inode == o.inode;
+      return size == o.size && mtime_ns == o.mtime_ns && ctime_ns == o.ctime_ns && inode == o.inode;
     }
   };
 
@@ -142,8 +147,33 @@ class Authenticator {
   std::condition_variable_any stop_cv_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::shared_ptr<const TokenTable> table_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> generation_{0};
   FileStamp stamp_ ABSL_GUARDED_BY(mu_);
   std::thread poller_;
+};
+
+// Whether the caller of a long-lived call (a stream) may still make it: authenticates the call's
+// metadata again whenever the token file has changed since the last check, so a token revoked
+// (or a tenant removed) at a reload ends the streams it opened.
+//
+// Thread safety: thread-compatible; one thread at a time calls Check.
+class CallerRecheck {
+ public:
+  // `who` is the principal the call began as; `auth` may be null (development: always OK).
+  // Copies what it needs of `context`'s metadata.
+  CallerRecheck(const Authenticator* auth, const grpc::ServerContextBase& context, Principal who);
+
+  // OK while the call's token is still known and maps to the same tenant and role; otherwise
+  // UNAUTHENTICATED (the token is no longer listed) or PERMISSION_DENIED (it now belongs to
+  // another tenant or role). Costs an atomic load while the token file is unchanged.
+  absl::Status Check();
+
+ private:
+  const Authenticator* auth_;
+  std::optional<std::string> authorization_;
+  std::optional<std::string> tenant_;
+  Principal who_;
+  uint64_t generation_ = 0;
 };
 
 }  // namespace kvmesh

@@ -19,7 +19,9 @@
 #include "service/common/convert.h"
 #include "service/common/log.h"
 #include "service/common/raw_message.h"
+#include "service/list_pages.h"
 #include "service/peer_service.h"
+#include "service/unary_gate.h"
 #include "tests/sanitizers/tsan_handoff.h"
 
 namespace kvmesh {
@@ -117,13 +119,8 @@ absl::StatusOr<std::vector<Token>> ExpandTokens(
   return TokensFromProto(tokens, ranges, spec.max_batch);
 }
 
-// Finishes a unary call at once with `status`, for a request refused before any work.
-grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* context,
-                                    const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
+// Answers a unary call at once with `status`, for a request refused before any work.
+void FinishNow(UnaryCall* call, const absl::Status& status) { call->Answer(ToGrpcStatus(status)); }
 
 // What a Visible answer lists: positions, or ranges of them (as_ranges).
 struct VisibleUnit {
@@ -144,9 +141,9 @@ uint64_t VisibleWireBound(const VisibleUnit& unit, size_t queries, int64_t entri
 // Decides, before the engine lists anything, whether a Visible of `queries` queries that lists
 // at most `entries` positions or ranges may run: within max_entries (--max-visible-positions),
 // an answer that fits the send limit, and its memory reserved in `budget` (into *reservation).
-absl::Status AdmitVisible(const std::string& cache, int32_t group, size_t queries,
-                          const VisibleUnit& unit, int64_t entries, int64_t max_entries,
-                          size_t max_send_bytes, InflightBudget* budget,
+absl::Status AdmitVisible(const std::string& tenant, const std::string& cache, int32_t group,
+                          size_t queries, const VisibleUnit& unit, int64_t entries,
+                          int64_t max_entries, size_t max_send_bytes, InflightBudget* budget,
                           InflightBudget::Reservation* reservation) {
   if (entries > max_entries) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -164,11 +161,21 @@ absl::Status AdmitVisible(const std::string& cache, int32_t group, size_t querie
   }
   const uint64_t bytes = unit.building_bytes * static_cast<uint64_t>(entries) +
                          kVisibleBytesPerQuery * static_cast<uint64_t>(queries);
-  ASSIGN_OR_RETURN(*reservation, budget->Reserve(bytes, absl::StrCat("Visible of ", queries,
-                                                                     " queries and up to ", entries,
-                                                                     " ", unit.name)));
+  ASSIGN_OR_RETURN(*reservation,
+                   budget->Reserve(tenant, bytes,
+                                   absl::StrCat("Visible of ", queries, " queries and up to ",
+                                                entries, " ", unit.name)));
   return absl::OkStatus();
 }
+
+// The request and response types of a unary handler, a CacheServiceImpl member function.
+template <typename Fn>
+struct HandlerTraits;
+template <typename Request_, typename Response_>
+struct HandlerTraits<void (CacheServiceImpl::*)(UnaryCall*, const Request_*, Response_*)> {
+  using Request = Request_;
+  using Response = Response_;
+};
 
 constexpr char kCancelledMessage[] = "call cancelled by the client";
 
@@ -220,9 +227,15 @@ class CacheServiceImpl::AppendStreamReactor final
     service_->idle_reaper_->Add(this);
     // Who calls comes before anything the stream sends: a caller without a valid token learns
     // UNAUTHENTICATED, never how its messages would have been judged.
-    if (const absl::StatusOr<Principal> caller = service_->Caller(*context_); !caller.ok()) {
+    absl::StatusOr<Principal> caller = service_->Caller(*context_);
+    if (!caller.ok()) {
       Done(ToGrpcStatus(caller.status()));
       return;
+    }
+    tenant_ = caller->tenant;
+    {
+      MutexLock lock(&mu_);
+      recheck_.emplace(service_->options_.auth, *context_, *std::move(caller));
     }
     ReadNext();
   }
@@ -234,9 +247,10 @@ class CacheServiceImpl::AppendStreamReactor final
       MutexLock lock(&mu_);
       reading_ = false;
       finished = finished_;
+      if (ok) bytes_in_ += request_.Length();
     }
     if (finished) {
-      HandOff(this);  // ended by the idle reaper while this read was outstanding; to OnDone
+      HandOff(this);  // ended by the reaper while this read was outstanding; to OnDone
       return;
     }
     if (!ok) {
@@ -272,38 +286,65 @@ class CacheServiceImpl::AppendStreamReactor final
     delete this;
   }
 
-  bool ExpireIfIdle(absl::Time now, absl::Duration timeout) override {
+  // Ends the stream while it waits for the client's next message when it has waited for
+  // `timeout`, when its caller's token was revoked, or when it sends slower than the node's
+  // minimum rate (Options::stream_min_rate) and so holds its reservation for too little.
+  bool Expire(absl::Time now, absl::Duration timeout) override {
     MutexLock lock(&mu_);
-    if (finished_ || !reading_ || now - read_started_ < timeout) return false;
+    if (finished_ || !reading_) return false;
+    if (now - read_started_ >= timeout) {
+      end_ = grpc::Status(
+          grpc::StatusCode::DEADLINE_EXCEEDED,
+          absl::StrCat("AppendStream sent no message for ", absl::ToInt64Milliseconds(timeout),
+                       " ms (the node's --stream-idle-timeout-ms) after ", messages_,
+                       " messages; the stream is closed and the ", Received(),
+                       " bytes received are dropped: send the whole stream without long pauses"));
+    } else if (absl::Status allowed = recheck_.has_value() ? recheck_->Check() : absl::OkStatus();
+               !allowed.ok()) {
+      end_ = ToGrpcStatus(
+          absl::Status(allowed.code(), absl::StrCat("AppendStream ended: ", allowed.message())));
+    } else if (const uint64_t rate = service_->options_.stream_min_rate;
+               rate > 0 && now - started_ >= service_->options_.stream_min_rate_grace &&
+               static_cast<double>(bytes_in_) <
+                   static_cast<double>(rate) * absl::ToDoubleSeconds(now - started_)) {
+      end_ = grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("AppendStream sent ", bytes_in_, " bytes in ",
+                       absl::ToInt64Milliseconds(now - started_),
+                       " ms, slower than this node's minimum of ", rate,
+                       " bytes per second (--stream_min_rate) for a stream that holds in-flight "
+                       "budget; the stream is closed and the bytes received are dropped"));
+    } else {
+      return false;
+    }
     finished_ = true;
     return true;
   }
 
-  void EndIdle(absl::Duration timeout) override {
+  void EndExpired(absl::Duration /*timeout*/) override {
     // No reaction or task owns the reactor (a read is outstanding, and its completion stops at
     // finished_), so what it holds is the reaper's to free. Giving cells back takes the cache's
     // lock, which an engine operation may hold for long: the executor does that (and then
     // finishes the call, so that the client learns of the end once its cells are free), not
     // the reaper's thread, which has other streams to end.
     if (writer_ != nullptr && writer_->in_cells() &&
-        service_->executor_->Submit([this, timeout] { FinishIdle(timeout); })) {
+        service_->executor_->Submit([this] { FinishExpired(); })) {
       return;
     }
-    FinishIdle(timeout);
+    FinishExpired();
   }
 
  private:
-  // EndIdle's work: frees what the stream holds and finishes the call.
-  void FinishIdle(absl::Duration timeout) {
-    const uint64_t received = Received();
+  // EndExpired's work: frees what the stream holds and finishes the call with end_.
+  void FinishExpired() {
+    grpc::Status status;
+    {
+      MutexLock lock(&mu_);
+      status = end_;
+    }
     ReleaseMemory();
     HandOff(this);  // to OnReadDone and OnDone, which gRPC runs after this Finish
-    Finish(grpc::Status(
-        grpc::StatusCode::DEADLINE_EXCEEDED,
-        absl::StrCat("AppendStream sent no message for ", absl::ToInt64Milliseconds(timeout),
-                     " ms (the node's --stream-idle-timeout-ms) after ", messages_,
-                     " messages; the stream is closed and the ", received,
-                     " bytes received are dropped: send the whole stream without long pauses")));
+    Finish(status);
   }
 
   void ReadNext() {
@@ -425,7 +466,7 @@ class CacheServiceImpl::AppendStreamReactor final
         ParsedTokens(message_.header.tokens(), message_.header.token_ranges());
     tokens_bytes_ = ParsedBytes<v1::Token, Token>(num_tokens);
     absl::StatusOr<InflightBudget::Reservation> reservation =
-        service_->inflight_->Reserve(request_.Length() + tokens_bytes_,
+        service_->inflight_->Reserve(tenant_, request_.Length() + tokens_bytes_,
                                      absl::StrCat("AppendStream message 0 of ", request_.Length(),
                                                   " bytes and ", num_tokens, " tokens"));
     if (!reservation.ok()) {
@@ -547,18 +588,23 @@ class CacheServiceImpl::AppendStreamReactor final
   std::string flat_;      // message_'s data in one piece, for cells in device memory
   int64_t messages_ = 0;  // messages read so far
   int64_t payload_bytes_ = 0;
-  Principal caller_;  // set with cache_
+  std::string tenant_;  // the caller's, from the start
+  Principal caller_;    // set with cache_
   std::shared_ptr<Cache> cache_;
   std::vector<Token> tokens_;
   std::unique_ptr<AppendWriter> writer_;     // once the header is checked
   uint64_t tokens_bytes_ = 0;                // ParsedBytes of the header's tokens (and tokens_)
   InflightBudget::Reservation reservation_;  // the message, tokens and buffer in host memory
 
-  // Between the owner of the reactor and the idle reaper.
+  // Between the owner of the reactor and the reaper.
   Mutex mu_;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;  // a read is outstanding
   absl::Time read_started_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish was called or is being called
+  const absl::Time started_ = absl::Now();
+  uint64_t bytes_in_ ABSL_GUARDED_BY(mu_) = 0;                 // of every message received
+  std::optional<CallerRecheck> recheck_ ABSL_GUARDED_BY(mu_);  // once the caller is known
+  grpc::Status end_ ABSL_GUARDED_BY(mu_);                      // why the reaper ends the stream
 };
 
 // ---- Read ---------------------------------------------------------------------------------
@@ -602,10 +648,12 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
               const grpc::ByteBuffer* raw)
       : service_(service), context_(context) {
     service_->idle_reaper_->Add(this);
-    if (const absl::StatusOr<Principal> caller = service_->Caller(*context_); !caller.ok()) {
+    const absl::StatusOr<Principal> caller = service_->Caller(*context_);
+    if (!caller.ok()) {
       Done(ToGrpcStatus(caller.status()));  // who calls comes first, as in every RPC
       return;
     }
+    tenant_ = caller->tenant;
     if (const grpc::Status parsed = Parse(*raw); !parsed.ok()) {
       Done(parsed);
       return;
@@ -635,7 +683,7 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
       expired = expired_;
     }
     if (expired) {
-      HandOff(this);  // the idle reaper cancelled the call (EndIdle finishes it); to OnDone
+      HandOff(this);  // the reaper cancelled the call (EndExpired finishes it); to OnDone
       return;
     }
     if (!ok) {
@@ -663,17 +711,17 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
     delete this;
   }
 
-  bool ExpireIfIdle(absl::Time now, absl::Duration timeout) override {
+  bool Expire(absl::Time now, absl::Duration timeout) override {
     MutexLock lock(&mu_);
     if (expired_ || !writing_ || now - write_started_ < timeout) return false;
     expired_ = true;
     return true;
   }
 
-  void EndIdle(absl::Duration timeout) override {
+  void EndExpired(absl::Duration timeout) override {
     // The write in flight owns the reactor, but it has stalled; its completion (ok or not)
     // stops at expired_, and the call is finished here: OnDone cannot run before this Finish.
-    // Only fields that no owner changes while a write is in flight are read (ExpireIfIdle took
+    // Only fields that no owner changes while a write is in flight are read (Expire took
     // mu_ after the owner's HandOff).
     TakeOver(this);
     Log(LogLevel::kWarning, "Read cancelled: the client took no message",
@@ -703,13 +751,7 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
     if (!raw.Valid()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the Read carries no ReadRequest");
     }
-    grpc::ByteBuffer bytes(raw);  // shares the slices; Deserialize empties its argument
-    const size_t n = bytes.Length();
-    if (!grpc::SerializationTraits<v1::ReadRequest>::Deserialize(&bytes, &request_).ok()) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("the ReadRequest of ", n, " bytes does not parse"));
-    }
-    return grpc::Status::OK;
+    return ParseRequest(raw, kMaxReadRequestBytes, "/kvmesh.v1.CacheService/Read", &request_);
   }
 
   // On the executor.
@@ -740,7 +782,7 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
           }
           ASSIGN_OR_RETURN(reservation_,
                            service_->inflight_->Reserve(
-                               bytes, absl::StrCat("Read of ", bytes, " payload bytes")));
+                               tenant_, bytes, absl::StrCat("Read of ", bytes, " payload bytes")));
           return absl::OkStatus();
         });
     if (large) {
@@ -752,9 +794,10 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
       }
       cursor_ = *std::move(cursor);
       const size_t in_flight = std::min(cursor_->size(), chunk_bytes_);
-      absl::StatusOr<InflightBudget::Reservation> reserved = service_->inflight_->Reserve(
-          in_flight, absl::StrCat("Read of ", cursor_->size(), " payload bytes (", in_flight,
-                                  " of them in flight at a time)"));
+      absl::StatusOr<InflightBudget::Reservation> reserved =
+          service_->inflight_->Reserve(tenant_, in_flight,
+                                       absl::StrCat("Read of ", cursor_->size(), " payload bytes (",
+                                                    in_flight, " of them in flight at a time)"));
       if (!reserved.ok()) {
         Done(ToGrpcStatus(reserved.status()));
         return;
@@ -859,6 +902,7 @@ class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc
   std::vector<absl::Span<const uint8_t>> views_;  // WriteChunk's, kept for its capacity
   grpc::ByteBuffer message_;                      // the message being written
   // A copied payload's bytes, or one chunk of a pinned read, in the in-flight budget.
+  std::string tenant_;  // the caller's
   InflightBudget::Reservation reservation_;
 
   // Between the owner and the idle reaper.
@@ -878,7 +922,51 @@ CacheServiceImpl::CacheServiceImpl(CacheRegistry* registry, Executor* executor, 
                         ? nullptr
                         : std::make_unique<InflightBudget>(UINT64_MAX, "--inflight-budget")),
       inflight_(options.inflight != nullptr ? options.inflight : own_inflight_.get()),
-      idle_reaper_(std::make_unique<IdleReaper>(options.stream_idle_timeout)) {}
+      idle_reaper_(std::make_unique<IdleReaper>(options.stream_idle_timeout)),
+      gate_(std::make_unique<UnaryGate>([this](const grpc::CallbackServerContext& context) {
+        return Caller(context).status();
+      })) {
+  // Every unary method goes through the gate: the caller is known before the request is read,
+  // and the request's size is checked against its method's limit before it is parsed.
+  auto add = [this](const char* name, size_t max_request_bytes, auto handler) {
+    using Handler = decltype(handler);
+    using Traits = HandlerTraits<Handler>;
+    gate_->Add<typename Traits::Request, typename Traits::Response>(
+        absl::StrCat("/", v1::CacheService::service_full_name(), "/", name), max_request_bytes,
+        [this, handler](UnaryCall* call, const typename Traits::Request* request,
+                        typename Traits::Response* response) {
+          (this->*handler)(call, request, response);
+        });
+  };
+  constexpr size_t kSmall = kMaxSmallRequestBytes;
+  add("CreateCache", kSmall, &CacheServiceImpl::HandleCreateCache);
+  add("DeleteCache", kSmall, &CacheServiceImpl::HandleDeleteCache);
+  add("GetCache", kSmall, &CacheServiceImpl::HandleGetCache);
+  add("ListCaches", kSmall, &CacheServiceImpl::HandleListCaches);
+  add("Visible", kMaxVisibleRequestBytes, &CacheServiceImpl::HandleVisible);
+  add("CopyPrefix", kSmall, &CacheServiceImpl::HandleCopyPrefix);
+  add("Remove", kSmall, &CacheServiceImpl::HandleRemove);
+  add("CanResume", kSmall, &CacheServiceImpl::HandleCanResume);
+  add("ListSequences", kSmall, &CacheServiceImpl::HandleListSequences);
+  add("Reserve", kSmall, &CacheServiceImpl::HandleReserve);
+  add("SetRetention", kSmall, &CacheServiceImpl::HandleSetRetention);
+  add("LookupPrefix", kMaxLookupRequestBytes, &CacheServiceImpl::HandleLookupPrefix);
+  add("Snapshot", kSmall, &CacheServiceImpl::HandleSnapshot);
+  add("Restore", kSmall, &CacheServiceImpl::HandleRestore);
+  add("MergeSnapshots", kSmall, &CacheServiceImpl::HandleMergeSnapshots);
+  add("SplitSnapshot", kSmall, &CacheServiceImpl::HandleSplitSnapshot);
+  add("DropSnapshot", kSmall, &CacheServiceImpl::HandleDropSnapshot);
+  add("ListSnapshots", kSmall, &CacheServiceImpl::HandleListSnapshots);
+  add("CommitSpeculation", kSmall, &CacheServiceImpl::HandleCommitSpeculation);
+  add("Migrate", kSmall, &CacheServiceImpl::HandleMigrate);
+  add("MigrateSnapshot", kSmall, &CacheServiceImpl::HandleMigrateSnapshot);
+  add("ListMembers", kSmall, &CacheServiceImpl::HandleListMembers);
+  add("Drain", kSmall, &CacheServiceImpl::HandleDrain);
+  gate_->AddRaw(absl::StrCat("/", v1::CacheService::service_full_name(), "/Append"),
+                options_.max_receive_message_bytes,
+                [this](UnaryCall* call, const grpc::ByteBuffer* request,
+                       grpc::ByteBuffer* response) { HandleAppend(call, request, response); });
+}
 
 grpc::Status CacheServiceImpl::BusyStatus() const {
   return grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -930,16 +1018,25 @@ absl::StatusOr<DrainGate::Ticket> CacheServiceImpl::AdmitSequences(const Cache& 
   return options_.gate->AdmitSequences(cache, seqs, what);
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::RunCluster(grpc::CallbackServerContext* context,
-                                                       absl::AnyInvocable<absl::Status() &&> fn) {
+void CacheServiceImpl::RunCluster(UnaryCall* call, absl::AnyInvocable<absl::Status() &&> fn) {
   if (options_.cluster == nullptr || options_.cluster_executor == nullptr) {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                                 "this node serves no cluster operations (no membership)"));
-    return reactor;
+    call->Answer(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                              "this node serves no cluster operations (no membership)"));
+    return;
   }
-  return RunUnaryOn(options_.cluster_executor, context, std::move(fn), kCancelledMessage,
-                    [this] { return BusyStatus(); });
+  RunOn(options_.cluster_executor, call, std::move(fn));
+}
+
+void CacheServiceImpl::RunOn(Executor* executor, UnaryCall* call,
+                             absl::AnyInvocable<absl::Status() &&> fn) {
+  const bool queued = executor->Submit([call, fn = std::move(fn)]() mutable {
+    if (call->context()->IsCancelled()) {
+      call->Answer(CancelledStatus());
+      return;
+    }
+    call->Answer(ToGrpcStatus(std::move(fn)()));
+  });
+  if (!queued) call->Answer(BusyStatus());
 }
 
 absl::StatusOr<Principal> CacheServiceImpl::Caller(
@@ -960,16 +1057,14 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheServiceImpl::FindCache(
   return cache;
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::RunUnary(grpc::CallbackServerContext* context,
-                                                     absl::AnyInvocable<absl::Status() &&> fn) {
-  return RunUnaryOn(executor_, context, std::move(fn), kCancelledMessage,
-                    [this] { return BusyStatus(); });
+void CacheServiceImpl::RunUnary(UnaryCall* call, absl::AnyInvocable<absl::Status() &&> fn) {
+  RunOn(executor_, call, std::move(fn));
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::CreateCache(grpc::CallbackServerContext* context,
-                                                        const v1::CreateCacheRequest* request,
-                                                        v1::CreateCacheResponse* response) {
-  return RunUnary(context, [this, context, request, response]() -> absl::Status {
+void CacheServiceImpl::HandleCreateCache(UnaryCall* call, const v1::CreateCacheRequest* request,
+                                         v1::CreateCacheResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunUnary(call, [this, context, request, response]() -> absl::Status {
     ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     if (!request->has_spec()) return absl::InvalidArgumentError("spec is missing");
     ASSIGN_OR_RETURN(const CacheSpec spec, SpecFromProto(request->spec()));
@@ -989,10 +1084,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CreateCache(grpc::CallbackServerCont
   });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::DeleteCache(grpc::CallbackServerContext* context,
-                                                        const v1::DeleteCacheRequest* request,
-                                                        v1::DeleteCacheResponse* response) {
-  return RunUnary(context, [this, context, request]() -> absl::Status {
+void CacheServiceImpl::HandleDeleteCache(UnaryCall* call, const v1::DeleteCacheRequest* request,
+                                         v1::DeleteCacheResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunUnary(call, [this, context, request]() -> absl::Status {
     ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     if (request->cache().empty()) {
       return absl::InvalidArgumentError("cache is empty: name the cache to delete");
@@ -1002,10 +1097,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::DeleteCache(grpc::CallbackServerCont
   });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::GetCache(grpc::CallbackServerContext* context,
-                                                     const v1::GetCacheRequest* request,
-                                                     v1::GetCacheResponse* response) {
-  return RunOnCache(context, request,
+void CacheServiceImpl::HandleGetCache(UnaryCall* call, const v1::GetCacheRequest* request,
+                                      v1::GetCacheResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunOnCache(call, request,
                     [response](Cache& cache, const Principal& caller) -> absl::Status {
                       *response->mutable_cache() = CacheInfoToProto(cache);
                       response->mutable_cache()->set_tenant(caller.tenant);
@@ -1013,28 +1108,15 @@ grpc::ServerUnaryReactor* CacheServiceImpl::GetCache(grpc::CallbackServerContext
                     });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::ListCaches(grpc::CallbackServerContext* context,
-                                                       const v1::ListCachesRequest* request,
-                                                       v1::ListCachesResponse* response) {
-  return RunUnary(context, [this, context, response]() -> absl::Status {
+void CacheServiceImpl::HandleListCaches(UnaryCall* call, const v1::ListCachesRequest* request,
+                                        v1::ListCachesResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunUnary(call, [this, context, request, response]() -> absl::Status {
     ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     // An admin that names no tenant (kvmesh-tenant) sees every tenant's caches.
     const bool everyone = caller.admin() && context->client_metadata().find(kTenantMetadata) ==
                                                 context->client_metadata().end();
-    if (everyone) {
-      for (const CacheRegistry::Entry& entry : registry_->ListAll()) {
-        v1::CacheInfo* info = response->add_caches();
-        *info = CacheInfoToProto(*entry.cache);
-        info->set_tenant(entry.tenant);
-      }
-      return absl::OkStatus();
-    }
-    for (const std::shared_ptr<Cache>& cache : registry_->List(caller.tenant)) {
-      v1::CacheInfo* info = response->add_caches();
-      *info = CacheInfoToProto(*cache);
-      info->set_tenant(caller.tenant);
-    }
-    return absl::OkStatus();
+    return ListCachesPage(*registry_, caller.tenant, everyone, *request, response);
   });
 }
 
@@ -1049,9 +1131,9 @@ struct ReceivedAppend {
 
 }  // namespace
 
-grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* context,
-                                                   const grpc::ByteBuffer* request,
-                                                   grpc::ByteBuffer* response) {
+void CacheServiceImpl::HandleAppend(UnaryCall* call, const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) {
+  grpc::CallbackServerContext* const context = call->context();
   auto received = std::make_unique<ReceivedAppend>();
   absl::Status parsed;
   if (!request->Dump(&received->slices).ok()) {
@@ -1060,21 +1142,23 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Append(grpc::CallbackServerContext* 
     parsed = ParseAppendRequest(received->slices, &received->message);
   }
   if (!parsed.ok()) {
-    return FinishNow(context, absl::InvalidArgumentError(
-                                  absl::StrCat("the AppendRequest of ", request->Length(),
-                                               " bytes does not parse: ", parsed.message())));
+    return FinishNow(call, absl::InvalidArgumentError(
+                               absl::StrCat("the AppendRequest of ", request->Length(),
+                                            " bytes does not parse: ", parsed.message())));
   }
   // gRPC holds the whole request already: count it until the call is done, and refuse it at
   // once when it does not fit rather than queue it for the engine.
   const RawAppendRequest& message = received->message;
   const int64_t num_tokens = ParsedTokens(message.request.tokens(), message.request.token_ranges());
-  absl::StatusOr<InflightBudget::Reservation> reservation =
-      inflight_->Reserve(request->Length() + ParsedBytes<v1::Token, Token>(num_tokens),
-                         absl::StrCat("Append of ", message.payload_bytes, " payload bytes and ",
-                                      num_tokens, " tokens"));
-  if (!reservation.ok()) return FinishNow(context, reservation.status());
+  const absl::StatusOr<Principal> caller = Caller(*context);
+  if (!caller.ok()) return FinishNow(call, caller.status());
+  absl::StatusOr<InflightBudget::Reservation> reservation = inflight_->Reserve(
+      caller->tenant, request->Length() + ParsedBytes<v1::Token, Token>(num_tokens),
+      absl::StrCat("Append of ", message.payload_bytes, " payload bytes and ", num_tokens,
+                   " tokens"));
+  if (!reservation.ok()) return FinishNow(call, reservation.status());
   return RunUnary(
-      context,
+      call,
       [this, context, response, received = std::move(received),
        reservation = *std::move(reservation)]() mutable -> absl::Status {
         const v1::AppendRequest& request = received->message.request;
@@ -1120,26 +1204,29 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* CacheServiceImpl::Read(
   return new ReadReactor(this, context, request);
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::Visible(grpc::CallbackServerContext* context,
-                                                    const v1::VisibleRequest* request,
-                                                    v1::VisibleResponse* response) {
+void CacheServiceImpl::HandleVisible(UnaryCall* call, const v1::VisibleRequest* request,
+                                     v1::VisibleResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
   // The parsed queries count at once, as an Append's payload does; the answer's size is bounded
   // before the engine lists anything (AdmitVisible). The reservations are captures, not
   // locals: they live until the call's task is gone, after Finish has serialized the answer.
+  const absl::StatusOr<Principal> caller = Caller(*context);
+  if (!caller.ok()) return FinishNow(call, caller.status());
   absl::StatusOr<InflightBudget::Reservation> queries_reservation =
-      inflight_->Reserve(ParsedBytes<v1::Query, Query>(request->queries_size()),
+      inflight_->Reserve(caller->tenant, ParsedBytes<v1::Query, Query>(request->queries_size()),
                          absl::StrCat("Visible of ", request->queries_size(), " queries"));
-  if (!queries_reservation.ok()) return FinishNow(context, queries_reservation.status());
+  if (!queries_reservation.ok()) return FinishNow(call, queries_reservation.status());
   return RunOnCache(
-      context, request,
-      [this, request, response, queries_reservation = *std::move(queries_reservation),
+      call, request,
+      [this, request, response, tenant = caller->tenant,
+       queries_reservation = *std::move(queries_reservation),
        reservation = InflightBudget::Reservation()](Cache& cache) mutable -> absl::Status {
         ASSIGN_OR_RETURN(const std::vector<Query> queries, QueriesFromProto(request->queries()));
         const VisibleUnit& unit = request->as_ranges() ? kVisibleRanges : kVisiblePositions;
         auto admit = [&](int64_t entries) {
-          return AdmitVisible(cache.spec().name, request->group(), queries.size(), unit, entries,
-                              options_.max_visible_positions, options_.max_send_message_bytes,
-                              inflight_, &reservation);
+          return AdmitVisible(tenant, cache.spec().name, request->group(), queries.size(), unit,
+                              entries, options_.max_visible_positions,
+                              options_.max_send_message_bytes, inflight_, &reservation);
         };
         if (request->as_ranges()) {
           ASSIGN_OR_RETURN(const std::vector<std::vector<PositionRange>> visible,
@@ -1164,13 +1251,13 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Visible(grpc::CallbackServerContext*
       });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerContext* context,
-                                                       const v1::CopyPrefixRequest* request,
-                                                       v1::CopyPrefixResponse* response) {
+void CacheServiceImpl::HandleCopyPrefix(UnaryCall* call, const v1::CopyPrefixRequest* request,
+                                        v1::CopyPrefixResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
   if (!request->source_node().empty() &&
       (options_.cluster == nullptr ||
        request->source_node() != options_.cluster->options().self_name)) {
-    return RunCluster(context, [this, context, request, response]() -> absl::Status {
+    return RunCluster(call, [this, context, request, response]() -> absl::Status {
       ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
       RETURN_IF_ERROR(
           CheckNames({{"cache", request->cache()}, {"source_node", request->source_node()}}));
@@ -1179,7 +1266,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerConte
     });
   }
   return RunOnCache(
-      context, request,
+      call, request,
       [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
         ASSIGN_OR_RETURN(const Reservations::Guard guard,
                          GuardSequence(Reservations::Key(caller.tenant, request->cache()),
@@ -1195,9 +1282,9 @@ grpc::ServerUnaryReactor* CacheServiceImpl::CopyPrefix(grpc::CallbackServerConte
       });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* context,
-                                                   const v1::RemoveRequest* request,
-                                                   v1::RemoveResponse* response) {
+void CacheServiceImpl::HandleRemove(UnaryCall* call, const v1::RemoveRequest* request,
+                                    v1::RemoveResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
   auto local = [this, context, request]() -> absl::Status {
     Principal caller;
     ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,
@@ -1210,7 +1297,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* 
     return cache->Remove(request->seq(), request->begin(), end);
   };
   if (request->scope() == v1::REMOVE_SCOPE_CLUSTER) {
-    return RunCluster(context, [this, context, request, response, local]() -> absl::Status {
+    return RunCluster(call, [this, context, request, response, local]() -> absl::Status {
       // The local part runs on the engine executor's terms too: it is an engine call.
       ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
       RETURN_IF_ERROR(CheckNameLength("cache", request->cache()));
@@ -1222,41 +1309,38 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Remove(grpc::CallbackServerContext* 
     });
   }
   if (request->scope() != v1::REMOVE_SCOPE_LOCAL) {
-    return RunUnary(context, [this, context, request]() -> absl::Status {
+    return RunUnary(call, [this, context, request]() -> absl::Status {
       RETURN_IF_ERROR(Caller(*context).status());  // who asks comes first
       return absl::InvalidArgumentError(
           absl::StrCat("scope = ", request->scope(), " is not a RemoveScope"));
     });
   }
-  return RunUnary(context, std::move(local));
+  return RunUnary(call, std::move(local));
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::CanResume(grpc::CallbackServerContext* context,
-                                                      const v1::CanResumeRequest* request,
-                                                      v1::CanResumeResponse* response) {
-  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
+void CacheServiceImpl::HandleCanResume(UnaryCall* call, const v1::CanResumeRequest* request,
+                                       v1::CanResumeResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunOnCache(call, request, [request, response](Cache& cache) -> absl::Status {
     ASSIGN_OR_RETURN(const bool can_resume, cache.CanResume(request->seq(), request->pos()));
     response->set_can_resume(can_resume);
     return absl::OkStatus();
   });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::ListSequences(grpc::CallbackServerContext* context,
-                                                          const v1::ListSequencesRequest* request,
-                                                          v1::ListSequencesResponse* response) {
-  return RunOnCache(context, request, [response](Cache& cache) -> absl::Status {
-    for (const SequenceInfo& info : cache.ListSequences()) {
-      *response->add_sequences() = SequenceInfoToProto(info);
-    }
-    return absl::OkStatus();
+void CacheServiceImpl::HandleListSequences(UnaryCall* call, const v1::ListSequencesRequest* request,
+                                           v1::ListSequencesResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunOnCache(call, request, [request, response](Cache& cache) -> absl::Status {
+    return ListSequencesPage(cache, *request, response);
   });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::Reserve(grpc::CallbackServerContext* context,
-                                                    const v1::ReserveRequest* request,
-                                                    v1::ReserveResponse* response) {
+void CacheServiceImpl::HandleReserve(UnaryCall* call, const v1::ReserveRequest* request,
+                                     v1::ReserveResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
   return RunOnCache(
-      context, request,
+      call, request,
       [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
         const int64_t ttl_ms = request->ttl_ms() == 0 ? kDefaultReserveTtlMs : request->ttl_ms();
         if (ttl_ms < 0 || ttl_ms > kMaxReserveTtlMs) {
@@ -1279,11 +1363,11 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Reserve(grpc::CallbackServerContext*
       });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::SetRetention(grpc::CallbackServerContext* context,
-                                                         const v1::SetRetentionRequest* request,
-                                                         v1::SetRetentionResponse* response) {
+void CacheServiceImpl::HandleSetRetention(UnaryCall* call, const v1::SetRetentionRequest* request,
+                                          v1::SetRetentionResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
   return RunOnCache(
-      context, request,
+      call, request,
       [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
         if (request->ttl_ms() < 0) {
           return absl::InvalidArgumentError(
@@ -1302,9 +1386,9 @@ grpc::ServerUnaryReactor* CacheServiceImpl::SetRetention(grpc::CallbackServerCon
       });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::LookupPrefix(grpc::CallbackServerContext* context,
-                                                         const v1::LookupPrefixRequest* request,
-                                                         v1::LookupPrefixResponse* response) {
+void CacheServiceImpl::HandleLookupPrefix(UnaryCall* call, const v1::LookupPrefixRequest* request,
+                                          v1::LookupPrefixResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
   // The lookup itself, once the cache is found: this node's matches, then (cluster scope) the
   // other members' from the index, verified by their holders when asked.
   auto lookup = [this, context, request, response](const Cache& cache,
@@ -1368,7 +1452,7 @@ grpc::ServerUnaryReactor* CacheServiceImpl::LookupPrefix(grpc::CallbackServerCon
   };
   if (request->scope() == v1::LOOKUP_SCOPE_CLUSTER && request->verify()) {
     // Calls other members: on the cluster executor, never the engine's.
-    return RunCluster(context, [this, context, request, lookup]() -> absl::Status {
+    return RunCluster(call, [this, context, request, lookup]() -> absl::Status {
       Principal caller;
       ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,
                        FindCache(*context, request->cache(), &caller));
@@ -1376,33 +1460,47 @@ grpc::ServerUnaryReactor* CacheServiceImpl::LookupPrefix(grpc::CallbackServerCon
     });
   }
   // The index answers in microseconds: with the local lookups, on the engine executor.
-  return RunOnCache(context, request,
-                    [lookup](Cache& cache, const Principal& caller) -> absl::Status {
-                      return lookup(cache, caller);
-                    });
+  return RunOnCache(call, request, [lookup](Cache& cache, const Principal& caller) -> absl::Status {
+    return lookup(cache, caller);
+  });
 }
 
-grpc::ServerWriteReactor<v1::WatchEventsResponse>* CacheServiceImpl::WatchEvents(
-    grpc::CallbackServerContext* context, const v1::WatchEventsRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* CacheServiceImpl::WatchEvents(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw) {
+  // Who calls first, then the request's size, and only then is it parsed.
   absl::StatusOr<Principal> caller = Caller(*context);
+  v1::WatchEventsRequest request;
+  if (caller.ok()) {
+    if (const grpc::Status parsed = ParseRequest(*raw, kMaxWatchRequestBytes,
+                                                 "/kvmesh.v1.CacheService/WatchEvents", &request);
+        !parsed.ok()) {
+      caller = FromGrpcStatus(parsed);
+    }
+  }
   if (caller.ok() && options_.events == nullptr) {
     caller = absl::FailedPreconditionError("this node keeps no event log");
   }
   if (caller.ok() && watchers_.stopping.load()) {
     caller = absl::UnavailableError("the node is shutting down");
   }
-  return StartWatch(*request, std::move(caller), WatchScope::kTenant, registry_, options_.events,
-                    &watchers_);
+  // A revoked token (or a tenant removed) at a reload of the token file ends the stream.
+  std::function<absl::Status()> still_allowed;
+  if (caller.ok() && options_.auth != nullptr) {
+    auto recheck = std::make_shared<CallerRecheck>(options_.auth, *context, *caller);
+    still_allowed = [recheck] { return recheck->Check(); };
+  }
+  return StartRawWatch(request, std::move(caller), WatchScope::kTenant, registry_, options_.events,
+                       &watchers_, std::move(still_allowed));
 }
 
 void CacheServiceImpl::StopWatchers() { watchers_.Stop(options_.events); }
 
 // ---- snapshots and speculation --------------------------------------------------------------
 
-grpc::ServerUnaryReactor* CacheServiceImpl::Snapshot(grpc::CallbackServerContext* context,
-                                                     const v1::SnapshotRequest* request,
-                                                     v1::SnapshotResponse* response) {
-  return RunOnCache(context, request, [request, response](Cache& cache) -> absl::Status {
+void CacheServiceImpl::HandleSnapshot(UnaryCall* call, const v1::SnapshotRequest* request,
+                                      v1::SnapshotResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunOnCache(call, request, [request, response](Cache& cache) -> absl::Status {
     RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
     RETURN_IF_ERROR(CheckNotNegative("from_offset", request->from_offset()));
     ASSIGN_OR_RETURN(const SnapshotInfo info,
@@ -1412,11 +1510,11 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Snapshot(grpc::CallbackServerContext
   });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::Restore(grpc::CallbackServerContext* context,
-                                                    const v1::RestoreRequest* request,
-                                                    v1::RestoreResponse* response) {
+void CacheServiceImpl::HandleRestore(UnaryCall* call, const v1::RestoreRequest* request,
+                                     v1::RestoreResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
   return RunOnCache(
-      context, request, [this, request](Cache& cache, const Principal& caller) -> absl::Status {
+      call, request, [this, request](Cache& cache, const Principal& caller) -> absl::Status {
         RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
         RETURN_IF_ERROR(CheckNotNegative("target", request->target()));
         const std::optional<uint64_t> snapshot_id =
@@ -1431,11 +1529,12 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Restore(grpc::CallbackServerContext*
       });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::MergeSnapshots(grpc::CallbackServerContext* context,
-                                                           const v1::MergeSnapshotsRequest* request,
-                                                           v1::MergeSnapshotsResponse* response) {
+void CacheServiceImpl::HandleMergeSnapshots(UnaryCall* call,
+                                            const v1::MergeSnapshotsRequest* request,
+                                            v1::MergeSnapshotsResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
   return RunOnCache(
-      context, request,
+      call, request,
       [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
         ASSIGN_OR_RETURN(const Reservations::Guard guard,
                          GuardSnapshots(Reservations::Key(caller.tenant, request->cache()),
@@ -1447,11 +1546,11 @@ grpc::ServerUnaryReactor* CacheServiceImpl::MergeSnapshots(grpc::CallbackServerC
       });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::SplitSnapshot(grpc::CallbackServerContext* context,
-                                                          const v1::SplitSnapshotRequest* request,
-                                                          v1::SplitSnapshotResponse* response) {
+void CacheServiceImpl::HandleSplitSnapshot(UnaryCall* call, const v1::SplitSnapshotRequest* request,
+                                           v1::SplitSnapshotResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
   return RunOnCache(
-      context, request,
+      call, request,
       [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
         ASSIGN_OR_RETURN(const Reservations::Guard guard,
                          GuardSnapshots(Reservations::Key(caller.tenant, request->cache()),
@@ -1465,11 +1564,11 @@ grpc::ServerUnaryReactor* CacheServiceImpl::SplitSnapshot(grpc::CallbackServerCo
       });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::DropSnapshot(grpc::CallbackServerContext* context,
-                                                         const v1::DropSnapshotRequest* request,
-                                                         v1::DropSnapshotResponse* response) {
+void CacheServiceImpl::HandleDropSnapshot(UnaryCall* call, const v1::DropSnapshotRequest* request,
+                                          v1::DropSnapshotResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
   return RunOnCache(
-      context, request, [this, request](Cache& cache, const Principal& caller) -> absl::Status {
+      call, request, [this, request](Cache& cache, const Principal& caller) -> absl::Status {
         ASSIGN_OR_RETURN(const Reservations::Guard guard,
                          GuardSnapshots(Reservations::Key(caller.tenant, request->cache()),
                                         {request->snapshot_id()}, "DropSnapshot"));
@@ -1477,22 +1576,20 @@ grpc::ServerUnaryReactor* CacheServiceImpl::DropSnapshot(grpc::CallbackServerCon
       });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::ListSnapshots(grpc::CallbackServerContext* context,
-                                                          const v1::ListSnapshotsRequest* request,
-                                                          v1::ListSnapshotsResponse* response) {
-  return RunOnCache(context, request, [response](Cache& cache) -> absl::Status {
-    for (const SnapshotInfo& info : cache.ListSnapshots()) {
-      *response->add_snapshots() = SnapshotInfoToProto(info);
-    }
-    return absl::OkStatus();
+void CacheServiceImpl::HandleListSnapshots(UnaryCall* call, const v1::ListSnapshotsRequest* request,
+                                           v1::ListSnapshotsResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunOnCache(call, request, [request, response](Cache& cache) -> absl::Status {
+    return ListSnapshotsPage(cache, *request, response);
   });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::CommitSpeculation(
-    grpc::CallbackServerContext* context, const v1::CommitSpeculationRequest* request,
-    v1::CommitSpeculationResponse* response) {
+void CacheServiceImpl::HandleCommitSpeculation(UnaryCall* call,
+                                               const v1::CommitSpeculationRequest* request,
+                                               v1::CommitSpeculationResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
   return RunOnCache(
-      context, request,
+      call, request,
       [this, request, response](Cache& cache, const Principal& caller) -> absl::Status {
         RETURN_IF_ERROR(CheckNotNegative("seq", request->seq()));
         RETURN_IF_ERROR(CheckNotNegative("accepted", request->accepted()));
@@ -1519,10 +1616,10 @@ namespace kvmesh {
 
 // ---- cluster ---------------------------------------------------------------------------------
 
-grpc::ServerUnaryReactor* CacheServiceImpl::Migrate(grpc::CallbackServerContext* context,
-                                                    const v1::MigrateRequest* request,
-                                                    v1::MigrateResponse* response) {
-  return RunCluster(context, [this, context, request, response]() -> absl::Status {
+void CacheServiceImpl::HandleMigrate(UnaryCall* call, const v1::MigrateRequest* request,
+                                     v1::MigrateResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunCluster(call, [this, context, request, response]() -> absl::Status {
     ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     RETURN_IF_ERROR(
         CheckNames({{"cache", request->cache()}, {"target_node", request->target_node()}}));
@@ -1533,10 +1630,11 @@ grpc::ServerUnaryReactor* CacheServiceImpl::Migrate(grpc::CallbackServerContext*
   });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::MigrateSnapshot(
-    grpc::CallbackServerContext* context, const v1::MigrateSnapshotRequest* request,
-    v1::MigrateSnapshotResponse* response) {
-  return RunCluster(context, [this, context, request, response]() -> absl::Status {
+void CacheServiceImpl::HandleMigrateSnapshot(UnaryCall* call,
+                                             const v1::MigrateSnapshotRequest* request,
+                                             v1::MigrateSnapshotResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunCluster(call, [this, context, request, response]() -> absl::Status {
     ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     RETURN_IF_ERROR(
         CheckNames({{"cache", request->cache()}, {"target_node", request->target_node()}}));
@@ -1547,10 +1645,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::MigrateSnapshot(
   });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::ListMembers(grpc::CallbackServerContext* context,
-                                                        const v1::ListMembersRequest* request,
-                                                        v1::ListMembersResponse* response) {
-  return RunCluster(context, [this, context, response]() -> absl::Status {
+void CacheServiceImpl::HandleListMembers(UnaryCall* call, const v1::ListMembersRequest* request,
+                                         v1::ListMembersResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunCluster(call, [this, context, response]() -> absl::Status {
     ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     *response = options_.cluster->DescribeMembers();
     if (!caller.admin()) {
@@ -1567,10 +1665,10 @@ grpc::ServerUnaryReactor* CacheServiceImpl::ListMembers(grpc::CallbackServerCont
   });
 }
 
-grpc::ServerUnaryReactor* CacheServiceImpl::Drain(grpc::CallbackServerContext* context,
-                                                  const v1::DrainRequest* request,
-                                                  v1::DrainResponse* response) {
-  return RunCluster(context, [this, context, request, response]() -> absl::Status {
+void CacheServiceImpl::HandleDrain(UnaryCall* call, const v1::DrainRequest* request,
+                                   v1::DrainResponse* response) {
+  [[maybe_unused]] grpc::CallbackServerContext* const context = call->context();
+  return RunCluster(call, [this, context, request, response]() -> absl::Status {
     ASSIGN_OR_RETURN(const Principal caller, Caller(*context));
     if (!caller.admin()) {
       return absl::PermissionDeniedError(

@@ -6,7 +6,9 @@
 // never block on the engine. When the executor's queue is full the RPC fails at once with
 // UNAVAILABLE (retry later), never by waiting.
 //
-//  - Unary RPCs use DefaultReactor(); the executor task calls Finish().
+//  - Unary RPCs are served through a UnaryGate (service/unary_gate.h), which authenticates a
+//    call before it reads the request and checks the request against its method's size limit
+//    before it parses it; the executor task answers through the UnaryCall.
 //  - Append and AppendStream pass the request's `speculative` flag to the engine; the payload
 //    size they expect follows it (one Recurrent state per token when speculative).
 //  - AppendStream checks the first message's header (cache, tokens, payload_bytes) before it
@@ -54,6 +56,7 @@
 #include "service/executor.h"
 #include "service/idle_reaper.h"
 #include "service/inflight_budget.h"
+#include "service/unary_gate.h"
 #include "service/watch_events.h"
 
 namespace kvmesh {
@@ -78,6 +81,19 @@ inline constexpr uint64_t kVisibleBytesPerRange = 96;
 // response's Visibility message with their allocations.
 inline constexpr uint64_t kVisibleBytesPerQuery = 128;
 
+// What a unary request may be, in bytes, before the node parses it (UnaryGate; docs/api.md,
+// "Limits on every request"): requests that carry names and numbers; a Visible's queries
+// (256 KiB is about 20k queries of a sequence and a range, or 131k empty ones, which parse into
+// about 23 MiB with their answer); a LookupPrefix's prompt (2M tokens as packed varints). An
+// Append may be as large as the server's message limit.
+inline constexpr size_t kMaxSmallRequestBytes = size_t{64} << 10;
+inline constexpr size_t kMaxVisibleRequestBytes = size_t{256} << 10;
+inline constexpr size_t kMaxLookupRequestBytes = size_t{8} << 20;
+// A WatchEvents request: at most kMaxWatchedCaches names of at most 128 bytes.
+inline constexpr size_t kMaxWatchRequestBytes = size_t{256} << 10;
+// A Read's request (its positions), checked before it is parsed.
+inline constexpr size_t kMaxReadRequestBytes = size_t{1} << 20;
+
 // The Drain RPC's timeout when neither the request nor Options::drain_timeout gives one.
 inline constexpr absl::Duration kDefaultDrainTimeout = absl::Seconds(60);
 
@@ -89,21 +105,21 @@ inline constexpr absl::Duration kDefaultDrainTimeout = absl::Seconds(60);
 // to override.
 namespace internal {
 using S = v1::CacheService;
-using CacheServiceBase = S::WithCallbackMethod_CreateCache<S::WithCallbackMethod_DeleteCache<
-    S::WithCallbackMethod_GetCache<S::WithCallbackMethod_ListCaches<S::WithRawCallbackMethod_Append<
+using CacheServiceBase = S::WithGenericMethod_CreateCache<S::WithGenericMethod_DeleteCache<
+    S::WithGenericMethod_GetCache<S::WithGenericMethod_ListCaches<S::WithGenericMethod_Append<
         S::WithRawCallbackMethod_AppendStream<S::WithRawCallbackMethod_Read<
-            S::WithCallbackMethod_Visible<S::WithCallbackMethod_CopyPrefix<S::WithCallbackMethod_Remove<
-                S::WithCallbackMethod_CanResume<S::WithCallbackMethod_ListSequences<
-                    S::WithCallbackMethod_Snapshot<S::WithCallbackMethod_Restore<
-                        S::WithCallbackMethod_MergeSnapshots<S::WithCallbackMethod_SplitSnapshot<
-                            S::WithCallbackMethod_DropSnapshot<S::WithCallbackMethod_ListSnapshots<
-                                S::WithCallbackMethod_CommitSpeculation<S::WithCallbackMethod_Migrate<
-                                    S::WithCallbackMethod_MigrateSnapshot<
-                                        S::WithCallbackMethod_ListMembers<
-                                            S::WithCallbackMethod_Drain<S::WithCallbackMethod_Reserve<
-                                                S::WithCallbackMethod_SetRetention<
-                                                    S::WithCallbackMethod_LookupPrefix<
-                                                        S::WithCallbackMethod_WatchEvents<
+            S::WithGenericMethod_Visible<S::WithGenericMethod_CopyPrefix<S::WithGenericMethod_Remove<
+                S::WithGenericMethod_CanResume<S::WithGenericMethod_ListSequences<
+                    S::WithGenericMethod_Snapshot<S::WithGenericMethod_Restore<
+                        S::WithGenericMethod_MergeSnapshots<S::WithGenericMethod_SplitSnapshot<
+                            S::WithGenericMethod_DropSnapshot<S::WithGenericMethod_ListSnapshots<
+                                S::WithGenericMethod_CommitSpeculation<S::WithGenericMethod_Migrate<
+                                    S::WithGenericMethod_MigrateSnapshot<
+                                        S::WithGenericMethod_ListMembers<
+                                            S::WithGenericMethod_Drain<S::WithGenericMethod_Reserve<
+                                                S::WithGenericMethod_SetRetention<
+                                                    S::WithGenericMethod_LookupPrefix<
+                                                        S::WithRawCallbackMethod_WatchEvents<
                                                             S::Service>>>>>>>>>>>>>>>>>>>>>>>>>>>;
 }  // namespace internal
 
@@ -112,6 +128,8 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   struct Options {
     // The server's limit on one outgoing message; Read messages are cut to stay under it.
     size_t max_send_message_bytes = size_t{64} << 20;
+    // The server's limit on one incoming message: the largest unary Append the gate reads.
+    size_t max_receive_message_bytes = size_t{64} << 20;
     // The cluster operations (docs/cluster.md) and the executor they run on, or null: a node
     // without them serves local operations only and refuses cluster ones (FAILED_PRECONDITION).
     Cluster* cluster = nullptr;
@@ -126,6 +144,11 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
     // ended with DEADLINE_EXCEEDED and its buffer freed; a Read whose write has not completed
     // for this long (its client takes nothing) is cancelled. absl::InfiniteDuration(): never.
     absl::Duration stream_idle_timeout = absl::Seconds(30);
+    // An AppendStream that has run for stream_min_rate_grace and received less than
+    // stream_min_rate bytes per second on average since its first message is ended with
+    // RESOURCE_EXHAUSTED and its reservation freed; 0: no minimum.
+    uint64_t stream_min_rate = 0;
+    absl::Duration stream_min_rate_grace = absl::Seconds(10);
     // Most positions one Visible call may list in all (RESOURCE_EXHAUSTED beyond).
     int64_t max_visible_positions = kDefaultMaxVisiblePositions;
     // Whether the node takes new caches and sequences (not owned; null: always), and what
@@ -148,23 +171,17 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   CacheServiceImpl(const CacheServiceImpl&) = delete;
   CacheServiceImpl& operator=(const CacheServiceImpl&) = delete;
 
-  grpc::ServerUnaryReactor* CreateCache(grpc::CallbackServerContext* context,
-                                        const v1::CreateCacheRequest* request,
-                                        v1::CreateCacheResponse* response) override;
-  grpc::ServerUnaryReactor* DeleteCache(grpc::CallbackServerContext* context,
-                                        const v1::DeleteCacheRequest* request,
-                                        v1::DeleteCacheResponse* response) override;
-  grpc::ServerUnaryReactor* GetCache(grpc::CallbackServerContext* context,
-                                     const v1::GetCacheRequest* request,
-                                     v1::GetCacheResponse* response) override;
-  grpc::ServerUnaryReactor* ListCaches(grpc::CallbackServerContext* context,
-                                       const v1::ListCachesRequest* request,
-                                       v1::ListCachesResponse* response) override;
+  void HandleCreateCache(UnaryCall* call, const v1::CreateCacheRequest* request,
+                         v1::CreateCacheResponse* response);
+  void HandleDeleteCache(UnaryCall* call, const v1::DeleteCacheRequest* request,
+                         v1::DeleteCacheResponse* response);
+  void HandleGetCache(UnaryCall* call, const v1::GetCacheRequest* request,
+                      v1::GetCacheResponse* response);
+  void HandleListCaches(UnaryCall* call, const v1::ListCachesRequest* request,
+                        v1::ListCachesResponse* response);
   // Served raw: the AppendRequest is parsed here with its payload left in the slices gRPC
   // received it in, and written from there into the cells the Append takes (where it can).
-  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context,
-                                   const grpc::ByteBuffer* request,
-                                   grpc::ByteBuffer* response) override;
+  void HandleAppend(UnaryCall* call, const grpc::ByteBuffer* request, grpc::ByteBuffer* response);
   // Served raw: the data of each AppendStreamRequest goes from the received slices into the
   // append (the cells it will take, where it can), and the AppendResponse is written here.
   grpc::ServerReadReactor<grpc::ByteBuffer>* AppendStream(grpc::CallbackServerContext* context,
@@ -173,70 +190,56 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   // memory it lies in), and the request is parsed here.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Read(grpc::CallbackServerContext* context,
                                                    const grpc::ByteBuffer* request) override;
-  grpc::ServerUnaryReactor* Visible(grpc::CallbackServerContext* context,
-                                    const v1::VisibleRequest* request,
-                                    v1::VisibleResponse* response) override;
-  grpc::ServerUnaryReactor* CopyPrefix(grpc::CallbackServerContext* context,
-                                       const v1::CopyPrefixRequest* request,
-                                       v1::CopyPrefixResponse* response) override;
-  grpc::ServerUnaryReactor* Remove(grpc::CallbackServerContext* context,
-                                   const v1::RemoveRequest* request,
-                                   v1::RemoveResponse* response) override;
-  grpc::ServerUnaryReactor* CanResume(grpc::CallbackServerContext* context,
-                                      const v1::CanResumeRequest* request,
-                                      v1::CanResumeResponse* response) override;
-  grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* context,
-                                          const v1::ListSequencesRequest* request,
-                                          v1::ListSequencesResponse* response) override;
-  grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* context,
-                                    const v1::ReserveRequest* request,
-                                    v1::ReserveResponse* response) override;
-  grpc::ServerUnaryReactor* SetRetention(grpc::CallbackServerContext* context,
-                                         const v1::SetRetentionRequest* request,
-                                         v1::SetRetentionResponse* response) override;
-  grpc::ServerUnaryReactor* LookupPrefix(grpc::CallbackServerContext* context,
-                                         const v1::LookupPrefixRequest* request,
-                                         v1::LookupPrefixResponse* response) override;
-  grpc::ServerWriteReactor<v1::WatchEventsResponse>* WatchEvents(
-      grpc::CallbackServerContext* context, const v1::WatchEventsRequest* request) override;
+  void HandleVisible(UnaryCall* call, const v1::VisibleRequest* request,
+                     v1::VisibleResponse* response);
+  void HandleCopyPrefix(UnaryCall* call, const v1::CopyPrefixRequest* request,
+                        v1::CopyPrefixResponse* response);
+  void HandleRemove(UnaryCall* call, const v1::RemoveRequest* request,
+                    v1::RemoveResponse* response);
+  void HandleCanResume(UnaryCall* call, const v1::CanResumeRequest* request,
+                       v1::CanResumeResponse* response);
+  void HandleListSequences(UnaryCall* call, const v1::ListSequencesRequest* request,
+                           v1::ListSequencesResponse* response);
+  void HandleReserve(UnaryCall* call, const v1::ReserveRequest* request,
+                     v1::ReserveResponse* response);
+  void HandleSetRetention(UnaryCall* call, const v1::SetRetentionRequest* request,
+                          v1::SetRetentionResponse* response);
+  void HandleLookupPrefix(UnaryCall* call, const v1::LookupPrefixRequest* request,
+                          v1::LookupPrefixResponse* response);
+  // The generic service that serves every unary method (UnaryGate): register it with the server
+  // beside the service itself (ServerBuilder::RegisterCallbackGenericService).
+  grpc::CallbackGenericService* unary_gate() { return gate_.get(); }
+
+  // Served raw: the request is parsed here, once the caller is known and the request is within
+  // kMaxWatchRequestBytes.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchEvents(grpc::CallbackServerContext* context,
+                                                          const grpc::ByteBuffer* request) override;
   // Ends every WatchEvents stream (UNAVAILABLE) and refuses new ones: call before the server's
   // Shutdown, or the streams, which never end by themselves, hold it for its grace period.
   void StopWatchers();
   // WatchEvents streams being served now.
   int watchers() const { return watchers_.running.load(); }
-  grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* context,
-                                     const v1::SnapshotRequest* request,
-                                     v1::SnapshotResponse* response) override;
-  grpc::ServerUnaryReactor* Restore(grpc::CallbackServerContext* context,
-                                    const v1::RestoreRequest* request,
-                                    v1::RestoreResponse* response) override;
-  grpc::ServerUnaryReactor* MergeSnapshots(grpc::CallbackServerContext* context,
-                                           const v1::MergeSnapshotsRequest* request,
-                                           v1::MergeSnapshotsResponse* response) override;
-  grpc::ServerUnaryReactor* SplitSnapshot(grpc::CallbackServerContext* context,
-                                          const v1::SplitSnapshotRequest* request,
-                                          v1::SplitSnapshotResponse* response) override;
-  grpc::ServerUnaryReactor* DropSnapshot(grpc::CallbackServerContext* context,
-                                         const v1::DropSnapshotRequest* request,
-                                         v1::DropSnapshotResponse* response) override;
-  grpc::ServerUnaryReactor* ListSnapshots(grpc::CallbackServerContext* context,
-                                          const v1::ListSnapshotsRequest* request,
-                                          v1::ListSnapshotsResponse* response) override;
-  grpc::ServerUnaryReactor* CommitSpeculation(grpc::CallbackServerContext* context,
-                                              const v1::CommitSpeculationRequest* request,
-                                              v1::CommitSpeculationResponse* response) override;
-  grpc::ServerUnaryReactor* Migrate(grpc::CallbackServerContext* context,
-                                    const v1::MigrateRequest* request,
-                                    v1::MigrateResponse* response) override;
-  grpc::ServerUnaryReactor* MigrateSnapshot(grpc::CallbackServerContext* context,
-                                            const v1::MigrateSnapshotRequest* request,
-                                            v1::MigrateSnapshotResponse* response) override;
-  grpc::ServerUnaryReactor* ListMembers(grpc::CallbackServerContext* context,
-                                        const v1::ListMembersRequest* request,
-                                        v1::ListMembersResponse* response) override;
-  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* context,
-                                  const v1::DrainRequest* request,
-                                  v1::DrainResponse* response) override;
+  void HandleSnapshot(UnaryCall* call, const v1::SnapshotRequest* request,
+                      v1::SnapshotResponse* response);
+  void HandleRestore(UnaryCall* call, const v1::RestoreRequest* request,
+                     v1::RestoreResponse* response);
+  void HandleMergeSnapshots(UnaryCall* call, const v1::MergeSnapshotsRequest* request,
+                            v1::MergeSnapshotsResponse* response);
+  void HandleSplitSnapshot(UnaryCall* call, const v1::SplitSnapshotRequest* request,
+                           v1::SplitSnapshotResponse* response);
+  void HandleDropSnapshot(UnaryCall* call, const v1::DropSnapshotRequest* request,
+                          v1::DropSnapshotResponse* response);
+  void HandleListSnapshots(UnaryCall* call, const v1::ListSnapshotsRequest* request,
+                           v1::ListSnapshotsResponse* response);
+  void HandleCommitSpeculation(UnaryCall* call, const v1::CommitSpeculationRequest* request,
+                               v1::CommitSpeculationResponse* response);
+  void HandleMigrate(UnaryCall* call, const v1::MigrateRequest* request,
+                     v1::MigrateResponse* response);
+  void HandleMigrateSnapshot(UnaryCall* call, const v1::MigrateSnapshotRequest* request,
+                             v1::MigrateSnapshotResponse* response);
+  void HandleListMembers(UnaryCall* call, const v1::ListMembersRequest* request,
+                         v1::ListMembersResponse* response);
+  void HandleDrain(UnaryCall* call, const v1::DrainRequest* request, v1::DrainResponse* response);
 
  private:
   class AppendStreamReactor;
@@ -244,27 +247,27 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
 
   // Runs `fn` on the executor and finishes the call's default reactor with its status; fails
   // the call with UNAVAILABLE when the executor refuses the task.
-  grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context,
-                                     absl::AnyInvocable<absl::Status() &&> fn);
+  void RunUnary(UnaryCall* call, absl::AnyInvocable<absl::Status() &&> fn);
+  // Runs `fn` on `executor` and answers `call` with its status; with CANCELLED when the call was
+  // cancelled before `fn` could start, with BusyStatus() when the executor refuses the task.
+  void RunOn(Executor* executor, UnaryCall* call, absl::AnyInvocable<absl::Status() &&> fn);
 
   // RunUnary for the RPCs on one cache: on the executor, finds `request->cache()` among the
   // caller's caches (FindCache's errors finish the call) and returns what `fn(Cache&)` or
   // `fn(Cache&, const Principal& caller)` returns.
   template <typename Request, typename Fn>
-  grpc::ServerUnaryReactor* RunOnCache(grpc::CallbackServerContext* context, const Request* request,
-                                       Fn fn) {
-    return RunUnary(context,
-                    [this, context, request, fn = std::move(fn)]() mutable -> absl::Status {
-                      Principal caller;
-                      absl::StatusOr<std::shared_ptr<Cache>> cache =
-                          FindCache(*context, request->cache(), &caller);
-                      if (!cache.ok()) return cache.status();
-                      if constexpr (std::is_invocable_v<Fn&, Cache&, const Principal&>) {
-                        return fn(**cache, caller);
-                      } else {
-                        return fn(**cache);
-                      }
-                    });
+  void RunOnCache(UnaryCall* call, const Request* request, Fn fn) {
+    grpc::CallbackServerContext* const context = call->context();
+    RunUnary(call, [this, context, request, fn = std::move(fn)]() mutable -> absl::Status {
+      Principal caller;
+      absl::StatusOr<std::shared_ptr<Cache>> cache = FindCache(*context, request->cache(), &caller);
+      if (!cache.ok()) return cache.status();
+      if constexpr (std::is_invocable_v<Fn&, Cache&, const Principal&>) {
+        return fn(**cache, caller);
+      } else {
+        return fn(**cache);
+      }
+    });
   }
 
   // A DrainGate ticket for an operation that writes `seqs` (an empty one without a gate, or
@@ -287,8 +290,7 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
                               InflightBudget::Reservation& reservation);
 
   // Runs `fn` on the cluster executor, as RunUnary; FAILED_PRECONDITION without a cluster.
-  grpc::ServerUnaryReactor* RunCluster(grpc::CallbackServerContext* context,
-                                       absl::AnyInvocable<absl::Status() &&> fn);
+  void RunCluster(UnaryCall* call, absl::AnyInvocable<absl::Status() &&> fn);
 
   // Marks an operation that changes `seqs` of `cache` (or consumes snapshots) as running, so that
   // a migration of them cannot start meanwhile; ABORTED while one of them is under migration.
@@ -326,6 +328,8 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   InflightBudget* const inflight_;
   // Ends AppendStreams and Reads idle for options_.stream_idle_timeout.
   const std::unique_ptr<IdleReaper> idle_reaper_;
+  // Serves the unary methods (built in the constructor).
+  const std::unique_ptr<UnaryGate> gate_;
 };
 
 }  // namespace kvmesh

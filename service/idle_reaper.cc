@@ -12,8 +12,9 @@ bool Enabled(absl::Duration timeout) {
 
 }  // namespace
 
-IdleReaper::IdleReaper(absl::Duration timeout) : timeout_(timeout) {
-  if (Enabled(timeout_)) thread_ = std::thread([this] { Loop(); });
+IdleReaper::IdleReaper(absl::Duration timeout)
+    : timeout_(Enabled(timeout) ? timeout : absl::InfiniteDuration()) {
+  thread_ = std::thread([this] { Loop(); });
 }
 
 IdleReaper::~IdleReaper() {
@@ -36,7 +37,9 @@ void IdleReaper::Remove(Stream* stream) {
 }
 
 void IdleReaper::Loop() {
-  const absl::Duration tick = std::clamp(timeout_ / 4, absl::Milliseconds(10), absl::Seconds(1));
+  const absl::Duration tick =
+      Enabled(timeout_) ? std::clamp(timeout_ / 4, absl::Milliseconds(10), absl::Seconds(1))
+                        : absl::Seconds(1);
   std::vector<Stream*> expired;
   for (;;) {
     {
@@ -46,12 +49,12 @@ void IdleReaper::Loop() {
       if (stop_) return;
       const absl::Time now = absl::Now();
       for (Stream* stream : streams_) {
-        if (stream->ExpireIfIdle(now, timeout_)) expired.push_back(stream);
+        if (stream->Expire(now, timeout_)) expired.push_back(stream);
       }
     }
     // Outside the lock: ending a stream leads to its Remove (from gRPC's OnDone, possibly on
-    // this very thread). An expired stream cannot be destroyed before EndIdle has finished it.
-    for (Stream* stream : expired) stream->EndIdle(timeout_);
+    // this very thread). An expired stream cannot be destroyed before EndExpired has finished it.
+    for (Stream* stream : expired) stream->EndExpired(timeout_);
     expired.clear();
   }
 }

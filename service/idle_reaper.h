@@ -1,11 +1,14 @@
-// IdleReaper: ends client streams that have sent nothing for too long while the node waits for
-// their next message (--stream-idle-timeout-ms), so that a stream a client opened and forgot
-// does not hold its buffer and its in-flight reservation forever.
+// IdleReaper: ends client streams that must not go on holding what they hold: those that have
+// sent nothing for too long while the node waits for their next message
+// (--stream-idle-timeout-ms), so that a stream a client opened and forgot does not hold its
+// buffer and its in-flight reservation forever, and those a stream's own checks end (a caller
+// whose token was revoked, a stream slower than the node's minimum rate).
 //
-// One thread per reaper wakes every timeout/4 (at most once a second, at least every 10 ms)
-// and asks each registered stream whether it is idle; a stream is thus ended between `timeout`
-// and `timeout` plus one tick after its last message. A thread rather than a gRPC alarm per
-// stream: one timer for all streams, and no alarm to re-arm from its own callback.
+// One thread per reaper wakes every timeout/4 (at most once a second, at least every 10 ms;
+// once a second without a timeout) and asks each registered stream whether it must end; an
+// idle stream is thus ended between `timeout` and `timeout` plus one tick after its last
+// message. A thread rather than a gRPC alarm per stream: one timer for all streams, and no
+// alarm to re-arm from its own callback.
 //
 // Thread safety: thread-safe. A Stream must be removed (Remove) before it is destroyed, and
 // every stream must be removed before the reaper is destroyed.
@@ -27,17 +30,18 @@ class IdleReaper {
   class Stream {
    public:
     virtual ~Stream() = default;
-    // Called under the reaper's lock: returns true when the stream has waited for a message
-    // since `now - timeout` or earlier and commits to being ended: from then on nothing but
-    // EndIdle may end it, so it stays alive until EndIdle has run. Must not block.
-    virtual bool ExpireIfIdle(absl::Time now, absl::Duration timeout) = 0;
-    // Called once, outside the reaper's lock, after ExpireIfIdle returned true: frees the
-    // stream's buffers and finishes the call.
-    virtual void EndIdle(absl::Duration timeout) = 0;
+    // Called under the reaper's lock at every tick: returns true when the stream must end now
+    // (it has waited for a message since `now - timeout` or earlier, or one of its own checks
+    // fails) and commits to being ended: from then on nothing but EndExpired may end it, so it
+    // stays alive until EndExpired has run. Must not block.
+    virtual bool Expire(absl::Time now, absl::Duration timeout) = 0;
+    // Called once, outside the reaper's lock, after Expire returned true: frees the stream's
+    // buffers and finishes the call.
+    virtual void EndExpired(absl::Duration timeout) = 0;
   };
 
-  // absl::InfiniteDuration() (or a non-positive timeout): streams are never ended, and no
-  // thread is started.
+  // absl::InfiniteDuration() (or a non-positive timeout): streams are never ended for being
+  // idle (their own checks still run, once a second).
   explicit IdleReaper(absl::Duration timeout);
   ~IdleReaper();
 

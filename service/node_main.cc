@@ -182,6 +182,17 @@ ABSL_FLAG(int64_t, stream_idle_timeout_ms, 30000,
           "an AppendStream that sends no message for this long is ended with DEADLINE_EXCEEDED "
           "and its buffer freed, and a Read whose client takes no message for this long is "
           "cancelled and its pinned cells released; 0: never");
+ABSL_FLAG(double, inflight_tenant_share, 0.5,
+          "the most of kvmesh's part of --inflight-budget one tenant's requests may hold at once, "
+          "as a fraction in (0, 1]: beyond it that tenant's requests fail with RESOURCE_EXHAUSTED "
+          "while other tenants' still fit; 1: no share (as without --token-file, where every "
+          "caller is one tenant)");
+ABSL_FLAG(kvmesh::ByteSize, stream_min_rate, kvmesh::ByteSize{size_t{64} << 10},
+          "the slowest an AppendStream may send, in bytes per second averaged from its first "
+          "message, once it has run --stream_min_rate_grace_ms: a slower one holds in-flight "
+          "budget for too little progress and is ended with RESOURCE_EXHAUSTED; 0: no minimum");
+ABSL_FLAG(int64_t, stream_min_rate_grace_ms, 10000,
+          "how long an AppendStream may run before --stream_min_rate applies");
 ABSL_FLAG(int64_t, max_visible_positions, kvmesh::kDefaultMaxVisiblePositions,
           "most positions one Visible call may list in all; larger requests fail with "
           "RESOURCE_EXHAUSTED before any work");
@@ -622,6 +633,17 @@ int Run() {
     return Fail(absl::StrCat("--stream_idle_timeout_ms=", stream_idle_timeout_ms,
                              " is negative (0: never)"));
   }
+  const double inflight_tenant_share = absl::GetFlag(FLAGS_inflight_tenant_share);
+  if (!(inflight_tenant_share > 0.0 && inflight_tenant_share <= 1.0)) {
+    return Fail(absl::StrCat("--inflight_tenant_share=", inflight_tenant_share,
+                             " is not a fraction in (0, 1]"));
+  }
+  const uint64_t stream_min_rate = absl::GetFlag(FLAGS_stream_min_rate).bytes;
+  const int64_t stream_min_rate_grace_ms = absl::GetFlag(FLAGS_stream_min_rate_grace_ms);
+  if (stream_min_rate_grace_ms < 0) {
+    return Fail(
+        absl::StrCat("--stream_min_rate_grace_ms=", stream_min_rate_grace_ms, " is negative"));
+  }
   const int64_t max_visible_positions = absl::GetFlag(FLAGS_max_visible_positions);
   if (max_visible_positions < 1) {
     return Fail(
@@ -783,12 +805,12 @@ int Run() {
   leases.set_testing_release_lag(absl::Milliseconds(absl::GetFlag(FLAGS_testing_release_lag_ms)));
   Reservations reservations;
   // A sequence under migration is neither evicted nor expired: the migration would lose it.
-  registry.SetEvictionFilterFactory([&reservations](const std::string& tenant,
-                                                    const std::string& name) {
-    return [&reservations, key = Reservations::Key(tenant, name)](int64_t seq) {
-      return !reservations.IsReserved(Reservations::Kind::kSequence, key, seq);
-    };
-  });
+  registry.SetEvictionFilterFactory(
+      [&reservations](const std::string& tenant, const std::string& name) {
+        return [&reservations, key = Reservations::Key(tenant, name)](int64_t seq) {
+          return !reservations.IsReserved(Reservations::Kind::kSequence, key, seq);
+        };
+      });
   transport::GrpcStreamTransport::Options stream_options;
   stream_options.max_receive_message = static_cast<int32_t>(max_message);
   Membership* const members = membership->get();
@@ -875,15 +897,21 @@ int Run() {
   // its stream with UNAVAILABLE (retry later), as every call an overloaded node refuses.
   Executor transfer_reads(kTransferReadThreads, static_cast<size_t>(queue));
 
-  InflightBudget inflight(kvmesh_inflight_bytes, "kvmesh's three quarters of --inflight-budget");
+  // Without a token file every caller is the one tenant "default": a share would only halve
+  // its budget.
+  InflightBudget inflight(kvmesh_inflight_bytes, "kvmesh's three quarters of --inflight-budget",
+                          token_file.empty() ? 1.0 : inflight_tenant_share);
   CacheServiceImpl::Options options;
   options.max_send_message_bytes = max_message;
+  options.max_receive_message_bytes = max_message;
   options.cluster = &cluster;
   options.cluster_executor = &cluster_executor;
   options.inflight = &inflight;
   options.stream_idle_timeout = stream_idle_timeout_ms == 0
                                     ? absl::InfiniteDuration()
                                     : absl::Milliseconds(stream_idle_timeout_ms);
+  options.stream_min_rate = stream_min_rate;
+  options.stream_min_rate_grace = absl::Milliseconds(stream_min_rate_grace_ms);
   options.max_visible_positions = max_visible_positions;
   options.auth = auth->get();
   options.gate = &gate;
@@ -949,6 +977,7 @@ int Run() {
   int port = 0;
   builder.AddListeningPort(listen, (*node_tls)->ClientPortServerCredentials(), &port);
   builder.RegisterService(&service);
+  builder.RegisterCallbackGenericService(service.unary_gate());
   const bool peer_plane_on_client_port = peer_listen.empty() && development;
   if (peer_plane_on_client_port) builder.RegisterService(&peer_service);
   configure(builder);

@@ -1,9 +1,11 @@
 #include "service/rpc_observer.h"
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
@@ -26,6 +28,8 @@ namespace {
 using grpc::experimental::InterceptionHookPoints;
 
 constexpr size_t kMaxLoggedValue = 160;
+// The largest gated unary request whose names a log line gives.
+constexpr size_t kMaxObservedRequestBytes = size_t{64} << 10;
 
 // The services the node serves; a method of any other is "other" in metrics and logs.
 bool KnownService(absl::string_view service) {
@@ -39,14 +43,17 @@ bool KnownService(absl::string_view service) {
 // served raw, whose request or first message's header is parsed here for the log), or as
 // neither (PeerService/Fetch's request names nothing worth logging; health and reflection are
 // raw inside gRPC).
-enum class RequestForm { kNone, kProtobuf, kRawRead, kRawAppend, kRawAppendStream };
+// CacheService's other methods (its unary ones through its UnaryGate, and WatchEvents) come as
+// bytes (kRawUnary): the observer keeps a small request's slices and parses them only for a
+// line it logs, once the caller is known.
+enum class RequestForm { kNone, kProtobuf, kRawRead, kRawAppend, kRawAppendStream, kRawUnary };
 
 RequestForm FormOf(absl::string_view service, absl::string_view method) {
   if (service == "kvmesh.v1.CacheService") {
     if (method == "Read") return RequestForm::kRawRead;
     if (method == "Append") return RequestForm::kRawAppend;
     if (method == "AppendStream") return RequestForm::kRawAppendStream;
-    return RequestForm::kProtobuf;
+    return RequestForm::kRawUnary;
   }
   if (service == "kvmesh.v1.PeerService" && method != "Fetch") return RequestForm::kProtobuf;
   return RequestForm::kNone;
@@ -137,6 +144,12 @@ class RpcObserver final : public grpc::experimental::Interceptor {
     if (!KnownService(service)) {
       service = "other";
       method = "other";
+    } else if (absl::StartsWith(service, "kvmesh.") &&
+               google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(
+                   absl::StrCat(service, ".", method)) == nullptr) {
+      // A method kvmesh does not have (the gate answers UNIMPLEMENTED): one label for all of
+      // them, so that callers cannot grow the metrics with names of their own.
+      method = "other";
     }
     form_ = FormOf(service, method);
     const size_t dot = service.rfind('.');
@@ -178,6 +191,13 @@ class RpcObserver final : public grpc::experimental::Interceptor {
           if (grpc::SerializationTraits<v1::ReadRequest>::Deserialize(&raw, &request).ok()) {
             Extract(request, &named_);
           }
+        } else if (form_ == RequestForm::kRawUnary) {
+          // Only a request small enough to be worth naming in a log line; a larger one is
+          // refused or served without the observer holding its bytes.
+          const auto* raw = static_cast<const grpc::ByteBuffer*>(message);
+          if (raw->Length() > kMaxObservedRequestBytes || !raw->Dump(&unary_slices_).ok()) {
+            unary_slices_.clear();
+          }
         } else if (form_ == RequestForm::kRawAppend) {
           // Parsed only when the call's line is logged (a success is logged at debug level only):
           // until then the observer holds references to the slices the handler holds anyway.
@@ -218,6 +238,16 @@ class RpcObserver final : public grpc::experimental::Interceptor {
       }
       append_slices_.clear();
     }
+    if (!unary_slices_.empty()) {
+      // Parsed for the log only when the node knows the caller: an unauthenticated request's
+      // body is never parsed.
+      const LogLevel logged = code == grpc::StatusCode::OK ? LogLevel::kDebug : LogLevel::kWarning;
+      if (LogEnabled(logged) && code != grpc::StatusCode::UNAUTHENTICATED &&
+          code != grpc::StatusCode::PERMISSION_DENIED) {
+        ExtractUnary(&named_);
+      }
+      unary_slices_.clear();
+    }
     const absl::Duration elapsed = absl::Now() - start_;
     const std::string code_name = GrpcCodeName(code);
     if (rpc_ != nullptr) rpc_->Finished(code_name, elapsed);
@@ -243,6 +273,23 @@ class RpcObserver final : public grpc::experimental::Interceptor {
          {"error", ok ? std::string() : message}});
   }
 
+  // The names of a gated unary request (unary_slices_), parsed as the method's request type.
+  void ExtractUnary(Named* named) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const google::protobuf::MethodDescriptor* method =
+        google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(
+            absl::StrCat("kvmesh.v1.CacheService.", method_));
+    if (method == nullptr) return;
+    const google::protobuf::Message* prototype =
+        google::protobuf::MessageFactory::generated_factory()->GetPrototype(method->input_type());
+    if (prototype == nullptr) return;
+    std::unique_ptr<google::protobuf::Message> request(prototype->New());
+    std::string wire;
+    for (const grpc::Slice& slice : unary_slices_) {
+      wire.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+    }
+    if (request->ParseFromString(wire)) Extract(*request, named);
+  }
+
   grpc::experimental::ServerRpcInfo* const info_;
   const absl::Time start_ = absl::Now();
   std::string short_service_;
@@ -254,6 +301,7 @@ class RpcObserver final : public grpc::experimental::Interceptor {
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   Named named_ ABSL_GUARDED_BY(mu_);
   std::vector<grpc::Slice> append_slices_ ABSL_GUARDED_BY(mu_);  // a raw Append's request
+  std::vector<grpc::Slice> unary_slices_ ABSL_GUARDED_BY(mu_);   // a gated unary request
 };
 
 }  // namespace

@@ -1,10 +1,12 @@
 #include "service/watch_events.h"
 
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -13,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "cache/cache.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 #include "service/common/convert.h"
 
 namespace kvmesh {
@@ -51,12 +54,17 @@ v1::EventKind KindToProto(EventKind kind) {
 // no longer reach (kWatchHeartbeat).
 constexpr absl::Duration kProgressInterval = kWatchHeartbeat;
 
-class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsResponse> {
+// Out: v1::WatchEventsResponse (a typed method), or grpc::ByteBuffer (a raw one, whose
+// messages are serialized here).
+template <typename Out>
+class WatchReactor final : public grpc::ServerWriteReactor<Out> {
  public:
-  WatchReactor(v1::WatchEventsRequest request, absl::StatusOr<Principal> caller, WatchScope scope,
+  WatchReactor(v1::WatchEventsRequest request, absl::StatusOr<Principal> caller,
+               std::function<absl::Status()> still_allowed, WatchScope scope,
                CacheRegistry* registry, EventLog* log, WatcherCount* count)
       : request_(std::move(request)),
         caller_(std::move(caller)),
+        still_allowed_(std::move(still_allowed)),
         scope_(scope),
         registry_(registry),
         log_(log),
@@ -119,14 +127,26 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
       writing_ = true;
     }
     message.set_boot_id(log_->boot_id());
-    message_ = std::move(message);
-    StartWrite(&message_);
+    if constexpr (std::is_same_v<Out, grpc::ByteBuffer>) {
+      message_.Clear();  // the last write is done; Serialize needs an empty buffer
+      bool own_buffer;
+      if (!grpc::SerializationTraits<v1::WatchEventsResponse>::Serialize(message, &message_,
+                                                                         &own_buffer)
+               .ok()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        writing_ = false;
+        return false;
+      }
+    } else {
+      message_ = std::move(message);
+    }
+    this->StartWrite(&message_);
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [this] { return !writing_; });
     return write_ok_ && !cancelled_;
   }
 
-  void End(grpc::Status status) { Finish(status); }
+  void End(grpc::Status status) { this->Finish(status); }
 
   // Whether the watcher sees `event`.
   bool Visible(const Event& event) const {
@@ -202,9 +222,18 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
 
   grpc::Status Serve() {
     if (!caller_.ok()) return ToGrpcStatus(caller_.status());
+    if (request_.caches_size() > kMaxWatchedCaches) {
+      return grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("caches names ", request_.caches_size(), " caches, more than the ",
+                       kMaxWatchedCaches, " one watcher may follow; watch them all (no caches)"));
+    }
     for (const std::string& name : request_.caches()) {
       if (name.empty()) {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "caches names an empty cache");
+      }
+      if (const absl::Status length = CheckNameLength("caches", name); !length.ok()) {
+        return ToGrpcStatus(length);
       }
       // Also when resuming: a name the caller has no cache of is NOT_FOUND either way.
       if (const absl::StatusOr<std::shared_ptr<Cache>> cache =
@@ -253,6 +282,14 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
     }
     absl::Time last_sent = absl::Now();
     while (!cancelled()) {
+      // At least once per kProgressInterval: a caller whose token was revoked (or a peer removed
+      // from the membership) loses the stream within about a second.
+      if (still_allowed_ != nullptr) {
+        if (const absl::Status allowed = still_allowed_(); !allowed.ok()) {
+          return ToGrpcStatus(
+              absl::Status(allowed.code(), absl::StrCat("WatchEvents ended: ", allowed.message())));
+        }
+      }
       if (count_->stopping.load()) {
         return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                             absl::StrCat("the node is shutting down; resume on a node that serves "
@@ -291,6 +328,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
 
   const v1::WatchEventsRequest request_;
   const absl::StatusOr<Principal> caller_;
+  const std::function<absl::Status()> still_allowed_;
   const WatchScope scope_;
   CacheRegistry* const registry_;
   EventLog* const log_;
@@ -299,7 +337,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchEventsRespon
   absl::flat_hash_set<std::string> caches_;
   // Per cache listed: the number of its last event the listing reflects.
   absl::flat_hash_map<std::string, uint64_t> listed_;
-  v1::WatchEventsResponse message_;  // the one being written
+  Out message_;  // the one being written
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -329,12 +367,20 @@ void EventToProto(const Event& event, WatchScope scope, v1::Event* out) {
   out->set_reason(event.reason);
 }
 
-grpc::ServerWriteReactor<v1::WatchEventsResponse>* StartWatch(const v1::WatchEventsRequest& request,
-                                                              absl::StatusOr<Principal> caller,
-                                                              WatchScope scope,
-                                                              CacheRegistry* registry,
-                                                              EventLog* log, WatcherCount* count) {
-  return new WatchReactor(request, std::move(caller), scope, registry, log, count);
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartRawWatch(
+    const v1::WatchEventsRequest& request, absl::StatusOr<Principal> caller, WatchScope scope,
+    CacheRegistry* registry, EventLog* log, WatcherCount* count,
+    std::function<absl::Status()> still_allowed) {
+  return new WatchReactor<grpc::ByteBuffer>(request, std::move(caller), std::move(still_allowed),
+                                            scope, registry, log, count);
+}
+
+grpc::ServerWriteReactor<v1::WatchEventsResponse>* StartWatch(
+    const v1::WatchEventsRequest& request, absl::StatusOr<Principal> caller, WatchScope scope,
+    CacheRegistry* registry, EventLog* log, WatcherCount* count,
+    std::function<absl::Status()> still_allowed) {
+  return new WatchReactor<v1::WatchEventsResponse>(
+      request, std::move(caller), std::move(still_allowed), scope, registry, log, count);
 }
 
 }  // namespace kvmesh

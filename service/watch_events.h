@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <functional>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -52,13 +53,24 @@ struct WatcherCount {
 // cluster, PeerService.WatchEvents) every tenant's, each event naming its tenant.
 enum class WatchScope { kTenant, kAllTenants };
 
+// The most caches one watcher may name in WatchEventsRequest.caches.
+inline constexpr int kMaxWatchedCaches = 1024;
+
 // The reactor of one WatchEvents call by `caller` (its error, when not OK, ends the call; `log`
-// may then be null). `registry`, `log` and `count` must outlive every call.
-grpc::ServerWriteReactor<v1::WatchEventsResponse>* StartWatch(const v1::WatchEventsRequest& request,
-                                                              absl::StatusOr<Principal> caller,
-                                                              WatchScope scope,
-                                                              CacheRegistry* registry,
-                                                              EventLog* log, WatcherCount* count);
+// may then be null). `still_allowed`, when not null, is asked at least once a second whether
+// the caller may still watch: its error ends the stream (a revoked token, a peer no longer a
+// member). `registry`, `log` and `count` must outlive every call.
+grpc::ServerWriteReactor<v1::WatchEventsResponse>* StartWatch(
+    const v1::WatchEventsRequest& request, absl::StatusOr<Principal> caller, WatchScope scope,
+    CacheRegistry* registry, EventLog* log, WatcherCount* count,
+    std::function<absl::Status()> still_allowed = nullptr);
+
+// StartWatch for a method served raw (CacheService.WatchEvents, whose request the service
+// parses itself once it knows the caller): the same messages, serialized by the reactor.
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartRawWatch(
+    const v1::WatchEventsRequest& request, absl::StatusOr<Principal> caller, WatchScope scope,
+    CacheRegistry* registry, EventLog* log, WatcherCount* count,
+    std::function<absl::Status()> still_allowed = nullptr);
 
 // The protobuf form of an event; its tenant only with kAllTenants (a tenant's watcher sees its
 // own tenant's events only).

@@ -223,6 +223,7 @@ class Node {
     grpc::ServerBuilder builder;
     configure(builder);
     builder.RegisterService(service_.get());
+    builder.RegisterCallbackGenericService(service_->unary_gate());
     server_ = builder.BuildAndStart();
     KVMESH_FUZZ_CHECK(server_ != nullptr, "cannot start the client server");
     grpc::ServerBuilder peer_builder;

@@ -849,7 +849,7 @@ TEST_F(ServiceTest, RawReadRequestsAndResponses) {
   grpc::Status status = CallRaw(node().channel(), "/kvmesh.v1.CacheService/Read",
                                 std::string("\xff\xff\xff", 3), &responses);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << StatusText(status);
-  EXPECT_THAT(status.error_message(), HasSubstr("the ReadRequest of 3 bytes does not parse"));
+  EXPECT_THAT(status.error_message(), HasSubstr("the request of 3 bytes does not parse as kvmesh.v1.ReadRequest"));
   EXPECT_THAT(responses, IsEmpty());
 
   const v1::CacheSpec spec =

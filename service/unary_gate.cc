@@ -1,0 +1,276 @@
+#include "service/unary_gate.h"
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/wire_format_lite.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "service/common/convert.h"
+
+namespace kvmesh {
+namespace {
+
+using google::protobuf::Descriptor;
+using google::protobuf::FieldDescriptor;
+using google::protobuf::internal::WireFormatLite;
+
+// How deep FirstNonUtf8Field follows nested messages (kvmesh's requests nest two or three).
+constexpr int kMaxUtf8Depth = 8;
+
+// A call whose request was at least this large (a Visible at its limit parses into about 23 MiB)
+// asks the gate's HeapTrimmer to give the heap it freed back to the system.
+constexpr size_t kTrimAfterRequestBytes = size_t{128} << 10;
+
+bool IsUtf8(absl::string_view s) {
+  size_t i = 0;
+  const size_t n = s.size();
+  while (i < n) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint32_t min;
+    uint32_t cp;
+    if ((c & 0xe0) == 0xc0) {
+      len = 2, min = 0x80, cp = c & 0x1f;
+    } else if ((c & 0xf0) == 0xe0) {
+      len = 3, min = 0x800, cp = c & 0x0f;
+    } else if ((c & 0xf8) == 0xf0) {
+      len = 4, min = 0x10000, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (n - i < len) return false;
+    for (size_t k = 1; k < len; ++k) {
+      const unsigned char cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc & 0xc0) != 0x80) return false;
+      cp = (cp << 6) | (cc & 0x3f);
+    }
+    // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8.
+    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+    i += len;
+  }
+  return true;
+}
+
+std::string FindNonUtf8(const Descriptor* descriptor, absl::string_view wire, int depth) {
+  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(wire.data()),
+                                            static_cast<int>(wire.size()));
+  for (;;) {
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) return std::string();
+    if (WireFormatLite::GetTagWireType(tag) != WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      if (!WireFormatLite::SkipField(&in, tag)) return std::string();
+      continue;
+    }
+    uint32_t length;
+    if (!in.ReadVarint32(&length)) return std::string();
+    const void* data;
+    int size;
+    if (!in.GetDirectBufferPointer(&data, &size) || static_cast<uint32_t>(size) < length) {
+      return std::string();
+    }
+    const absl::string_view bytes(static_cast<const char*>(data), length);
+    in.Skip(static_cast<int>(length));
+    const FieldDescriptor* field =
+        descriptor->FindFieldByNumber(static_cast<int>(WireFormatLite::GetTagFieldNumber(tag)));
+    if (field == nullptr) continue;
+    if (field->type() == FieldDescriptor::TYPE_STRING && !IsUtf8(bytes)) return field->name();
+    if (field->type() == FieldDescriptor::TYPE_MESSAGE && depth < kMaxUtf8Depth) {
+      const std::string inner = FindNonUtf8(field->message_type(), bytes, depth + 1);
+      if (!inner.empty()) return absl::StrCat(field->name(), ".", inner);
+    }
+  }
+}
+
+}  // namespace
+
+std::string FirstNonUtf8Field(const Descriptor* descriptor, absl::string_view wire) {
+  return FindNonUtf8(descriptor, wire, 0);
+}
+
+namespace {
+
+// RESOURCE_EXHAUSTED for a request of `bytes` to `method`, whose limit is `max_bytes`.
+grpc::Status TooLarge(absl::string_view method, size_t bytes, size_t max_bytes) {
+  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      absl::StrCat(method, ": the request of ", bytes,
+                                   " bytes is larger than this method's limit of ", max_bytes,
+                                   " bytes (docs/api.md, \"Limits on every request\")"));
+}
+
+}  // namespace
+
+grpc::Status ParseRequest(const grpc::ByteBuffer& raw, size_t max_bytes, absl::string_view method,
+                          google::protobuf::Message* out) {
+  const size_t bytes = raw.Length();
+  if (bytes > max_bytes) return TooLarge(method, bytes, max_bytes);
+  grpc::ByteBuffer copy(raw);  // shares the slices; the reader consumes its buffer
+  {
+    grpc::ProtoBufferReader reader(&copy);
+    if (reader.status().ok() && out->ParseFromZeroCopyStream(&reader)) return grpc::Status::OK;
+  }
+  // Why not: a string that is not UTF-8 is named; anything else names the type.
+  std::string wire;
+  std::vector<grpc::Slice> slices;
+  if (raw.Dump(&slices).ok()) {
+    for (const grpc::Slice& s : slices) {
+      wire.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+  }
+  const std::string field = FirstNonUtf8Field(out->GetDescriptor(), wire);
+  out->Clear();
+  return grpc::Status(
+      grpc::StatusCode::INVALID_ARGUMENT,
+      field.empty() ? absl::StrCat(method, ": the request of ", bytes, " bytes does not parse as ",
+                                   out->GetDescriptor()->full_name())
+                    : absl::StrCat(method, ": ", field, " is not valid UTF-8 (a string field)"));
+}
+
+// The reactor of one call through the gate: looks the method up and authenticates in its
+// constructor, reads the request, checks its size, parses it and hands it to the handler, then
+// writes the answer. Deletes itself in OnDone.
+class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public UnaryCall {
+ public:
+  Reactor(UnaryGate* gate, grpc::GenericCallbackServerContext* context)
+      : gate_(gate), context_(context) {
+    auto it = gate->methods_.find(context->method());
+    if (it == gate->methods_.end()) {
+      Finish(grpc::Status(
+          grpc::StatusCode::UNIMPLEMENTED,
+          absl::StrCat("method ", QuoteBounded(context->method()), " is not served here")));
+      return;
+    }
+    method_ = &it->second;
+    if (const absl::Status status = gate->authenticate_(*context); !status.ok()) {
+      Finish(ToGrpcStatus(status));
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  grpc::CallbackServerContext* context() override { return context_; }
+
+  void Answer(grpc::Status status) override {
+    if (status.ok() && typed_ != nullptr) status = typed_->Serialize(&response_);
+    if (!status.ok()) {
+      Finish(status);
+      return;
+    }
+    StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+
+  void OnReadDone(bool ok) override {
+    const std::string& name = context_->method();
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat(name, ": the call ended before its request message")));
+      return;
+    }
+    request_bytes_ = request_.Length();
+    if (method_->raw) {
+      if (const size_t bytes = request_.Length(); bytes > method_->max_request_bytes) {
+        request_.Clear();
+        Finish(TooLarge(name, bytes, method_->max_request_bytes));
+        return;
+      }
+      method_->raw(this, &request_, &response_);
+      return;
+    }
+    typed_ = method_->make();
+    if (const grpc::Status parsed =
+            ParseRequest(request_, method_->max_request_bytes, name, typed_->request());
+        !parsed.ok()) {
+      typed_.reset();
+      request_.Clear();
+      Finish(parsed);
+      return;
+    }
+    request_.Clear();
+    typed_->Run(this);
+  }
+
+  void OnDone() override {
+    if (request_bytes_ >= kTrimAfterRequestBytes) gate_->trimmer_.Request();
+    delete this;
+  }
+
+ private:
+  UnaryGate* const gate_;
+  grpc::GenericCallbackServerContext* const context_;
+  const Method* method_ = nullptr;
+  size_t request_bytes_ = 0;
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer response_;
+  std::unique_ptr<Typed> typed_;
+};
+
+HeapTrimmer::HeapTrimmer() : thread_([this] { Loop(); }) {}
+
+HeapTrimmer::~HeapTrimmer() {
+  {
+    MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+void HeapTrimmer::Request() {
+  {
+    MutexLock lock(&mu_);
+    requested_ = true;
+  }
+  wake_.notify_all();
+}
+
+void HeapTrimmer::Loop() {
+  MutexLock lock(&mu_);
+  for (;;) {
+    while (!requested_ && !stop_) wake_.wait(mu_);
+    if (stop_) return;
+    // Let gRPC drop what the call still held (its state goes after OnDone), and let requests
+    // that come together share one trim.
+    wake_.wait_for(mu_, std::chrono::milliseconds(100));
+    if (stop_) return;
+    requested_ = false;
+    mu_.Unlock();
+#if defined(__GLIBC__)
+    malloc_trim(0);
+#endif
+    trims_.fetch_add(1, std::memory_order_relaxed);
+    mu_.Lock();
+  }
+}
+
+void UnaryGate::AddRaw(
+    std::string method, size_t max_request_bytes,
+    std::function<void(UnaryCall*, const grpc::ByteBuffer*, grpc::ByteBuffer*)> handler) {
+  Method m;
+  m.max_request_bytes = max_request_bytes;
+  m.raw = std::move(handler);
+  methods_[std::move(method)] = std::move(m);
+}
+
+size_t UnaryGate::MaxRequestBytes(absl::string_view method) const {
+  auto it = methods_.find(method);
+  return it == methods_.end() ? 0 : it->second.max_request_bytes;
+}
+
+grpc::ServerGenericBidiReactor* UnaryGate::CreateReactor(
+    grpc::GenericCallbackServerContext* context) {
+  return new Reactor(this, context);
+}
+
+}  // namespace kvmesh
