@@ -332,7 +332,8 @@ CallerRecheck::CallerRecheck(const Authenticator* auth, const grpc::ServerContex
                              Principal who)
     : auth_(auth), who_(std::move(who)) {
   if (auth_ == nullptr || !auth_->enabled()) return;
-  generation_ = auth_->generation();
+  // No generation yet: the first Check authenticates again, so a reload between the call's
+  // authentication and this constructor is not missed.
   if (std::optional<absl::string_view> v = Metadata(context, kAuthorizationMetadata)) {
     authorization_ = std::string(*v);
   }
@@ -344,7 +345,7 @@ CallerRecheck::CallerRecheck(const Authenticator* auth, const grpc::ServerContex
 absl::Status CallerRecheck::Check() {
   if (auth_ == nullptr || !auth_->enabled()) return absl::OkStatus();
   const uint64_t generation = auth_->generation();
-  if (generation == generation_) return absl::OkStatus();
+  if (generation_.has_value() && generation == *generation_) return absl::OkStatus();
   generation_ = generation;
   auto view = [](const std::optional<std::string>& v) -> std::optional<absl::string_view> {
     if (!v.has_value()) return std::nullopt;

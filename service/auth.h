@@ -173,7 +173,7 @@ class CallerRecheck {
   std::optional<std::string> authorization_;
   std::optional<std::string> tenant_;
   Principal who_;
-  uint64_t generation_ = 0;
+  std::optional<uint64_t> generation_;  // of the last check; none before the first
 };
 
 }  // namespace kvmesh

@@ -247,6 +247,7 @@ class CacheServiceImpl::AppendStreamReactor final
       MutexLock lock(&mu_);
       reading_ = false;
       finished = finished_;
+      waited_ += absl::Now() - read_started_;
       if (ok) bytes_in_ += request_.Length();
     }
     if (finished) {
@@ -287,8 +288,10 @@ class CacheServiceImpl::AppendStreamReactor final
   }
 
   // Ends the stream while it waits for the client's next message when it has waited for
-  // `timeout`, when its caller's token was revoked, or when it sends slower than the node's
-  // minimum rate (Options::stream_min_rate) and so holds its reservation for too little.
+  // `timeout`, when its caller's token was revoked, or when it holds at least
+  // kMinRateReservationBytes of in-flight budget and sends slower than the node's minimum rate
+  // (Options::stream_min_rate) in the time the node has waited for it. reservation_ is read
+  // while a read is outstanding, when no owner changes it.
   bool Expire(absl::Time now, absl::Duration timeout) override {
     MutexLock lock(&mu_);
     if (finished_ || !reading_) return false;
@@ -304,16 +307,22 @@ class CacheServiceImpl::AppendStreamReactor final
       end_ = ToGrpcStatus(
           absl::Status(allowed.code(), absl::StrCat("AppendStream ended: ", allowed.message())));
     } else if (const uint64_t rate = service_->options_.stream_min_rate;
-               rate > 0 && now - started_ >= service_->options_.stream_min_rate_grace &&
+               rate > 0 && reservation_.bytes() >= kMinRateReservationBytes &&
+               waited_ + (now - read_started_) >= service_->options_.stream_min_rate_grace &&
                static_cast<double>(bytes_in_) <
-                   static_cast<double>(rate) * absl::ToDoubleSeconds(now - started_)) {
+                   static_cast<double>(rate) *
+                       absl::ToDoubleSeconds(waited_ + (now - read_started_))) {
+      // Only the time the node waited for the client counts: not the node's own work on the
+      // stream (its executor's queue, device copies).
       end_ = grpc::Status(
           grpc::StatusCode::RESOURCE_EXHAUSTED,
-          absl::StrCat("AppendStream sent ", bytes_in_, " bytes in ",
-                       absl::ToInt64Milliseconds(now - started_),
-                       " ms, slower than this node's minimum of ", rate,
-                       " bytes per second (--stream_min_rate) for a stream that holds in-flight "
-                       "budget; the stream is closed and the bytes received are dropped"));
+          absl::StrCat("AppendStream sent ", bytes_in_, " bytes in the ",
+                       absl::ToInt64Milliseconds(waited_ + (now - read_started_)),
+                       " ms the node waited for it, slower than this node's minimum of ", rate,
+                       " bytes per second (--stream-min-rate) for a stream that holds ",
+                       reservation_.bytes(),
+                       " bytes of in-flight budget; the stream is closed and the bytes received "
+                       "are dropped"));
     } else {
       return false;
     }
@@ -601,8 +610,8 @@ class CacheServiceImpl::AppendStreamReactor final
   bool reading_ ABSL_GUARDED_BY(mu_) = false;  // a read is outstanding
   absl::Time read_started_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish was called or is being called
-  const absl::Time started_ = absl::Now();
-  uint64_t bytes_in_ ABSL_GUARDED_BY(mu_) = 0;                 // of every message received
+  absl::Duration waited_ ABSL_GUARDED_BY(mu_);  // for the client's messages, in all
+  uint64_t bytes_in_ ABSL_GUARDED_BY(mu_) = 0;  // of every message received
   std::optional<CallerRecheck> recheck_ ABSL_GUARDED_BY(mu_);  // once the caller is known
   grpc::Status end_ ABSL_GUARDED_BY(mu_);                      // why the reaper ends the stream
 };

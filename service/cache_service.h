@@ -89,6 +89,9 @@ inline constexpr uint64_t kVisibleBytesPerQuery = 128;
 inline constexpr size_t kMaxSmallRequestBytes = size_t{64} << 10;
 inline constexpr size_t kMaxVisibleRequestBytes = size_t{256} << 10;
 inline constexpr size_t kMaxLookupRequestBytes = size_t{8} << 20;
+// An AppendStream holding this much of the in-flight budget (one that buffers its payload, or
+// a large first message) must keep to Options::stream_min_rate.
+inline constexpr uint64_t kMinRateReservationBytes = uint64_t{1} << 20;
 // A WatchEvents request: at most kMaxWatchedCaches names of at most 128 bytes.
 inline constexpr size_t kMaxWatchRequestBytes = size_t{256} << 10;
 // A Read's request (its positions), checked before it is parsed.
@@ -148,6 +151,8 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
     // stream_min_rate bytes per second on average since its first message is ended with
     // RESOURCE_EXHAUSTED and its reservation freed; 0: no minimum.
     uint64_t stream_min_rate = 0;
+    // (Only a stream that holds at least kMinRateReservationBytes of the in-flight budget: a
+    // stream written into cells holds little of it, and may follow a slow producer.)
     absl::Duration stream_min_rate_grace = absl::Seconds(10);
     // Most positions one Visible call may list in all (RESOURCE_EXHAUSTED beyond).
     int64_t max_visible_positions = kDefaultMaxVisiblePositions;

@@ -40,7 +40,10 @@ absl::Status InflightBudget::Reservation::Resize(uint64_t total, absl::string_vi
   }
   // Asking for the whole of `total` in messages: that is what the caller will hold.
   const uint64_t more = total - bytes_;
-  if (total > budget_->capacity_) return budget_->Take(tenant_.get(), total, what);
+  // A total that can never fit is refused as such, naming all of it.
+  if (total > budget_->capacity_ || (tenant_ != nullptr && total > budget_->tenant_capacity_)) {
+    return budget_->Take(tenant_.get(), total, what);
+  }
   absl::Status status = budget_->Take(tenant_.get(), more, what);
   if (status.ok()) bytes_ = total;
   return status;
@@ -135,7 +138,7 @@ absl::Status InflightBudget::Take(Tenant* tenant, uint64_t bytes, absl::string_v
     refused_.fetch_add(1, std::memory_order_relaxed);
     const std::string share = absl::StrFormat("%g", tenant_share_);
     return ResourceExhaustedWith(
-        tenant->held == 0
+        bytes > tenant_capacity_
             ? absl::StrCat(what, " needs ", bytes, " bytes in flight, more than a tenant's share ",
                            "of this node's in-flight budget (", tenant_capacity_, " bytes: ", share,
                            " of ", flag_, " = ", capacity_,

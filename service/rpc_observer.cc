@@ -5,7 +5,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
@@ -144,11 +143,10 @@ class RpcObserver final : public grpc::experimental::Interceptor {
     if (!KnownService(service)) {
       service = "other";
       method = "other";
-    } else if (absl::StartsWith(service, "kvmesh.") &&
-               google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(
+    } else if (google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(
                    absl::StrCat(service, ".", method)) == nullptr) {
-      // A method kvmesh does not have (the gate answers UNIMPLEMENTED): one label for all of
-      // them, so that callers cannot grow the metrics with names of their own.
+      // A method the service does not have (answered UNIMPLEMENTED): one label for all of them,
+      // so that callers cannot grow the metrics with names of their own.
       method = "other";
     }
     form_ = FormOf(service, method);

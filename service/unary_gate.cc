@@ -4,6 +4,7 @@
 #include <malloc.h>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -202,7 +203,11 @@ class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public U
   }
 
   void OnDone() override {
-    if (request_bytes_ >= kTrimAfterRequestBytes) gate_->trimmer_.Request();
+    // An Append's payload went into cells, and its buffers are what the next Append reuses:
+    // only requests the node parsed (or refused) leave memory worth returning.
+    if (request_bytes_ >= kTrimAfterRequestBytes && (method_ == nullptr || !method_->raw)) {
+      gate_->trimmer_.Request();
+    }
     delete this;
   }
 
@@ -228,10 +233,9 @@ HeapTrimmer::~HeapTrimmer() {
 }
 
 void HeapTrimmer::Request() {
-  {
-    MutexLock lock(&mu_);
-    requested_ = true;
-  }
+  MutexLock lock(&mu_);
+  if (requested_) return;  // the trim already due takes this one's memory too
+  requested_ = true;
   wake_.notify_all();
 }
 
@@ -241,8 +245,10 @@ void HeapTrimmer::Loop() {
     while (!requested_ && !stop_) wake_.wait(mu_);
     if (stop_) return;
     // Let gRPC drop what the call still held (its state goes after OnDone), and let requests
-    // that come together share one trim.
-    wake_.wait_for(mu_, std::chrono::milliseconds(100));
+    // that come together share one trim: at most one a second.
+    const auto due = std::max(std::chrono::steady_clock::now() + std::chrono::milliseconds(100),
+                              last_ + std::chrono::seconds(1));
+    while (!stop_ && std::chrono::steady_clock::now() < due) wake_.wait_until(mu_, due);
     if (stop_) return;
     requested_ = false;
     mu_.Unlock();
@@ -251,6 +257,7 @@ void HeapTrimmer::Loop() {
 #endif
     trims_.fetch_add(1, std::memory_order_relaxed);
     mu_.Lock();
+    last_ = std::chrono::steady_clock::now();
   }
 }
 

@@ -18,6 +18,7 @@
 #define KVMESH_SERVICE_UNARY_GATE_H_
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -70,7 +71,9 @@ grpc::Status ParseRequest(const grpc::ByteBuffer& raw, size_t max_bytes, absl::s
 // burst of requests: glibc keeps the memory of a request gRPC received in many small slices (and
 // of its parse) as free heap, mostly not at the top of an arena where M_TRIM_THRESHOLD would
 // return it, so a refused 100 MiB Visible left the node 100 MiB larger for good. malloc_trim(0)
-// returns every free page (milliseconds for a large heap); requests that come together share one.
+// returns every free page in malloc's free lists (milliseconds for a large heap); at most one a
+// second, shared by the requests that come together. Not after an Append (raw methods): its
+// payload went into cells and its buffers are what the next Append reuses.
 class HeapTrimmer {
  public:
   HeapTrimmer();
@@ -78,7 +81,8 @@ class HeapTrimmer {
   HeapTrimmer(const HeapTrimmer&) = delete;
   HeapTrimmer& operator=(const HeapTrimmer&) = delete;
 
-  // Asks for a trim about 100 ms from now (one for every request until then).
+  // Asks for a trim about 100 ms from now, or a second after the last one (one for every
+  // request until then).
   void Request();
   // Trims done so far.
   uint64_t trims() const { return trims_.load(std::memory_order_relaxed); }
@@ -90,6 +94,7 @@ class HeapTrimmer {
   std::condition_variable_any wake_;
   bool requested_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::chrono::steady_clock::time_point last_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> trims_{0};
   std::thread thread_;
 };

@@ -1,10 +1,11 @@
 // Fuzz target: the RPCs of kvmesh.v1.CacheService and kvmesh.v1.PeerService (all but the
 // WatchEvents streams and CacheService.Drain), with requests built from the input
-// (rpc_format.h), through the real services of two nodes that run in this process (node "a", called; node "b", its peer: CopyPrefix from b, Migrate to b, Pull and
-// Export between them move real payloads over loopback), so that authentication, validation,
-// the conversions of service/common/convert.cc, the cluster machinery and the engine all see
-// them. Each CacheService call is made by one of several principals (rpc_format.h, Principal):
-// the admin, tenants t1 and t2, and callers who must be refused.
+// (rpc_format.h), through the real services of two nodes that run in this process (node "a",
+// called; node "b", its peer: CopyPrefix from b, Migrate to b, Pull and Export between them move
+// real payloads over loopback), so that authentication, validation, the conversions of
+// service/common/convert.cc, the cluster machinery and the engine all see them. Each CacheService
+// call is made by one of several principals (rpc_format.h, Principal): the admin, tenants t1 and
+// t2, and callers who must be refused.
 //
 // Every session starts from the same state (rpc_format.h, BaselineCaches). After each call:
 //  - no INTERNAL, UNKNOWN, DATA_LOSS, UNIMPLEMENTED or DEADLINE_EXCEEDED (the harness allows a
@@ -70,6 +71,7 @@
 #include "service/common/convert.h"
 #include "service/executor.h"
 #include "service/inflight_budget.h"
+#include "service/list_pages.h"
 #include "service/peer_service.h"
 #include "tests/fuzz/fuzz_support.h"
 #include "tests/fuzz/rpc_format.h"
@@ -179,8 +181,7 @@ class Node {
         },
         stream);
     // As kvmesh-node: a sequence under migration is neither evicted nor expired.
-    registry_.SetEvictionFilterFactory([this](const std::string& tenant,
-                                              const std::string& cache) {
+    registry_.SetEvictionFilterFactory([this](const std::string& tenant, const std::string& cache) {
       return [this, key = Reservations::Key(tenant, cache)](int64_t seq) {
         return !reservations_.IsReserved(Reservations::Kind::kSequence, key, seq);
       };
@@ -586,9 +587,9 @@ class Harness {
       const std::map<std::string, std::string> settled_a = Digests(*a_);
       const std::map<std::string, std::string> settled_b = Digests(*b_);
       for (const char* tenant : kTenants) {
-        const std::string call = absl::StrCat(RpcName(rpc), "(", Show(request), ") by ",
-                                              caller.name, " answered OK, then tenant ", tenant,
-                                              "'s caches changed on node ");
+        const std::string call =
+            absl::StrCat(RpcName(rpc), "(", Show(request), ") by ", caller.name,
+                         " answered OK, then tenant ", tenant, "'s caches changed on node ");
         KVMESH_FUZZ_CHECK(settled_a.at(tenant) == after_a.at(tenant),
                           absl::StrCat(call, "a:\n--- answered\n", after_a.at(tenant),
                                        "--- later\n", settled_a.at(tenant)));
@@ -635,12 +636,14 @@ class Harness {
                     const v1::LookupPrefixResponse& r) {
     const std::shared_ptr<Cache> cache = CacheOf(node, tenant, q.cache());
     const int32_t max_matches = q.max_matches() == 0 ? 1 : q.max_matches();
-    absl::StatusOr<std::vector<PrefixMatch>> expected = cache->LookupPrefix(q.tokens(), max_matches);
-    KVMESH_FUZZ_CHECK(expected.ok(), absl::StrCat(Show(q), " answered, the engine: ",
-                                                  expected.status().ToString()));
-    KVMESH_FUZZ_CHECK(static_cast<size_t>(r.matches_size()) == expected->size() &&
-                          r.unverified_size() == 0,
-                      absl::StrCat(Show(r), " for ", expected->size(), " matches"));
+    absl::StatusOr<std::vector<PrefixMatch>> expected =
+        cache->LookupPrefix(q.tokens(), max_matches);
+    KVMESH_FUZZ_CHECK(
+        expected.ok(),
+        absl::StrCat(Show(q), " answered, the engine: ", expected.status().ToString()));
+    KVMESH_FUZZ_CHECK(
+        static_cast<size_t>(r.matches_size()) == expected->size() && r.unverified_size() == 0,
+        absl::StrCat(Show(r), " for ", expected->size(), " matches"));
     for (int i = 0; i < r.matches_size(); ++i) {
       const v1::PrefixMatch& m = r.matches(i);
       const PrefixMatch& e = (*expected)[i];
@@ -781,9 +784,9 @@ class Harness {
       case Rpc::kListCaches:
         return Unary<v1::ListCachesRequest, v1::ListCachesResponse>(
             rpc, caller, bytes, s, &S::ListCaches,
-            [&](const v1::ListCachesRequest&, const v1::ListCachesResponse& r) {
+            [&](const v1::ListCachesRequest& q, const v1::ListCachesResponse& r) {
               // A tenant's caches; an admin naming no tenant lists every tenant's (docs/api.md),
-              // ordered by tenant, then name.
+              // ordered by tenant, then name; one page of them (docs/api.md#paging).
               std::vector<std::pair<std::string, std::string>> expected;
               if (caller.admin && caller.act_as == nullptr) {
                 for (const CacheRegistry::Entry& e : a_->registry().ListAll()) {
@@ -794,6 +797,20 @@ class Harness {
                   expected.emplace_back(t, c->spec().name);
                 }
               }
+              std::sort(expected.begin(), expected.end());
+              if (!q.page_token().empty()) {
+                const absl::StatusOr<CacheKey> after = ParseCachePageToken(q.page_token());
+                KVMESH_FUZZ_CHECK(after.ok(), "a page token the node took does not parse");
+                const std::pair<std::string, std::string> key(after->tenant, after->name);
+                expected.erase(expected.begin(),
+                               std::upper_bound(expected.begin(), expected.end(), key));
+              }
+              const absl::StatusOr<size_t> page =
+                  PageSize(q.page_size(), kDefaultCachePageSize, kMaxCachePageSize);
+              KVMESH_FUZZ_CHECK(page.ok(), "a page size the node took is refused");
+              const bool more = expected.size() > *page;
+              if (more) expected.resize(*page);
+              KVMESH_FUZZ_CHECK(r.next_page_token().empty() != more, Show(r));
               std::vector<std::pair<std::string, std::string>> listed;
               for (const v1::CacheInfo& info : r.caches()) {
                 CheckSpec(info.spec());
@@ -926,8 +943,24 @@ class Harness {
         return Unary<v1::ListSequencesRequest, v1::ListSequencesResponse>(
             rpc, caller, bytes, s, &S::ListSequences,
             [&](const v1::ListSequencesRequest& q, const v1::ListSequencesResponse& r) {
-              const std::vector<SequenceInfo> expected =
-                  CacheOf(*a_, t, q.cache())->ListSequences();
+              // One page of the sequences, by id, from the page token's (docs/api.md#paging).
+              std::vector<SequenceInfo> expected = CacheOf(*a_, t, q.cache())->ListSequences();
+              std::sort(expected.begin(), expected.end(),
+                        [](const SequenceInfo& x, const SequenceInfo& y) { return x.seq < y.seq; });
+              if (!q.page_token().empty()) {
+                const absl::StatusOr<int64_t> first = ParseSequencePageToken(q.page_token());
+                KVMESH_FUZZ_CHECK(first.ok(), "a page token the node took does not parse");
+                expected.erase(
+                    std::remove_if(expected.begin(), expected.end(),
+                                   [&](const SequenceInfo& i) { return i.seq < *first; }),
+                    expected.end());
+              }
+              const absl::StatusOr<size_t> page =
+                  PageSize(q.page_size(), kDefaultSequencePageSize, kMaxSequencePageSize);
+              KVMESH_FUZZ_CHECK(page.ok(), "a page size the node took is refused");
+              const bool more = expected.size() > *page;
+              if (more) expected.resize(*page);
+              KVMESH_FUZZ_CHECK(r.next_page_token().empty() != more, Show(r));
               KVMESH_FUZZ_CHECK(static_cast<size_t>(r.sequences_size()) == expected.size(),
                                 Show(r));
               for (int i = 0; i < r.sequences_size(); ++i) {
@@ -984,8 +1017,23 @@ class Harness {
         return Unary<v1::ListSnapshotsRequest, v1::ListSnapshotsResponse>(
             rpc, caller, bytes, s, &S::ListSnapshots,
             [&](const v1::ListSnapshotsRequest& q, const v1::ListSnapshotsResponse& r) {
-              const std::vector<SnapshotInfo> expected =
-                  CacheOf(*a_, t, q.cache())->ListSnapshots();
+              // One page of the snapshots, by id, from the page token's.
+              std::vector<SnapshotInfo> expected = CacheOf(*a_, t, q.cache())->ListSnapshots();
+              std::sort(expected.begin(), expected.end(),
+                        [](const SnapshotInfo& x, const SnapshotInfo& y) { return x.id < y.id; });
+              if (!q.page_token().empty()) {
+                const absl::StatusOr<uint64_t> first = ParseSnapshotPageToken(q.page_token());
+                KVMESH_FUZZ_CHECK(first.ok(), "a page token the node took does not parse");
+                expected.erase(std::remove_if(expected.begin(), expected.end(),
+                                              [&](const SnapshotInfo& i) { return i.id < *first; }),
+                               expected.end());
+              }
+              const absl::StatusOr<size_t> page =
+                  PageSize(q.page_size(), kDefaultSnapshotPageSize, kMaxSnapshotPageSize);
+              KVMESH_FUZZ_CHECK(page.ok(), "a page size the node took is refused");
+              const bool more = expected.size() > *page;
+              if (more) expected.resize(*page);
+              KVMESH_FUZZ_CHECK(r.next_page_token().empty() != more, Show(r));
               KVMESH_FUZZ_CHECK(static_cast<size_t>(r.snapshots_size()) == expected.size(),
                                 Show(r));
               for (int i = 0; i < r.snapshots_size(); ++i) {
@@ -1175,9 +1223,9 @@ class Harness {
               // What it says of the cache is what the node holds.
               absl::StatusOr<std::shared_ptr<Cache>> cache =
                   a_->registry().Get(PeerTenant(rpc, q), q.spec().name());
-              KVMESH_FUZZ_CHECK(r.exists() == cache.ok() && (!r.created() || r.exists()) &&
-                                    !r.draining(),
-                                Show(r));
+              KVMESH_FUZZ_CHECK(
+                  r.exists() == cache.ok() && (!r.created() || r.exists()) && !r.draining(),
+                  Show(r));
               if (!r.exists()) return;
               std::vector<int64_t> live;
               for (const SequenceInfo& info : (*cache)->ListSequences()) live.push_back(info.seq);

@@ -94,7 +94,7 @@ std::string StringField(int number, const std::string& bytes) {
   return out + bytes;
 }
 
-// A tiny Attention cache: 2 layers x 1 head x 8 dims, F32 (64 bytes per token).
+// A tiny Attention cache: 2 layers x 1 head x 8 dims, F32 (128 bytes per token).
 v1::CacheSpec SmallSpec(const std::string& name, int32_t capacity = 64) {
   AttentionOptions a;
   a.num_layers = 2;
@@ -317,31 +317,70 @@ TEST_F(HostileTest, ARevokedTokenEndsItsAppendStream) {
 // naming the rate, long before the idle timeout (which it never meets).
 TEST_F(HostileTest, ASlowDripStreamIsEndedBelowTheMinimumRate) {
   Start({"--stream_min_rate=64KiB", "--stream_min_rate_grace_ms=1000"});
-  const v1::CacheSpec spec = SmallSpec("dripped", 4096);
+  // 16,384 tokens of 128 bytes: the header's tokens alone hold over 1 MiB of the in-flight budget
+  // (kMinRateReservationBytes), which is what makes the rate apply.
+  AttentionOptions a;
+  a.num_layers = 2;
+  a.num_kv_heads = 1;
+  a.head_dim_k = 8;
+  a.head_dim_v = 8;
+  const v1::CacheSpec spec = SpecProto("dripped", 4, 16384, 16384, {AttentionGroupProto(a)});
   ASSERT_OK(CreateCache(*alice_, spec));
-  std::vector<int32_t> positions;
-  for (int32_t p = 0; p < 64; ++p) positions.push_back(p);
-  const v1::AppendRequest append = MakeAppend(spec, 0, positions);  // 4 KiB of payload
-  const std::vector<v1::AppendStreamRequest> messages = StreamMessages(append, 0, 1);
+  v1::AppendStreamRequest header;
+  header.mutable_header()->set_cache(spec.name());
+  v1::TokenRange* range = header.mutable_header()->add_token_ranges();
+  range->set_seq(0);
+  range->set_first(0);
+  range->set_count(16384);
+  header.mutable_header()->set_payload_bytes(int64_t{16384} * 128);
   grpc::ClientContext context;
   SetDeadline(&context, absl::Seconds(60));
   v1::AppendResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::AppendStreamRequest>> writer =
       alice_->AppendStream(&context, &response);
   const absl::Time start = absl::Now();
-  for (const v1::AppendStreamRequest& message : messages) {
-    if (!writer->Write(message)) break;
+  bool ok = writer->Write(header);
+  while (ok && absl::Now() - start < absl::Seconds(20)) {
     absl::SleepFor(absl::Milliseconds(200));
-    if (absl::Now() - start > absl::Seconds(20)) break;
+    v1::AppendStreamRequest data;
+    data.set_data("x");
+    ok = writer->Write(data);
   }
   const grpc::Status status = writer->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(status);
-  EXPECT_THAT(status.error_message(), HasSubstr("--stream_min_rate"));
+  EXPECT_THAT(status.error_message(), HasSubstr("--stream-min-rate"));
   EXPECT_LT(absl::Now() - start, absl::Seconds(15));
   // The cache is as before.
   v1::ListSequencesResponse sequences;
   ASSERT_OK(ListSequences(*alice_, spec.name(), &sequences));
   EXPECT_EQ(sequences.sequences_size(), 0);
+}
+
+// A stream that holds little of the in-flight budget (its data goes into cells as it comes) may
+// follow a slow producer: the minimum rate does not end it.
+TEST_F(HostileTest, ASlowStreamThatHoldsLittleIsNotEnded) {
+  Start({"--stream_min_rate=64KiB", "--stream_min_rate_grace_ms=500"});
+  const v1::CacheSpec spec = SmallSpec("produced", 4096);
+  ASSERT_OK(CreateCache(*alice_, spec));
+  std::vector<int32_t> positions;
+  for (int32_t p = 0; p < 64; ++p) positions.push_back(p);
+  const v1::AppendRequest append = MakeAppend(spec, 0, positions);  // 8 KiB of payload
+  const std::vector<v1::AppendStreamRequest> messages = StreamMessages(append, 0, 64);
+  grpc::ClientContext context;
+  SetDeadline(&context, absl::Seconds(60));
+  v1::AppendResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::AppendStreamRequest>> writer =
+      alice_->AppendStream(&context, &response);
+  for (const v1::AppendStreamRequest& message : messages) {
+    ASSERT_TRUE(writer->Write(message));
+    absl::SleepFor(absl::Milliseconds(40));  // 64 bytes every 40 ms: 1.6 KB/s for 5 s
+  }
+  writer->WritesDone();
+  ASSERT_OK(writer->Finish());
+  v1::ListSequencesResponse sequences;
+  ASSERT_OK(ListSequences(*alice_, spec.name(), &sequences));
+  ASSERT_EQ(sequences.sequences_size(), 1);
+  EXPECT_EQ(sequences.sequences(0).offset(), 64);
 }
 
 }  // namespace
