@@ -16,6 +16,7 @@
 #include "google/protobuf/wire_format_lite.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "service/common/convert.h"
+#include "tests/sanitizers/tsan_handoff.h"
 
 namespace kvmesh {
 namespace {
@@ -148,6 +149,7 @@ class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public U
       : gate_(gate), context_(context) {
     auto it = gate->methods_.find(context->method());
     if (it == gate->methods_.end()) {
+      HandOff(this);
       Finish(grpc::Status(
           grpc::StatusCode::UNIMPLEMENTED,
           absl::StrCat("method ", QuoteBounded(context->method()), " is not served here")));
@@ -155,9 +157,11 @@ class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public U
     }
     method_ = &it->second;
     if (const absl::Status status = gate->authenticate_(*context); !status.ok()) {
+      HandOff(this);
       Finish(ToGrpcStatus(status));
       return;
     }
+    HandOff(this);
     StartRead(&request_);
   }
 
@@ -166,15 +170,19 @@ class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public U
   void Answer(grpc::Status status) override {
     if (status.ok() && typed_ != nullptr) status = typed_->Serialize(&response_);
     if (!status.ok()) {
+      HandOff(this);
       Finish(status);
       return;
     }
+    HandOff(this);
     StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
   }
 
   void OnReadDone(bool ok) override {
+    TakeOver(this);
     const std::string& name = context_->method();
     if (!ok) {
+      HandOff(this);
       Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           absl::StrCat(name, ": the call ended before its request message")));
       return;
@@ -183,6 +191,7 @@ class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public U
     if (method_->raw) {
       if (const size_t bytes = request_.Length(); bytes > method_->max_request_bytes) {
         request_.Clear();
+        HandOff(this);
         Finish(TooLarge(name, bytes, method_->max_request_bytes));
         return;
       }
@@ -195,6 +204,7 @@ class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public U
         !parsed.ok()) {
       typed_.reset();
       request_.Clear();
+      HandOff(this);
       Finish(parsed);
       return;
     }
@@ -203,6 +213,7 @@ class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public U
   }
 
   void OnDone() override {
+    TakeOver(this);
     // An Append's payload went into cells, and its buffers are what the next Append reuses:
     // only requests the node parsed (or refused) leave memory worth returning.
     if (request_bytes_ >= kTrimAfterRequestBytes && (method_ == nullptr || !method_->raw)) {
