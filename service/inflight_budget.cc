@@ -68,6 +68,12 @@ InflightBudget::InflightBudget(uint64_t capacity, std::string flag, double tenan
               ? capacity
               : static_cast<uint64_t>(std::floor(static_cast<double>(capacity) * tenant_share))) {}
 
+InflightBudget::~InflightBudget() {
+  // The last reservations were released on gRPC's threads, ordered before this by gRPC's own
+  // synchronization (its Shutdown), which TSan does not see; the lock states it.
+  MutexLock lock(&tenants_mu_);
+}
+
 absl::StatusOr<InflightBudget::Reservation> InflightBudget::Reserve(uint64_t bytes,
                                                                     absl::string_view what) {
   if (absl::Status status = Take(nullptr, bytes, what); !status.ok()) return status;

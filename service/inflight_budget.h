@@ -72,6 +72,10 @@ class InflightBudget {
   // tenant may hold at most `tenant_share` of them (a fraction in (0, 1]; 1: no share).
   InflightBudget(uint64_t capacity, std::string flag, double tenant_share = 1.0);
 
+  // REQUIRES: every Reservation of the budget is gone (a node's last ones go with its calls,
+  // before its servers' Shutdown returns).
+  ~InflightBudget();
+
   InflightBudget(const InflightBudget&) = delete;
   InflightBudget& operator=(const InflightBudget&) = delete;
 
