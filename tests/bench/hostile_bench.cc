@@ -5,7 +5,10 @@
 //
 //  - visible-unauth: a 100 MiB Visible of 52M empty queries without a token (the gate refuses it
 //    from its metadata, before the body is read);
-//  - visible-auth-over: the same with a token (read whole by gRPC, within --max-message-bytes,
+//  - watch-unauth: a 100 MiB WatchEvents request without a token (read whole by gRPC before the
+//    node sees the call, as a server stream's request is, but never parsed);
+//  - visible-auth-over: the same Visible with a token (read whole by gRPC, within
+//  --max-message-bytes,
 //    then refused for Visible's 256 KiB limit before it is parsed);
 //  - visible-auth-limit: a Visible at its limit, 256 KiB of empty queries (parsed, then its
 //    queries reserved in the in-flight budget, and answered);
@@ -218,6 +221,30 @@ int Main() {
   Measure(pid, "visible-unauth", [&] {
     return Code(RawUnary(anonymous, "/kvmesh.v1.CacheService/Visible", empty_queries));
   });
+  Measure(pid, "watch-unauth", [&] {
+    // A server stream's request: gRPC reads it before the node sees the call; never parsed.
+    grpc::GenericStub stub(anonymous);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    grpc::CompletionQueue cq;
+    auto call = stub.PrepareCall(&context, "/kvmesh.v1.CacheService/WatchEvents", &cq);
+    void* tag;
+    bool ok;
+    call->StartCall(reinterpret_cast<void*>(1));
+    cq.Next(&tag, &ok);
+    grpc::Slice slice(empty_queries);
+    grpc::ByteBuffer request(&slice, 1);
+    call->WriteLast(request, grpc::WriteOptions(), reinterpret_cast<void*>(2));
+    cq.Next(&tag, &ok);
+    grpc::Status status;
+    call->Finish(&status, reinterpret_cast<void*>(3));
+    while (cq.Next(&tag, &ok) && tag != reinterpret_cast<void*>(3)) {
+    }
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+    return Code(status);
+  });
   Measure(pid, "visible-auth-over",
           [&] { return Code(RawUnary(alice, "/kvmesh.v1.CacheService/Visible", empty_queries)); });
   Measure(pid, "visible-auth-over-x6", [&] {
@@ -232,7 +259,8 @@ int Main() {
     return after;
   });
   // cache = "c", then empty queries up to the limit.
-  empty_queries = absl::StrCat("\x0a\x01", "c", empty_queries.substr(0, kMaxVisibleRequestBytes - 4));
+  empty_queries =
+      absl::StrCat("\x0a\x01", "c", empty_queries.substr(0, kMaxVisibleRequestBytes - 4));
   Measure(pid, "visible-auth-limit",
           [&] { return Code(RawUnary(alice, "/kvmesh.v1.CacheService/Visible", empty_queries)); });
   {
