@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/stubs/common.h"
 #include "google/protobuf/wire_format_lite.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "service/common/convert.h"
@@ -32,38 +33,9 @@ constexpr int kMaxUtf8Depth = 8;
 // asks the gate's HeapTrimmer to give the heap it freed back to the system.
 constexpr size_t kTrimAfterRequestBytes = size_t{128} << 10;
 
+// protobuf's own check, the one that made the parse fail.
 bool IsUtf8(absl::string_view s) {
-  size_t i = 0;
-  const size_t n = s.size();
-  while (i < n) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    size_t len;
-    uint32_t min;
-    uint32_t cp;
-    if ((c & 0xe0) == 0xc0) {
-      len = 2, min = 0x80, cp = c & 0x1f;
-    } else if ((c & 0xf0) == 0xe0) {
-      len = 3, min = 0x800, cp = c & 0x0f;
-    } else if ((c & 0xf8) == 0xf0) {
-      len = 4, min = 0x10000, cp = c & 0x07;
-    } else {
-      return false;
-    }
-    if (n - i < len) return false;
-    for (size_t k = 1; k < len; ++k) {
-      const unsigned char cc = static_cast<unsigned char>(s[i + k]);
-      if ((cc & 0xc0) != 0x80) return false;
-      cp = (cp << 6) | (cc & 0x3f);
-    }
-    // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8.
-    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
-    i += len;
-  }
-  return true;
+  return google::protobuf::internal::IsStructurallyValidUTF8(s.data(), static_cast<int>(s.size()));
 }
 
 std::string FindNonUtf8(const Descriptor* descriptor, absl::string_view wire, int depth) {
@@ -266,7 +238,6 @@ void HeapTrimmer::Loop() {
 #if defined(__GLIBC__)
     malloc_trim(0);
 #endif
-    trims_.fetch_add(1, std::memory_order_relaxed);
     mu_.Lock();
     last_ = std::chrono::steady_clock::now();
   }
@@ -279,11 +250,6 @@ void UnaryGate::AddRaw(
   m.max_request_bytes = max_request_bytes;
   m.raw = std::move(handler);
   methods_[std::move(method)] = std::move(m);
-}
-
-size_t UnaryGate::MaxRequestBytes(absl::string_view method) const {
-  auto it = methods_.find(method);
-  return it == methods_.end() ? 0 : it->second.max_request_bytes;
 }
 
 grpc::ServerGenericBidiReactor* UnaryGate::CreateReactor(

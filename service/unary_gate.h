@@ -17,7 +17,6 @@
 #ifndef KVMESH_SERVICE_UNARY_GATE_H_
 #define KVMESH_SERVICE_UNARY_GATE_H_
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -84,8 +83,6 @@ class HeapTrimmer {
   // Asks for a trim about 100 ms from now, or a second after the last one (one for every
   // request until then).
   void Request();
-  // Trims done so far.
-  uint64_t trims() const { return trims_.load(std::memory_order_relaxed); }
 
  private:
   void Loop();
@@ -95,7 +92,6 @@ class HeapTrimmer {
   bool requested_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::chrono::steady_clock::time_point last_ ABSL_GUARDED_BY(mu_);
-  std::atomic<uint64_t> trims_{0};
   std::thread thread_;
 };
 
@@ -127,9 +123,6 @@ class UnaryGate final : public grpc::CallbackGenericService {
   // caller is known) and writes the response's bytes itself.
   void AddRaw(std::string method, size_t max_request_bytes,
               std::function<void(UnaryCall*, const grpc::ByteBuffer*, grpc::ByteBuffer*)> handler);
-
-  // The limit of a method the gate serves, 0 for one it does not.
-  size_t MaxRequestBytes(absl::string_view method) const;
 
   grpc::ServerGenericBidiReactor* CreateReactor(
       grpc::GenericCallbackServerContext* context) override;

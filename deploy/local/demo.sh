@@ -429,7 +429,7 @@ for n in node-0 node-1 node-2; do
   out=$("$ctl_bin" --addr="${node_addr[$n]}" --timeout=60s --json list-sequences --cache=$cc)
   printf '%s\n' "$out"
   case "$(printf '%s' "$out" | tr -d ' \n')" in
-    '{}' | '{"sequences":[]}') ;;
+    '{}' | '{"sequences":[]}' | '{"sequences":[],"nextPageToken":""}') ;;
     *) die "$n still holds sequences" ;;
   esac
 done

@@ -34,7 +34,6 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -58,20 +57,7 @@ constexpr char kAlice[] = "alice-0123456789abcdef0123456789abcdef";
 constexpr char kMallory[] = "mallory-0123456789abcdef0123456789abcdef";
 constexpr double kMiB = 1024.0 * 1024.0;
 
-uint64_t Memory(pid_t pid, const char* field) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(field, 0) != 0) continue;
-    std::string digits;
-    for (const char c : line) {
-      if (c >= '0' && c <= '9') digits.push_back(c);
-    }
-    uint64_t kib = 0;
-    if (absl::SimpleAtoi(digits, &kib)) return kib << 10;
-  }
-  return 0;
-}
+uint64_t Memory(pid_t pid, const char* field) { return testutil::ProcessStatusBytes(pid, field); }
 
 // Resets VmHWM to the current RSS (Linux >= 4.0).
 void ResetPeak(pid_t pid) {
@@ -140,11 +126,11 @@ Row Measure(pid_t pid, const std::string& attack, const std::function<std::strin
   row.attack = attack;
   absl::SleepFor(absl::Milliseconds(300));
   ResetPeak(pid);
-  row.before = Memory(pid, "VmRSS:");
+  row.before = Memory(pid, "VmRSS");
   row.outcome = fn();
   absl::SleepFor(absl::Milliseconds(500));
-  row.peak = Memory(pid, "VmHWM:");
-  row.after = Memory(pid, "VmRSS:");
+  row.peak = Memory(pid, "VmHWM");
+  row.after = Memory(pid, "VmRSS");
   Print(row);
   return row;
 }
@@ -254,7 +240,7 @@ int Main() {
       RawUnary(alice, "/kvmesh.v1.CacheService/Visible", empty_queries);
       absl::SleepFor(absl::Milliseconds(500));
       absl::StrAppend(&after, i == 0 ? "RSS after each: " : ", ",
-                      absl::StrFormat("%.0f", Memory(pid, "VmRSS:") / kMiB), " MiB");
+                      absl::StrFormat("%.0f", Memory(pid, "VmRSS") / kMiB), " MiB");
     }
     return after;
   });

@@ -154,19 +154,17 @@ void EngineShape(const char* what, const CacheSpec& spec, int64_t n, bool token_
     for (int64_t seq = first; seq < std::min<int64_t>(n, first + kBatch); ++seq) {
       tokens.push_back(Token{seq, 0, token_ids ? static_cast<int32_t>(seq % 50000) : kNoTokenId});
     }
-    const std::vector<uint8_t> payload(
-        AppendPayloadBytes(spec, static_cast<int64_t>(tokens.size()),
-                           static_cast<int64_t>(tokens.size())),
-        1);
+    const std::vector<uint8_t> payload(AppendPayloadBytes(spec, static_cast<int64_t>(tokens.size()),
+                                                          static_cast<int64_t>(tokens.size())),
+                                       1);
     Check(cache.Append(tokens, payload), "Append");
   }
   const size_t filled = HeapInUse();
   const double per_sequence = static_cast<double>(filled - created_heap) / static_cast<double>(n);
   const double per_cell_part = static_cast<double>(created_heap - before);
   const uint64_t charged = CacheMetadataBytes(spec);
-  const double charged_per_sequence =
-      static_cast<double>(kSequenceMetadataBytes +
-                          kGroupSequenceMetadataBytes * spec.groups.size());
+  const double charged_per_sequence = static_cast<double>(
+      kSequenceMetadataBytes + kGroupSequenceMetadataBytes * spec.groups.size());
   std::printf("%-34s %9.1f %9.1f %12.1f %12.1f %8.2f\n", what, per_sequence, charged_per_sequence,
               per_cell_part / kMiB, static_cast<double>(filled - before) / kMiB,
               static_cast<double>(filled - before) / static_cast<double>(charged));
@@ -191,18 +189,7 @@ void RunEngine(int64_t n) {
 
 // ---- node ---------------------------------------------------------------------------------
 
-uint64_t RssBytes(pid_t pid) {
-  const std::string path = absl::StrCat("/proc/", pid, "/status");
-  std::FILE* file = std::fopen(path.c_str(), "r");
-  if (file == nullptr) return 0;
-  char line[256];
-  unsigned long kib = 0;
-  while (std::fgets(line, sizeof(line), file) != nullptr) {
-    if (std::sscanf(line, "VmRSS: %lu kB", &kib) == 1) break;
-  }
-  std::fclose(file);
-  return static_cast<uint64_t>(kib) * 1024;
-}
+uint64_t RssBytes(pid_t pid) { return testutil::ProcessStatusBytes(pid, "VmRSS"); }
 
 // The peak VmRSS of `pid` while it lives, sampled every 5 ms.
 class PeakRss {

@@ -14,7 +14,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -70,22 +69,6 @@ std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address, const std:
   return *channel;
 }
 
-// The node's resident set in bytes (VmRSS), or its peak (VmHWM).
-uint64_t ProcessMemory(pid_t pid, const char* field) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(field, 0) != 0) continue;
-    std::string digits;
-    for (const char c : line) {
-      if (c >= '0' && c <= '9') digits.push_back(c);
-    }
-    uint64_t kib = 0;
-    if (absl::SimpleAtoi(digits, &kib)) return kib << 10;
-  }
-  return 0;
-}
-
 // A string field `number` holding `bytes` (shorter than 128), as the wire has it.
 std::string StringField(int number, const std::string& bytes) {
   std::string out;
@@ -131,6 +114,11 @@ class HostileTest : public ::testing::Test {
   }
 
   void RevokeAlice() { WriteFile(tokens_, Tokens(false)); }
+  // Alice's token, now of another tenant.
+  void MoveAlice() {
+    WriteFile(tokens_, absl::StrCat(TokenLine(kAlice, "team-b", "tenant"),
+                                    TokenLine(kRoot, "ops", "admin")));
+  }
 
   std::unique_ptr<TempDir> dir_;
   std::string tokens_;
@@ -147,7 +135,7 @@ TEST_F(HostileTest, AnUnauthenticatedRequestIsRefusedBeforeItsBodyIsRead) {
   Start();
   std::string body;
   for (int i = 0; i < 5 * 1000 * 1000; ++i) body.append("\x1a\x00", 2);  // queries = {}
-  const uint64_t rss_before = ProcessMemory(node_->pid(), "VmRSS:");
+  const uint64_t rss_before = ProcessStatusBytes(node_->pid(), "VmRSS");
   for (const char* method : {"Visible", "LookupPrefix", "GetCache", "Append"}) {
     std::vector<std::string> responses;
     const grpc::Status status =
@@ -156,7 +144,7 @@ TEST_F(HostileTest, AnUnauthenticatedRequestIsRefusedBeforeItsBodyIsRead) {
         << method << ": " << StatusText(status);
     EXPECT_THAT(status.error_message(), HasSubstr("bearer token")) << method;
   }
-  const uint64_t rss_after = ProcessMemory(node_->pid(), "VmRSS:");
+  const uint64_t rss_after = ProcessStatusBytes(node_->pid(), "VmRSS");
   // gRPC's stream window (a few MiB) at most, never the 10 MiB body, let alone its parse.
   EXPECT_LT(rss_after, rss_before + (uint64_t{8} << 20))
       << "RSS " << rss_before << " -> " << rss_after;
@@ -287,6 +275,26 @@ TEST_F(HostileTest, ARevokedTokenEndsItsWatchEventsStream) {
   // The file is polled once a second and the watcher checks once a second: a few seconds at
   // most (the client's deadline is a minute).
   EXPECT_LT(took, absl::Seconds(10)) << took;
+}
+
+// A token that now belongs to another tenant ends the streams it opened for the first one
+// (PERMISSION_DENIED naming both tenants): a stream never changes whose data it sees.
+TEST_F(HostileTest, ATokenMovedToAnotherTenantEndsItsStreams) {
+  Start();
+  ASSERT_OK(CreateCache(*alice_, SmallSpec("moved")));
+  grpc::ClientContext context;
+  SetDeadline(&context, absl::Seconds(60));
+  std::unique_ptr<grpc::ClientReader<v1::WatchEventsResponse>> reader =
+      alice_->WatchEvents(&context, v1::WatchEventsRequest());
+  v1::WatchEventsResponse response;
+  ASSERT_TRUE(reader->Read(&response));  // the listing
+  MoveAlice();
+  while (reader->Read(&response)) {
+  }
+  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << StatusText(status);
+  EXPECT_THAT(status.error_message(), HasSubstr("tenant 'team-b'"));
+  EXPECT_THAT(status.error_message(), HasSubstr("tenant 'team-a'"));
 }
 
 // Finding 2, for AppendStream: an open stream whose token is revoked ends (UNAUTHENTICATED)

@@ -58,18 +58,7 @@ using ::testing::Not;
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 
 // The node's resident memory in bytes (VmRSS), 0 when it cannot be read.
-uint64_t RssBytes(pid_t pid) {
-  const std::string path = absl::StrCat("/proc/", pid, "/status");
-  std::FILE* file = std::fopen(path.c_str(), "r");
-  if (file == nullptr) return 0;
-  char line[256];
-  uint64_t kib = 0;
-  while (std::fgets(line, sizeof(line), file) != nullptr) {
-    if (std::sscanf(line, "VmRSS: %lu kB", &kib) == 1) break;
-  }
-  std::fclose(file);
-  return kib * 1024;
-}
+uint64_t RssBytes(pid_t pid) { return ProcessStatusBytes(pid, "VmRSS"); }
 
 // Samples a process's VmRSS every 10 ms on a thread of its own and keeps the peak.
 class RssSampler {

@@ -379,6 +379,20 @@ int TryBind(int port) {
 
 }  // namespace
 
+uint64_t ProcessStatusBytes(pid_t pid, const char* field) {
+  const std::string path = absl::StrCat("/proc/", pid, "/status");
+  std::FILE* file = std::fopen(path.c_str(), "r");
+  if (file == nullptr) return 0;
+  const std::string format = absl::StrCat(field, ": %lu kB");
+  char line[256];
+  unsigned long kib = 0;
+  while (std::fgets(line, sizeof(line), file) != nullptr) {
+    if (std::sscanf(line, format.c_str(), &kib) == 1) break;
+  }
+  std::fclose(file);
+  return static_cast<uint64_t>(kib) * 1024;
+}
+
 int ReservePort() {
   int ephemeral_low = 32768;
   {

@@ -140,6 +140,9 @@ class NodeProcess {
   std::optional<ExitStatus> exit_;
 };
 
+// A size field of /proc/<pid>/status ("VmRSS", "VmHWM") in bytes; 0 when it cannot be read.
+uint64_t ProcessStatusBytes(pid_t pid, const char* field);
+
 // A port on 127.0.0.1 that was free a moment ago (bound, then closed), for nodes whose
 // addresses must be known before they start. 0 when none could be bound. Chosen at random
 // below the kernel's ephemeral range (net.ipv4.ip_local_port_range): a port from that range

@@ -63,6 +63,21 @@ TEST(InflightBudgetTest, MoreThanAShareIsNeverServed) {
   EXPECT_EQ(budget.refused(), 1u);
 }
 
+// A reservation that grows past a whole share (a buffered AppendStream's payload) can never be
+// served: it says so, naming all it would hold, rather than "retry later".
+TEST(InflightBudgetTest, GrowingPastAWholeShareIsNeverServed) {
+  InflightBudget budget(100 * kMiB, "--inflight-budget", 0.5);
+  absl::StatusOr<InflightBudget::Reservation> r = budget.Reserve("t", kMiB, "stream header");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const absl::Status grown = r->Resize(60 * kMiB, "AppendStream of 62914560 bytes");
+  EXPECT_EQ(grown.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(grown.message(), HasSubstr("needs 62914560 bytes in flight, more than a tenant's"));
+  EXPECT_THAT(grown.message(), HasSubstr("send it in smaller requests"));
+  EXPECT_EQ(r->bytes(), kMiB);
+  EXPECT_EQ(budget.TenantHeld("t"), kMiB);
+  EXPECT_EQ(budget.held(), kMiB);
+}
+
 TEST(InflightBudgetTest, TheBudgetStillBoundsEveryTenantTogether) {
   InflightBudget budget(100 * kMiB, "--inflight-budget", 0.5);
   std::vector<InflightBudget::Reservation> held;
