@@ -21,7 +21,7 @@
 #include "service/common/raw_message.h"
 #include "service/list_pages.h"
 #include "service/peer_service.h"
-#include "service/unary_gate.h"
+#include "service/request_gate.h"
 #include "tests/sanitizers/tsan_handoff.h"
 
 namespace kvmesh {
@@ -167,15 +167,6 @@ absl::Status AdmitVisible(const std::string& tenant, const std::string& cache, i
                                                 entries, " ", unit.name)));
   return absl::OkStatus();
 }
-
-// The request and response types of a unary handler, a CacheServiceImpl member function.
-template <typename Fn>
-struct HandlerTraits;
-template <typename Request_, typename Response_>
-struct HandlerTraits<void (CacheServiceImpl::*)(UnaryCall*, const Request_*, Response_*)> {
-  using Request = Request_;
-  using Response = Response_;
-};
 
 constexpr char kCancelledMessage[] = "call cancelled by the client";
 
@@ -618,11 +609,12 @@ class CacheServiceImpl::AppendStreamReactor final
 
 // ---- Read ---------------------------------------------------------------------------------
 //
-// Read is served raw (WithRawCallbackMethod_Read): the node writes each ReadResponse's bytes
-// itself, so that the payload goes to gRPC as slices of the memory it lies in (the pinned cells
-// of a large read, the payload of a small one) instead of being gathered into a message and
-// serialized into a second buffer. The bytes are those of ReadResponse as protobuf would write
-// them: `header` (field 1) in the first message, `data` (field 2) in every message with data.
+// Read goes through the gate as a stream of bytes (RequestGate::AddServerStream): the node
+// writes each ReadResponse's bytes itself, so that the payload goes to gRPC as slices of the
+// memory it lies in (the pinned cells of a large read, the payload of a small one) instead of
+// being gathered into a message and serialized into a second buffer. The bytes are those of
+// ReadResponse as protobuf would write them: `header` (field 1) in the first message, `data` (field
+// 2) in every message with data.
 //
 // The engine read runs on the executor, which then starts the first write; every later write
 // is started by OnWriteDone of the one before (on the executor when the next chunk must be
@@ -650,16 +642,16 @@ void AppendVarint(uint64_t v, std::string* out) {
 // A client that stops taking messages stalls the write in flight, and with it the cells a
 // pinned read holds. The idle reaper cancels a Read whose write has not completed for
 // --stream-idle-timeout-ms: gRPC then drops the write's slices, and the cells are unpinned.
-class CacheServiceImpl::ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
-                                            public IdleReaper::Stream {
+class CacheServiceImpl::ReadReactor final : public StreamReactor, public IdleReaper::Stream {
  public:
-  ReadReactor(CacheServiceImpl* service, grpc::CallbackServerContext* context,
-              const grpc::ByteBuffer* raw)
-      : service_(service), context_(context) {
+  // `raw` is the request, of at most kMaxReadRequestBytes, of a caller the gate let through.
+  ReadReactor(CacheServiceImpl* service, StreamCall* call, const grpc::ByteBuffer* raw)
+      : StreamReactor(call), service_(service), context_(call->context()) {
     service_->idle_reaper_->Add(this);
+    // The gate authenticated the call; this gives the caller's tenant.
     const absl::StatusOr<Principal> caller = service_->Caller(*context_);
     if (!caller.ok()) {
-      Done(ToGrpcStatus(caller.status()));  // who calls comes first, as in every RPC
+      Done(ToGrpcStatus(caller.status()));
       return;
     }
     tenant_ = caller->tenant;
@@ -932,20 +924,14 @@ CacheServiceImpl::CacheServiceImpl(CacheRegistry* registry, Executor* executor, 
                         : std::make_unique<InflightBudget>(UINT64_MAX, "--inflight-budget")),
       inflight_(options.inflight != nullptr ? options.inflight : own_inflight_.get()),
       idle_reaper_(std::make_unique<IdleReaper>(options.stream_idle_timeout)),
-      gate_(std::make_unique<UnaryGate>([this](const grpc::CallbackServerContext& context) {
+      gate_(std::make_unique<RequestGate>([this](const grpc::CallbackServerContext& context) {
         return Caller(context).status();
       })) {
   // Every unary method goes through the gate: the caller is known before the request is read,
   // and the request's size is checked against its method's limit before it is parsed.
   auto add = [this](const char* name, size_t max_request_bytes, auto handler) {
-    using Handler = decltype(handler);
-    using Traits = HandlerTraits<Handler>;
-    gate_->Add<typename Traits::Request, typename Traits::Response>(
-        absl::StrCat("/", v1::CacheService::service_full_name(), "/", name), max_request_bytes,
-        [this, handler](UnaryCall* call, const typename Traits::Request* request,
-                        typename Traits::Response* response) {
-          (this->*handler)(call, request, response);
-        });
+    gate_->Add(absl::StrCat("/", v1::CacheService::service_full_name(), "/", name),
+               max_request_bytes, this, handler);
   };
   constexpr size_t kSmall = kMaxSmallRequestBytes;
   add("CreateCache", kSmall, &CacheServiceImpl::HandleCreateCache);
@@ -975,6 +961,16 @@ CacheServiceImpl::CacheServiceImpl(CacheRegistry* registry, Executor* executor, 
                 options_.max_receive_message_bytes,
                 [this](UnaryCall* call, const grpc::ByteBuffer* request,
                        grpc::ByteBuffer* response) { HandleAppend(call, request, response); });
+  gate_->AddServerStream(absl::StrCat("/", v1::CacheService::service_full_name(), "/Read"),
+                         kMaxReadRequestBytes,
+                         [this](StreamCall* call, const grpc::ByteBuffer* request) {
+                           return StartRead(call, request);
+                         });
+  gate_->AddServerStream(absl::StrCat("/", v1::CacheService::service_full_name(), "/WatchEvents"),
+                         kMaxWatchRequestBytes,
+                         [this](StreamCall* call, const grpc::ByteBuffer* request) {
+                           return StartWatchEvents(call, request);
+                         });
 }
 
 grpc::Status CacheServiceImpl::BusyStatus() const {
@@ -1038,14 +1034,7 @@ void CacheServiceImpl::RunCluster(UnaryCall* call, absl::AnyInvocable<absl::Stat
 
 void CacheServiceImpl::RunOn(Executor* executor, UnaryCall* call,
                              absl::AnyInvocable<absl::Status() &&> fn) {
-  const bool queued = executor->Submit([call, fn = std::move(fn)]() mutable {
-    if (call->context()->IsCancelled()) {
-      call->Answer(CancelledStatus());
-      return;
-    }
-    call->Answer(ToGrpcStatus(std::move(fn)()));
-  });
-  if (!queued) call->Answer(BusyStatus());
+  RunUnaryOn(executor, call, std::move(fn), kCancelledMessage, [this] { return BusyStatus(); });
 }
 
 absl::StatusOr<Principal> CacheServiceImpl::Caller(
@@ -1208,9 +1197,8 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* CacheServiceImpl::AppendStream(
   return new AppendStreamReactor(this, context, response);
 }
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* CacheServiceImpl::Read(
-    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
-  return new ReadReactor(this, context, request);
+StreamReactor* CacheServiceImpl::StartRead(StreamCall* call, const grpc::ByteBuffer* request) {
+  return new ReadReactor(this, call, request);
 }
 
 void CacheServiceImpl::HandleVisible(UnaryCall* call, const v1::VisibleRequest* request,
@@ -1474,10 +1462,11 @@ void CacheServiceImpl::HandleLookupPrefix(UnaryCall* call, const v1::LookupPrefi
   });
 }
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* CacheServiceImpl::WatchEvents(
-    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw) {
-  // Who calls first, then the request's size, and only then is it parsed.
-  absl::StatusOr<Principal> caller = Caller(*context);
+StreamReactor* CacheServiceImpl::StartWatchEvents(StreamCall* call, const grpc::ByteBuffer* raw) {
+  // The gate has authenticated the call and checked the request's size; this gives the
+  // caller's tenant, and only then is the request parsed.
+  const grpc::CallbackServerContext& context = *call->context();
+  absl::StatusOr<Principal> caller = Caller(context);
   v1::WatchEventsRequest request;
   if (caller.ok()) {
     if (const grpc::Status parsed = ParseRequest(*raw, kMaxWatchRequestBytes,
@@ -1495,11 +1484,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* CacheServiceImpl::WatchEvents(
   // A revoked token (or a tenant removed) at a reload of the token file ends the stream.
   std::function<absl::Status()> still_allowed;
   if (caller.ok() && options_.auth != nullptr) {
-    auto recheck = std::make_shared<CallerRecheck>(options_.auth, *context, *caller);
+    auto recheck = std::make_shared<CallerRecheck>(options_.auth, context, *caller);
     still_allowed = [recheck] { return recheck->Check(); };
   }
-  return StartRawWatch(request, std::move(caller), WatchScope::kTenant, registry_, options_.events,
-                       &watchers_, std::move(still_allowed));
+  return StartWatch(call, request, std::move(caller), WatchScope::kTenant, registry_,
+                    options_.events, &watchers_, std::move(still_allowed));
 }
 
 void CacheServiceImpl::StopWatchers() { watchers_.Stop(options_.events); }

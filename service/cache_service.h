@@ -6,9 +6,10 @@
 // never block on the engine. When the executor's queue is full the RPC fails at once with
 // UNAVAILABLE (retry later), never by waiting.
 //
-//  - Unary RPCs are served through a UnaryGate (service/unary_gate.h), which authenticates a
-//    call before it reads the request and checks the request against its method's size limit
-//    before it parses it; the executor task answers through the UnaryCall.
+//  - Unary RPCs, Read and WatchEvents are served through a RequestGate (service/request_gate.h),
+//    which authenticates a call before it reads the request and checks the request against its
+//    method's size limit before it is parsed; a unary method's executor task answers through the
+//    UnaryCall. AppendStream authenticates before it reads its first message.
 //  - Append and AppendStream pass the request's `speculative` flag to the engine; the payload
 //    size they expect follows it (one Recurrent state per token when speculative).
 //  - AppendStream checks the first message's header (cache, tokens, payload_bytes) before it
@@ -56,7 +57,7 @@
 #include "service/executor.h"
 #include "service/idle_reaper.h"
 #include "service/inflight_budget.h"
-#include "service/unary_gate.h"
+#include "service/request_gate.h"
 #include "service/watch_events.h"
 
 namespace kvmesh {
@@ -81,7 +82,7 @@ inline constexpr uint64_t kVisibleBytesPerRange = 96;
 // response's Visibility message with their allocations.
 inline constexpr uint64_t kVisibleBytesPerQuery = 128;
 
-// What a unary request may be, in bytes, before the node parses it (UnaryGate; docs/api.md,
+// What a unary request may be, in bytes, before the node parses it (RequestGate; docs/api.md,
 // "Limits on every request"): requests that carry names and numbers; a Visible's queries
 // (256 KiB is about 20k queries of a sequence and a range, or 131k empty ones, which parse into
 // about 23 MiB with their answer); a LookupPrefix's prompt (2M tokens as packed varints). An
@@ -100,17 +101,16 @@ inline constexpr size_t kMaxReadRequestBytes = size_t{1} << 20;
 // The Drain RPC's timeout when neither the request nor Options::drain_timeout gives one.
 inline constexpr absl::Duration kDefaultDrainTimeout = absl::Seconds(60);
 
-// v1::CacheService::CallbackService with Append, AppendStream and Read served raw: the generated
-// chain of callback methods, with WithRawCallbackMethod_Append, _AppendStream and _Read in the
-// place of the typed ones (a raw method on top of the typed one would hide it, which
-// -Woverloaded-virtual rejects). A method added to
-// the service and left out here does not compile: its override in CacheServiceImpl has nothing
-// to override.
+// v1::CacheService::CallbackService with every method but AppendStream served through the
+// RequestGate (WithGenericMethod_X: the gate, a generic service registered beside this one,
+// gets the calls) and AppendStream served raw (WithRawCallbackMethod_AppendStream). A method
+// added to the service and left out here is served typed by nothing but the base's
+// UNIMPLEMENTED; one left out of the gate's table answers UNIMPLEMENTED naming it.
 namespace internal {
 using S = v1::CacheService;
-using CacheServiceBase = S::WithGenericMethod_CreateCache<S::WithGenericMethod_DeleteCache<
-    S::WithGenericMethod_GetCache<S::WithGenericMethod_ListCaches<S::WithGenericMethod_Append<
-        S::WithRawCallbackMethod_AppendStream<S::WithRawCallbackMethod_Read<
+using CacheServiceBase = S::WithGenericMethod_CreateCache<
+    S::WithGenericMethod_DeleteCache<S::WithGenericMethod_GetCache<S::WithGenericMethod_ListCaches<
+        S::WithGenericMethod_Append<S::WithRawCallbackMethod_AppendStream<S::WithGenericMethod_Read<
             S::WithGenericMethod_Visible<S::WithGenericMethod_CopyPrefix<S::WithGenericMethod_Remove<
                 S::WithGenericMethod_CanResume<S::WithGenericMethod_ListSequences<
                     S::WithGenericMethod_Snapshot<S::WithGenericMethod_Restore<
@@ -122,7 +122,7 @@ using CacheServiceBase = S::WithGenericMethod_CreateCache<S::WithGenericMethod_D
                                             S::WithGenericMethod_Drain<S::WithGenericMethod_Reserve<
                                                 S::WithGenericMethod_SetRetention<
                                                     S::WithGenericMethod_LookupPrefix<
-                                                        S::WithRawCallbackMethod_WatchEvents<
+                                                        S::WithGenericMethod_WatchEvents<
                                                             S::Service>>>>>>>>>>>>>>>>>>>>>>>>>>>;
 }  // namespace internal
 
@@ -191,10 +191,9 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   // append (the cells it will take, where it can), and the AppendResponse is written here.
   grpc::ServerReadReactor<grpc::ByteBuffer>* AppendStream(grpc::CallbackServerContext* context,
                                                           grpc::ByteBuffer* response) override;
-  // Served raw: ReadResponse's bytes are written by the node (the payload as slices of the
-  // memory it lies in), and the request is parsed here.
-  grpc::ServerWriteReactor<grpc::ByteBuffer>* Read(grpc::CallbackServerContext* context,
-                                                   const grpc::ByteBuffer* request) override;
+  // Through the gate, raw: ReadResponse's bytes are written by the node (the payload as slices
+  // of the memory it lies in), and the request is parsed here.
+  StreamReactor* StartRead(StreamCall* call, const grpc::ByteBuffer* request);
   void HandleVisible(UnaryCall* call, const v1::VisibleRequest* request,
                      v1::VisibleResponse* response);
   void HandleCopyPrefix(UnaryCall* call, const v1::CopyPrefixRequest* request,
@@ -211,14 +210,13 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
                           v1::SetRetentionResponse* response);
   void HandleLookupPrefix(UnaryCall* call, const v1::LookupPrefixRequest* request,
                           v1::LookupPrefixResponse* response);
-  // The generic service that serves every unary method (UnaryGate): register it with the server
-  // beside the service itself (ServerBuilder::RegisterCallbackGenericService).
-  grpc::CallbackGenericService* unary_gate() { return gate_.get(); }
+  // The generic service that serves every method but AppendStream (RequestGate): register it with
+  // the server beside the service itself (ServerBuilder::RegisterCallbackGenericService).
+  RequestGate* request_gate() { return gate_.get(); }
 
-  // Served raw: the request is parsed here, once the caller is known and the request is within
-  // kMaxWatchRequestBytes.
-  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchEvents(grpc::CallbackServerContext* context,
-                                                          const grpc::ByteBuffer* request) override;
+  // Through the gate: the request is parsed here, once the caller is known and the request is
+  // within kMaxWatchRequestBytes.
+  StreamReactor* StartWatchEvents(StreamCall* call, const grpc::ByteBuffer* request);
   // Ends every WatchEvents stream (UNAVAILABLE) and refuses new ones: call before the server's
   // Shutdown, or the streams, which never end by themselves, hold it for its grace period.
   void StopWatchers();
@@ -334,7 +332,7 @@ class CacheServiceImpl final : public internal::CacheServiceBase {
   // Ends AppendStreams and Reads idle for options_.stream_idle_timeout.
   const std::unique_ptr<IdleReaper> idle_reaper_;
   // Serves the unary methods (built in the constructor).
-  const std::unique_ptr<UnaryGate> gate_;
+  const std::unique_ptr<RequestGate> gate_;
 };
 
 }  // namespace kvmesh

@@ -4,6 +4,7 @@
 
 #include "grpcpp/server_context.h"
 #include "service/common/convert.h"
+#include "service/request_gate.h"
 
 namespace kvmesh {
 
@@ -63,21 +64,16 @@ void Executor::WorkerLoop() {
   }
 }
 
-grpc::ServerUnaryReactor* RunUnaryOn(Executor* executor, grpc::CallbackServerContext* context,
-                                     absl::AnyInvocable<absl::Status() &&> fn,
-                                     const char* cancelled_message,
-                                     absl::FunctionRef<grpc::Status()> busy) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const bool queued =
-      executor->Submit([context, reactor, cancelled_message, fn = std::move(fn)]() mutable {
-        if (context->IsCancelled()) {
-          reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED, cancelled_message));
-          return;
-        }
-        reactor->Finish(ToGrpcStatus(std::move(fn)()));
-      });
-  if (!queued) reactor->Finish(busy());
-  return reactor;
+void RunUnaryOn(Executor* executor, UnaryCall* call, absl::AnyInvocable<absl::Status() &&> fn,
+                const char* cancelled_message, absl::FunctionRef<grpc::Status()> busy) {
+  const bool queued = executor->Submit([call, cancelled_message, fn = std::move(fn)]() mutable {
+    if (call->context()->IsCancelled()) {
+      call->Answer(grpc::Status(grpc::StatusCode::CANCELLED, cancelled_message));
+      return;
+    }
+    call->Answer(ToGrpcStatus(std::move(fn)()));
+  });
+  if (!queued) call->Answer(busy());
 }
 
 }  // namespace kvmesh

@@ -3,7 +3,7 @@
 // (Submit returns false) so the RPC can fail fast instead of piling up behind a slow device.
 //
 // RunUnaryOn is how the node's unary RPC handlers use an executor: the work runs there and
-// finishes the call.
+// answers the call.
 //
 // Thread safety: Submit, Shutdown and the accessors are thread-safe. Tasks may Submit further
 // tasks. Shutdown (and so the destructor) must not run on one of the executor's workers.
@@ -22,7 +22,6 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "cache/mutex.h"
-#include "grpcpp/support/server_callback.h"
 #include "grpcpp/support/status.h"
 
 namespace kvmesh {
@@ -66,15 +65,14 @@ class Executor {
   std::vector<std::thread> workers_ ABSL_GUARDED_BY(mu_);
 };
 
-// Runs `fn` on `executor` and finishes the unary call's default reactor with the status `fn`
+class UnaryCall;  // service/request_gate.h
+
+// Runs `fn` on `executor` and answers the unary call (a RequestGate's) with the status `fn`
 // returns; with CANCELLED and `cancelled_message` instead when the call was cancelled before
 // `fn` could start, and with busy() (UNAVAILABLE, built only then) when the executor refuses
-// the task. Returns the reactor, for the RPC handler to return. `context` must be the call's;
-// `cancelled_message` is a string literal (the task keeps the pointer).
-grpc::ServerUnaryReactor* RunUnaryOn(Executor* executor, grpc::CallbackServerContext* context,
-                                     absl::AnyInvocable<absl::Status() &&> fn,
-                                     const char* cancelled_message,
-                                     absl::FunctionRef<grpc::Status()> busy);
+// the task. `cancelled_message` is a string literal (the task keeps the pointer).
+void RunUnaryOn(Executor* executor, UnaryCall* call, absl::AnyInvocable<absl::Status() &&> fn,
+                const char* cancelled_message, absl::FunctionRef<grpc::Status()> busy);
 
 }  // namespace kvmesh
 

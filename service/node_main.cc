@@ -977,9 +977,11 @@ int Run() {
   int port = 0;
   builder.AddListeningPort(listen, (*node_tls)->ClientPortServerCredentials(), &port);
   builder.RegisterService(&service);
-  builder.RegisterCallbackGenericService(service.unary_gate());
+  builder.RegisterCallbackGenericService(service.request_gate());
   const bool peer_plane_on_client_port = peer_listen.empty() && development;
-  if (peer_plane_on_client_port) builder.RegisterService(&peer_service);
+  // One generic service per server: on the client port PeerService goes through CacheService's
+  // gate, with its own identification of callers.
+  if (peer_plane_on_client_port) peer_service.AddTo(service.request_gate());
   configure(builder);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) return fail_to_listen("listen", listen);
@@ -991,7 +993,7 @@ int Run() {
     grpc::ServerBuilder peer_builder;
     peer_builder.AddListeningPort(peer_listen, (*node_tls)->PeerPortServerCredentials(),
                                   &peer_port);
-    peer_builder.RegisterService(&peer_service);
+    peer_builder.RegisterCallbackGenericService(peer_service.request_gate());
     configure(peer_builder);
     peer_server = peer_builder.BuildAndStart();
     if (peer_server == nullptr || peer_port == 0) {

@@ -40,6 +40,9 @@ std::string PeerHost(const std::string& peer) {
   return host;
 }
 
+// Answers `call` with `status`, an error.
+void Refuse(UnaryCall* call, const absl::Status& status) { call->Answer(ToGrpcStatus(status)); }
+
 // The host of a "host:port" member address.
 std::string AddressHost(const std::string& address) {
   const size_t colon = address.rfind(':');
@@ -50,50 +53,6 @@ std::string AddressHost(const std::string& address) {
   return host;
 }
 
-// A Release, answered once the export's payload is freed (Cluster::Release's `freed`), or at
-// once with an error, or CANCELLED when the caller goes away (its deadline) first. Finish is
-// called exactly once, by whichever comes first, from any thread.
-class ReleaseReactor final : public grpc::ServerUnaryReactor {
- public:
-  ReleaseReactor() : state_(std::make_shared<State>()) { state_->reactor = this; }
-
-  // A callback that finishes the call with OK when it runs (unless it has finished already).
-  std::function<void()> FinishOkWhenCalled() {
-    return [state = state_] { State::Finish(state, grpc::Status::OK); };
-  }
-  void FinishNow(const grpc::Status& status) { State::Finish(state_, status); }
-
-  void OnCancel() override {
-    State::Finish(state_, grpc::Status(grpc::StatusCode::CANCELLED,
-                                       "Release cancelled before the export's memory was freed"));
-  }
-  void OnDone() override { delete this; }
-
- private:
-  struct State {
-    Mutex mu;
-    ReleaseReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;  // null once finished
-
-    // By value: the reactor (which holds a reference too) may be gone once Finish returns.
-    static void Finish(std::shared_ptr<State> state, const grpc::Status& status) {
-      ReleaseReactor* reactor = nullptr;
-      {
-        MutexLock lock(&state->mu);
-        std::swap(reactor, state->reactor);
-      }
-      if (reactor != nullptr) reactor->Finish(status);
-    }
-  };
-  const std::shared_ptr<State> state_;
-};
-
-// A write reactor that only finishes the call (a Fetch refused before any chunk).
-class RefusedFetch final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
- public:
-  explicit RefusedFetch(const grpc::Status& status) { Finish(status); }
-  void OnDone() override { delete this; }
-};
-
 }  // namespace
 
 PeerServiceImpl::PeerServiceImpl(Cluster* cluster, LeaseTable* leases, Executor* engine_executor,
@@ -102,20 +61,56 @@ PeerServiceImpl::PeerServiceImpl(Cluster* cluster, LeaseTable* leases, Executor*
       leases_(leases),
       engine_executor_(engine_executor),
       cluster_executor_(cluster_executor),
-      options_(std::move(options)) {
+      options_(std::move(options)),
+      gate_([this](const grpc::CallbackServerContext& context) {
+        return Identify(context).status();
+      }) {
   watchers_.max = kMaxPeerWatchers;
+  Register(&gate_);
 }
 
-grpc::ServerUnaryReactor* PeerServiceImpl::RunOn(Executor* executor,
-                                                 grpc::CallbackServerContext* context,
-                                                 absl::AnyInvocable<absl::Status() &&> fn) {
+void PeerServiceImpl::AddTo(RequestGate* gate) {
+  gate->AuthenticateService(
+      v1::PeerService::service_full_name(),
+      [this](const grpc::CallbackServerContext& context) { return Identify(context).status(); });
+  Register(gate);
+}
+
+void PeerServiceImpl::Register(RequestGate* gate) {
+  auto name = [](const char* method) {
+    return absl::StrCat("/", v1::PeerService::service_full_name(), "/", method);
+  };
+  auto add = [this, gate, &name](const char* method, size_t limit, auto handler) {
+    gate->Add(name(method), limit, this, handler);
+  };
+  add("NodeInfo", kMaxPeerRequestBytes, &PeerServiceImpl::HandleNodeInfo);
+  add("Export", kMaxPeerTokensRequestBytes, &PeerServiceImpl::HandleExport);
+  add("Release", kMaxPeerRequestBytes, &PeerServiceImpl::HandleRelease);
+  add("Pull", kMaxPeerTokensRequestBytes, &PeerServiceImpl::HandlePull);
+  add("NcclConnect", kMaxPeerRequestBytes, &PeerServiceImpl::HandleNcclConnect);
+  add("NcclSend", kMaxPeerRequestBytes, &PeerServiceImpl::HandleNcclSend);
+  add("Remove", kMaxPeerRequestBytes, &PeerServiceImpl::HandleRemove);
+  add("Place", kMaxPeerRequestBytes, &PeerServiceImpl::HandlePlace);
+  add("LookupPrefix", kMaxPeerTokensRequestBytes, &PeerServiceImpl::HandleLookupPrefix);
+  gate->AddServerStream(name("Fetch"), kMaxPeerRequestBytes,
+                        [this](StreamCall* call, const grpc::ByteBuffer* request) {
+                          return StartFetch(call, request);
+                        });
+  gate->AddServerStream(name("WatchEvents"), kMaxPeerRequestBytes,
+                        [this](StreamCall* call, const grpc::ByteBuffer* request) {
+                          return StartWatchEvents(call, request);
+                        });
+}
+
+void PeerServiceImpl::RunOn(Executor* executor, UnaryCall* call,
+                            absl::AnyInvocable<absl::Status() &&> fn) {
   auto busy = [this, executor] {
     return grpc::Status(
         grpc::StatusCode::UNAVAILABLE,
         absl::StrCat("kvmesh-node ", options_.name, " is overloaded: its executor queue holds ",
                      executor->max_queued(), " tasks already; retry later"));
   };
-  return RunUnaryOn(executor, context, std::move(fn), "call cancelled by the peer", busy);
+  RunUnaryOn(executor, call, std::move(fn), "call cancelled by the peer", busy);
 }
 
 absl::StatusOr<PeerServiceImpl::Caller> PeerServiceImpl::Identify(
@@ -188,19 +183,8 @@ absl::Status PeerServiceImpl::CheckSpeaksForItself(const Caller& caller, const s
       caller.member, "': a member speaks for itself only"));
 }
 
-grpc::ServerUnaryReactor* PeerServiceImpl::Refuse(grpc::CallbackServerContext* context,
-                                                  const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
-grpc::ServerUnaryReactor* PeerServiceImpl::NodeInfo(grpc::CallbackServerContext* context,
-                                                    const v1::NodeInfoRequest* request,
-                                                    v1::NodeInfoResponse* response) {
-  if (const absl::StatusOr<Caller> caller = Identify(*context); !caller.ok()) {
-    return Refuse(context, caller.status());
-  }
+void PeerServiceImpl::HandleNodeInfo(UnaryCall* call, const v1::NodeInfoRequest* request,
+                                     v1::NodeInfoResponse* response) {
   response->set_name(options_.name);
   response->set_backend(options_.backend);
   for (const std::string& t : options_.transports) response->add_transports(t);
@@ -208,88 +192,109 @@ grpc::ServerUnaryReactor* PeerServiceImpl::NodeInfo(grpc::CallbackServerContext*
   response->set_boot_id(process.boot_id);
   response->set_start_time_unix_ms(absl::ToUnixMillis(process.start_time));
   response->set_version(process.version);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  call->Answer(grpc::Status::OK);
 }
 
-grpc::ServerUnaryReactor* PeerServiceImpl::Export(grpc::CallbackServerContext* context,
-                                                  const v1::ExportRequest* request,
-                                                  v1::ExportResponse* response) {
-  absl::StatusOr<Caller> caller = Identify(*context);
-  if (!caller.ok()) return Refuse(context, caller.status());
+void PeerServiceImpl::HandleExport(UnaryCall* call, const v1::ExportRequest* request,
+                                   v1::ExportResponse* response) {
+  absl::StatusOr<Caller> caller = Identify(*call->context());
+  if (!caller.ok()) return Refuse(call, caller.status());
   if (absl::Status s = CheckNames({{"cache", request->cache()},
                                    {"tenant", request->tenant()},
                                    {"receiver", request->receiver()},
                                    {"sequence.migration_id", request->sequence().migration_id()}});
       !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
   if (absl::Status s = CheckSpeaksForItself(*caller, request->receiver(), "receiver"); !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
-  return RunOn(engine_executor_, context,
-               [this, request, response, identity = caller->identity]() -> absl::Status {
-                 absl::StatusOr<v1::ExportResponse> exported = cluster_->Export(*request, identity);
-                 if (!exported.ok()) return exported.status();
-                 *response = *std::move(exported);
-                 return absl::OkStatus();
-               });
+  RunOn(engine_executor_, call,
+        [this, request, response, identity = caller->identity]() -> absl::Status {
+          absl::StatusOr<v1::ExportResponse> exported = cluster_->Export(*request, identity);
+          if (!exported.ok()) return exported.status();
+          *response = *std::move(exported);
+          return absl::OkStatus();
+        });
 }
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* PeerServiceImpl::Fetch(
-    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
-  absl::StatusOr<Caller> caller = Identify(*context);
-  if (!caller.ok()) return new RefusedFetch(ToGrpcStatus(caller.status()));
+StreamReactor* PeerServiceImpl::StartFetch(StreamCall* call, const grpc::ByteBuffer* request) {
+  absl::StatusOr<Caller> caller = Identify(*call->context());
+  if (!caller.ok()) return RefuseStream(call, ToGrpcStatus(caller.status()));
   // The lease must be the caller's; ServeFetch parses the request again (a few bytes).
-  grpc::ByteBuffer copy(*request);  // Deserialize consumes its buffer; this shares the slices
   v1::FetchRequest fetch;
-  if (!grpc::SerializationTraits<v1::FetchRequest>::Deserialize(&copy, &fetch).ok()) {
-    return new RefusedFetch(
-        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the FetchRequest does not parse"));
+  if (grpc::Status parsed =
+          ParseRequest(*request, kMaxPeerRequestBytes, "/kvmesh.v1.PeerService/Fetch", &fetch);
+      !parsed.ok()) {
+    return RefuseStream(call, std::move(parsed));
   }
   if (absl::Status s = leases_->CheckReceiver(fetch.lease_id(), caller->identity); !s.ok()) {
-    return new RefusedFetch(ToGrpcStatus(s));
+    return RefuseStream(call, ToGrpcStatus(s));
   }
-  return transport::ServeFetch(context, request, leases_, options_.sender);
+  return transport::ServeFetch(call, request, leases_, options_.sender);
 }
 
-grpc::ServerUnaryReactor* PeerServiceImpl::Release(grpc::CallbackServerContext* context,
-                                                   const v1::ReleaseRequest* request,
-                                                   v1::ReleaseResponse* response) {
+namespace {
+
+// A Release's answer: OK once the export's payload is freed (Cluster::Release's `freed`), an
+// error at once, or CANCELLED when the caller goes away (its deadline) first; whichever comes
+// first answers, from any thread, and the others find the call gone.
+class ReleaseAnswer {
+ public:
+  explicit ReleaseAnswer(UnaryCall* call) : call_(call) {}
+
+  static void Answer(const std::shared_ptr<ReleaseAnswer>& answer, const grpc::Status& status) {
+    UnaryCall* call = nullptr;
+    {
+      MutexLock lock(&answer->mu_);
+      std::swap(call, answer->call_);
+    }
+    if (call != nullptr) call->Answer(status);
+  }
+
+ private:
+  Mutex mu_;
+  UnaryCall* call_ ABSL_GUARDED_BY(mu_);  // null once answered
+};
+
+}  // namespace
+
+void PeerServiceImpl::HandleRelease(UnaryCall* call, const v1::ReleaseRequest* request,
+                                    v1::ReleaseResponse* response) {
   // Ending a lease only drops references (cheap enough for gRPC's thread); the answer waits
   // until the export's payload is freed, which a Fetch stream still finishing may delay a
   // little, so that the receiver, and the cluster operation it runs, sees the cells and
   // snapshot chunks the export pinned back on this node.
-  auto* reactor = new ReleaseReactor();
-  absl::StatusOr<Caller> caller = Identify(*context);
-  if (!caller.ok()) {
-    reactor->FinishNow(ToGrpcStatus(caller.status()));
-    return reactor;
-  }
-  const absl::Status released =
-      cluster_->Release(*request, caller->identity, reactor->FinishOkWhenCalled());
-  if (!released.ok()) reactor->FinishNow(ToGrpcStatus(released));
-  return reactor;
+  absl::StatusOr<Caller> caller = Identify(*call->context());
+  if (!caller.ok()) return Refuse(call, caller.status());
+  auto answer = std::make_shared<ReleaseAnswer>(call);
+  call->NotifyOnCancel([answer] {
+    ReleaseAnswer::Answer(answer, grpc::Status(grpc::StatusCode::CANCELLED,
+                                               "Release cancelled before the export's memory "
+                                               "was freed"));
+  });
+  const absl::Status released = cluster_->Release(
+      *request, caller->identity, [answer] { ReleaseAnswer::Answer(answer, grpc::Status::OK); });
+  if (!released.ok()) ReleaseAnswer::Answer(answer, ToGrpcStatus(released));
 }
 
-grpc::ServerUnaryReactor* PeerServiceImpl::Pull(grpc::CallbackServerContext* context,
-                                                const v1::PullRequest* request,
-                                                v1::PullResponse* response) {
-  absl::StatusOr<Caller> caller = Identify(*context);
-  if (!caller.ok()) return Refuse(context, caller.status());
+void PeerServiceImpl::HandlePull(UnaryCall* call, const v1::PullRequest* request,
+                                 v1::PullResponse* response) {
+  absl::StatusOr<Caller> caller = Identify(*call->context());
+  if (!caller.ok()) return Refuse(call, caller.status());
   if (absl::Status s = CheckNames({{"cache", request->cache()},
                                    {"tenant", request->tenant()},
                                    {"source_node", request->source_node()},
                                    {"sequence.migration_id", request->sequence().migration_id()}});
       !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
   if (absl::Status s = CheckSpeaksForItself(*caller, request->source_node(), "source_node");
       !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
-  return RunOn(cluster_executor_, context, [this, context, request, response]() -> absl::Status {
+  grpc::CallbackServerContext* const context = call->context();
+  RunOn(cluster_executor_, call, [this, context, request, response]() -> absl::Status {
     absl::StatusOr<v1::PullResponse> pulled =
         cluster_->Pull(*request, cluster_->Deadline(ContextDeadline(*context)));
     if (!pulled.ok()) return pulled.status();
@@ -312,128 +317,121 @@ PeerServiceImpl::Interrupt CancelledBy(grpc::CallbackServerContext* context, con
 
 }  // namespace
 
-grpc::ServerUnaryReactor* PeerServiceImpl::NoNccl(grpc::CallbackServerContext* context) const {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(
+void PeerServiceImpl::NoNccl(UnaryCall* call) const {
+  call->Answer(
       grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                    absl::StrCat("node '", options_.name, "' has no nccl transport (backend ",
                                 options_.backend, ")")));
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* PeerServiceImpl::NcclConnect(grpc::CallbackServerContext* context,
-                                                       const v1::NcclConnectRequest* request,
-                                                       v1::NcclConnectResponse* response) {
-  absl::StatusOr<Caller> caller = Identify(*context);
-  if (!caller.ok()) return Refuse(context, caller.status());
+void PeerServiceImpl::HandleNcclConnect(UnaryCall* call, const v1::NcclConnectRequest* request,
+                                        v1::NcclConnectResponse* response) {
+  absl::StatusOr<Caller> caller = Identify(*call->context());
+  if (!caller.ok()) return Refuse(call, caller.status());
   if (absl::Status s = CheckNameLength("from_node", request->from_node()); !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
   if (absl::Status s = CheckSpeaksForItself(*caller, request->from_node(), "from_node"); !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
-  if (!options_.nccl.connect) {
-    return NoNccl(context);
-  }
-  return RunOn(cluster_executor_, context, [this, context, request]() {
+  if (!options_.nccl.connect) return NoNccl(call);
+  grpc::CallbackServerContext* const context = call->context();
+  RunOn(cluster_executor_, call, [this, context, request]() {
     return options_.nccl.connect(*request, cluster_->Deadline(ContextDeadline(*context)),
                                  CancelledBy(context, "NcclConnect"));
   });
 }
 
-grpc::ServerUnaryReactor* PeerServiceImpl::NcclSend(grpc::CallbackServerContext* context,
-                                                    const v1::NcclSendRequest* request,
-                                                    v1::NcclSendResponse* response) {
-  absl::StatusOr<Caller> caller = Identify(*context);
-  if (!caller.ok()) return Refuse(context, caller.status());
+void PeerServiceImpl::HandleNcclSend(UnaryCall* call, const v1::NcclSendRequest* request,
+                                     v1::NcclSendResponse* response) {
+  absl::StatusOr<Caller> caller = Identify(*call->context());
+  if (!caller.ok()) return Refuse(call, caller.status());
   if (absl::Status s = CheckNameLength("to_node", request->to_node()); !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
   if (absl::Status s = CheckSpeaksForItself(*caller, request->to_node(), "to_node"); !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
   if (absl::Status s = leases_->CheckReceiver(request->lease_id(), caller->identity); !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
-  if (!options_.nccl.send) {
-    return NoNccl(context);
-  }
-  return RunOn(cluster_executor_, context, [this, context, request]() {
+  if (!options_.nccl.send) return NoNccl(call);
+  grpc::CallbackServerContext* const context = call->context();
+  RunOn(cluster_executor_, call, [this, context, request]() {
     return options_.nccl.send(*request, cluster_->Deadline(ContextDeadline(*context)),
                               CancelledBy(context, "NcclSend"));
   });
 }
 
-grpc::ServerUnaryReactor* PeerServiceImpl::Remove(grpc::CallbackServerContext* context,
-                                                  const v1::PeerRemoveRequest* request,
-                                                  v1::PeerRemoveResponse* response) {
-  absl::StatusOr<Caller> caller = Identify(*context);
-  if (!caller.ok()) return Refuse(context, caller.status());
+void PeerServiceImpl::HandleRemove(UnaryCall* call, const v1::PeerRemoveRequest* request,
+                                   v1::PeerRemoveResponse* response) {
   if (absl::Status s =
           CheckNames({{"remove.cache", request->remove().cache()}, {"tenant", request->tenant()}});
       !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
-  return RunOn(engine_executor_, context,
-               [this, request]() -> absl::Status { return cluster_->RemoveLocal(*request); });
+  RunOn(engine_executor_, call,
+        [this, request]() -> absl::Status { return cluster_->RemoveLocal(*request); });
 }
 
-grpc::ServerUnaryReactor* PeerServiceImpl::Place(grpc::CallbackServerContext* context,
-                                                 const v1::PlaceRequest* request,
-                                                 v1::PlaceResponse* response) {
-  absl::StatusOr<Caller> caller = Identify(*context);
-  if (!caller.ok()) return Refuse(context, caller.status());
+void PeerServiceImpl::HandlePlace(UnaryCall* call, const v1::PlaceRequest* request,
+                                  v1::PlaceResponse* response) {
   if (absl::Status s =
           CheckNames({{"spec.name", request->spec().name()}, {"tenant", request->tenant()}});
       !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
-  return RunOn(engine_executor_, context, [this, request, response]() -> absl::Status {
+  RunOn(engine_executor_, call, [this, request, response]() -> absl::Status {
     ASSIGN_OR_RETURN(*response, cluster_->Place(*request));
     return absl::OkStatus();
   });
 }
 
-grpc::ServerWriteReactor<v1::WatchEventsResponse>* PeerServiceImpl::WatchEvents(
-    grpc::CallbackServerContext* context, const v1::PeerWatchEventsRequest* request) {
+StreamReactor* PeerServiceImpl::StartWatchEvents(StreamCall* call,
+                                                 const grpc::ByteBuffer* request) {
+  grpc::CallbackServerContext* const context = call->context();
   absl::StatusOr<Caller> caller = Identify(*context);
   absl::StatusOr<Principal> principal = Principal{kDefaultTenant, Role::kAdmin};
+  v1::PeerWatchEventsRequest peer_request;
   if (!caller.ok()) {
     principal = caller.status();
+  } else if (grpc::Status parsed =
+                 ParseRequest(*request, kMaxPeerRequestBytes, "/kvmesh.v1.PeerService/WatchEvents",
+                              &peer_request);
+             !parsed.ok()) {
+    principal = FromGrpcStatus(parsed);
   } else if (options_.events == nullptr || options_.registry == nullptr) {
     principal = absl::FailedPreconditionError("this node keeps no event log");
   } else if (watchers_.stopping.load()) {
     principal = absl::UnavailableError("the node is shutting down");
   }
   v1::WatchEventsRequest watch;
-  watch.set_boot_id(request->boot_id());
-  watch.set_next(request->next());
+  watch.set_boot_id(peer_request.boot_id());
+  watch.set_next(peer_request.next());
   // A peer removed from the membership (or whose certificate no longer names a member) loses
   // its stream within about a second: Identify is asked again at every heartbeat.
   std::function<absl::Status()> still_allowed;
   if (caller.ok()) {
     still_allowed = [this, context] { return Identify(*context).status(); };
   }
-  return StartWatch(watch, std::move(principal), WatchScope::kAllTenants, options_.registry,
+  return StartWatch(call, watch, std::move(principal), WatchScope::kAllTenants, options_.registry,
                     options_.events, &watchers_, std::move(still_allowed));
 }
 
 void PeerServiceImpl::StopWatchers() { watchers_.Stop(options_.events); }
 
-grpc::ServerUnaryReactor* PeerServiceImpl::LookupPrefix(grpc::CallbackServerContext* context,
-                                                        const v1::PeerLookupPrefixRequest* request,
-                                                        v1::LookupPrefixResponse* response) {
-  absl::StatusOr<Caller> caller = Identify(*context);
-  if (!caller.ok()) return Refuse(context, caller.status());
+void PeerServiceImpl::HandleLookupPrefix(UnaryCall* call,
+                                         const v1::PeerLookupPrefixRequest* request,
+                                         v1::LookupPrefixResponse* response) {
   if (options_.registry == nullptr) {
-    return Refuse(context, absl::FailedPreconditionError("this node serves no prefix lookups"));
+    return Refuse(call, absl::FailedPreconditionError("this node serves no prefix lookups"));
   }
   if (absl::Status s =
           CheckNames({{"lookup.cache", request->lookup().cache()}, {"tenant", request->tenant()}});
       !s.ok()) {
-    return Refuse(context, s);
+    return Refuse(call, s);
   }
-  return RunOn(engine_executor_, context, [this, request, response]() -> absl::Status {
+  RunOn(engine_executor_, call, [this, request, response]() -> absl::Status {
     const v1::LookupPrefixRequest& lookup = request->lookup();
     ASSIGN_OR_RETURN(const int max_matches, LookupMatchCount(lookup.max_matches()));
     ASSIGN_OR_RETURN(const std::shared_ptr<Cache> cache,

@@ -37,15 +37,14 @@ bool KnownService(absl::string_view service) {
          service == "grpc.reflection.v1alpha.ServerReflection";
 }
 
-// How the method's request reaches the interceptor: as its generated protobuf class (kvmesh's
-// methods), as a ByteBuffer of a kvmesh request (CacheService/Append, Read and AppendStream,
-// served raw, whose request or first message's header is parsed here for the log), or as
-// neither (PeerService/Fetch's request names nothing worth logging; health and reflection are
-// raw inside gRPC).
-// CacheService's other methods (its unary ones through its UnaryGate, and WatchEvents) come as
-// bytes (kRawUnary): the observer keeps a small request's slices and parses them only for a
-// line it logs, once the caller is known.
-enum class RequestForm { kNone, kProtobuf, kRawRead, kRawAppend, kRawAppendStream, kRawUnary };
+// How the method's request reaches the interceptor: always as a ByteBuffer, since kvmesh serves
+// its methods through RequestGates (and AppendStream raw). CacheService/Append, Read and
+// AppendStream have their request or first message's header parsed here for the log; the
+// other methods of CacheService and PeerService (kRawUnary) have a small request's slices kept
+// and parsed only for a line the observer logs, once the caller is known. Nothing of
+// PeerService/Fetch's request is worth logging, and health and reflection are raw inside gRPC
+// (kNone).
+enum class RequestForm { kNone, kRawRead, kRawAppend, kRawAppendStream, kRawUnary };
 
 RequestForm FormOf(absl::string_view service, absl::string_view method) {
   if (service == "kvmesh.v1.CacheService") {
@@ -54,7 +53,7 @@ RequestForm FormOf(absl::string_view service, absl::string_view method) {
     if (method == "AppendStream") return RequestForm::kRawAppendStream;
     return RequestForm::kRawUnary;
   }
-  if (service == "kvmesh.v1.PeerService" && method != "Fetch") return RequestForm::kProtobuf;
+  if (service == "kvmesh.v1.PeerService" && method != "Fetch") return RequestForm::kRawUnary;
   return RequestForm::kNone;
 }
 
@@ -150,6 +149,7 @@ class RpcObserver final : public grpc::experimental::Interceptor {
       method = "other";
     }
     form_ = FormOf(service, method);
+    service_ = std::string(service);
     const size_t dot = service.rfind('.');
     short_service_ =
         std::string(dot == absl::string_view::npos ? service : service.substr(dot + 1));
@@ -179,8 +179,6 @@ class RpcObserver final : public grpc::experimental::Interceptor {
           LogEnabled(LogLevel::kWarning)) {
         received_ = true;
         if (const void* message = methods->GetRecvMessage(); message == nullptr) {
-        } else if (form_ == RequestForm::kProtobuf) {
-          Extract(*static_cast<const google::protobuf::Message*>(message), &named_);
         } else if (form_ == RequestForm::kRawRead) {
           // A copy of the raw bytes (a ReadRequest is small); one that does not parse names
           // nothing, and the handler refuses it.
@@ -275,7 +273,7 @@ class RpcObserver final : public grpc::experimental::Interceptor {
   void ExtractUnary(Named* named) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const google::protobuf::MethodDescriptor* method =
         google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(
-            absl::StrCat("kvmesh.v1.CacheService.", method_));
+            absl::StrCat(service_, ".", method_));
     if (method == nullptr) return;
     const google::protobuf::Message* prototype =
         google::protobuf::MessageFactory::generated_factory()->GetPrototype(method->input_type());
@@ -290,6 +288,7 @@ class RpcObserver final : public grpc::experimental::Interceptor {
 
   grpc::experimental::ServerRpcInfo* const info_;
   const absl::Time start_ = absl::Now();
+  std::string service_;  // "kvmesh.v1.CacheService"
   std::string short_service_;
   std::string method_;
   RequestForm form_ = RequestForm::kNone;

@@ -54,15 +54,15 @@ v1::EventKind KindToProto(EventKind kind) {
 // no longer reach (kWatchHeartbeat).
 constexpr absl::Duration kProgressInterval = kWatchHeartbeat;
 
-// Out: v1::WatchEventsResponse (a typed method), or grpc::ByteBuffer (a raw one, whose
-// messages are serialized here).
-template <typename Out>
-class WatchReactor final : public grpc::ServerWriteReactor<Out> {
+// A watcher, served through a RequestGate: its messages are serialized here and written to the
+// call as bytes.
+class WatchReactor final : public StreamReactor {
  public:
-  WatchReactor(v1::WatchEventsRequest request, absl::StatusOr<Principal> caller,
+  WatchReactor(StreamCall* call, v1::WatchEventsRequest request, absl::StatusOr<Principal> caller,
                std::function<absl::Status()> still_allowed, WatchScope scope,
                CacheRegistry* registry, EventLog* log, WatcherCount* count)
-      : request_(std::move(request)),
+      : StreamReactor(call),
+        request_(std::move(request)),
         caller_(std::move(caller)),
         still_allowed_(std::move(still_allowed)),
         scope_(scope),
@@ -127,26 +127,22 @@ class WatchReactor final : public grpc::ServerWriteReactor<Out> {
       writing_ = true;
     }
     message.set_boot_id(log_->boot_id());
-    if constexpr (std::is_same_v<Out, grpc::ByteBuffer>) {
-      message_.Clear();  // the last write is done; Serialize needs an empty buffer
-      bool own_buffer;
-      if (!grpc::SerializationTraits<v1::WatchEventsResponse>::Serialize(message, &message_,
-                                                                         &own_buffer)
-               .ok()) {
-        std::lock_guard<std::mutex> lock(mu_);
-        writing_ = false;
-        return false;
-      }
-    } else {
-      message_ = std::move(message);
+    message_.Clear();  // the last write is done; Serialize needs an empty buffer
+    bool own_buffer;
+    if (!grpc::SerializationTraits<v1::WatchEventsResponse>::Serialize(message, &message_,
+                                                                       &own_buffer)
+             .ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      writing_ = false;
+      return false;
     }
-    this->StartWrite(&message_);
+    StartWrite(&message_);
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [this] { return !writing_; });
     return write_ok_ && !cancelled_;
   }
 
-  void End(grpc::Status status) { this->Finish(status); }
+  void End(grpc::Status status) { Finish(status); }
 
   // Whether the watcher sees `event`.
   bool Visible(const Event& event) const {
@@ -337,7 +333,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<Out> {
   absl::flat_hash_set<std::string> caches_;
   // Per cache listed: the number of its last event the listing reflects.
   absl::flat_hash_map<std::string, uint64_t> listed_;
-  Out message_;  // the one being written
+  grpc::ByteBuffer message_;  // the one being written
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -367,20 +363,12 @@ void EventToProto(const Event& event, WatchScope scope, v1::Event* out) {
   out->set_reason(event.reason);
 }
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* StartRawWatch(
-    const v1::WatchEventsRequest& request, absl::StatusOr<Principal> caller, WatchScope scope,
-    CacheRegistry* registry, EventLog* log, WatcherCount* count,
-    std::function<absl::Status()> still_allowed) {
-  return new WatchReactor<grpc::ByteBuffer>(request, std::move(caller), std::move(still_allowed),
-                                            scope, registry, log, count);
-}
-
-grpc::ServerWriteReactor<v1::WatchEventsResponse>* StartWatch(
-    const v1::WatchEventsRequest& request, absl::StatusOr<Principal> caller, WatchScope scope,
-    CacheRegistry* registry, EventLog* log, WatcherCount* count,
-    std::function<absl::Status()> still_allowed) {
-  return new WatchReactor<v1::WatchEventsResponse>(
-      request, std::move(caller), std::move(still_allowed), scope, registry, log, count);
+StreamReactor* StartWatch(StreamCall* call, const v1::WatchEventsRequest& request,
+                          absl::StatusOr<Principal> caller, WatchScope scope,
+                          CacheRegistry* registry, EventLog* log, WatcherCount* count,
+                          std::function<absl::Status()> still_allowed) {
+  return new WatchReactor(call, request, std::move(caller), std::move(still_allowed), scope,
+                          registry, log, count);
 }
 
 }  // namespace kvmesh

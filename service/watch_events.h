@@ -9,7 +9,7 @@
 // kMaxWatchers watchers run at once on a node (RESOURCE_EXHAUSTED beyond), so their threads stay
 // few.
 //
-// Thread safety: StartWatch is thread-safe; the reactor it returns is gRPC's.
+// Thread safety: StartWatch is thread-safe; the reactor it returns is the gate's.
 #ifndef KVMESH_SERVICE_WATCH_EVENTS_H_
 #define KVMESH_SERVICE_WATCH_EVENTS_H_
 
@@ -24,6 +24,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kvmesh/v1/kvmesh.grpc.pb.h"
 #include "service/auth.h"
+#include "service/request_gate.h"
 
 namespace kvmesh {
 
@@ -57,20 +58,15 @@ enum class WatchScope { kTenant, kAllTenants };
 inline constexpr int kMaxWatchedCaches = 1024;
 
 // The reactor of one WatchEvents call by `caller` (its error, when not OK, ends the call; `log`
-// may then be null). `still_allowed`, when not null, is asked at least once a second whether
-// the caller may still watch: its error ends the stream (a revoked token, a peer no longer a
-// member). `registry`, `log` and `count` must outlive every call.
-grpc::ServerWriteReactor<v1::WatchEventsResponse>* StartWatch(
-    const v1::WatchEventsRequest& request, absl::StatusOr<Principal> caller, WatchScope scope,
-    CacheRegistry* registry, EventLog* log, WatcherCount* count,
-    std::function<absl::Status()> still_allowed = nullptr);
-
-// StartWatch for a method served raw (CacheService.WatchEvents, whose request the service
-// parses itself once it knows the caller): the same messages, serialized by the reactor.
-grpc::ServerWriteReactor<grpc::ByteBuffer>* StartRawWatch(
-    const v1::WatchEventsRequest& request, absl::StatusOr<Principal> caller, WatchScope scope,
-    CacheRegistry* registry, EventLog* log, WatcherCount* count,
-    std::function<absl::Status()> still_allowed = nullptr);
+// may then be null), served through a RequestGate (CacheService.WatchEvents and
+// PeerService.WatchEvents, whose requests the services parse once they know the caller): it
+// serializes its messages and writes them to `call`. `still_allowed`, when not null, is asked at
+// least once a second whether the caller may still watch: its error ends the stream (a revoked
+// token, a peer no longer a member). `registry`, `log` and `count` must outlive every call.
+StreamReactor* StartWatch(StreamCall* call, const v1::WatchEventsRequest& request,
+                          absl::StatusOr<Principal> caller, WatchScope scope,
+                          CacheRegistry* registry, EventLog* log, WatcherCount* count,
+                          std::function<absl::Status()> still_allowed = nullptr);
 
 // The protobuf form of an event; its tenant only with kAllTenants (a tenant's watcher sees its
 // own tenant's events only).

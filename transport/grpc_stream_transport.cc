@@ -310,11 +310,15 @@ size_t EncodeChunkFields(uint64_t offset, uint32_t crc32c, uint64_t data_bytes, 
 // (under mu_), so that the owner finishes promptly (a queued read checks it before reading);
 // gRPC runs OnDone after every other reaction has returned, and neither alarm callbacks nor
 // reads can be pending then (only an owner finishes).
-class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+// Base: grpc::ServerWriteReactor<grpc::ByteBuffer> (a raw Fetch method), or StreamReactor (a
+// Fetch through the node's RequestGate); `args` are the base's constructor's.
+template <typename Base>
+class FetchReactor final : public Base {
  public:
+  template <typename... BaseArgs>
   FetchReactor(const grpc::ByteBuffer& request, absl::Time deadline, LeaseLookup* leases,
-               const SenderOptions& options)
-      : leases_(leases), options_(options), deadline_(deadline) {
+               const SenderOptions& options, BaseArgs... args)
+      : Base(args...), leases_(leases), options_(options), deadline_(deadline) {
     const grpc::Status status = Start(request);
     if (!status.ok()) {
       Done(status);
@@ -556,13 +560,13 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     offset_ += n;
     ++chunks_;
     HandOff(this);  // nothing of this reactor is touched from here until OnWriteDone
-    StartWrite(&chunk_);
+    this->StartWrite(&chunk_);
   }
 
   // Owner: finishes the call. Nothing of the reactor is touched afterwards.
   void Done(const grpc::Status& status) {
     HandOff(this);
-    Finish(status);
+    this->Finish(status);
   }
 
   LeaseLookup* const leases_;
@@ -601,7 +605,14 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ServeFetch(grpc::CallbackServerConte
                                                        LeaseLookup* leases,
                                                        const SenderOptions& options) {
   // Cancellation arrives through the reactor's OnCancel; a queued read also checks the deadline.
-  return new FetchReactor(*request, absl::FromChrono(context->deadline()), leases, options);
+  return new FetchReactor<grpc::ServerWriteReactor<grpc::ByteBuffer>>(
+      *request, absl::FromChrono(context->deadline()), leases, options);
+}
+
+StreamReactor* ServeFetch(StreamCall* call, const grpc::ByteBuffer* request, LeaseLookup* leases,
+                          const SenderOptions& options) {
+  return new FetchReactor<StreamReactor>(*request, absl::FromChrono(call->context()->deadline()),
+                                         leases, options, call);
 }
 
 }  // namespace transport

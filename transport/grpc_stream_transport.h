@@ -32,8 +32,8 @@
 #include <string>
 
 #include <grpcpp/channel.h>
-#include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/server_context.h>
+#include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/server_callback.h>
 
@@ -41,6 +41,7 @@
 #include "absl/time/time.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
 #include "kvmesh/v1/peer.pb.h"
+#include "transport/server_stream.h"
 #include "transport/transport.h"
 
 namespace kvmesh {
@@ -174,6 +175,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ServeFetch(grpc::CallbackServerConte
                                                        const grpc::ByteBuffer* request,
                                                        LeaseLookup* leases,
                                                        const SenderOptions& options);
+// The same for a Fetch served through the node's RequestGate (transport/server_stream.h): the
+// gate has read `request` (valid while this runs) once it knew the caller.
+StreamReactor* ServeFetch(StreamCall* call, const grpc::ByteBuffer* request, LeaseLookup* leases,
+                          const SenderOptions& options);
 
 // References to payloads held by slices of chunks that gRPC has not let go of yet (a chunk's data
 // slices keep its payload, and so the export's memory, alive). gRPC may drop them on its own

@@ -5,8 +5,8 @@
 //
 //  - visible-unauth: a 100 MiB Visible of 52M empty queries without a token (the gate refuses it
 //    from its metadata, before the body is read);
-//  - watch-unauth: a 100 MiB WatchEvents request without a token (read whole by gRPC before the
-//    node sees the call, as a server stream's request is, but never parsed);
+//  - watch-unauth: a 100 MiB WatchEvents request without a token (the gate refuses it from its
+//    metadata too: server streams go through it as the unary methods do);
 //  - visible-auth-over: the same Visible with a token (read whole by gRPC, within
 //  --max-message-bytes,
 //    then refused for Visible's 256 KiB limit before it is parsed);
@@ -17,6 +17,14 @@
 //  - slow-drip: three AppendStreams of one tenant declaring 30 MiB each and sending a byte every
 //    two seconds (ended by --stream_min_rate after its grace), while another tenant's 8 MiB
 //    Append must succeed; prints when the streams ended and how the Append went.
+//
+// Then a second node with TLS and a peer plane (--peer-listen, mTLS with a test CA made by
+// openssl, one member "node-b" besides it), for the peer plane's gate:
+//  - peer-stranger: a 100 MiB PeerService.Export request with a certificate of the cluster CA
+//    that names no member (PERMISSION_DENIED before the request is read);
+//  - peer-member-over: the same from member node-b's certificate (read whole by gRPC, then
+//    refused for Export's 8 MiB + 64 KiB limit before it is parsed);
+//  - peer-reference: a NodeInfo from node-b.
 //
 // The reference measured in the same run: the same node's RSS after a GetCache (a health-check
 // sized call), and the peak of a plain authenticated 1 KiB Append.
@@ -142,6 +150,70 @@ std::string Code(const grpc::Status& status) {
                       ": ", message);
 }
 
+// The peer plane's gate: a node with TLS and --peer-listen, called with `filler` (100 MiB) as an
+// unknown field of an Export request by a stranger and by a member.
+int PeerPlane(const std::string& filler) {
+  absl::StatusOr<std::unique_ptr<TempDir>> dir = TempDir::Create("kvmesh-hostile-bench-tls");
+  if (!dir.ok()) return 1;
+  absl::StatusOr<std::unique_ptr<testutil::TestCa>> ca =
+      testutil::TestCa::Create((*dir)->path(), "ca", "hostile_bench CA");
+  if (!ca.ok()) {
+    std::fprintf(stderr, "hostile_bench: %s\n", std::string(ca.status().message()).c_str());
+    return 1;
+  }
+  absl::StatusOr<testutil::CertFiles> node_a =
+      (*ca)->Issue("node-a", {"node-a", {"DNS:node-a", "IP:127.0.0.1"}});
+  absl::StatusOr<testutil::CertFiles> node_b =
+      (*ca)->Issue("node-b", {"node-b", {"DNS:node-b", "IP:127.0.0.1"}});
+  absl::StatusOr<testutil::CertFiles> stranger =
+      (*ca)->Issue("stranger", {"stranger", {"DNS:stranger"}});
+  if (!node_a.ok() || !node_b.ok() || !stranger.ok()) {
+    std::fprintf(stderr, "hostile_bench: cannot issue the certificates\n");
+    return 1;
+  }
+  const int peer_port = testutil::ReservePort();
+  NodeProcess::Options options;
+  options.node_name = "node-a";
+  options.extra_args = {"--tls-cert=" + node_a->cert, "--tls-key=" + node_a->key,
+                        "--peer-ca=" + (*ca)->cert_file(),
+                        absl::StrCat("--peer-listen=127.0.0.1:", peer_port),
+                        // node-b never starts: it is a member, by name, whose certificate calls.
+                        absl::StrCat("--peers=node-b=127.0.0.1:", testutil::ReservePort())};
+  options.client.tls.ca_file = (*ca)->cert_file();
+  options.client.tls.server_name = "node-a";
+  absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
+  if (!node.ok()) {
+    std::fprintf(stderr, "hostile_bench: %s\n", std::string(node.status().message()).c_str());
+    return 1;
+  }
+  auto peer_channel = [&](const testutil::CertFiles& leaf) {
+    ClientConnectionOptions client = options.client;
+    client.tls.cert_file = leaf.cert;
+    client.tls.key_file = leaf.key;
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = (*node)->NewPeerChannelWith(client);
+    if (!channel.ok()) {
+      std::fprintf(stderr, "hostile_bench: %s\n", std::string(channel.status().message()).c_str());
+      std::exit(1);
+    }
+    return *channel;
+  };
+  const pid_t pid = (*node)->pid();
+  std::printf("hostile_bench: kvmesh-node pid %d with TLS, peer plane on 127.0.0.1:%d\n", pid,
+              peer_port);
+  // Field 15 (unknown to every request type), length-delimited, holding `filler`.
+  const std::string body = absl::StrCat("\x7a", Varint(filler.size()), filler);
+  auto member = peer_channel(*node_b);
+  auto outsider = peer_channel(*stranger);
+  Measure(pid, "peer-reference",
+          [&] { return Code(RawUnary(member, "/kvmesh.v1.PeerService/NodeInfo", "")); });
+  Measure(pid, "peer-stranger",
+          [&] { return Code(RawUnary(outsider, "/kvmesh.v1.PeerService/Export", body)); });
+  Measure(pid, "peer-member-over",
+          [&] { return Code(RawUnary(member, "/kvmesh.v1.PeerService/Export", body)); });
+  (*node)->Stop();
+  return 0;
+}
+
 int Main() {
   absl::StatusOr<std::unique_ptr<TempDir>> dir = TempDir::Create("kvmesh-hostile-bench");
   if (!dir.ok()) return 1;
@@ -208,7 +280,7 @@ int Main() {
     return Code(RawUnary(anonymous, "/kvmesh.v1.CacheService/Visible", empty_queries));
   });
   Measure(pid, "watch-unauth", [&] {
-    // A server stream's request: gRPC reads it before the node sees the call; never parsed.
+    // A server stream's request: refused from the metadata, before it is read.
     grpc::GenericStub stub(anonymous);
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
@@ -332,7 +404,7 @@ int Main() {
     return out;
   });
   (*node)->Stop();
-  return 0;
+  return PeerPlane(std::string(size_t{100} << 20, 'x'));
 }
 
 }  // namespace

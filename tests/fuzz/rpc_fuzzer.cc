@@ -224,14 +224,14 @@ class Node {
     grpc::ServerBuilder builder;
     configure(builder);
     builder.RegisterService(service_.get());
-    builder.RegisterCallbackGenericService(service_->unary_gate());
+    builder.RegisterCallbackGenericService(service_->request_gate());
     server_ = builder.BuildAndStart();
     KVMESH_FUZZ_CHECK(server_ != nullptr, "cannot start the client server");
     grpc::ServerBuilder peer_builder;
     configure(peer_builder);
     int bound = 0;
     peer_builder.AddListeningPort(address_, grpc::InsecureServerCredentials(), &bound);
-    peer_builder.RegisterService(peer_service_.get());
+    peer_builder.RegisterCallbackGenericService(peer_service_->request_gate());
     peer_server_ = peer_builder.BuildAndStart();
     KVMESH_FUZZ_CHECK(peer_server_ != nullptr && bound != 0,
                       absl::StrCat("cannot listen on ", address_));

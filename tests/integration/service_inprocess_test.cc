@@ -41,7 +41,7 @@ class InProcessNode {
         service_(&registry_, &executor_, CacheServiceImpl::Options()) {
     grpc::ServerBuilder builder;
     builder.RegisterService(&service_);
-    builder.RegisterCallbackGenericService(service_.unary_gate());
+    builder.RegisterCallbackGenericService(service_.request_gate());
     server_ = builder.BuildAndStart();
     stub_ = v1::CacheService::NewStub(server_->InProcessChannel(grpc::ChannelArguments()));
   }

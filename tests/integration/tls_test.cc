@@ -25,6 +25,7 @@
 #include "kvmesh/v1/peer.grpc.pb.h"
 #include "service/common/client_channel.h"
 #include "service/common/tls.h"
+#include "service/peer_service.h"
 #include "tests/integration/client_util.h"
 #include "tests/testing/certs.h"
 #include "tests/testing/node_process.h"
@@ -673,6 +674,69 @@ TEST_F(TlsClusterTest, PeerPortRefusesNonMembers) {
   v1::ExportResponse response;
   status = on_client_port->Export(&context, v1::ExportRequest(), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << StatusText(status);
+}
+
+// The peer port reads nothing of a request before it knows the caller is a member, and holds a
+// member's request to its method's limit before parsing it: 10 MiB to every PeerService method
+// from a certificate of the cluster CA that names no member is refused PERMISSION_DENIED with
+// node-a's RSS about where it was (gRPC read each request whole before, up to the 128 MiB
+// message limit, and parsed it); the same 10 MiB from member node-b is RESOURCE_EXHAUSTED
+// naming the method's limit.
+TEST_F(TlsClusterTest, PeerPortReadsNoRequestOfANonMemberAndLimitsEachMethod) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(pki->node_b));
+  const NodeProcess& a = *nodes_[0];
+  const std::vector<std::string> methods = {"NodeInfo", "Export",      "Fetch",       "Release",
+                                            "Pull",     "NcclConnect", "NcclSend",    "Remove",
+                                            "Place",    "WatchEvents", "LookupPrefix"};
+  // Unknown field 15 of 10 MiB: every request type skips it when parsing.
+  std::string body = "\x7a";
+  for (uint32_t n = 10 << 20;; n >>= 7) {
+    if (n < 0x80) {
+      body.push_back(static_cast<char>(n));
+      break;
+    }
+    body.push_back(static_cast<char>((n & 0x7f) | 0x80));
+  }
+  body.append(10 << 20, 'x');
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<grpc::Channel> stranger,
+                       a.NewPeerChannelWith(WithClientCert(pki->mallory)));
+  const uint64_t rss_before = ProcessStatusBytes(a.pid(), "VmRSS");
+  for (const std::string& method : methods) {
+    std::vector<std::string> responses;
+    const grpc::Status status =
+        CallRaw(stranger, absl::StrCat("/kvmesh.v1.PeerService/", method), body, &responses);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+        << method << ": " << StatusText(status);
+    EXPECT_THAT(status.error_message(), HasSubstr("'mallory'")) << method;
+  }
+  const uint64_t rss_after = ProcessStatusBytes(a.pid(), "VmRSS");
+  // gRPC's stream window (a few MiB) at most, never one 10 MiB body, let alone eleven.
+  EXPECT_LT(rss_after, rss_before + (uint64_t{8} << 20))
+      << "RSS " << rss_before << " -> " << rss_after;
+
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<grpc::Channel> member,
+                       a.NewPeerChannelWith(WithClientCert(pki->node_b)));
+  for (const std::string& method : methods) {
+    const bool tokens = method == "Export" || method == "Pull" || method == "LookupPrefix";
+    std::vector<std::string> responses;
+    const grpc::Status status =
+        CallRaw(member, absl::StrCat("/kvmesh.v1.PeerService/", method), body, &responses);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << method << ": " << StatusText(status);
+    EXPECT_THAT(
+        status.error_message(),
+        HasSubstr(absl::StrCat(
+            "limit of ", tokens ? kMaxPeerTokensRequestBytes : kMaxPeerRequestBytes, " bytes")))
+        << method;
+  }
+  // Within the limits the methods serve the member as before.
+  grpc::ClientContext context;
+  SetDeadline(&context, kFailFast);
+  v1::NodeInfoResponse info;
+  const grpc::Status status =
+      v1::PeerService::NewStub(member)->NodeInfo(&context, v1::NodeInfoRequest(), &info);
+  ASSERT_TRUE(status.ok()) << StatusText(status);
+  EXPECT_EQ(info.name(), "node-a");
 }
 
 // Calls on node-a's peer port with `leaf` as the client certificate: Export of seq 1 of `spec`'s

@@ -1,5 +1,5 @@
 // InflightBudget's tenant shares (--inflight-tenant-share): no tenant holds more than its share,
-// so another tenant's request still fits while one holds all it may; and UnaryGate's
+// so another tenant's request still fits while one holds all it may; and RequestGate's
 // FirstNonUtf8Field, which names the field of a request that does not parse for its UTF-8.
 #include "service/inflight_budget.h"
 
@@ -10,7 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvmesh/v1/kvmesh.pb.h"
-#include "service/unary_gate.h"
+#include "service/request_gate.h"
 
 namespace kvmesh {
 namespace {

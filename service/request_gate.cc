@@ -1,4 +1,4 @@
-#include "service/unary_gate.h"
+#include "service/request_gate.h"
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -76,6 +76,22 @@ std::string FirstNonUtf8Field(const Descriptor* descriptor, absl::string_view wi
 
 namespace {
 
+class RefusedStream final : public StreamReactor {
+ public:
+  RefusedStream(StreamCall* call, grpc::Status status) : StreamReactor(call) {
+    Finish(std::move(status));
+  }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
+StreamReactor* RefuseStream(StreamCall* call, grpc::Status status) {
+  return new RefusedStream(call, std::move(status));
+}
+
+namespace {
+
 // RESOURCE_EXHAUSTED for a request of `bytes` to `method`, whose limit is `max_bytes`.
 grpc::Status TooLarge(absl::string_view method, size_t bytes, size_t max_bytes) {
   return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -113,11 +129,14 @@ grpc::Status ParseRequest(const grpc::ByteBuffer& raw, size_t max_bytes, absl::s
 }
 
 // The reactor of one call through the gate: looks the method up and authenticates in its
-// constructor, reads the request, checks its size, parses it and hands it to the handler, then
-// writes the answer. Deletes itself in OnDone.
-class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public UnaryCall {
+// constructor, reads the request and checks its size. A unary call's request is parsed and
+// handed to the handler, and the answer written; a server stream's bytes go to the reactor its
+// method starts, which writes through this one and gets its reactions. Deletes itself in OnDone.
+class RequestGate::Reactor final : public grpc::ServerGenericBidiReactor,
+                                   public UnaryCall,
+                                   public StreamCall {
  public:
-  Reactor(UnaryGate* gate, grpc::GenericCallbackServerContext* context)
+  Reactor(RequestGate* gate, grpc::GenericCallbackServerContext* context)
       : gate_(gate), context_(context) {
     auto it = gate->methods_.find(context->method());
     if (it == gate->methods_.end()) {
@@ -128,7 +147,8 @@ class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public U
       return;
     }
     method_ = &it->second;
-    if (const absl::Status status = gate->authenticate_(*context); !status.ok()) {
+    if (const absl::Status status = gate->AuthenticatorOf(context->method())(*context);
+        !status.ok()) {
       HandOff(this);
       Finish(ToGrpcStatus(status));
       return;
@@ -160,6 +180,26 @@ class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public U
       return;
     }
     request_bytes_ = request_.Length();
+    if (method_->stream) {
+      if (const size_t bytes = request_.Length(); bytes > method_->max_request_bytes) {
+        request_.Clear();
+        HandOff(this);
+        Finish(TooLarge(name, bytes, method_->max_request_bytes));
+        return;
+      }
+      StreamReactor* const stream = method_->stream(this, &request_);
+      request_.Clear();
+      bool cancelled;
+      {
+        MutexLock lock(&mu_);
+        started_ = true;
+        cancelled = cancelled_;
+      }
+      // A cancel that came before the reactor existed is its first reaction (OnCancel passes on
+      // the ones after).
+      if (cancelled) stream->OnCancel();
+      return;
+    }
     if (method_->raw) {
       if (const size_t bytes = request_.Length(); bytes > method_->max_request_bytes) {
         request_.Clear();
@@ -184,8 +224,50 @@ class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public U
     typed_->Run(this);
   }
 
+  void Write(const grpc::ByteBuffer* message) override {
+    HandOff(this);
+    StartWrite(message);
+  }
+
+  void End(grpc::Status status) override {
+    HandOff(this);
+    Finish(std::move(status));
+  }
+
+  void OnWriteDone(bool ok) override {
+    TakeOver(this);
+    started()->OnWriteDone(ok);  // only a stream's reactor writes without finishing
+  }
+
+  void NotifyOnCancel(std::function<void()> on_cancel) override {
+    {
+      MutexLock lock(&mu_);
+      if (!cancelled_) {
+        on_cancel_ = std::move(on_cancel);
+        return;
+      }
+    }
+    on_cancel();
+  }
+
+  void OnCancel() override {
+    TakeOver(this);
+    StreamReactor* stream;
+    std::function<void()> on_cancel;
+    {
+      MutexLock lock(&mu_);
+      cancelled_ = true;
+      stream = started_ ? stream_ : nullptr;
+      on_cancel = std::move(on_cancel_);
+    }
+    if (stream != nullptr) stream->OnCancel();
+    if (on_cancel) on_cancel();
+  }
+
   void OnDone() override {
     TakeOver(this);
+    // Every other reaction has returned (gRPC's promise), the stream's reactor's included.
+    if (StreamReactor* const stream = started(); stream != nullptr) stream->OnDone();
     // An Append's payload went into cells, and its buffers are what the next Append reuses:
     // only requests the node parsed (or refused) leave memory worth returning.
     if (request_bytes_ >= kTrimAfterRequestBytes && (method_ == nullptr || !method_->raw)) {
@@ -195,13 +277,32 @@ class UnaryGate::Reactor final : public grpc::ServerGenericBidiReactor, public U
   }
 
  private:
-  UnaryGate* const gate_;
+  void Attach(StreamReactor* reactor) override {
+    MutexLock lock(&mu_);
+    stream_ = reactor;
+  }
+
+  // The stream's reactor; null for a unary call.
+  StreamReactor* started() {
+    MutexLock lock(&mu_);
+    return stream_;
+  }
+
+  RequestGate* const gate_;
   grpc::GenericCallbackServerContext* const context_;
   const Method* method_ = nullptr;
   size_t request_bytes_ = 0;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
   std::unique_ptr<Typed> typed_;
+  // A server stream's reactor: attached as it is constructed (it may write at once, from
+  // another thread), started once its constructor has returned (OnCancel passes on to it only
+  // then: a cancel before that is passed on by OnReadDone).
+  Mutex mu_;
+  StreamReactor* stream_ ABSL_GUARDED_BY(mu_) = nullptr;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void()> on_cancel_ ABSL_GUARDED_BY(mu_);  // a unary handler's (NotifyOnCancel)
 };
 
 HeapTrimmer::HeapTrimmer() : thread_([this] { Loop(); }) {}
@@ -243,7 +344,7 @@ void HeapTrimmer::Loop() {
   }
 }
 
-void UnaryGate::AddRaw(
+void RequestGate::AddRaw(
     std::string method, size_t max_request_bytes,
     std::function<void(UnaryCall*, const grpc::ByteBuffer*, grpc::ByteBuffer*)> handler) {
   Method m;
@@ -252,7 +353,23 @@ void UnaryGate::AddRaw(
   methods_[std::move(method)] = std::move(m);
 }
 
-grpc::ServerGenericBidiReactor* UnaryGate::CreateReactor(
+void RequestGate::AddServerStream(std::string method, size_t max_request_bytes, StartStream start) {
+  Method m;
+  m.max_request_bytes = max_request_bytes;
+  m.stream = std::move(start);
+  methods_[std::move(method)] = std::move(m);
+}
+
+const RequestGate::Authenticate& RequestGate::AuthenticatorOf(const std::string& method) const {
+  if (service_authenticate_.empty()) return authenticate_;
+  // "/package.Service/Method": the service is between the first and the last '/'.
+  const size_t end = method.rfind('/');
+  if (end == std::string::npos || end == 0) return authenticate_;
+  auto it = service_authenticate_.find(absl::string_view(method).substr(1, end - 1));
+  return it == service_authenticate_.end() ? authenticate_ : it->second;
+}
+
+grpc::ServerGenericBidiReactor* RequestGate::CreateReactor(
     grpc::GenericCallbackServerContext* context) {
   return new Reactor(this, context);
 }

@@ -1,5 +1,6 @@
-// UnaryGate: serves a service's unary methods through gRPC's generic callback API, so that the
-// node decides about a call before it has read, let alone parsed, the request.
+// RequestGate: serves a service's unary and server-streaming methods through gRPC's generic
+// callback API, so that the node decides about a call before it has read, let alone parsed, the
+// request.
 //
 // A typed (or raw) callback method has its request read whole by gRPC, and a typed one parsed,
 // before the handler runs: a caller without a token could make the node hold and parse up to
@@ -9,13 +10,15 @@
 //      call, and the node has read nothing of the body but what HTTP/2 flow control let in);
 //   3. its request message is read, and refused with RESOURCE_EXHAUSTED when it is larger than
 //      the method's own limit (max_request_bytes), before it is parsed;
-//   4. it is parsed (INVALID_ARGUMENT naming the field whose bytes are not UTF-8, or the type
-//      the bytes do not parse as), and the handler runs; it answers with UnaryCall::Answer.
+//   4. a unary method's request is parsed (INVALID_ARGUMENT naming the field whose bytes are not
+//      UTF-8, or the type the bytes do not parse as), and the handler runs; it answers with
+//      UnaryCall::Answer. A raw method's handler, and a server stream's, get the bytes and
+//      parse them with ParseRequest.
 // The in-flight budget and validation are the handlers' own steps after that.
 //
 // Thread safety: Add before the server starts; the rest is gRPC's and thread-safe.
-#ifndef KVMESH_SERVICE_UNARY_GATE_H_
-#define KVMESH_SERVICE_UNARY_GATE_H_
+#ifndef KVMESH_SERVICE_REQUEST_GATE_H_
+#define KVMESH_SERVICE_REQUEST_GATE_H_
 
 #include <chrono>
 #include <condition_variable>
@@ -37,6 +40,7 @@
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "transport/server_stream.h"
 
 namespace kvmesh {
 
@@ -50,7 +54,14 @@ class UnaryCall {
   // otherwise. Exactly once per call, from any thread; the request and response stay valid
   // until then.
   virtual void Answer(grpc::Status status) = 0;
+  // Runs `on_cancel` once when the call is cancelled (the caller went away, or its deadline
+  // passed) before it ends; at once, on this thread, when it already was. At most one per
+  // call. A handler that waits for something else before it answers uses it to answer early.
+  virtual void NotifyOnCancel(std::function<void()> on_cancel) = 0;
 };
+
+// A reactor that ends `call` with `status` at once (a stream refused before its first write).
+StreamReactor* RefuseStream(StreamCall* call, grpc::Status status);
 
 // The dotted path ("spec.groups.name") of the first string field, in `wire` parsed as
 // `descriptor`, whose bytes are not UTF-8; empty when there is none (or the bytes are not a
@@ -95,15 +106,22 @@ class HeapTrimmer {
   std::thread thread_;
 };
 
-class UnaryGate final : public grpc::CallbackGenericService {
+class RequestGate final : public grpc::CallbackGenericService {
  public:
   // Who may call: OK, or the error that ends the call (UNAUTHENTICATED, PERMISSION_DENIED, ...).
   using Authenticate = std::function<absl::Status(const grpc::CallbackServerContext&)>;
 
-  explicit UnaryGate(Authenticate authenticate) : authenticate_(std::move(authenticate)) {}
+  explicit RequestGate(Authenticate authenticate) : authenticate_(std::move(authenticate)) {}
 
-  UnaryGate(const UnaryGate&) = delete;
-  UnaryGate& operator=(const UnaryGate&) = delete;
+  RequestGate(const RequestGate&) = delete;
+  RequestGate& operator=(const RequestGate&) = delete;
+
+  // Calls of the methods of `service` ("package.Service") are authenticated by `authenticate`
+  // instead of the gate's own: a server has one generic service, which serves every gated
+  // service of the server (PeerService beside CacheService on a development node's one port).
+  void AuthenticateService(std::string service, Authenticate authenticate) {
+    service_authenticate_[std::move(service)] = std::move(authenticate);
+  }
 
   // Serves `method` ("/package.Service/Method") with `handler`, which runs with the request
   // parsed and an empty response and answers through the UnaryCall.
@@ -119,10 +137,27 @@ class UnaryGate final : public grpc::CallbackGenericService {
     methods_[std::move(method)] = std::move(m);
   }
 
+  // The same with a member function of `service` as the handler.
+  template <typename Service, typename Request, typename Response>
+  void Add(std::string method, size_t max_request_bytes, Service* service,
+           void (Service::*handler)(UnaryCall*, const Request*, Response*)) {
+    Add<Request, Response>(
+        std::move(method), max_request_bytes,
+        [service, handler](UnaryCall* call, const Request* request, Response* response) {
+          (service->*handler)(call, request, response);
+        });
+  }
+
   // Serves `method` raw: the handler gets the request's bytes (read, within the limit, after the
   // caller is known) and writes the response's bytes itself.
   void AddRaw(std::string method, size_t max_request_bytes,
               std::function<void(UnaryCall*, const grpc::ByteBuffer*, grpc::ByteBuffer*)> handler);
+
+  // Serves the server-streaming `method` with the reactor `start` returns for the call (never
+  // null), given the request's bytes (read, within the limit, after the caller is known; valid
+  // only while `start` runs). The reactor may Finish at once, in its constructor.
+  using StartStream = std::function<StreamReactor*(StreamCall*, const grpc::ByteBuffer*)>;
+  void AddServerStream(std::string method, size_t max_request_bytes, StartStream start);
 
   grpc::ServerGenericBidiReactor* CreateReactor(
       grpc::GenericCallbackServerContext* context) override;
@@ -160,16 +195,23 @@ class UnaryGate final : public grpc::CallbackGenericService {
 
   struct Method {
     size_t max_request_bytes = 0;
-    // Null for a raw method.
+    // Set for a typed unary method.
     std::function<std::unique_ptr<Typed>()> make;
+    // Set for a raw unary method.
     std::function<void(UnaryCall*, const grpc::ByteBuffer*, grpc::ByteBuffer*)> raw;
+    // Set for a server-streaming method.
+    StartStream stream;
   };
 
+  // Who may call `method` ("/package.Service/Method"): its service's, or the gate's.
+  const Authenticate& AuthenticatorOf(const std::string& method) const;
+
   const Authenticate authenticate_;
+  absl::flat_hash_map<std::string, Authenticate> service_authenticate_;
   absl::flat_hash_map<std::string, Method> methods_;
   HeapTrimmer trimmer_;
 };
 
 }  // namespace kvmesh
 
-#endif  // KVMESH_SERVICE_UNARY_GATE_H_
+#endif  // KVMESH_SERVICE_REQUEST_GATE_H_
