@@ -17,9 +17,12 @@
 #   tests/run.sh -L unit         only tests with a label (unit, integration); other
 #                                arguments after the mode go to ctest as they are
 #
+# With several modes, each one after the first builds (at nice 19) while the one before it runs
+# its tests; its build output is printed after those tests.
+#
 # All three builds are -DKVMESH_CUDA=SIM: the CUDA device, its kernels and the nccl transport run
 # on the simulated GPU and NCCL of tests/testing/ (docs/cuda.md), so their tests run here
-# instead of skipping (under TSan the parity test runs once, short).
+# instead of skipping (tests/CMakeLists.txt: which runs the sanitizer builds leave out, and why).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -32,7 +35,7 @@ while [ $# -gt 0 ]; do
     --default) modes+=(default) ;;
     --fuzz) modes+=(fuzz) ;;
     --all) modes+=(default asan tsan fuzz) ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) ctest_args+=("$1") ;;
   esac
   shift
@@ -103,26 +106,34 @@ run_fuzzers() {
   fi
 }
 
-run_mode() {
+# The build directory and configure flags of a mode.
+mode_dir() {
+  case "$1" in
+    default) echo "$root/build" ;;
+    asan) echo "$root/build-asan" ;;
+    tsan) echo "$root/build-tsan" ;;
+    fuzz) echo "$root/build-fuzz" ;;
+  esac
+}
+
+# Configures and builds a mode's tree.
+build_mode() {
   local mode=$1 dir cmake_args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVMESH_WERROR=ON)
+  dir=$(mode_dir "$mode")
   case "$mode" in
-    default) dir="$root/build"
-             cmake_args+=(-DKVMESH_CUDA=SIM) ;;
+    default) cmake_args+=(-DKVMESH_CUDA=SIM) ;;
     # ASan: line tables only (enough for its reports; no suppressions match names here), which
     # compiles a library file 12% faster than -g. TSan keeps -g: tests/sanitizers/tsan.supp
     # matches gRPC's functions by their qualified names.
-    asan) dir="$root/build-asan"
-          cmake_args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
+    asan) cmake_args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
                        "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -gline-tables-only -DNDEBUG"
                        "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -gline-tables-only -DNDEBUG"
                        -DKVMESH_SANITIZE=address -DKVMESH_CUDA=SIM -DKVMESH_BUILD_BENCH=OFF) ;;
-    tsan) dir="$root/build-tsan"
-          cmake_args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
+    tsan) cmake_args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
                        -DKVMESH_SANITIZE=thread -DKVMESH_CUDA=SIM -DKVMESH_BUILD_BENCH=OFF) ;;
     # Only what the fuzz targets need: no CUDA, no tests, no benchmarks; -O1 with line tables
     # (as OSS-Fuzz builds), which compiles in less time than -O2 -g.
-    fuzz) dir="$root/build-fuzz"
-          cmake_args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
+    fuzz) cmake_args+=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
                        "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only -DNDEBUG"
                        "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only -DNDEBUG"
                        -DKVMESH_SANITIZE=address -DKVMESH_FUZZ=ON -DKVMESH_CUDA=OFF
@@ -135,6 +146,13 @@ run_mode() {
   else
     cmake --build "$dir" -j"$jobs"
   fi
+}
+
+# Runs a built mode's tests (and, for fuzz, the fuzzers).
+test_mode() {
+  local mode=$1 dir
+  dir=$(mode_dir "$mode")
+  echo "== tests/run.sh: $mode tests in ${dir#$root/}"
   export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
   export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp}
@@ -151,6 +169,45 @@ run_mode() {
   fi
 }
 
-for mode in "${modes[@]}"; do
-  run_mode "$mode"
+# With several modes, the next mode builds while this one's tests run, at the lowest priority
+# (nice 19), so that it takes only the CPU the tests leave idle: they wait on nodes, sockets and
+# timeouts, and even the TSan ctest kept 2 cores only 82% busy. Its output goes to a log in its
+# build directory, printed once this mode's tests are done. The build of the first mode, and the
+# tests of every mode, have the machine to themselves as before.
+bg_pid=""
+stop_background_build() {
+  if [ -n "$bg_pid" ]; then
+    kill -- "-$bg_pid" 2>/dev/null || true
+    wait "$bg_pid" 2>/dev/null || true
+    bg_pid=""
+  fi
+}
+trap stop_background_build EXIT
+
+build_mode "${modes[0]}"
+for i in "${!modes[@]}"; do
+  mode=${modes[$i]}
+  next=${modes[$((i + 1))]:-}
+  bg_log=""
+  if [ -n "$next" ]; then
+    mkdir -p "$(mode_dir "$next")"
+    bg_log="$(mode_dir "$next")/tests-run-build.log"
+    # Job control on for this one job: its own process group, which stop_background_build ends
+    # whole (make and its compilers) when the tests fail first.
+    set -m
+    ( set +m; renice -n 19 -p "$BASHPID" >/dev/null; build_mode "$next" ) >"$bg_log" 2>&1 &
+    bg_pid=$!
+    set +m
+  fi
+  test_mode "$mode"
+  if [ -n "$next" ]; then
+    rc=0
+    wait "$bg_pid" || rc=$?
+    bg_pid=""
+    cat "$bg_log"
+    if [ "$rc" -ne 0 ]; then
+      echo "== tests/run.sh: the $next build failed (exit $rc; log above, in $bg_log)"
+      exit "$rc"
+    fi
+  fi
 done

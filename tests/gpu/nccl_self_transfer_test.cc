@@ -10,6 +10,10 @@
 //
 //   #  path         bytes   pieces   time(ms)   GB/s   wrong
 //
+// KVMESH_NCCL_SELF_MAX_BYTES (bytes) leaves out the payloads larger than it in the two sweeps of
+// sizes; unset, every size runs. The sanitizer builds set it just above the 64 MiB chunk
+// (tests/gpu/CMakeLists.txt): a payload of two pieces runs the same path as one of eight.
+//
 // Tests run in the order written; UnmatchedSelfRecvIsInvalidUsage comes last because it feeds
 // NCCL a group it rejects. NCCL_SOCKET_IFNAME defaults to `lo` here (everything is local; the
 // bootstrap needs some interface) and NCCL_DEBUG to WARN, unless the environment sets them.
@@ -44,6 +48,28 @@ constexpr size_t kMiB = size_t{1} << 20;
 constexpr size_t kLlama4kPayload = 512 * kMiB;  // 4096 tokens x 128 KiB (32 layers, K and V)
 
 absl::Time Within(absl::Duration d) { return absl::Now() + d; }
+
+// KVMESH_NCCL_SELF_MAX_BYTES, SIZE_MAX when unset. A value that is not a number stops the test.
+size_t MaxPayloadBytes() {
+  const char* value = std::getenv("KVMESH_NCCL_SELF_MAX_BYTES");
+  if (value == nullptr || *value == '\0') return SIZE_MAX;
+  char* end = nullptr;
+  const unsigned long long parsed = std::strtoull(value, &end, 10);
+  if (*end != '\0') {
+    std::fprintf(stderr, "KVMESH_NCCL_SELF_MAX_BYTES=%s: expected a number of bytes\n", value);
+    std::abort();
+  }
+  return static_cast<size_t>(parsed);
+}
+
+// Whether a sweep runs a payload of `size` bytes (KVMESH_NCCL_SELF_MAX_BYTES); prints the ones
+// it leaves out.
+bool SizeRuns(size_t size) {
+  if (size <= MaxPayloadBytes()) return true;
+  std::printf("  payload of %zu bytes left out (KVMESH_NCCL_SELF_MAX_BYTES=%zu)\n", size,
+              MaxPayloadBytes());
+  return false;
+}
 
 // A lease payload over host bytes; `fail_at` makes the ReadAt that reaches that offset fail.
 class VectorPayload : public LeasedPayload {
@@ -147,6 +173,7 @@ TEST_F(NcclSelfTransferTest, HostPayloadsOfEverySizeReuseOneCommunicator) {
   PrintHeader();
   const size_t sizes[] = {0, 1, 4097, 64 * kMiB, 64 * kMiB + 1, kLlama4kPayload};
   for (size_t size : sizes) {
+    if (!SizeRuns(size)) continue;
     SCOPED_TRACE(absl::StrCat("payload of ", size, " bytes"));
     const std::vector<uint8_t> payload = testutil::PatternBytes(size, /*seed=*/size + 1);
     // Twice: the first run allocates the staging buffers, the second shows the steady state.
@@ -176,6 +203,7 @@ TEST_F(NcclSelfTransferTest, DeviceBuffersMoveWithoutStaging) {
   ASSERT_TRUE(comm.ok()) << comm.status();
   PrintHeader();
   for (size_t size : {size_t{4097}, 64 * kMiB, kLlama4kPayload}) {
+    if (!SizeRuns(size)) continue;
     SCOPED_TRACE(absl::StrCat("payload of ", size, " bytes"));
     const std::vector<uint8_t> payload = testutil::PatternBytes(size, /*seed=*/7 * size);
     absl::StatusOr<cuda::DeviceBuffer> src = cuda::DeviceBuffer::Create(size);
