@@ -24,15 +24,6 @@ void AppendVarint(uint64_t value, std::string* out) {
   out->push_back(static_cast<char>(value));
 }
 
-// A length-delimited protobuf field.
-std::string StringField(int number, const std::string& value) {
-  std::string out;
-  AppendVarint((static_cast<uint64_t>(number) << 3) | 2, &out);
-  AppendVarint(value.size(), &out);
-  out += value;
-  return out;
-}
-
 grpc::ByteBuffer ToByteBuffer(const std::string& bytes) {
   grpc::Slice slice(bytes);
   return grpc::ByteBuffer(&slice, 1);
@@ -72,6 +63,14 @@ std::vector<uint64_t> Ids(const std::vector<int64_t>& seqs, const std::vector<in
 }
 
 }  // namespace
+
+std::string StringField(int number, const std::string& value) {
+  std::string out;
+  AppendVarint((static_cast<uint64_t>(number) << 3) | 2, &out);
+  AppendVarint(value.size(), &out);
+  out += value;
+  return out;
+}
 
 void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
   context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));

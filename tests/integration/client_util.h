@@ -200,6 +200,10 @@ grpc::Status CommitSpeculation(Stub& stub, const std::string& cache, int64_t seq
 grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
                          int* serving_status);
 
+// A length-delimited protobuf field `number` holding `value` (a string, bytes or a message), as
+// the wire has it: for requests built by hand (bytes no generated class would send).
+std::string StringField(int number, const std::string& value);
+
 // Calls `method` ("/package.Service/Method") with `request`'s bytes as its one message and
 // collects the bytes of every response until the server ends the call; its status.
 grpc::Status CallRaw(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,

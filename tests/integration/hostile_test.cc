@@ -69,14 +69,6 @@ std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address, const std:
   return *channel;
 }
 
-// A string field `number` holding `bytes` (shorter than 128), as the wire has it.
-std::string StringField(int number, const std::string& bytes) {
-  std::string out;
-  out.push_back(static_cast<char>(number << 3 | 2));
-  out.push_back(static_cast<char>(bytes.size()));
-  return out + bytes;
-}
-
 // A tiny Attention cache: 2 layers x 1 head x 8 dims, F32 (128 bytes per token).
 v1::CacheSpec SmallSpec(const std::string& name, int32_t capacity = 64) {
   AttentionOptions a;
@@ -165,16 +157,7 @@ TEST_F(HostileTest, ARequestLargerThanItsMethodsLimitIsRefusedBeforeParsing) {
               HasSubstr(absl::StrCat("limit of ", kMaxVisibleRequestBytes, " bytes")));
   // Small methods have small limits: a GetCache of 100 KiB (an unknown field 15 beside the
   // name) is refused.
-  std::string big_get = StringField(1, "c");
-  big_get.push_back('\x7a');  // field 15, length-delimited
-  for (uint32_t n = 100 << 10;; n >>= 7) {
-    if (n < 0x80) {
-      big_get.push_back(static_cast<char>(n));
-      break;
-    }
-    big_get.push_back(static_cast<char>((n & 0x7f) | 0x80));
-  }
-  big_get.append(100 << 10, 'x');
+  const std::string big_get = StringField(1, "c") + StringField(15, std::string(100 << 10, 'x'));
   status = CallRaw(alice_channel_, "/kvmesh.v1.CacheService/GetCache", big_get, &responses);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << StatusText(status);
   EXPECT_THAT(status.error_message(),
