@@ -65,8 +65,9 @@
 // has_state, none otherwise; the fields end exactly at header_bytes; the rows' bytes add up to
 // total_bytes - header_bytes. Positions are bounded by the snapshot's range and the image's
 // size, not by capacity: a sequence may hold more positions than capacity (the cell pool is
-// shared, README "Decisions"), and so may a merged snapshot. Only then is the snapshot pool
-// charged (one chunk per group; RESOURCE_EXHAUSTED when it is full).
+// shared; docs/semantics.md, "Decisions where the contract is silent"), and so may a merged
+// snapshot. Only then is the snapshot pool charged (one chunk per group; RESOURCE_EXHAUSTED
+// when it is full).
 //
 // The image carries no checksum: the transport computes and verifies one over the whole image
 // (docs/cluster.md).

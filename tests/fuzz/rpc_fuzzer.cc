@@ -517,8 +517,8 @@ class Harness {
   }
 
   // Whether a refused call may still have changed its tenant's caches on node a: an Append
-  // refused for lack of cells may have pruned sliding windows to look for them (README,
-  // "Decisions").
+  // refused for lack of cells may have pruned sliding windows to look for them
+  // (docs/semantics.md, "Decisions where the contract is silent").
   static bool MayChangeWhenRefused(Rpc rpc, grpc::StatusCode code) {
     return (rpc == Rpc::kAppend || rpc == Rpc::kAppendStream) &&
            code == grpc::StatusCode::RESOURCE_EXHAUSTED;

@@ -88,7 +88,7 @@ constexpr int kStepsPerEpisode = 90;
 // Wall-clock budget of one run (KVMESH_MODEL_BUDGET_S): no episode starts after it is spent,
 // so that sanitizer builds stay within the ctest timeout. A normal build runs all the default
 // episodes well within it. Under ASan (about 5x slower) the two runs, host and simulated GPU,
-// get 25 s each: CI's 45 minutes (README) are tight, and longer runs are a soak's job.
+// get 25 s each: CI's 50 minutes (docs/development.md) are tight, and longer runs are a soak's job.
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define KVMESH_MODEL_ASAN 1
