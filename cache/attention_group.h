@@ -26,11 +26,11 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "cache/cache.h"
 #include "cache/device/device.h"
 #include "cache/layer_group.h"
 #include "cache/run_index.h"
 #include "cache/spec.h"
+#include "cache/types.h"
 
 namespace kvmesh {
 

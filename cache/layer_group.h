@@ -24,9 +24,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "cache/cache.h"
 #include "cache/device/device.h"
 #include "cache/spec.h"
+#include "cache/types.h"
 
 namespace kvmesh {
 

@@ -82,7 +82,7 @@
 // cluster's Export compares whole specs, names included, before any image moves.
 //
 // Thread safety: free functions are thread-safe. A reader or writer is used by one thread at a
-// time (SnapshotExportReader, SnapshotImportWriter in cache/cache.h).
+// time (SnapshotExportReader, SnapshotImportWriter in cache/types.h).
 #ifndef KVMESH_CACHE_SNAPSHOT_WIRE_H_
 #define KVMESH_CACHE_SNAPSHOT_WIRE_H_
 
@@ -93,9 +93,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "cache/cache.h"
 #include "cache/layer_group.h"
 #include "cache/spec.h"
+#include "cache/types.h"
 
 namespace kvmesh {
 

@@ -26,6 +26,14 @@
 //    chunks of max_chunk_bytes (0: kDefaultReadChunkBytes), each message cut to fit the
 //    server's send limit.
 //
+// Files: cache_service.cc holds the constructor, the shared helpers, the cache RPCs (CreateCache,
+// DeleteCache, GetCache, ListCaches), the sequence RPCs (CopyPrefix, Remove, CanResume,
+// ListSequences, Reserve, SetRetention), LookupPrefix, WatchEvents and the cluster RPCs
+// (Migrate, MigrateSnapshot, ListMembers, Drain); cache_service_append.cc Append and
+// AppendStream; cache_service_read.cc Read and Visible; cache_service_snapshots.cc Snapshot,
+// Restore, MergeSnapshots, SplitSnapshot, DropSnapshot, ListSnapshots and CommitSpeculation.
+// cache_service_internal.h holds the helpers they share.
+//
 // Thread safety: the service is thread-safe; gRPC calls it from any of its threads. The
 // registry and the executor must outlive it, and the executor must keep running until the
 // server has shut down (tasks in its queue finish the RPCs they belong to).

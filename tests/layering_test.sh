@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks that the project's includes follow its layering (README "Layout"):
 #
-#   cache/            the engine: no gRPC, no generated proto code, nothing above it
+#   cache/            the engine: no gRPC, no generated proto code, nothing above it; below
+#                     the Cache, nothing includes its façade cache/cache.h (cache/types.h)
 #   transport/        cache/ and the generated proto code; never service/
 #   service/common/   cache/ and the proto code; never the node, cluster/, ctl/ or transport/
 #   service/cluster/  cache/, transport/, service/common/; never the node nor ctl/
@@ -29,6 +30,8 @@ if [ "${1:-}" = --self-test ]; then
   cases=(
     'cache/cache.h|#include <grpcpp/grpcpp.h>'
     'cache/cache.cc|#include "service/common/convert.h"'
+    'cache/layer_group.h|#include "cache/cache.h"'
+    'cache/device/host_device.cc|  # include <cache/cache.h>'
     'transport/transport.h|#include "service/cluster/cluster.h"'
     'service/common/convert.h|#include "transport/transport.h"'
     'service/cluster/leases.h|  #  include "service/cache_service.h"'
@@ -119,6 +122,27 @@ for dir in cache transport service; do
 done
 check cache 0 'service/|transport/|kvmesh/v1/|grpc|tests/' \
   'cache/ (the engine) includes gRPC, proto code or a layer above it'
+# Below the Cache: the layer groups, the snapshot wire format, the devices, the token index and
+# the vocabulary (cache/types.h) never include the façade, cache/cache.h. Only the Cache's own
+# files (cache.cc and its parts, cache_*.cc) and the registry that owns caches
+# (cache_registry.*) do.
+below_cache=()
+while IFS= read -r -d '' f; do
+  case "${f##*/}" in
+    cache.h | cache.cc | cache_*.cc | cache_registry.h) ;;
+    *) below_cache+=("$f") ;;
+  esac
+done < <(find cache -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \) \
+           -print0 | sort -z)
+if [ "${#below_cache[@]}" -gt 0 ]; then
+  hits=$(grep -HnE '^[[:space:]]*#[[:space:]]*include[[:space:]]*["<]cache/cache\.h[">]' \
+           "${below_cache[@]}") || true
+  if [ -n "$hits" ]; then
+    echo "a file below the Cache includes its façade, cache/cache.h (take cache/types.h):"
+    sed 's/^/  /' <<<"$hits"
+    violations=$((violations + $(wc -l <<<"$hits")))
+  fi
+fi
 check transport 0 'service/|tests/(testing|unit|integration|bench|gpu)/' \
   'transport/ includes service/ or test code'
 check service/common 0 'service/[a-z_]+\.h|service/(cluster|ctl)/|transport/|tests/' \
