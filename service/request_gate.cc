@@ -237,6 +237,7 @@ class RequestGate::Reactor final : public grpc::ServerGenericBidiReactor,
   void OnWriteDone(bool ok) override {
     TakeOver(this);
     started()->OnWriteDone(ok);  // only a stream's reactor writes without finishing
+    HandOff(this);  // to OnDone, which gRPC runs after this reaction has returned
   }
 
   void NotifyOnCancel(std::function<void()> on_cancel) override {
@@ -262,6 +263,9 @@ class RequestGate::Reactor final : public grpc::ServerGenericBidiReactor,
     }
     if (stream != nullptr) stream->OnCancel();
     if (on_cancel) on_cancel();
+    // To OnDone, which gRPC runs after this reaction has returned, and which deletes the
+    // stream's reactor whose OnCancel ran here.
+    HandOff(this);
   }
 
   void OnDone() override {
