@@ -999,7 +999,10 @@ TEST_F(ClusterLookupTest, AFrozenPeerIsForgottenAndFoundAgainWhenItThaws) {
   ASSERT_NO_FATAL_FAILURE(AppendPrompt(cluster_.stub(1), spec, 1, 32, 7));
   const std::vector<int32_t> prompt = Prompt(32);
   ExpectClusterLookup(cluster_.stub(0), prompt, false, {"node-b/1/32 hashed"});
-  ASSERT_EQ(kill(cluster_[1].process->pid(), SIGSTOP), 0);
+  {
+    const absl::Status s = cluster_[1].process->Freeze();
+    ASSERT_TRUE(s.ok()) << s;
+  }
   const absl::Time frozen = absl::Now();
   {
     // Still indexed, but it cannot verify: within half the caller's 4 s, the answer says so
@@ -1023,7 +1026,10 @@ TEST_F(ClusterLookupTest, AFrozenPeerIsForgottenAndFoundAgainWhenItThaws) {
   ExpectClusterLookup(cluster_.stub(0), prompt, false, {});
   // Not before the timeout: a quiet peer is not a lost one.
   EXPECT_GE(absl::Now() - frozen, absl::Seconds(4));
-  ASSERT_EQ(kill(cluster_[1].process->pid(), SIGCONT), 0);
+  {
+    const absl::Status s = cluster_[1].process->Thaw();
+    ASSERT_TRUE(s.ok()) << s;
+  }
   ExpectClusterLookup(cluster_.stub(0), prompt, false, {"node-b/1/32 hashed"});
   ExpectClusterLookup(cluster_.stub(2), prompt, true, {"node-b/1/32 verified"});
 }
@@ -1185,10 +1191,16 @@ TEST_F(ClusterFaultTest, FrozenSenderEndsWithDeadlineExceededAndTheLeaseExpires)
   });
   ASSERT_TRUE(Eventually([&] { return Usage(cluster_.stub(0), "big").export_bytes() > 0; },
                          absl::Seconds(3)));
-  ASSERT_EQ(kill(cluster_[0].process->pid(), SIGSTOP), 0);
+  {
+    const absl::Status s = cluster_[0].process->Freeze();
+    ASSERT_TRUE(s.ok()) << s;
+  }
   const grpc::Status status = copy.get();
   const absl::Duration took = absl::Now() - start;
-  ASSERT_EQ(kill(cluster_[0].process->pid(), SIGCONT), 0);
+  {
+    const absl::Status s = cluster_[0].process->Thaw();
+    ASSERT_TRUE(s.ok()) << s;
+  }
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << StatusText(status);
   EXPECT_LT(took, absl::Seconds(8)) << "the call outlived its deadline";
   EXPECT_THAT(LiveSeqs(cluster_.stub(1), "big"), ::testing::IsEmpty());
@@ -1405,10 +1417,10 @@ TEST_F(DrainTest, DrainRpcMovesEverySequenceAndSnapshotByteForByte) {
         ReadAll(cluster_.stub(node_index[moved->node()]), held.cache, moved->target_seq()),
         held.read);
     const size_t i = static_cast<size_t>(&held - held_.data());
-    EXPECT_EQ(RetentionOf(cluster_.stub(node_index[moved->node()]), held.cache,
-                          moved->target_seq()),
-              std::make_tuple(static_cast<int32_t>(10 + i), i % 2 == 1,
-                              static_cast<int64_t>(i + 1) * 60'000))
+    EXPECT_EQ(
+        RetentionOf(cluster_.stub(node_index[moved->node()]), held.cache, moved->target_seq()),
+        std::make_tuple(static_cast<int32_t>(10 + i), i % 2 == 1,
+                        static_cast<int64_t>(i + 1) * 60'000))
         << held.cache << " seq " << held.seq;
   }
   ExpectBSequence0Kept();

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -335,6 +336,7 @@ ExitStatus NodeProcess::Stop(absl::Duration timeout) {
   if (exit_.has_value()) return *exit_;
   const absl::Time start = absl::Now();
   kill(pid_, SIGTERM);
+  kill(pid_, SIGCONT);  // a frozen node (Freeze) takes its SIGTERM only once it runs
   std::optional<ExitStatus> status = WaitUntil(pid_, start + timeout);
   exit_ = status.has_value() ? *status : KillAndReap(pid_);
   // A node waits out its shutdown grace (5 s) for connections that stay open: a test that
@@ -356,6 +358,46 @@ bool NodeProcess::Running() {
 }
 
 std::string NodeProcess::ReadStderr() const { return ReadFile(stderr_path_); }
+
+absl::Status NodeProcess::Freeze(absl::Duration timeout) {
+  if (kill(pid_, SIGSTOP) != 0) {
+    return absl::InternalError(absl::StrCat("kill(", pid_, ", SIGSTOP): ", std::strerror(errno)));
+  }
+  const std::string tasks = absl::StrCat("/proc/", pid_, "/task");
+  const absl::Time until = absl::Now() + timeout;
+  while (true) {
+    // The state is the field after the command name, which is in parentheses and may hold
+    // any character: read it after the last ')'.
+    std::string running;
+    std::error_code error;
+    for (const auto& entry : std::filesystem::directory_iterator(tasks, error)) {
+      const std::string stat = ReadFile(entry.path().string() + "/stat");
+      const size_t close = stat.rfind(')');
+      if (close == std::string::npos || close + 2 >= stat.size()) continue;  // exited meanwhile
+      if (stat[close + 2] != 'T' && stat[close + 2] != 't') {
+        running = absl::StrCat("thread ", entry.path().filename().string(), " in state ",
+                               std::string(1, stat[close + 2]));
+        break;
+      }
+    }
+    if (error) {
+      return absl::InternalError(absl::StrCat("reading ", tasks, ": ", error.message()));
+    }
+    if (running.empty()) return absl::OkStatus();
+    if (absl::Now() >= until) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "pid ", pid_, " not stopped after ", absl::FormatDuration(timeout), ": ", running));
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+}
+
+absl::Status NodeProcess::Thaw() {
+  if (kill(pid_, SIGCONT) != 0) {
+    return absl::InternalError(absl::StrCat("kill(", pid_, ", SIGCONT): ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
 
 namespace {
 

@@ -121,6 +121,14 @@ class NodeProcess {
   // Whether the child has not exited yet (reaps it when it has).
   bool Running();
 
+  // SIGSTOP, then waits until every thread of the node has stopped: kill() returns once the
+  // signal is queued, and one thread takes it and stops the others, so on a loaded machine the
+  // node may still serve a request that comes right after kill(). DEADLINE_EXCEEDED naming a
+  // thread still running after `timeout`; INTERNAL when /proc cannot be read.
+  absl::Status Freeze(absl::Duration timeout = absl::Seconds(10));
+  // SIGCONT: a frozen node runs again.
+  absl::Status Thaw();
+
   // What the node has written to stderr so far.
   std::string ReadStderr() const;
 
