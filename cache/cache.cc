@@ -38,7 +38,8 @@ Cache::Cache(const CacheSpec& spec, const TokenHasher& hasher)
       contiguous_(RequiresContiguousPositions(spec)),
       has_attention_(HasKind(spec, GroupKind::kAttention)),
       hasher_(hasher),
-      token_limit_(TokenIdLimit(spec)) {}
+      token_limit_(TokenIdLimit(spec)),
+      tokens_(hasher_, token_limit_) {}
 
 Cache::~Cache() = default;
 
@@ -382,11 +383,10 @@ absl::StatusOr<int32_t> Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int3
     const absl::Status s = group->ApplyCopyPrefix(src_seq, dst_seq, length);
     if (status.ok()) status = s;
   }
-  auto src_chain = chains_.find(src_seq);
-  if (src_chain == chains_.end()) {
+  if (const TokenChain* src_chain = tokens_.Find(src_seq); src_chain == nullptr) {
     DropChainLocked(dst_seq);
   } else {
-    SetChainLocked(dst_seq, src_chain->second.CopyPrefix(length));
+    SetChainLocked(dst_seq, src_chain->CopyPrefix(length));
   }
   TouchLocked({src_seq, dst_seq});
   ForgetIfDeadLocked(dst_seq);
@@ -439,13 +439,12 @@ absl::Status Cache::Remove(int64_t seq, int32_t begin, std::optional<int32_t> en
   removed.begin = begin;
   removed.end = end.value_or(-1);
   PublishLocked(std::move(removed));
-  auto chain = chains_.find(seq);
-  if (chain != chains_.end()) {
+  if (TokenChain* chain = tokens_.FindMutable(seq); chain != nullptr) {
     // Positions past the range move down only when there are some.
     if (end.has_value() && *end < offset) {
-      chain->second.Erase(begin, *end);
+      chain->Erase(begin, *end);
     } else {
-      chain->second.Truncate(begin);
+      chain->Truncate(begin);
     }
     SyncTokensLocked(seq);
   }
@@ -463,21 +462,16 @@ SequenceInfo Cache::SequenceInfoLocked(int64_t seq) const {
   auto pending = pending_.find(seq);
   if (pending != pending_.end()) info.pending = static_cast<int32_t>(pending->second.size());
   for (const auto& group : groups_) info.groups.push_back(group->Info(seq));
-  auto chain = chains_.find(seq);
-  if (chain != chains_.end()) {
-    info.tokens = static_cast<int32_t>(chain->second.ids().size());
-    info.exact_tokens = chain->second.exact();
-    info.token_blocks = static_cast<int32_t>(chain->second.hashes().size());
+  if (const TokenChain* chain = tokens_.Find(seq); chain != nullptr) {
+    info.tokens = static_cast<int32_t>(chain->ids().size());
+    info.exact_tokens = chain->exact();
+    info.token_blocks = static_cast<int32_t>(chain->hashes().size());
   }
-  auto retention = retention_.find(seq);
-  if (retention != retention_.end()) {
-    info.priority = retention->second.priority;
-    info.pinned = retention->second.pinned;
-    info.ttl = retention->second.ttl;
-  }
-  MutexLock lock(&access_mu_);
-  auto used = last_used_.find(seq);
-  if (used != last_used_.end()) info.last_used = used->second.time;
+  const Retention retention = retention_.Get(seq);
+  info.priority = retention.priority;
+  info.pinned = retention.pinned;
+  info.ttl = retention.ttl;
+  if (const std::optional<absl::Time> used = retention_.LastUse(seq)) info.last_used = *used;
   return info;
 }
 
@@ -531,14 +525,7 @@ CacheUsage Cache::Usage() const {
   }
   for (const RowChunk* chunk : pending_chunks) usage.bytes_held += chunk->arena.size();
   usage.sequences_live = LiveCountLocked();
-  absl::flat_hash_set<const RowChunk*> snapshot_chunks;
-  for (const auto& [id, record] : snapshots_) {
-    for (const GroupSnapshot& g : record->groups) {
-      for (const Segment& segment : g.segments) snapshot_chunks.insert(segment.chunk.get());
-    }
-  }
-  snapshot_chunks.erase(nullptr);
-  for (const RowChunk* chunk : snapshot_chunks) usage.snapshot_bytes += chunk->arena.size();
+  usage.snapshot_bytes = snapshots_.ChunkBytes();
   usage.export_bytes = export_bytes_->load();
   usage.snapshots = static_cast<int32_t>(snapshots_.size());
   const absl::Time now = absl::Now();

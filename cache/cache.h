@@ -8,19 +8,29 @@
 // Thread safety: all methods are thread-safe. Mutations take the cache's lock exclusively;
 // Read, Visible, CanResume, ListSequences, ListSnapshots and Usage take it shared.
 //
-// Where things live. The Cache is the one entry to the engine; its definitions are split by
-// concern, every part a file of the same class under the same lock (mu_, which guards all the
-// state below; *Locked members expect it held):
+// Where things live. The Cache is the one entry to the engine and holds the one lock (mu_).
+// State that has a concern of its own lives in a part the Cache owns, each guarded by mu_:
+//   RetentionIndex (retention_index.h)  the eviction policy: each sequence's retention and last
+//                       use, and the order in which the LRU policy evicts; it has its own lock
+//                       for uses, taken after mu_, so that readers under mu_ shared record them
+//   PrefixIndex (prefix_index.h)        token chains, the block index and the prefix lookup
+//   SnapshotStore (snapshot_store.h)    the snapshots by id
+//   the layer groups (layer_group.h)    the data and the per-group metadata of every sequence
+// The parts know nothing of each other. The Cache's definitions, split by concern (*Locked
+// members expect mu_ held):
 //   cache.cc            creation, the sequence table, room reservations, Read, Visible,
 //                       CanResume, CopyPrefix, Remove, listings and usage
 //   cache_append.cc     Append and its checks, AppendWriter, CommitSpeculation
-//   cache_retention.cc  admission of an Append's room, retention, LRU eviction, TTL expiry
-//   cache_tokens.cc     token chains, the block index, LookupPrefix, and the events published
+//   cache_retention.cc  the eviction mechanism: what may be evicted now (not in use), what
+//                       evicting frees, and evicting, for an Append's room and for TTL expiry
+//   cache_tokens.cc     keeping the PrefixIndex in line with what sequences store, and the
+//                       events the Cache publishes
 //   cache_snapshots.cc  snapshots: take, restore, merge, split, drop, list
 //   cache_transfer.cc   exports and imports between nodes (snapshots and sequences), read cursors
-// The layer groups (cache/layer_group.h and its kinds) hold the data and per-group metadata; the
-// value types the Cache takes and returns are cache/types.h, which is all the layers below the
-// Cache see of it (nothing below includes this header: tests/layering_test.sh).
+// Appends, transfers and the sequence table stay in the Cache: they act on every group and
+// every part at once, under the one lock, and that is what keeps each operation all-or-nothing.
+// The value types the Cache takes and returns are cache/types.h, which is all the layers below
+// the Cache see of it (nothing below includes this header: tests/layering_test.sh).
 #ifndef KVMESH_CACHE_CACHE_H_
 #define KVMESH_CACHE_CACHE_H_
 
@@ -28,15 +38,12 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
@@ -44,10 +51,12 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "cache/block_index.h"
 #include "cache/device/device.h"
 #include "cache/event_log.h"
 #include "cache/mutex.h"
+#include "cache/prefix_index.h"
+#include "cache/retention_index.h"
+#include "cache/snapshot_store.h"
 #include "cache/spec.h"
 #include "cache/token_chain.h"
 #include "cache/types.h"
@@ -502,6 +511,9 @@ class Cache {
   // Replaces `seq`'s chain by `chain` (then SyncTokensLocked), or drops it, in the index too.
   void SetChainLocked(int64_t seq, TokenChain chain) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropChainLocked(int64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Publishes `change` of seq's block hashes as a BLOCKS event (nothing when there is none).
+  void PublishBlocksLocked(int64_t seq, std::optional<PrefixIndex::BlocksChange> change)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records a committed Append's token ids in its sequences' chains.
   void RecordTokensLocked(const AppendBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The token chain `seq` gets from a Restore of `record` (null: a rewind) to `target`.
@@ -525,9 +537,6 @@ class Cache {
   // Records a use now (SequenceInfo::last_used) of those of `seqs` that are live.
   void TouchLocked(absl::Span<const int64_t> seqs) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void TouchQueriesLocked(absl::Span<const Query> queries) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Records a use of the live sequence `seq` at `now` (last_used_ and lru_).
-  void RecordUseLocked(int64_t seq, absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(access_mu_);
   // Forgets `seq`'s retention and last use when it stores nothing any more. Every operation
   // that may empty a sequence ends with it.
   void ForgetIfDeadLocked(int64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -625,11 +634,6 @@ class Cache {
   // Restore's work once the snapshot is found (record null: a rewind without one).
   absl::Status RestoreLocked(int64_t seq, const SnapshotRecord* record, int32_t target,
                              const RestoreOptions& options) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // INVALID_ARGUMENT for a negative ttl.
-  static absl::Status ValidateRetention(const Retention& retention);
-  // Sets seq's retention (the default erases it); its last use is recorded by the caller.
-  void SetRetentionLocked(int64_t seq, const Retention& retention)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // BeginSequenceImport's callbacks: pins free cells for the image's rows (or returns false),
   // and stores the complete record in `state`.
   absl::StatusOr<bool> PlaceImport(SequenceImport::State& state, SnapshotRecord* record);
@@ -661,10 +665,8 @@ class Cache {
   std::vector<std::unique_ptr<LayerGroup>> groups_ ABSL_GUARDED_BY(mu_);
   // Sequences with pending speculative tokens: their pending positions, ascending.
   absl::flat_hash_map<int64_t, std::vector<int32_t>> pending_ ABSL_GUARDED_BY(mu_);
-  // Token chains of the sequences that have one (never an empty chain), and which sequences
-  // hold each of their block hashes.
-  absl::flat_hash_map<int64_t, TokenChain> chains_ ABSL_GUARDED_BY(mu_);
-  BlockIndex block_index_ ABSL_GUARDED_BY(mu_);
+  // Token chains, their block hashes and the prefix lookup.
+  PrefixIndex tokens_ ABSL_GUARDED_BY(mu_);
   std::string tenant_;
   EventLog* events_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t last_event_ ABSL_GUARDED_BY(mu_) = 0;  // the number of the last event published
@@ -674,27 +676,14 @@ class Cache {
   // Room reservations by sequence (Reserve), and the sequence slots HoldBackLocked holds back
   // for the operation under way (0 otherwise).
   absl::flat_hash_map<int64_t, RoomReservation> room_ ABSL_GUARDED_BY(mu_);
-  // Retention of the live sequences that have one other than the default.
-  absl::flat_hash_map<int64_t, Retention> retention_ ABSL_GUARDED_BY(mu_);
+  // The eviction policy: retentions, last uses and the order of eviction (its own lock for
+  // uses, taken after mu_).
+  RetentionIndex retention_ ABSL_GUARDED_BY(mu_);
   std::function<bool(int64_t)> may_evict_ ABSL_GUARDED_BY(mu_);
   EvictionCounts evictions_ ABSL_GUARDED_BY(mu_);
-  // The last use of each live sequence, with the priority and pin it had then, and the
-  // unpinned ones in eviction order (priority, last use, seq), so that an eviction finds its
-  // victims without looking at every sequence. Entries go with ForgetIfDeadLocked. Their own
-  // lock, since operations under mu_ shared record uses too; taken after mu_, never before.
-  struct Use {
-    absl::Time time;
-    int32_t priority = 0;
-    bool pinned = false;
-  };
-  using LruKey = std::tuple<int32_t, absl::Time, int64_t>;
-  mutable Mutex access_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  mutable absl::flat_hash_map<int64_t, Use> last_used_ ABSL_GUARDED_BY(access_mu_);
-  mutable absl::btree_set<LruKey> lru_ ABSL_GUARDED_BY(access_mu_);
   int32_t held_sequences_ ABSL_GUARDED_BY(mu_) = 0;
   mutable std::condition_variable_any appended_;
-  std::map<uint64_t, std::unique_ptr<SnapshotRecord>> snapshots_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_snapshot_id_ ABSL_GUARDED_BY(mu_) = 1;
+  SnapshotStore snapshots_ ABSL_GUARDED_BY(mu_);
   // Set when a device call failed half-way through rewriting stored data (Remove's copy or RoPE
   // shift, an in-place Append, a Restore, a commit): the metadata is consistent but some bytes
   // may not be. From then on data operations fail with FAILED_PRECONDITION; the cache must be

@@ -527,9 +527,8 @@ absl::Status Cache::CommitSpeculation(int64_t seq, int32_t accepted) {
     const absl::Status s = group->CommitSpeculation(seq, pending, accepted);
     if (status.ok()) status = s;
   }
-  auto chain = chains_.find(seq);
-  if (chain != chains_.end()) {
-    chain->second.Settle(accepted > 0 ? pending[accepted - 1] + 1 : pending[0]);
+  if (TokenChain* chain = tokens_.FindMutable(seq); chain != nullptr) {
+    chain->Settle(accepted > 0 ? pending[accepted - 1] + 1 : pending[0]);
   }
   pending_.erase(it);
   SyncTokensLocked(seq);

@@ -1,5 +1,5 @@
-// The Cache's room reservations' admission, retention, LRU eviction and TTL expiry (cache/cache.h,
-// "Where things live").
+// The Cache's eviction mechanism: an Append's admission with the victims the RetentionIndex's
+// order gives, TTL expiry, and room reservations (cache/cache.h, "Where things live").
 #include "cache/cache.h"
 
 #include <algorithm>
@@ -26,74 +26,36 @@ using cache_internal::CheckNonNegative;
 
 // ---- Retention and eviction ----------------------------------------------------------------
 
-void Cache::RecordUseLocked(int64_t seq, absl::Time now) const {
-  auto retention = retention_.find(seq);
-  Use use{now, 0, false};
-  if (retention != retention_.end()) {
-    use.priority = retention->second.priority;
-    use.pinned = retention->second.pinned;
-  }
-  auto [it, inserted] = last_used_.try_emplace(seq);
-  if (!inserted && !it->second.pinned) {
-    lru_.erase(LruKey(it->second.priority, it->second.time, seq));
-  }
-  it->second = use;
-  if (!use.pinned) lru_.insert(LruKey(use.priority, use.time, seq));
-}
-
 void Cache::TouchLocked(absl::Span<const int64_t> seqs) const {
-  const absl::Time now = absl::Now();
-  MutexLock lock(&access_mu_);
+  RetentionIndex::Uses uses(&retention_, absl::Now());
   for (int64_t seq : seqs) {
-    if (IsLiveLocked(seq)) RecordUseLocked(seq, now);
+    if (IsLiveLocked(seq)) uses.Record(seq);
   }
 }
 
 void Cache::TouchQueriesLocked(absl::Span<const Query> queries) const {
-  const absl::Time now = absl::Now();
-  MutexLock lock(&access_mu_);
+  RetentionIndex::Uses uses(&retention_, absl::Now());
   int64_t last = -1;
   for (const Query& q : queries) {
     if (q.seq == last) continue;  // a batch's queries come grouped by sequence
     last = q.seq;
-    if (IsLiveLocked(q.seq)) RecordUseLocked(q.seq, now);
+    if (IsLiveLocked(q.seq)) uses.Record(q.seq);
   }
 }
 
 void Cache::ForgetIfDeadLocked(int64_t seq) {
   if (IsLiveLocked(seq) || appending_.contains(seq)) return;
-  retention_.erase(seq);
-  MutexLock lock(&access_mu_);
-  auto it = last_used_.find(seq);
-  if (it == last_used_.end()) return;
-  if (!it->second.pinned) lru_.erase(LruKey(it->second.priority, it->second.time, seq));
-  last_used_.erase(it);
-}
-
-absl::Status Cache::ValidateRetention(const Retention& retention) {
-  if (retention.ttl < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ttl ", absl::FormatDuration(retention.ttl), " is negative"));
-  }
-  return absl::OkStatus();
-}
-
-void Cache::SetRetentionLocked(int64_t seq, const Retention& retention) {
-  if (retention.priority == 0 && !retention.pinned && retention.ttl == absl::ZeroDuration()) {
-    retention_.erase(seq);
-  } else {
-    retention_[seq] = retention;
-  }
+  retention_.Forget(seq);
 }
 
 absl::Status Cache::SetRetention(int64_t seq, const Retention& retention) {
   RETURN_IF_ERROR(ValidateSeq(seq));
-  RETURN_IF_ERROR(ValidateRetention(retention));
+  RETURN_IF_ERROR(RetentionIndex::Validate(retention));
   MutexLock lock(&mu_);
   if (!IsLiveLocked(seq)) {
     return absl::NotFoundError(absl::StrCat("sequence ", seq, " stores nothing"));
   }
-  SetRetentionLocked(seq, retention);
+  retention_.Set(seq, retention);
   TouchLocked({seq});
   return absl::OkStatus();
 }
@@ -112,10 +74,7 @@ bool Cache::EvictableLocked(int64_t seq, bool lru, absl::Time now) const {
   if (pending_.contains(seq) || appending_.contains(seq)) return false;
   auto room = room_.find(seq);
   if (room != room_.end() && room->second.expires > now) return false;
-  if (lru) {
-    auto it = retention_.find(seq);
-    if (it != retention_.end() && it->second.pinned) return false;
-  }
+  if (lru && retention_.Get(seq).pinned) return false;
   for (const auto& group : groups_) {
     if (group->HasPinnedCells(seq)) return false;
   }
@@ -146,19 +105,13 @@ void Cache::EvictLocked(absl::Span<const int64_t> seqs, const char* reason) {
 std::vector<int64_t> Cache::ExpireIdle(absl::Time now) {
   MutexLock lock(&mu_);
   if (!CheckUsableLocked().ok()) return {};
-  std::vector<int64_t> expired;
-  {
-    MutexLock access(&access_mu_);
-    for (const auto& [seq, retention] : retention_) {
-      if (retention.ttl <= absl::ZeroDuration()) continue;
-      auto used = last_used_.find(seq);
-      const absl::Time last = used == last_used_.end() ? absl::InfinitePast() : used->second.time;
-      if (last + retention.ttl <= now && EvictableLocked(seq, /*lru=*/false, now)) {
-        expired.push_back(seq);
-      }
-    }
-  }
-  std::sort(expired.begin(), expired.end());
+  // The policy says whose TTL has run out; those in use stay.
+  std::vector<int64_t> expired = retention_.Expired(now);
+  expired.erase(std::remove_if(expired.begin(), expired.end(),
+                               [&](int64_t seq) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                 return !EvictableLocked(seq, /*lru=*/false, now);
+                               }),
+                expired.end());
   EvictLocked(expired, "ttl");
   return expired;
 }
@@ -212,15 +165,13 @@ absl::StatusOr<Cache::Admission> Cache::AdmitAppendLocked(
 std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
     AppendBatch& batch, const absl::flat_hash_map<int64_t, int32_t>& count, absl::Status refusal) {
   const absl::Time now = absl::Now();
-  // Candidates in eviction order, straight from lru_ (unpinned live sequences): those in use
-  // and the batch's own are passed over.
+  // Candidates in the policy's order (unpinned live sequences): those in use and the batch's
+  // own are passed over.
   const absl::flat_hash_set<int64_t> own(batch.seqs.begin(), batch.seqs.end());
-  MutexLock access(&access_mu_);
-  auto next = lru_.begin();
+  RetentionIndex::Candidates candidates(&retention_);
   auto take = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> std::optional<int64_t> {
-    while (next != lru_.end()) {
-      const int64_t seq = std::get<2>(*next++);
-      if (!own.contains(seq) && EvictableLocked(seq, /*lru=*/true, now)) return seq;
+    while (const std::optional<int64_t> seq = candidates.Next()) {
+      if (!own.contains(*seq) && EvictableLocked(*seq, /*lru=*/true, now)) return seq;
     }
     return std::nullopt;
   };

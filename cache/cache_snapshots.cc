@@ -73,18 +73,15 @@ SnapshotInfo Cache::InfoLocked(const SnapshotRecord& record) const {
 }
 
 absl::StatusOr<const SnapshotRecord*> Cache::FindSnapshotLocked(uint64_t id) const {
-  auto it = snapshots_.find(id);
-  if (it == snapshots_.end()) {
+  const SnapshotRecord* record = snapshots_.Find(id);
+  if (record == nullptr) {
     return absl::NotFoundError(absl::StrCat("cache '", spec_.name, "' has no snapshot ", id));
   }
-  return it->second.get();
+  return record;
 }
 
 SnapshotInfo Cache::AddSnapshotLocked(SnapshotRecord record) {
-  record.id = next_snapshot_id_++;
-  auto stored = std::make_unique<SnapshotRecord>(std::move(record));
-  SnapshotInfo info = InfoLocked(*stored);
-  snapshots_.emplace(info.id, std::move(stored));
+  SnapshotInfo info = InfoLocked(snapshots_.Add(std::move(record)));
   Event event;
   event.kind = EventKind::kSnapshotCreated;
   event.seq = info.seq;
@@ -94,13 +91,12 @@ SnapshotInfo Cache::AddSnapshotLocked(SnapshotRecord record) {
 }
 
 void Cache::EraseSnapshotLocked(uint64_t id) {
-  auto it = snapshots_.find(id);
-  if (it == snapshots_.end()) return;
+  const std::unique_ptr<SnapshotRecord> record = snapshots_.Take(id);
+  if (record == nullptr) return;
   Event event;
   event.kind = EventKind::kSnapshotDropped;
-  event.seq = it->second->seq;
+  event.seq = record->seq;
   event.snapshot = id;
-  snapshots_.erase(it);
   PublishLocked(std::move(event));
 }
 
@@ -179,8 +175,9 @@ absl::StatusOr<SnapshotInfo> Cache::SnapshotRequiring(int64_t seq, int32_t from_
     ASSIGN_OR_RETURN(GroupSnapshot g, group->TakeSnapshot(seq, from_offset, record.to));
     record.groups.push_back(std::move(g));
   }
-  auto chain = chains_.find(seq);
-  if (chain != chains_.end()) record.tokens = chain->second.Prefix(record.to);
+  if (const TokenChain* chain = tokens_.Find(seq); chain != nullptr) {
+    record.tokens = chain->Prefix(record.to);
+  }
   TouchLocked({seq});
   return AddSnapshotLocked(std::move(record));
 }
@@ -189,7 +186,7 @@ absl::Status Cache::Restore(int64_t seq, std::optional<uint64_t> snapshot_id, in
                             const RestoreOptions& options) {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("target", target));
-  if (options.retention.has_value()) RETURN_IF_ERROR(ValidateRetention(*options.retention));
+  if (options.retention.has_value()) RETURN_IF_ERROR(RetentionIndex::Validate(*options.retention));
   MutexLock lock(&mu_);
   AwaitNotAppendingLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
@@ -207,14 +204,14 @@ absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int
     // The receiver of an incremental pull keeps seq's positions below `from` in place of the
     // sender's: only if they are still exactly the ids the sender's were when it took the data.
     const int32_t from = record->from;
-    auto chain = chains_.find(seq);
+    const TokenChain* chain = tokens_.Find(seq);
     const TokenIds& sent = record->tokens;
     const bool sent_exact = static_cast<int32_t>(sent.ids.size()) >= from &&
                             (sent.taint == kNoTaint || sent.taint >= from);
-    const bool kept_exact = chain != chains_.end() && chain->second.exact() >= from &&
-                            static_cast<int32_t>(chain->second.ids().size()) >= from;
+    const bool kept_exact = chain != nullptr && chain->exact() >= from &&
+                            static_cast<int32_t>(chain->ids().size()) >= from;
     if (!sent_exact || !kept_exact ||
-        !std::equal(sent.ids.begin(), sent.ids.begin() + from, chain->second.ids().begin())) {
+        !std::equal(sent.ids.begin(), sent.ids.begin() + from, chain->ids().begin())) {
       return absl::FailedPreconditionError(absl::StrCat(
           "sequence ", seq, " no longer holds exactly the token ids of positions [0, ", from,
           ") that the copy skipped (it or the source changed meanwhile); copy again"));
@@ -268,16 +265,16 @@ absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int
   RestoreTokensLocked(seq, record, target);
   // Before the use is recorded, which files the sequence under its priority (or not, pinned);
   // a sequence the restore leaves empty forgets it again.
-  if (options.retention.has_value()) SetRetentionLocked(seq, *options.retention);
+  if (options.retention.has_value()) retention_.Set(seq, *options.retention);
   TouchLocked({seq});
   ForgetIfDeadLocked(seq);
   return FailLocked(status);
 }
 
 void Cache::RestoreTokensLocked(int64_t seq, const SnapshotRecord* record, int32_t target) {
-  auto it = chains_.find(seq);
+  TokenChain* chain = tokens_.FindMutable(seq);
   if (record == nullptr) {
-    if (it != chains_.end()) it->second.Truncate(target);
+    if (chain != nullptr) chain->Truncate(target);
     SyncTokensLocked(seq);
     return;
   }
@@ -286,7 +283,7 @@ void Cache::RestoreTokensLocked(int64_t seq, const SnapshotRecord* record, int32
   // continues seq's chain exactly only when seq's ids there are the same.
   const int32_t from = record->from;
   const TokenIds& saved = record->tokens;
-  TokenIds restored = it == chains_.end() ? TokenIds() : it->second.Prefix(from);
+  TokenIds restored = chain == nullptr ? TokenIds() : chain->Prefix(from);
   const bool whole = static_cast<int32_t>(restored.ids.size()) == from;
   const bool same_prefix = whole && saved.ids.size() >= restored.ids.size() &&
                            std::equal(restored.ids.begin(), restored.ids.end(), saved.ids.begin());
@@ -398,7 +395,10 @@ std::vector<SnapshotInfo> Cache::ListSnapshots() const {
   ReaderMutexLock lock(&mu_);
   std::vector<SnapshotInfo> out;
   out.reserve(snapshots_.size());
-  for (const auto& [id, record] : snapshots_) out.push_back(InfoLocked(*record));
+  snapshots_.ForEachFrom(0, [&](const SnapshotRecord& record) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    out.push_back(InfoLocked(record));
+    return true;
+  });
   return out;
 }
 
@@ -406,13 +406,14 @@ Cache::SnapshotPage Cache::ListSnapshots(uint64_t first, size_t limit) const {
   limit = std::max<size_t>(limit, 1);
   ReaderMutexLock lock(&mu_);
   SnapshotPage page;
-  for (auto it = snapshots_.lower_bound(first); it != snapshots_.end(); ++it) {
+  snapshots_.ForEachFrom(first, [&](const SnapshotRecord& record) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     if (page.snapshots.size() == limit) {
       page.more = true;
-      break;
+      return false;
     }
-    page.snapshots.push_back(InfoLocked(*it->second));
-  }
+    page.snapshots.push_back(InfoLocked(record));
+    return true;
+  });
   return page;
 }
 

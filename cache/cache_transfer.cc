@@ -124,8 +124,9 @@ absl::StatusOr<std::unique_ptr<SnapshotExportReader>> Cache::OpenSequenceExport(
     RETURN_IF_ERROR(c.CheckOffsetAtLeastLocked(seq, require_offset));
     ASSIGN_OR_RETURN(const int32_t end, c.CheckSnapshotLocked(seq, from_offset, to));
     record = c.PinRecordLocked(cache, seq, from_offset, end, &formats);
-    auto chain = c.chains_.find(seq);
-    if (chain != c.chains_.end()) record.tokens = chain->second.Prefix(end);
+    if (const TokenChain* chain = c.tokens_.Find(seq); chain != nullptr) {
+      record.tokens = chain->Prefix(end);
+    }
     info = c.InfoLocked(record);
   }
   const size_t bytes = info.bytes;
@@ -360,7 +361,7 @@ absl::Status Cache::RestoreImport(int64_t seq, SequenceImport& import, int32_t t
                                   const RestoreOptions& options) {
   RETURN_IF_ERROR(ValidateSeq(seq));
   RETURN_IF_ERROR(CheckNonNegative("target", target));
-  if (options.retention.has_value()) RETURN_IF_ERROR(ValidateRetention(*options.retention));
+  if (options.retention.has_value()) RETURN_IF_ERROR(RetentionIndex::Validate(*options.retention));
   if (import.cache_.get() != this) {
     return absl::FailedPreconditionError(
         absl::StrCat("the import was begun on another cache than '", spec_.name, "'"));
