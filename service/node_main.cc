@@ -9,12 +9,10 @@
 //   kvmesh-node <name> listening on <host>:<port> backend=<host|cuda> peers=<number of peers>
 //   [peer-plane=<host>:<port>] [health=<host>:<port>] [metrics=<host>:<port>]
 #include <malloc.h>
-#include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -63,6 +61,7 @@
 #include "service/common/tls.h"
 #include "service/executor.h"
 #include "service/inflight_budget.h"
+#include "service/node_lifecycle.h"
 #include "service/node_wiring.h"
 #include "service/peer_service.h"
 #include "service/rpc_observer.h"
@@ -226,7 +225,6 @@ ABSL_FLAG(kvmesh::ByteSize, testing_nccl_chunk_bytes, kvmesh::ByteSize{uint64_t{
 namespace kvmesh {
 namespace {
 
-constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
 // Threads reading grpc-stream chunks that must be copied (see transfer_reads in Run).
 constexpr int kTransferReadThreads = 2;
 constexpr uint64_t kMinMessageBytes = 64 << 10;
@@ -388,11 +386,8 @@ int Run() {
   // Every thread started from here on (gRPC's, the executor's) inherits this mask, so the
   // termination signals reach only the sigwait below.
   sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  if (const int err = pthread_sigmask(SIG_BLOCK, &signals, nullptr); err != 0) {
-    return Fail(absl::StrCat("pthread_sigmask: ", std::strerror(err)));
+  if (const absl::Status s = BlockTerminationSignals(&signals); !s.ok()) {
+    return Fail(std::string(s.message()));
   }
 
   // NCCL is loaded only by a cuda node that may use it, never by a host node (docs/cuda.md);
@@ -801,88 +796,28 @@ int Run() {
        {"boot_id", process.boot_id}});
 
   const TtlSweeper ttl_sweeper(&registry, absl::Milliseconds(ttl_sweep_ms));
-  int signal = 0;
-  if (const int err = sigwait(&signals, &signal); err != 0) {
+  const absl::StatusOr<int> signal = WaitForTermination(signals);
+  if (!signal.ok()) {
     gate.set_listener(nullptr);
-    return Fail(absl::StrCat("sigwait: ", std::strerror(err)));
+    return Fail(std::string(signal.status().message()));
   }
   if (drain_timeout_ms > 0) {
-    // A pod being deleted: hand everything to the peers first. Termination signals that come
-    // meanwhile (a second SIGTERM, Ctrl-C twice) do not cut the drain short; SIGKILL does.
-    Log(LogLevel::kInfo, absl::StrCat(strsignal(signal), ", draining for up to ", drain_timeout_ms,
-                                      " ms before shutting down"));
-    std::atomic<bool> drained{false};
-    std::thread repeat_signals([&] {
-      const timespec poll = {0, 100 * 1000 * 1000};
-      while (!drained.load()) {
-        const int again = sigtimedwait(&signals, nullptr, &poll);
-        if (again > 0) {
-          Log(LogLevel::kWarning,
-              absl::StrCat(strsignal(again),
-                           " while draining: the drain goes on (SIGKILL stops the node at once, "
-                           "losing what it still holds)"));
-        }
-      }
-    });
-    const absl::Time drain_deadline = absl::Now() + absl::Milliseconds(drain_timeout_ms);
-    (void)drainer.Drain(drain_deadline, Drainer::Mode::kShutdown);
-    // Peers still fetching an export of this node (a cross-node CopyPrefix or a Migrate pulling
-    // from here) get it to the end, within the drain's time: shutting the servers down would
-    // cut their transfers off after the grace. A lease ends when its receiver releases it, or
-    // expires when the receiver is gone.
-    if (leases.size() > 0) {
-      Log(LogLevel::kInfo, absl::StrCat("waiting for ", leases.size(),
-                                        " transfers to peers to finish before shutting down"));
-      while (leases.size() > 0 && absl::Now() < drain_deadline) {
-        absl::SleepFor(absl::Milliseconds(20));
-      }
-      if (leases.size() > 0) {
-        Log(LogLevel::kWarning,
-            absl::StrCat(leases.size(),
-                         " transfers to peers were still running at the drain's deadline"));
-      }
-    }
-    drained.store(true);
-    repeat_signals.join();
+    DrainForShutdown(signals, *signal, absl::Milliseconds(drain_timeout_ms), &drainer, &leases);
   }
-  Log(LogLevel::kInfo, absl::StrCat(strsignal(signal), ", shutting down"));
-  // From here on nothing makes the node ready again (a Drain call with resume, during the grace
-  // period), and the listener's references to this frame stay unused while it unwinds.
-  gate.set_listener(nullptr);
-  {
-    MutexLock lock(&readiness_mu);
-    health->SetServingStatus(false);
-    if (probe_health != nullptr) probe_health->SetServingStatus(false);
-  }
-  if (peer_health != nullptr) peer_health->SetServingStatus(false);
-  // Calls still running get the grace period, then are cancelled. The executors keep running
-  // meanwhile: queued tasks are what finish those calls (a Fetch stream whose chunk read is
-  // queued on transfer_reads finishes when that read runs and sees the cancellation).
-  const absl::Time grace_end = absl::Now() + kShutdownGrace;
-  service.StopWatchers();
-  peer_service.StopWatchers();
-  if (cluster_index != nullptr) cluster_index->Stop();
-  if (peer_server != nullptr) peer_server->Shutdown(absl::ToChronoTime(grace_end));
-  server->Shutdown(absl::ToChronoTime(grace_end));
-  if (health_server != nullptr) health_server->Shutdown(absl::ToChronoTime(grace_end));
-  cluster_executor.Shutdown();
-  executor.Shutdown();
-  transfer_reads.Shutdown();
-  server->Wait();
-  if (peer_server != nullptr) peer_server->Wait();
-  if (health_server != nullptr) health_server->Wait();
-  // gRPC may still hold slices of grpc-stream chunks that point into exports; they must be gone
-  // before the caches and the device that their memory comes from.
-  server.reset();
-  peer_server.reset();
-  health_server.reset();
-  if (!transport::AwaitPayloadSlicesReleased(absl::Now() + kShutdownGrace)) {
-    Log(LogLevel::kError,
-        absl::StrCat("gRPC still holds ", transport::PayloadSlicesHeld(),
-                     " chunk slices of exports; exiting without tearing down the caches"));
-    std::_Exit(EXIT_SUCCESS);
-  }
-  return EXIT_SUCCESS;
+  RunningNode running;
+  running.gate = &gate;
+  running.readiness_mu = &readiness_mu;
+  running.health = health;
+  running.probe_health = probe_health;
+  running.peer_health = peer_health;
+  running.service = &service;
+  running.peer_service = &peer_service;
+  running.cluster_index = cluster_index.get();
+  running.server = &server;
+  running.peer_server = &peer_server;
+  running.health_server = &health_server;
+  running.executors = {&cluster_executor, &executor, &transfer_reads};
+  return ShutDown(running, *signal);
 }
 
 }  // namespace
