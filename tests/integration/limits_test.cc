@@ -25,6 +25,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
+#include "grpc/grpc.h"
+#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "kvmesh/v1/peer.grpc.pb.h"
 #include "tests/integration/client_util.h"
@@ -819,7 +821,17 @@ TEST(LimitsTest, StalledReadIsCancelledAndItsPinnedCellsReleased) {
     SetDeadline(&context);
     v1::ReadRequest request = ReadRequest("stall", 0);
     request.set_max_chunk_bytes(chunk);
-    std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader = stub->Read(&context, request);
+    // A channel of its own whose receive window does not grow (no BDP probing): what the client
+    // does not read stays at the node, however fast loopback looks. With the shared channel's
+    // probing, the window once grew past the last 32 MiB message on a loaded CI machine, and the
+    // stall never happened (stop 42).
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    std::unique_ptr<Stub> reader_stub = v1::CacheService::NewStub(
+        grpc::CreateCustomChannel(node->address(), grpc::InsecureChannelCredentials(), args));
+    std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader =
+        reader_stub->Read(&context, request);
     v1::ReadResponse first;
     ASSERT_TRUE(reader->Read(&first));
     ASSERT_TRUE(first.has_header());
