@@ -499,6 +499,38 @@ class Cache {
                                                               int64_t seq, int32_t begin,
                                                               std::optional<int32_t> end);
 
+  // ---- The local data path ---------------------------------------------------------------
+  // A process on the same machine maps the groups' memory (SharedGroups) and reads cells in
+  // place (PinCells). Only on a device that shares its memory (HostDevice with shareable).
+
+  // One group's memory as another process maps it.
+  struct SharedGroup {
+    GroupKind kind = GroupKind::kAttention;
+    SharedArena memory;  // the device's descriptor: valid while the cache lives
+    // In payload order (docs/api.md): row r of plane p is [offset + r * row_bytes, +row_bytes)
+    // in the mapping; `cells` rows each.
+    std::vector<Plane> planes;
+    int64_t cells = 0;
+  };
+  // Every group's, in spec order. The errors of Device::Share.
+  absl::StatusOr<std::vector<SharedGroup>> SharedGroups() const;
+
+  // Cells a reader uses in place: pinned (neither freed, nor written in place, nor evicted
+  // with their sequence) while `hold`, or a copy of it, lives; after that they are the cache's
+  // again and may hold anything.
+  struct PinnedCells {
+    // Per group, in spec order: the positions of the range the group holds, ascending, and
+    // the cell of each (the row of the group's planes).
+    std::vector<std::vector<int32_t>> positions;
+    std::vector<std::vector<int32_t>> cells;
+    std::shared_ptr<const void> hold;
+  };
+  // Pins the cells of seq's positions in [begin, end) (end absent: all), with Read's checks and
+  // errors. FAILED_PRECONDITION for a cache with a group that keeps no cells of positions
+  // (Rotating, Recurrent: not lends_cells()). Counts as a use of seq.
+  static absl::StatusOr<PinnedCells> PinCells(const std::shared_ptr<Cache>& cache, int64_t seq,
+                                              int32_t begin, std::optional<int32_t> end);
+
  private:
   friend class SequenceImport;
   friend class AppendWriter;

@@ -225,6 +225,58 @@ std::unique_ptr<ReadCursor> NewCopiedReadCursor(ReadResult result) {
   return std::make_unique<CopiedReadCursor>(std::move(result));
 }
 
+absl::StatusOr<std::vector<Cache::SharedGroup>> Cache::SharedGroups() const {
+  ReaderMutexLock lock(&mu_);
+  std::vector<SharedGroup> out;
+  for (const auto& group : groups_) {
+    const RowChunk cells = group->BorrowCells();
+    SharedGroup shared;
+    shared.kind = group->kind();
+    ASSIGN_OR_RETURN(shared.memory, group->device()->Share(cells.arena));
+    shared.planes = cells.planes;
+    shared.cells = group->Usage().cells_total;
+    out.push_back(std::move(shared));
+  }
+  return out;
+}
+
+absl::StatusOr<Cache::PinnedCells> Cache::PinCells(const std::shared_ptr<Cache>& cache, int64_t seq,
+                                                   int32_t begin, std::optional<int32_t> end) {
+  Cache& c = *cache;
+  if (!c.lends_cells_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cache '", c.spec_.name,
+                     "' has a group that keeps no cells of positions (Rotating or Recurrent): "
+                     "its cells cannot be read in place"));
+  }
+  RETURN_IF_ERROR(c.CheckReadArgs(seq, begin, end));
+  auto record = std::make_shared<SnapshotRecord>();
+  {
+    MutexLock lock(&c.mu_);
+    RETURN_IF_ERROR(c.CheckUsableLocked());
+    if (!c.IsLiveLocked(seq)) {
+      return absl::NotFoundError(absl::StrCat("cache '", c.spec_.name, "' has no sequence ", seq));
+    }
+    const int64_t stop = end.has_value() ? int64_t{*end} : int64_t{INT32_MAX} + 1;
+    std::vector<ChunkFormat> formats;
+    *record = c.PinRecordLocked(cache, seq, begin, stop, &formats);
+    c.TouchLocked({seq});
+  }
+  PinnedCells pinned;
+  for (const GroupSnapshot& g : record->groups) {
+    std::vector<int32_t> positions;
+    std::vector<int32_t> cells;
+    for (const Segment& segment : g.segments) {
+      positions.insert(positions.end(), segment.positions.begin(), segment.positions.end());
+      cells.insert(cells.end(), segment.chunk_rows.begin(), segment.chunk_rows.end());
+    }
+    pinned.positions.push_back(std::move(positions));
+    pinned.cells.push_back(std::move(cells));
+  }
+  pinned.hold = std::move(record);
+  return pinned;
+}
+
 absl::StatusOr<std::unique_ptr<ReadCursor>> Cache::OpenRead(const std::shared_ptr<Cache>& cache,
                                                             int64_t seq, int32_t begin,
                                                             std::optional<int32_t> end) {

@@ -294,6 +294,8 @@ class LayerGroup {
   // The group's cells as a chunk (arena borrowed, cells_of this group). Valid while the group
   // exists.
   RowChunk BorrowCells() const { return RowChunk{DeviceArena::Borrow(arena_), planes_, this}; }
+  // The device the group's memory is on.
+  Device* device() const { return device_; }
 
  protected:
   // The kind lays out planes_ in its constructor.

@@ -61,6 +61,7 @@
 #include "service/common/tls.h"
 #include "service/executor.h"
 #include "service/inflight_budget.h"
+#include "service/local_server.h"
 #include "service/node_lifecycle.h"
 #include "service/node_wiring.h"
 #include "service/peer_service.h"
@@ -137,6 +138,10 @@ ABSL_FLAG(bool, prefault_memory, false,
           "allocated, so that the first operation to write it (a new cache's first migration "
           "into it) does not pay for fresh memory; CreateCache takes that time instead and the "
           "RSS holds the whole cache from then on");
+ABSL_FLAG(std::string, local_socket, "",
+          "a Unix-domain socket path for workers on this machine to map caches' memory and read "
+          "cells in place (docs/api.md#local-data-path); --backend=host only. Arenas are then "
+          "shared memory (memfd) and never reused after a cache is deleted");
 ABSL_FLAG(std::string, peers, "",
           "the other members of the cluster: name=host:port,name=host:port,... where host:port "
           "is each member's peer plane (its --peer-listen, or its --listen in development "
@@ -378,6 +383,11 @@ int Run() {
     return Fail(absl::StrCat("--testing_nccl_chunk_bytes=", nccl_chunk_bytes,
                              " is out of range [4096, 1GiB]"));
   }
+  const std::string local_socket = absl::GetFlag(FLAGS_local_socket);
+  if (!local_socket.empty() && backend != "host") {
+    return Fail(absl::StrCat("--local_socket needs --backend=host: this node has --backend=",
+                             backend, ", and sharing GPU memory (CUDA IPC) is not built yet"));
+  }
   if (transport_flag == transport::kNccl && backend != "cuda") {
     return Fail(absl::StrCat("--transport=nccl needs --backend=cuda, but this node has --backend=",
                              backend, " (the nccl transport moves GPU memory)"));
@@ -420,7 +430,8 @@ int Run() {
   {
     absl::StatusOr<std::unique_ptr<Device>> created = CreateNodeDevice(
         backend, absl::GetFlag(FLAGS_device), memory_budget, snapshot_budget,
-        absl::GetFlag(FLAGS_kept_arena_limit).bytes, absl::GetFlag(FLAGS_prefault_memory));
+        absl::GetFlag(FLAGS_kept_arena_limit).bytes, absl::GetFlag(FLAGS_prefault_memory),
+        /*shareable=*/!local_socket.empty());
     if (!created.ok()) return Fail(std::string(created.status().message()));
     device = *std::move(created);
   }
@@ -494,6 +505,23 @@ int Run() {
         absl::StrCat("no --token_file: development mode, every caller is an admin of the one "
                      "tenant '",
                      kDefaultTenant, "' and nothing is authenticated"));
+  }
+  // The local data path: after the registry and the authenticator, before them at exit.
+  std::unique_ptr<LocalServer> local_server;
+  if (!local_socket.empty()) {
+    LocalServer::Options local_options;
+    local_options.path = local_socket;
+    local_options.node_name = name;
+    local_options.auth = auth->get();
+    local_options.registry = &registry;
+    local_options.max_lease = absl::Milliseconds(max_lease_ms);
+    local_options.default_lease = absl::Milliseconds(lease_ms);
+    absl::StatusOr<std::unique_ptr<LocalServer>> started = LocalServer::Start(local_options);
+    if (!started.ok()) {
+      executor.Shutdown();
+      return Fail(std::string(started.status().message()));
+    }
+    local_server = *std::move(started);
   }
   LeaseTable leases(absl::Milliseconds(100), static_cast<size_t>(max_leases_per_receiver));
   leases.set_testing_release_lag(absl::Milliseconds(absl::GetFlag(FLAGS_testing_release_lag_ms)));
@@ -791,6 +819,7 @@ int Run() {
        {"health", health_plane.empty() ? "" : health_plane.substr(strlen(" health="))},
        {"metrics", metrics_plane.empty() ? "" : metrics_plane.substr(strlen(" metrics="))},
        {"backend", backend_name},
+       {"local_socket", local_socket},
        {"peers", absl::StrCat(members->Peers().size())},
        {"version", process.version},
        {"boot_id", process.boot_id}});

@@ -109,7 +109,7 @@ absl::StatusOr<std::unique_ptr<Device>> CreateNodeDevice(const std::string& back
                                                          size_t memory_budget,
                                                          size_t snapshot_budget,
                                                          size_t kept_arena_limit,
-                                                         bool prefault_memory) {
+                                                         bool prefault_memory, bool shareable) {
   std::unique_ptr<Device> device;
   if (backend == "cuda") {
     CudaDeviceOptions options;
@@ -133,7 +133,7 @@ absl::StatusOr<std::unique_ptr<Device>> CreateNodeDevice(const std::string& back
     }
   } else {
     device = std::make_unique<HostDevice>(memory_budget, snapshot_budget, kept_arena_limit,
-                                          prefault_memory);
+                                          prefault_memory, shareable);
   }
   return device;
 }

@@ -88,13 +88,14 @@ struct InflightSizes {
 absl::StatusOr<InflightSizes> SizeInflight(uint64_t inflight_budget, uint64_t stream_window,
                                            uint64_t max_message);
 
-// The device the caches live on: with backend "cuda" GPU `ordinal`, else host memory.
+// The device the caches live on: with backend "cuda" GPU `ordinal`, else host memory
+// (`shareable`: memfd arenas for the local data path, HostDevice's constructor).
 // The error carries the message the node exits with.
 absl::StatusOr<std::unique_ptr<Device>> CreateNodeDevice(const std::string& backend, int ordinal,
                                                          size_t memory_budget,
                                                          size_t snapshot_budget,
                                                          size_t kept_arena_limit,
-                                                         bool prefault_memory);
+                                                         bool prefault_memory, bool shareable);
 
 // Settings both servers share: the one gRPC quota, a fixed stream window, the RPC observer,
 // the message size limits and no SO_REUSEPORT.

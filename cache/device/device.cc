@@ -64,6 +64,12 @@ absl::StatusOr<DeviceArena> Device::Allocate(size_t bytes, MemoryPool pool,
   return DeviceArena(this, pool, *data, bytes, std::move(stream));
 }
 
+absl::StatusOr<SharedArena> Device::Share(const DeviceArena& arena) const {
+  (void)arena;
+  return absl::FailedPreconditionError(
+      absl::StrCat("device ", name(), " does not share its memory with other processes"));
+}
+
 void Device::Release(MemoryPool pool, uint8_t* data, size_t bytes) {
   RawFree(data, bytes);
   used_bytes_[static_cast<int>(pool)].fetch_sub(bytes, std::memory_order_relaxed);

@@ -82,6 +82,16 @@ class DeviceArena {
   std::shared_ptr<DeviceStream> stream_;
 };
 
+// An arena's memory as another process on this machine maps it (Device::Share): the local data
+// path, where an inference engine reads and writes cells in place.
+struct SharedArena {
+  // Host memory: a memfd holding the arena from offset 0. The device's own descriptor, open
+  // while the arena lives: send a copy (SCM_RIGHTS), never close it.
+  int fd = -1;
+  // Bytes the descriptor holds: the arena's size rounded up to whole pages.
+  size_t size = 0;
+};
+
 // A table of rows inside an arena: row r occupies [offset + r*row_bytes, +row_bytes).
 struct Plane {
   size_t offset = 0;
@@ -158,6 +168,10 @@ class Device {
     (void)arena;
     return nullptr;
   }
+
+  // The memory of `arena` (or of the arena it borrows) for another process to map.
+  // FAILED_PRECONDITION when this device does not share its memory (the default).
+  virtual absl::StatusOr<SharedArena> Share(const DeviceArena& arena) const;
 
   // Rotates the keys in rows `rows` of every plane by params.delta positions
   // (docs/api.md#rope-shift), computing in float32 and rounding back to params.dtype.

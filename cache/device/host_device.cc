@@ -1,6 +1,8 @@
 #include "cache/device/host_device.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -81,12 +83,14 @@ void Prefault(uint8_t* data, size_t length) {
 }  // namespace
 
 HostDevice::HostDevice(size_t budget_bytes, size_t snapshot_budget_bytes, size_t kept_limit,
-                       bool prefault)
+                       bool prefault, bool shareable)
     : Device(budget_bytes, snapshot_budget_bytes),
-      kept_limit_(std::min(kept_limit, budget_bytes > SIZE_MAX - snapshot_budget_bytes
-                                           ? SIZE_MAX
-                                           : budget_bytes + snapshot_budget_bytes)),
-      prefault_(prefault) {}
+      kept_limit_(shareable ? 0
+                            : std::min(kept_limit, budget_bytes > SIZE_MAX - snapshot_budget_bytes
+                                                       ? SIZE_MAX
+                                                       : budget_bytes + snapshot_budget_bytes)),
+      prefault_(prefault),
+      shareable_(shareable) {}
 
 HostDevice::~HostDevice() {
   MutexLock lock(&mu_);
@@ -109,7 +113,63 @@ void HostDevice::TrimKept(size_t limit) {
   }
 }
 
+absl::StatusOr<uint8_t*> HostDevice::AllocateShared(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t length = std::max(page, (bytes + page - 1) / page * page);
+  const int fd = memfd_create("kvmesh-arena", MFD_CLOEXEC);
+  if (fd < 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host: memfd_create for ", bytes, " bytes failed: ", std::strerror(errno)));
+  }
+  if (ftruncate(fd, static_cast<off_t>(length)) != 0) {
+    const int error = errno;
+    close(fd);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host: sizing a memfd to ", length, " bytes failed: ", std::strerror(error)));
+  }
+  void* data = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (data == MAP_FAILED) {
+    const int error = errno;
+    close(fd);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host: mapping a memfd of ", length, " bytes failed: ", std::strerror(error)));
+  }
+  uint8_t* const arena = static_cast<uint8_t*>(data);
+  if (prefault_) Prefault(arena, length);
+  MutexLock lock(&mu_);
+  shared_.emplace(arena, std::make_pair(fd, length));
+  return arena;
+}
+
+void HostDevice::FreeShared(uint8_t* data) {
+  std::pair<int, size_t> shared;
+  {
+    MutexLock lock(&mu_);
+    auto it = shared_.find(data);
+    if (it == shared_.end()) return;
+    shared = it->second;
+    shared_.erase(it);
+  }
+  const auto [fd, length] = shared;
+  // Another process may still map it: release the pages now rather than when it unmaps, so a
+  // deleted cache's memory is back at once and no one reads its bytes any more.
+  (void)fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(length));
+  munmap(data, length);
+  close(fd);
+}
+
+absl::StatusOr<SharedArena> HostDevice::Share(const DeviceArena& arena) const {
+  if (!shareable_) return Device::Share(arena);
+  ReaderMutexLock lock(&mu_);
+  auto it = shared_.find(arena.data());
+  if (it == shared_.end()) {
+    return absl::FailedPreconditionError("host: the arena is not one of this device's");
+  }
+  return SharedArena{it->second.first, it->second.second};
+}
+
 absl::StatusOr<uint8_t*> HostDevice::RawAllocate(size_t bytes) {
+  if (shareable_) return AllocateShared(bytes);
   if (MappedDirectly(bytes)) {
     const size_t length = RoundUpToHugePage(bytes);
     MutexLock lock(&mu_);
@@ -144,6 +204,7 @@ absl::StatusOr<uint8_t*> HostDevice::RawAllocate(size_t bytes) {
 }
 
 void HostDevice::RawFree(uint8_t* data, size_t bytes) {
+  if (shareable_) return FreeShared(data);
   if (MappedDirectly(bytes)) {
     const size_t length = RoundUpToHugePage(bytes);
     MutexLock lock(&mu_);

@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "cache/device/device.h"
 #include "cache/mutex.h"
 
@@ -38,8 +39,12 @@ class HostDevice : public Device {
   // (MADV_POPULATE_WRITE), so the cost of fresh memory is paid when a cache or snapshot is
   // allocated rather than by the first operation that writes it (a new cache's first import,
   // which on a VM costs several times the copy itself). Reused kept arenas are warm already.
+  // With `shareable`, every arena is a memfd mapping that Share hands to other processes (the
+  // local data path): nothing is kept for reuse (an arena another process mapped is never given
+  // to another cache), and a freed arena's pages are released at once, even while another
+  // process still maps them (it then reads zeros).
   HostDevice(size_t budget_bytes, size_t snapshot_budget_bytes,
-             size_t kept_limit = kDefaultKeptLimit, bool prefault = false);
+             size_t kept_limit = kDefaultKeptLimit, bool prefault = false, bool shareable = false);
   // Unmaps the kept arenas. REQUIRES: every arena was freed.
   ~HostDevice() override;
 
@@ -66,6 +71,9 @@ class HostDevice : public Device {
   absl::Status RopeShift(const DeviceArena& arena, absl::Span<const Plane> planes,
                          absl::Span<const int32_t> rows, const RopeShiftParams& params) override;
   const uint8_t* HostAddress(const DeviceArena& arena) const override { return arena.data(); }
+  // With `shareable`: the arena's memfd. FAILED_PRECONDITION without it.
+  absl::StatusOr<SharedArena> Share(const DeviceArena& arena) const override;
+  bool shareable() const { return shareable_; }
 
  protected:
   absl::StatusOr<uint8_t*> RawAllocate(size_t bytes) override;
@@ -75,9 +83,16 @@ class HostDevice : public Device {
   // Unmaps kept arenas, oldest first, until at most `limit` bytes are kept.
   void TrimKept(size_t limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // A shareable arena: a memfd of `length` bytes mapped at the arena's address.
+  absl::StatusOr<uint8_t*> AllocateShared(size_t bytes);
+  void FreeShared(uint8_t* data);
+
   const size_t kept_limit_;
   const bool prefault_;
+  const bool shareable_;
   mutable Mutex mu_;
+  // Shareable arenas by address: their memfd and its length.
+  absl::flat_hash_map<const uint8_t*, std::pair<int, size_t>> shared_ ABSL_GUARDED_BY(mu_);
   // Freed mapped arenas (mapped length, address), oldest first.
   std::deque<std::pair<size_t, uint8_t*>> kept_ ABSL_GUARDED_BY(mu_);
   size_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;

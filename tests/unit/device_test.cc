@@ -3,6 +3,7 @@
 // memory may be a GPU address, so the tests reach it only through Scatter and Gather (WriteArena,
 // ArenaBytes), never through DeviceArena::data().
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -314,6 +315,81 @@ TEST(HostDeviceTest, FreedLargeArenasAreKeptAndReusedBySize) {
   EXPECT_EQ(again->data()[4 * kMiB - 1], 0x33);
   EXPECT_EQ(device.kept_bytes(), 6 * kMiB);
   EXPECT_EQ(device.used_bytes(MemoryPool::kSnapshot), 4 * kMiB);
+}
+
+// The local data path's memory: another process maps a shareable arena through its memfd and
+// sees (and makes) the same bytes; a freed arena is never given out again, and its pages go at
+// once even while another mapping holds them.
+TEST(HostDeviceTest, ShareableArenasAreMemfdsThatAreNeverReused) {
+  if (testutil::TestOnCuda()) GTEST_SKIP() << "HostDevice only";
+  constexpr size_t kMiB = size_t{1} << 20;
+  HostDevice device(64 * kMiB, 64 * kMiB, HostDevice::kDefaultKeptLimit, /*prefault=*/false,
+                    /*shareable=*/true);
+  EXPECT_TRUE(device.shareable());
+  EXPECT_EQ(device.kept_limit_bytes(), 0u);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  uint8_t* view = nullptr;
+  size_t view_bytes = 0;
+  ino_t first_inode = 0;
+  {
+    absl::StatusOr<DeviceArena> arena = device.Allocate(3 * kMiB + 5);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    absl::StatusOr<SharedArena> shared = device.Share(*arena);
+    ASSERT_TRUE(shared.ok()) << shared.status();
+    EXPECT_EQ(shared->size, (3 * kMiB + 5 + page - 1) / page * page);
+    // A borrowed view of the arena shares the same memory.
+    absl::StatusOr<SharedArena> borrowed = device.Share(DeviceArena::Borrow(*arena));
+    ASSERT_TRUE(borrowed.ok()) << borrowed.status();
+    EXPECT_EQ(borrowed->fd, shared->fd);
+    struct stat st;
+    ASSERT_EQ(fstat(shared->fd, &st), 0);
+    first_inode = st.st_ino;
+    // What a worker does: map the descriptor (here a copy of it, as SCM_RIGHTS would give).
+    const int copy = dup(shared->fd);
+    ASSERT_GE(copy, 0);
+    void* mapped = mmap(nullptr, shared->size, PROT_READ | PROT_WRITE, MAP_SHARED, copy, 0);
+    close(copy);
+    ASSERT_NE(mapped, MAP_FAILED);
+    view = static_cast<uint8_t*>(mapped);
+    view_bytes = shared->size;
+    // Rows scattered by the device are in the mapping, and rows written there are gathered.
+    const Plane plane{0, 64};
+    std::vector<uint8_t> row(64, 0xab);
+    ASSERT_TRUE(device.Scatter(*arena, {&plane, 1}, std::vector<int32_t>{7}, row.data()).ok());
+    EXPECT_EQ(view[7 * 64], 0xab);
+    EXPECT_EQ(view[8 * 64 - 1], 0xab);
+    std::memset(view + 2 * 64, 0x17, 64);
+    std::vector<uint8_t> out(64);
+    ASSERT_TRUE(device.Gather(*arena, {&plane, 1}, std::vector<int32_t>{2}, out.data()).ok());
+    EXPECT_EQ(out, std::vector<uint8_t>(64, 0x17));
+  }
+  EXPECT_EQ(device.used_bytes(), 0u);
+  EXPECT_EQ(device.kept_bytes(), 0u);
+  // Freed: the worker's mapping still exists, but its pages were released and read as zeros.
+  EXPECT_EQ(view[7 * 64], 0);
+  EXPECT_EQ(view[2 * 64], 0);
+  // A new arena of the same size is another memfd, never the freed one.
+  absl::StatusOr<DeviceArena> again = device.Allocate(3 * kMiB + 5);
+  ASSERT_TRUE(again.ok()) << again.status();
+  absl::StatusOr<SharedArena> shared = device.Share(*again);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  struct stat st;
+  ASSERT_EQ(fstat(shared->fd, &st), 0);
+  EXPECT_NE(st.st_ino, first_inode);
+  again->data()[0] = 0x42;
+  EXPECT_EQ(view[0], 0);
+  munmap(view, view_bytes);
+}
+
+TEST(HostDeviceTest, ArenasOfADeviceThatDoesNotShareAreNotShared) {
+  if (testutil::TestOnCuda()) GTEST_SKIP() << "HostDevice only";
+  HostDevice device(1 << 20);
+  absl::StatusOr<DeviceArena> arena = device.Allocate(4096);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const absl::StatusOr<SharedArena> shared = device.Share(*arena);
+  EXPECT_EQ(shared.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shared.status().message(),
+            "device host does not share its memory with other processes");
 }
 
 TEST(HostDeviceTest, KeptArenasStayUnderTheLimitOldestUnmappedFirst) {

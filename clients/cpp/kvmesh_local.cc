@@ -1,0 +1,205 @@
+#include "clients/cpp/kvmesh_local.h"
+
+#include <errno.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvmesh {
+namespace local {
+
+namespace {
+
+absl::Status StatusOf(const v1::LocalResponse& response) {
+  if (response.code() == 0) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(response.code()), response.message());
+}
+
+bool WriteAll(int fd, const std::string& bytes) {
+  size_t sent = 0;
+  while (sent < bytes.size()) {
+    const ssize_t n = send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    sent += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// Reads exactly `n` bytes; descriptors that come with them are appended to *fds.
+bool ReadAll(int fd, char* out, size_t n, std::vector<int>* fds) {
+  size_t got = 0;
+  while (got < n) {
+    iovec iov{out + got, n - got};
+    char control[CMSG_SPACE(sizeof(int) * 64)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    const ssize_t r = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int received;
+        std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        fds->push_back(received);
+      }
+    }
+    got += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+}  // namespace
+
+MappedCache::~MappedCache() {
+  for (const MappedGroup& g : groups_) {
+    if (g.base != nullptr) munmap(g.base, g.bytes);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const std::string& path,
+                                                          const std::string& token,
+                                                          const std::string& tenant) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("socket path '", path, "' is too long"));
+  }
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int error = errno;
+    close(fd);
+    return absl::UnavailableError(
+        absl::StrCat("cannot connect to ", path, ": ", std::strerror(error)));
+  }
+  std::unique_ptr<Session> session(new Session(fd));
+  v1::LocalRequest hello;
+  hello.mutable_hello()->set_token(token);
+  hello.mutable_hello()->set_tenant(tenant);
+  absl::StatusOr<v1::LocalResponse> response = session->Call(std::move(hello));
+  if (!response.ok()) return response.status();
+  if (absl::Status s = StatusOf(*response); !s.ok()) return s;
+  session->tenant_ = response->hello().tenant();
+  return session;
+}
+
+Session::~Session() { close(fd_); }
+
+absl::StatusOr<v1::LocalResponse> Session::Call(v1::LocalRequest request, std::vector<int>* fds) {
+  request.set_id(next_id_++);
+  const std::string body = request.SerializeAsString();
+  std::string frame(4, '\0');
+  const uint32_t length = static_cast<uint32_t>(body.size());
+  for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>((length >> (8 * i)) & 0xff);
+  frame += body;
+  // A node that refuses the session (too many sessions) answers and closes before it reads:
+  // its answer may still be there to read when the write fails.
+  const bool written = WriteAll(fd_, frame);
+  std::vector<int> received;
+  char header[4];
+  if (!ReadAll(fd_, header, 4, &received)) {
+    for (int f : received) close(f);
+    return absl::UnavailableError(written ? "the node closed the local session"
+                                          : "the node closed the local session before the request");
+  }
+  uint32_t size = 0;
+  for (int i = 0; i < 4; ++i) size |= uint32_t{static_cast<uint8_t>(header[i])} << (8 * i);
+  std::string reply(size, '\0');
+  v1::LocalResponse response;
+  if (!ReadAll(fd_, reply.data(), size, &received) || !response.ParseFromString(reply)) {
+    for (int f : received) close(f);
+    return absl::UnavailableError("the node's local response was cut off or malformed");
+  }
+  if (fds != nullptr) {
+    fds->insert(fds->end(), received.begin(), received.end());
+  } else {
+    for (int f : received) close(f);
+  }
+  return response;
+}
+
+absl::StatusOr<std::unique_ptr<MappedCache>> Session::Attach(const std::string& cache) {
+  v1::LocalRequest request;
+  request.mutable_attach()->set_cache(cache);
+  std::vector<int> fds;
+  absl::StatusOr<v1::LocalResponse> response = Call(std::move(request), &fds);
+  if (!response.ok()) return response.status();
+  std::unique_ptr<MappedCache> mapped(new MappedCache());
+  absl::Status status = StatusOf(*response);
+  if (status.ok() && fds.size() != static_cast<size_t>(response->attach().groups_size())) {
+    status = absl::InternalError(absl::StrCat("the node sent ", fds.size(), " descriptors for ",
+                                              response->attach().groups_size(), " groups"));
+  }
+  for (size_t g = 0; status.ok() && g < fds.size(); ++g) {
+    const v1::LocalGroupMemory& memory = response->attach().groups(static_cast<int>(g));
+    MappedGroup group;
+    group.bytes = memory.bytes();
+    group.cells = memory.cells();
+    for (const v1::LocalPlane& plane : memory.planes()) {
+      group.planes.push_back({plane.offset(), plane.row_bytes()});
+    }
+    void* base = mmap(nullptr, group.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[g], 0);
+    if (base == MAP_FAILED) {
+      status = absl::InternalError(
+          absl::StrCat("mapping group ", g, "'s ", group.bytes, " bytes: ", std::strerror(errno)));
+      break;
+    }
+    group.base = static_cast<uint8_t*>(base);
+    mapped->groups_.push_back(std::move(group));
+  }
+  for (int f : fds) close(f);  // the mappings keep the memory
+  if (!status.ok()) return status;
+  mapped->spec_ = response->attach().spec();
+  return mapped;
+}
+
+absl::StatusOr<Pin> Session::PinCells(const std::string& cache, int64_t seq, int32_t begin,
+                                      std::optional<int32_t> end, absl::Duration lease) {
+  v1::LocalRequest request;
+  v1::LocalPin* pin = request.mutable_pin();
+  pin->set_cache(cache);
+  pin->set_seq(seq);
+  pin->set_begin(begin);
+  if (end.has_value()) {
+    pin->set_end(*end);
+    pin->set_has_end(true);
+  }
+  pin->set_lease_ms(absl::ToInt64Milliseconds(lease));
+  absl::StatusOr<v1::LocalResponse> response = Call(std::move(request));
+  if (!response.ok()) return response.status();
+  if (absl::Status s = StatusOf(*response); !s.ok()) return s;
+  Pin out;
+  out.id = response->pin().pin();
+  for (const v1::LocalGroupCells& g : response->pin().groups()) {
+    out.positions.emplace_back(g.positions().begin(), g.positions().end());
+    out.cells.emplace_back(g.cells().begin(), g.cells().end());
+  }
+  out.expires = absl::FromUnixMillis(response->pin().expires_unix_ms());
+  return out;
+}
+
+absl::Status Session::Unpin(uint64_t pin) {
+  v1::LocalRequest request;
+  request.mutable_unpin()->set_pin(pin);
+  absl::StatusOr<v1::LocalResponse> response = Call(std::move(request));
+  if (!response.ok()) return response.status();
+  return StatusOf(*response);
+}
+
+}  // namespace local
+}  // namespace kvmesh

@@ -1,0 +1,113 @@
+// The worker's end of kvmesh's local data path (proto/kvmesh/v1/local.proto,
+// docs/api.md#local-data-path), for C++ inference engines on the same machine as a node: a
+// session over the node's --local-socket, caches' memory mapped into this process, and pins of
+// cells to read in place.
+//
+//   auto session = kvmesh::local::Session::Connect("/run/kvmesh/local.sock", token);
+//   auto cache = (*session)->Attach("llama");         // maps every group's memory
+//   auto pin = (*session)->Pin("llama", seq, 0, std::nullopt);
+//   // group g's plane p, cell pin->cells[g][i]:
+//   const uint8_t* row = cache->Row(g, p, pin->cells[g][i]);
+//   ...
+//   (*session)->Unpin(pin->id);
+//
+// Thread safety: a Session is used by one thread at a time. A MappedCache may be read from any
+// thread; it stays mapped until destroyed, after the session too.
+#ifndef KVMESH_CLIENTS_CPP_KVMESH_LOCAL_H_
+#define KVMESH_CLIENTS_CPP_KVMESH_LOCAL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvmesh/v1/kvmesh.pb.h"
+#include "kvmesh/v1/local.pb.h"
+
+namespace kvmesh {
+namespace local {
+
+// One group's memory, mapped.
+struct MappedGroup {
+  uint8_t* base = nullptr;
+  size_t bytes = 0;
+  int64_t cells = 0;
+  struct Plane {
+    size_t offset = 0;
+    size_t row_bytes = 0;
+  };
+  std::vector<Plane> planes;  // payload order (docs/api.md#payload-layout)
+};
+
+class MappedCache {
+ public:
+  ~MappedCache();
+  MappedCache(const MappedCache&) = delete;
+  MappedCache& operator=(const MappedCache&) = delete;
+
+  const v1::CacheSpec& spec() const { return spec_; }
+  const std::vector<MappedGroup>& groups() const { return groups_; }
+  // Row `cell` of plane `plane` of group `group`. REQUIRES: all three in range.
+  uint8_t* Row(size_t group, size_t plane, int32_t cell) const {
+    const MappedGroup& g = groups_[group];
+    return g.base + g.planes[plane].offset + static_cast<size_t>(cell) * g.planes[plane].row_bytes;
+  }
+
+ private:
+  friend class Session;
+  MappedCache() = default;
+  v1::CacheSpec spec_;
+  std::vector<MappedGroup> groups_;
+};
+
+// Cells pinned for reading in place: per group, the positions held and the cell of each.
+struct Pin {
+  uint64_t id = 0;
+  std::vector<std::vector<int32_t>> positions;
+  std::vector<std::vector<int32_t>> cells;
+  absl::Time expires;
+};
+
+class Session {
+ public:
+  // Connects to `path` and says Hello with `token` (empty in development mode) and, for an
+  // admin, the tenant to act for. The node's error (UNAUTHENTICATED, ...) when it refuses;
+  // UNAVAILABLE when it cannot connect.
+  static absl::StatusOr<std::unique_ptr<Session>> Connect(const std::string& path,
+                                                          const std::string& token = "",
+                                                          const std::string& tenant = "");
+  ~Session();  // ends the session: the node drops its pins
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // The tenant the node runs the session as.
+  const std::string& tenant() const { return tenant_; }
+
+  // Maps every group of the session tenant's cache `cache`.
+  absl::StatusOr<std::unique_ptr<MappedCache>> Attach(const std::string& cache);
+  // Pins the cells of seq's positions [begin, end) (end absent: to its end) for `lease`
+  // (zero: the node's default).
+  absl::StatusOr<Pin> PinCells(const std::string& cache, int64_t seq, int32_t begin,
+                               std::optional<int32_t> end,
+                               absl::Duration lease = absl::ZeroDuration());
+  absl::Status Unpin(uint64_t pin);
+
+  // Sends `request` as it is and returns the node's response (with the descriptors it came
+  // with, which the caller then owns): for tests of the protocol itself.
+  absl::StatusOr<v1::LocalResponse> Call(v1::LocalRequest request, std::vector<int>* fds = nullptr);
+
+ private:
+  explicit Session(int fd) : fd_(fd) {}
+  const int fd_;
+  uint64_t next_id_ = 1;
+  std::string tenant_;
+};
+
+}  // namespace local
+}  // namespace kvmesh
+
+#endif  // KVMESH_CLIENTS_CPP_KVMESH_LOCAL_H_

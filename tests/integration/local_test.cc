@@ -1,0 +1,336 @@
+// The local data path (proto/kvmesh/v1/local.proto) against a real kvmesh-node process: a worker
+// session over --local-socket maps a cache's memory and pins cells; the rows it sees in place
+// are the bytes gRPC Read returns, a row written in place is what Read returns next, pins keep
+// cells from being freed until they go (Unpin, lease, session end), and a worker sees only its
+// own tenant's caches.
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "clients/cpp/kvmesh_local.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "service/auth.h"
+#include "service/common/client_channel.h"
+#include "tests/integration/client_util.h"
+#include "tests/integration/node_fixture.h"
+#include "tests/testing/certs.h"
+#include "tests/testing/node_process.h"
+
+namespace kvmesh {
+namespace testutil {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kAlice[] = "alice-0123456789abcdef0123456789abcdef";  // team-a
+constexpr char kBob[] = "bob-0123456789abcdef0123456789abcdef";      // team-b
+
+// Two layers of one head of 8 dims, F32: 4 planes (K and V of each layer) of 32-byte rows.
+v1::CacheSpec SmallSpec(const std::string& name) {
+  AttentionOptions a;
+  a.num_layers = 2;
+  a.num_kv_heads = 1;
+  a.head_dim_k = 8;
+  a.head_dim_v = 8;
+  return SpecProto(name, 4, 64, 16, {AttentionGroupProto(a)});
+}
+
+std::unique_ptr<Stub> StubFor(const std::string& address, const std::string& token) {
+  ClientConnectionOptions options;
+  options.token = token;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = NewClientChannel(address, options, args);
+  EXPECT_TRUE(channel.ok()) << channel.status();
+  return v1::CacheService::NewStub(*channel);
+}
+
+int64_t CellsUsed(Stub& stub, const std::string& cache) {
+  v1::GetCacheResponse response;
+  const grpc::Status status = GetCache(stub, cache, &response);
+  EXPECT_TRUE(status.ok()) << StatusText(status);
+  return response.cache().usage().groups(0).cells_used();
+}
+
+class LocalTest : public ::testing::Test {
+ protected:
+  void Start(const std::string& token_file) {
+    absl::StatusOr<std::unique_ptr<TempDir>> dir = TempDir::Create("kvmesh-local");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = *std::move(dir);
+    socket_ = dir_->File("local.sock");
+    NodeProcess::Options options;
+    options.node_name = "local-node";
+    options.extra_args = {absl::StrCat("--local-socket=", socket_), "--memory-budget=64MiB",
+                          "--snapshot-budget=16MiB"};
+    if (!token_file.empty()) options.extra_args.push_back("--token-file=" + token_file);
+    absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
+    ASSERT_TRUE(node.ok()) << node.status();
+    node_ = *std::move(node);
+  }
+
+  std::unique_ptr<TempDir> dir_;
+  std::string socket_;
+  std::unique_ptr<NodeProcess> node_;
+};
+
+TEST_F(LocalTest, CellsReadInPlaceAreReadsBytesAndWritesInPlaceAreSeen) {
+  ASSERT_NO_FATAL_FAILURE(Start(""));
+  std::unique_ptr<Stub> stub = node_->NewStub();
+  const v1::CacheSpec spec = SmallSpec("m");
+  KVMESH_ASSERT_OK(CreateCache(*stub, spec));
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 3, {0, 1, 2, 3, 4, 5, 6})));
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 5, {0, 1, 2})));
+
+  absl::StatusOr<std::unique_ptr<local::Session>> session = local::Session::Connect(socket_);
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_EQ((*session)->tenant(), "default");
+  absl::StatusOr<std::unique_ptr<local::MappedCache>> cache = (*session)->Attach("m");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_EQ((*cache)->spec().name(), "m");
+  ASSERT_EQ((*cache)->groups().size(), 1u);
+  const local::MappedGroup& group = (*cache)->groups()[0];
+  v1::GetCacheResponse info;
+  KVMESH_ASSERT_OK(GetCache(*stub, "m", &info));
+  EXPECT_EQ(group.cells, info.cache().usage().groups(0).cells_total());
+  ASSERT_EQ(group.planes.size(), 4u);  // K and V of two layers
+  for (const auto& plane : group.planes) EXPECT_EQ(plane.row_bytes, 32u);
+
+  absl::StatusOr<local::Pin> pin = (*session)->PinCells("m", 3, 2, 6);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  ASSERT_EQ(pin->cells.size(), 1u);
+  EXPECT_EQ(pin->positions[0], (std::vector<int32_t>{2, 3, 4, 5}));
+  ASSERT_EQ(pin->cells[0].size(), 4u);
+  EXPECT_GT(pin->expires, absl::Now());
+
+  // Read's payload: each plane's rows in position order.
+  auto expect_rows_as_read = [&] {
+    ReadOutput read;
+    KVMESH_ASSERT_OK(Read(*stub, ReadRequest("m", 3, 2, 6), &read));
+    ASSERT_EQ(read.payload.size(), 4u * 4u * 32u);
+    for (size_t p = 0; p < 4; ++p) {
+      for (size_t i = 0; i < 4; ++i) {
+        const uint8_t* row = (*cache)->Row(0, p, pin->cells[0][i]);
+        EXPECT_EQ(std::memcmp(row, read.payload.data() + (p * 4 + i) * 32, 32), 0)
+            << "plane " << p << " position " << pin->positions[0][i];
+      }
+    }
+  };
+  ASSERT_NO_FATAL_FAILURE(expect_rows_as_read());
+  // A row written in place is what gRPC reads next.
+  std::memset((*cache)->Row(0, 1, pin->cells[0][2]), 0x5c, 32);
+  ASSERT_NO_FATAL_FAILURE(expect_rows_as_read());
+  ReadOutput read;
+  KVMESH_ASSERT_OK(Read(*stub, ReadRequest("m", 3, 4, 5), &read));
+  EXPECT_EQ(read.payload.substr(32, 32), std::string(32, '\x5c'));
+
+  KVMESH_EXPECT_OK(grpc::Status::OK);
+  EXPECT_TRUE((*session)->Unpin(pin->id).ok());
+  const absl::Status again = (*session)->Unpin(pin->id);
+  EXPECT_EQ(again.code(), absl::StatusCode::kNotFound) << again;
+  EXPECT_THAT(std::string(again.message()), HasSubstr("no pin"));
+}
+
+TEST_F(LocalTest, PinnedCellsStayUsedUntilUnpinLeaseOrSessionEnd) {
+  ASSERT_NO_FATAL_FAILURE(Start(""));
+  std::unique_ptr<Stub> stub = node_->NewStub();
+  const v1::CacheSpec spec = SmallSpec("m");
+  KVMESH_ASSERT_OK(CreateCache(*stub, spec));
+  auto session = local::Session::Connect(socket_);
+  ASSERT_TRUE(session.ok()) << session.status();
+
+  // Unpin: a removed sequence's pinned cells are used until the pin goes.
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 1, {0, 1, 2, 3})));
+  absl::StatusOr<local::Pin> pin = (*session)->PinCells("m", 1, 0, std::nullopt);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  KVMESH_ASSERT_OK(Remove(*stub, "m", 1, 0));
+  EXPECT_EQ(CellsUsed(*stub, "m"), 4);
+  ASSERT_TRUE((*session)->Unpin(pin->id).ok());
+  EXPECT_EQ(CellsUsed(*stub, "m"), 0);
+
+  // A lease that runs out.
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 1, {0, 1, 2})));
+  pin = (*session)->PinCells("m", 1, 0, std::nullopt, absl::Milliseconds(300));
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  KVMESH_ASSERT_OK(Remove(*stub, "m", 1, 0));
+  EXPECT_EQ(CellsUsed(*stub, "m"), 3);
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (CellsUsed(*stub, "m") != 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(CellsUsed(*stub, "m"), 0);
+  EXPECT_EQ((*session)->Unpin(pin->id).code(), absl::StatusCode::kNotFound);
+
+  // The session ends: its pins go.
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 2, {0, 1})));
+  pin = (*session)->PinCells("m", 2, 0, std::nullopt);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  KVMESH_ASSERT_OK(Remove(*stub, "m", 2, 0));
+  EXPECT_EQ(CellsUsed(*stub, "m"), 2);
+  session->reset();
+  const absl::Time until2 = absl::Now() + absl::Seconds(5);
+  while (CellsUsed(*stub, "m") != 0 && absl::Now() < until2) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(CellsUsed(*stub, "m"), 0);
+}
+
+TEST_F(LocalTest, BadRequestsAreRefusedWithTheirValues) {
+  ASSERT_NO_FATAL_FAILURE(Start(""));
+  std::unique_ptr<Stub> stub = node_->NewStub();
+  const v1::CacheSpec spec = SmallSpec("m");
+  KVMESH_ASSERT_OK(CreateCache(*stub, spec));
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 1, {0, 1})));
+  auto session = local::Session::Connect(socket_);
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::StatusOr<std::unique_ptr<local::MappedCache>> missing = (*session)->Attach("nope");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+  absl::StatusOr<local::Pin> pin = (*session)->PinCells("m", 9, 0, std::nullopt);
+  EXPECT_EQ(pin.status().code(), absl::StatusCode::kNotFound) << pin.status();
+  pin = (*session)->PinCells("m", 1, -1, std::nullopt);
+  EXPECT_EQ(pin.status().code(), absl::StatusCode::kInvalidArgument) << pin.status();
+  pin = (*session)->PinCells("m", 1, 0, std::nullopt, absl::Hours(1));
+  EXPECT_EQ(pin.status().code(), absl::StatusCode::kInvalidArgument) << pin.status();
+  EXPECT_THAT(std::string(pin.status().message()), HasSubstr("lease_ms = 3600000"));
+  v1::LocalRequest hello;
+  hello.mutable_hello();
+  absl::StatusOr<v1::LocalResponse> twice = (*session)->Call(hello);
+  ASSERT_TRUE(twice.ok()) << twice.status();
+  EXPECT_EQ(twice->code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  // The session still works after refusals.
+  pin = (*session)->PinCells("m", 1, 0, std::nullopt);
+  EXPECT_TRUE(pin.ok()) << pin.status();
+}
+
+// What one worker can make the node hold: 64 sessions, 1,024 pins a session.
+TEST_F(LocalTest, SessionsAndPinsAreBounded) {
+  ASSERT_NO_FATAL_FAILURE(Start(""));
+  std::unique_ptr<Stub> stub = node_->NewStub();
+  const v1::CacheSpec spec = SmallSpec("m");
+  KVMESH_ASSERT_OK(CreateCache(*stub, spec));
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 1, {0, 1})));
+  std::vector<std::unique_ptr<local::Session>> sessions;
+  for (int i = 0; i < 64; ++i) {
+    absl::StatusOr<std::unique_ptr<local::Session>> session = local::Session::Connect(socket_);
+    ASSERT_TRUE(session.ok()) << i << ": " << session.status();
+    sessions.push_back(*std::move(session));
+  }
+  absl::StatusOr<std::unique_ptr<local::Session>> over = local::Session::Connect(socket_);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_THAT(std::string(over.status().message()), HasSubstr("64 local sessions"));
+  // One that ends makes room.
+  sessions.pop_back();
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  absl::StatusOr<std::unique_ptr<local::Session>> again = local::Session::Connect(socket_);
+  while (!again.ok() && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(50));
+    again = local::Session::Connect(socket_);
+  }
+  ASSERT_TRUE(again.ok()) << again.status();
+  for (int i = 0; i < 1024; ++i) {
+    absl::StatusOr<local::Pin> pin = (*again)->PinCells("m", 1, 0, std::nullopt);
+    ASSERT_TRUE(pin.ok()) << i << ": " << pin.status();
+  }
+  absl::StatusOr<local::Pin> pin = (*again)->PinCells("m", 1, 0, std::nullopt);
+  EXPECT_EQ(pin.status().code(), absl::StatusCode::kResourceExhausted) << pin.status();
+  EXPECT_THAT(std::string(pin.status().message()), HasSubstr("1024 pins"));
+}
+
+// Raw frames: a request before Hello, and a frame over the limit, end the session.
+TEST_F(LocalTest, NothingButAHelloIsReadBeforeTheSessionIsAuthenticated) {
+  ASSERT_NO_FATAL_FAILURE(Start(""));
+  auto raw_connect = [&]() {
+    const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, socket_.data(), socket_.size());
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    return fd;
+  };
+  auto read_response = [](int fd) {
+    char header[4];
+    EXPECT_EQ(recv(fd, header, 4, MSG_WAITALL), 4);
+    uint32_t n = 0;
+    for (int i = 0; i < 4; ++i) n |= uint32_t{static_cast<uint8_t>(header[i])} << (8 * i);
+    std::string body(n, '\0');
+    EXPECT_EQ(recv(fd, body.data(), n, MSG_WAITALL), static_cast<ssize_t>(n));
+    v1::LocalResponse response;
+    EXPECT_TRUE(response.ParseFromString(body));
+    return response;
+  };
+  {
+    const int fd = raw_connect();
+    v1::LocalRequest request;
+    request.mutable_attach()->set_cache("m");
+    const std::string body = request.SerializeAsString();
+    std::string frame(4, '\0');
+    frame[0] = static_cast<char>(body.size());
+    frame += body;
+    ASSERT_EQ(send(fd, frame.data(), frame.size(), 0), static_cast<ssize_t>(frame.size()));
+    const v1::LocalResponse response = read_response(fd);
+    EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kUnauthenticated));
+    char byte;
+    EXPECT_EQ(recv(fd, &byte, 1, 0), 0);  // closed
+    close(fd);
+  }
+  {
+    const int fd = raw_connect();
+    const uint32_t huge = 100 << 20;
+    char header[4];
+    for (int i = 0; i < 4; ++i) header[i] = static_cast<char>((huge >> (8 * i)) & 0xff);
+    ASSERT_EQ(send(fd, header, 4, 0), 4);
+    const v1::LocalResponse response = read_response(fd);
+    EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+    EXPECT_THAT(response.message(), HasSubstr("104857600 bytes"));
+    char byte;
+    EXPECT_EQ(recv(fd, &byte, 1, 0), 0);
+    close(fd);
+  }
+}
+
+// With a token file: a worker needs a valid token, and maps and pins only its tenant's caches.
+TEST_F(LocalTest, AWorkerSeesOnlyItsOwnTenantsCaches) {
+  absl::StatusOr<std::unique_ptr<TempDir>> tokens_dir = TempDir::Create("kvmesh-local-tokens");
+  ASSERT_TRUE(tokens_dir.ok()) << tokens_dir.status();
+  const std::string tokens = (*tokens_dir)->File("tokens");
+  {
+    std::ofstream out(tokens);
+    out << "token sha256:" << Sha256Hex(kAlice) << " team-a tenant\n"
+        << "token sha256:" << Sha256Hex(kBob) << " team-b tenant\n";
+  }
+  ASSERT_NO_FATAL_FAILURE(Start(tokens));
+  std::unique_ptr<Stub> alice = StubFor(node_->address(), kAlice);
+  const v1::CacheSpec spec = SmallSpec("secret");
+  KVMESH_ASSERT_OK(CreateCache(*alice, spec));
+  KVMESH_ASSERT_OK(Append(*alice, MakeAppend(spec, 1, {0, 1, 2})));
+
+  absl::StatusOr<std::unique_ptr<local::Session>> none = local::Session::Connect(socket_);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kUnauthenticated) << none.status();
+  absl::StatusOr<std::unique_ptr<local::Session>> wrong =
+      local::Session::Connect(socket_, "not-a-token");
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kUnauthenticated) << wrong.status();
+  EXPECT_THAT(std::string(wrong.status().message()), ::testing::Not(HasSubstr("not-a-token")));
+  // Bob may not name Alice's tenant (he is no admin), nor find her cache under his own.
+  absl::StatusOr<std::unique_ptr<local::Session>> as_a =
+      local::Session::Connect(socket_, kBob, "team-a");
+  EXPECT_EQ(as_a.status().code(), absl::StatusCode::kPermissionDenied) << as_a.status();
+  absl::StatusOr<std::unique_ptr<local::Session>> bob = local::Session::Connect(socket_, kBob);
+  ASSERT_TRUE(bob.ok()) << bob.status();
+  EXPECT_EQ((*bob)->tenant(), "team-b");
+  EXPECT_EQ((*bob)->Attach("secret").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*bob)->PinCells("secret", 1, 0, std::nullopt).status().code(),
+            absl::StatusCode::kNotFound);
+  absl::StatusOr<std::unique_ptr<local::Session>> a = local::Session::Connect(socket_, kAlice);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE((*a)->Attach("secret").ok());
+  EXPECT_TRUE((*a)->PinCells("secret", 1, 0, std::nullopt).ok());
+}
+
+}  // namespace
+}  // namespace testutil
+}  // namespace kvmesh
