@@ -1,0 +1,217 @@
+"""The local data path (docs/api.md#local-data-path): a worker on the same machine as a node maps
+a cache's memory and reads pinned cells in place, as numpy arrays, instead of copying K/V
+through gRPC.
+
+    with kvmesh.local.Session("/run/kvmesh/local.sock", token=...) as session:
+        cache = session.attach("m")               # maps every group's memory
+        pin = session.pin("m", seq=0)              # the sequence's cells, pinned
+        k0 = cache.rows(group=0, plane=0)[pin.cells[0]]   # [tokens, row bytes] of layer 0's K
+        session.unpin(pin)
+
+``cache.rows(g, p)`` is a writable uint8 view ``[cells, row_bytes]`` of plane ``p`` of group
+``g`` (planes in payload order: docs/api.md#payload-layout); ``cache.rows(g, p, dtype)`` views
+the same bytes as ``[cells, row_bytes / itemsize]`` of that numpy dtype. The views stay valid
+while the MappedCache is open (after the session too).
+
+Framing and messages: proto/kvmesh/v1/local.proto (generated as ``kvmesh.v1.local_pb2``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import socket
+import struct
+from dataclasses import dataclass
+from typing import List, Optional
+
+import grpc
+import numpy as np
+
+from .errors import error_for_code
+
+try:
+    from .v1 import local_pb2 as _pb
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("kvmesh.local: the generated kvmesh.v1.local_pb2 was not found; build the "
+                      "kvmesh_python target (clients/python/README.md)") from error
+
+__all__ = ["Session", "MappedCache", "MappedGroup", "Pin"]
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_MAX_FDS = 64
+
+
+def _raise_for(response) -> None:
+    if response.code == 0:
+        return
+    code = _CODES.get(response.code, grpc.StatusCode.UNKNOWN)
+    raise error_for_code(code)(response.message, code=code, method="local")
+
+
+@dataclass
+class MappedGroup:
+    """One group's memory: ``cells`` rows of every plane (offset, row_bytes)."""
+
+    memory: mmap.mmap
+    cells: int
+    planes: List[tuple]
+
+
+class MappedCache:
+    """A cache's memory mapped into this process (``Session.attach``)."""
+
+    def __init__(self, spec, groups: List[MappedGroup]) -> None:
+        self.spec = spec  # kvmesh.v1.CacheSpec
+        self.groups = groups
+
+    def rows(self, group: int, plane: int, dtype=np.uint8) -> np.ndarray:
+        """Plane ``plane`` of group ``group`` as a writable ``[cells, row elements]`` view."""
+        g = self.groups[group]
+        offset, row_bytes = g.planes[plane]
+        flat = np.frombuffer(g.memory, dtype=np.uint8, count=g.cells * row_bytes, offset=offset)
+        dtype = np.dtype(dtype)
+        return flat.view(dtype).reshape(g.cells, row_bytes // dtype.itemsize)
+
+    def close(self) -> None:
+        """Unmaps the memory (views made by ``rows`` must be gone first)."""
+        for g in self.groups:
+            g.memory.close()
+        self.groups = []
+
+    def __enter__(self) -> "MappedCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class Pin:
+    """Cells pinned for reading: per group, the positions held and the cell of each."""
+
+    id: int
+    positions: List[np.ndarray]
+    cells: List[np.ndarray]
+    expires: float  # unix seconds
+
+
+class Session:
+    """A session with a node's --local-socket, authenticated with ``token`` (empty in
+    development mode) and, for an admin, the ``tenant`` to act for."""
+
+    def __init__(self, path: str, token: str = "", tenant: str = "",
+                 timeout: Optional[float] = 30.0) -> None:
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket.settimeout(timeout)
+        self._next_id = 1
+        try:
+            self._socket.connect(path)
+        except OSError as error:
+            self._socket.close()
+            code = grpc.StatusCode.UNAVAILABLE
+            raise error_for_code(code)(f"cannot connect to {path}: {error}", code=code,
+                                       method="local") from error
+        request = _pb.LocalRequest()
+        request.hello.token = token
+        request.hello.tenant = tenant
+        try:
+            response, _ = self._call(request)
+        except Exception:
+            self._socket.close()
+            raise
+        self.tenant = response.hello.tenant
+        self.node = response.hello.node
+
+    def close(self) -> None:
+        """Ends the session: the node drops its pins."""
+        self._socket.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _recv_exactly(self, n: int, fds: List[int]) -> bytes:
+        chunks = []
+        while n > 0:
+            data, ancdata, _, _ = self._socket.recvmsg(
+                n, socket.CMSG_SPACE(_MAX_FDS * struct.calcsize("i")))
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    usable = len(payload) - len(payload) % struct.calcsize("i")
+                    fds.extend(struct.unpack(f"{usable // 4}i", payload[:usable]))
+            if not data:
+                for fd in fds:
+                    socket.close(fd)
+                code = grpc.StatusCode.UNAVAILABLE
+                raise error_for_code(code)("the node closed the local session", code=code,
+                                           method="local")
+            chunks.append(data)
+            n -= len(data)
+        return b"".join(chunks)
+
+    def _call(self, request):
+        request.id = self._next_id
+        self._next_id += 1
+        body = request.SerializeToString()
+        try:
+            self._socket.sendall(struct.pack("<I", len(body)) + body)
+        except OSError:
+            pass  # a node that refused the session may have answered already: read it
+        fds: List[int] = []
+        (length,) = struct.unpack("<I", self._recv_exactly(4, fds))
+        response = _pb.LocalResponse()
+        response.ParseFromString(self._recv_exactly(length, fds))
+        try:
+            _raise_for(response)
+        except Exception:
+            for fd in fds:
+                socket.close(fd)
+            raise
+        return response, fds
+
+    def attach(self, cache: str) -> MappedCache:
+        """Maps every group of the session tenant's cache ``cache``."""
+        request = _pb.LocalRequest()
+        request.attach.cache = cache
+        response, fds = self._call(request)
+        groups = []
+        try:
+            if len(fds) != len(response.attach.groups):
+                raise RuntimeError(f"the node sent {len(fds)} descriptors for "
+                                   f"{len(response.attach.groups)} groups")
+            for fd, memory in zip(fds, response.attach.groups):
+                mapped = mmap.mmap(fd, memory.bytes, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+                groups.append(MappedGroup(mapped, memory.cells,
+                                          [(p.offset, p.row_bytes) for p in memory.planes]))
+        finally:
+            for fd in fds:
+                socket.close(fd)  # the mappings keep the memory
+        return MappedCache(response.attach.spec, groups)
+
+    def pin(self, cache: str, seq: int, begin: int = 0, end: Optional[int] = None,
+            lease: Optional[float] = None) -> Pin:
+        """Pins the cells of positions [begin, end) of ``seq`` (``end`` None: to its end) for
+        ``lease`` seconds (None: the node's default)."""
+        request = _pb.LocalRequest()
+        request.pin.cache = cache
+        request.pin.seq = seq
+        request.pin.begin = begin
+        if end is not None:
+            request.pin.end = end
+            request.pin.has_end = True
+        request.pin.lease_ms = 0 if lease is None else int(round(lease * 1000))
+        response, _ = self._call(request)
+        result = response.pin
+        return Pin(result.pin,
+                   [np.array(g.positions, dtype=np.int32) for g in result.groups],
+                   [np.array(g.cells, dtype=np.int64) for g in result.groups],
+                   result.expires_unix_ms / 1000.0)
+
+    def unpin(self, pin) -> None:
+        """Releases ``pin`` (a Pin or its id)."""
+        request = _pb.LocalRequest()
+        request.unpin.pin = pin.id if isinstance(pin, Pin) else int(pin)
+        self._call(request)
