@@ -290,6 +290,7 @@ class AttentionGroup::AppendReservation final : public LayerGroup::Reservation {
                                     src);
   }
   bool InHostMemory() const override { return group_->CellsInHostMemory(); }
+  absl::Span<const int32_t> cells() const override { return taken_.cells; }
   void Commit(const AppendBatch& batch) override {
     // The pruning this batch allows now; what TakeCells pruned early stays done.
     group_->ApplyPrune(group_->PlanAppend(batch.lowest, batch.pending_first));

@@ -119,6 +119,14 @@ class AppendWriter {
   // The most host memory the writer holds: size() when buffered; in cells, one row of the
   // largest plane (a row split between two writes waits there).
   size_t host_bytes() const;
+  // In cells: per group, the cell each token of the batch goes to, in batch order (-1: a token
+  // that a later one of the batch overwrites; its row is not stored), as rows of the group's
+  // planes (Cache::SharedGroups). Empty when not in_cells().
+  std::vector<std::vector<int32_t>> Cells() const;
+  // Commit of a payload written straight into Cells() by another party (the local data path)
+  // instead of through Write: the same checks and outcome. FAILED_PRECONDITION unless in_cells()
+  // and nothing went through Write.
+  absl::Status CommitInPlace();
   // Cache::Append of the tokens and the payload written, judged now (the cache may have changed
   // since BeginAppend), with Append's errors. FAILED_PRECONDITION unless exactly size() bytes
   // were written (the writer stays usable: the rest may still come), or after an earlier Commit

@@ -407,6 +407,34 @@ absl::Status AppendWriter::Write(absl::Span<const uint8_t> bytes) {
   return status;
 }
 
+std::vector<std::vector<int32_t>> AppendWriter::Cells() const {
+  std::vector<std::vector<int32_t>> cells;
+  if (!in_cells()) return cells;
+  for (const auto& reservation : state_->reservations) {
+    const absl::Span<const int32_t> group = reservation->cells();
+    cells.emplace_back(group.begin(), group.end());
+  }
+  return cells;
+}
+
+absl::Status AppendWriter::CommitInPlace() {
+  State& s = *state_;
+  if (!s.error.ok()) return s.error;
+  if (s.used) return absl::FailedPreconditionError("the Append was committed already");
+  if (!in_cells()) {
+    return absl::FailedPreconditionError(
+        "the Append's rows do not go straight into cells: commit it with its payload");
+  }
+  if (s.written != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(s.written, " payload bytes were written through Write already"));
+  }
+  s.written = s.size;
+  s.used = true;
+  s.scatter->FreeStaging();
+  return s.cache->CommitReservedAppend(s);
+}
+
 absl::Status AppendWriter::Commit() {
   State& s = *state_;
   if (!s.error.ok()) return s.error;

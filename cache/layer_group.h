@@ -177,6 +177,10 @@ class LayerGroup {
                                    const uint8_t* src) const = 0;
     // Whether the reserved cells lie in host memory (a write is a memcpy, not a device copy).
     virtual bool InHostMemory() const = 0;
+    // The cell each row of the batch's section goes to, in batch order (-1: a row that a later
+    // token of the batch overwrites, never written); empty for a group whose rows are not cells
+    // of the group's planes.
+    virtual absl::Span<const int32_t> cells() const { return {}; }
     virtual void Commit(const AppendBatch& batch) = 0;
     virtual void Abandon() = 0;
   };

@@ -13,6 +13,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "cache/cache.h"
@@ -91,6 +92,12 @@ struct LocalServer::Session {
   };
   std::map<uint64_t, Pin> pins;
   uint64_t next_pin = 1;
+  struct Plan {
+    std::unique_ptr<AppendWriter> writer;
+    absl::Time expires;
+  };
+  std::map<uint64_t, Plan> plans;
+  uint64_t next_plan = 1;
 };
 
 absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(Options options) {
@@ -192,6 +199,7 @@ void LocalServer::AcceptLoop() {
       // Pins go with the session, before anyone can take it for ended.
       pins_.fetch_sub(s->pins.size());
       s->pins.clear();
+      s->plans.clear();
       s->done.store(true);
     });
   }
@@ -237,6 +245,19 @@ void LocalServer::Serve(Session* session) {
         ++it;
       }
     }
+    for (auto it = session->plans.begin(); it != session->plans.end();) {
+      // The writer's destruction gives its cells back.
+      it = it->second.expires <= now ? session->plans.erase(it) : std::next(it);
+    }
+  };
+  // A lease asked for in ms: 0 for the default; INVALID_ARGUMENT outside [0, max_lease].
+  auto lease = [&](int64_t lease_ms) -> absl::StatusOr<absl::Time> {
+    if (lease_ms < 0 || absl::Milliseconds(lease_ms) > options_.max_lease) {
+      return absl::InvalidArgumentError(absl::StrCat("lease_ms = ", lease_ms, " is outside [0, ",
+                                                     absl::ToInt64Milliseconds(options_.max_lease),
+                                                     "] (0: the node's default)"));
+    }
+    return absl::Now() + (lease_ms == 0 ? options_.default_lease : absl::Milliseconds(lease_ms));
   };
   while (true) {
     // Before Hello, the session has hello_timeout in all; after it, no limit between requests.
@@ -356,10 +377,9 @@ void LocalServer::Serve(Session* session) {
                            " pins, the most a local session may; unpin some first"));
           break;
         }
-        if (pin.lease_ms() < 0 || absl::Milliseconds(pin.lease_ms()) > options_.max_lease) {
-          status = absl::InvalidArgumentError(absl::StrCat(
-              "lease_ms = ", pin.lease_ms(), " is outside [0, ",
-              absl::ToInt64Milliseconds(options_.max_lease), "] (0: the node's default)"));
+        absl::StatusOr<absl::Time> expires = lease(pin.lease_ms());
+        if (!expires.ok()) {
+          status = expires.status();
           break;
         }
         absl::StatusOr<std::shared_ptr<Cache>> cache = options_.registry->Get(tenant, pin.cache());
@@ -374,9 +394,6 @@ void LocalServer::Serve(Session* session) {
           status = cells.status();
           break;
         }
-        const absl::Time expires =
-            absl::Now() +
-            (pin.lease_ms() == 0 ? options_.default_lease : absl::Milliseconds(pin.lease_ms()));
         v1::LocalPinResult* result = response.mutable_pin();
         for (size_t g = 0; g < cells->cells.size(); ++g) {
           v1::LocalGroupCells* group = result->add_groups();
@@ -385,8 +402,8 @@ void LocalServer::Serve(Session* session) {
         }
         const uint64_t pin_id = session->next_pin++;
         result->set_pin(pin_id);
-        result->set_expires_unix_ms(absl::ToUnixMillis(expires));
-        session->pins.emplace(pin_id, Session::Pin{*std::move(cells), expires});
+        result->set_expires_unix_ms(absl::ToUnixMillis(*expires));
+        session->pins.emplace(pin_id, Session::Pin{*std::move(cells), *expires});
         pins_.fetch_add(1);
         break;
       }
@@ -401,6 +418,90 @@ void LocalServer::Serve(Session* session) {
         session->pins.erase(it);
         pins_.fetch_sub(1);
         response.mutable_unpin();
+        break;
+      }
+      case v1::LocalRequest::kBeginAppend: {
+        const v1::LocalBeginAppend& begin = request.begin_append();
+        if (session->plans.size() >= static_cast<size_t>(options_.max_plans)) {
+          status = absl::ResourceExhaustedError(
+              absl::StrCat("this session holds ", session->plans.size(),
+                           " Append plans, the most a local session may; commit or abandon "
+                           "some first"));
+          break;
+        }
+        if (begin.positions_size() != begin.seqs_size() ||
+            (begin.token_ids_size() != 0 && begin.token_ids_size() != begin.seqs_size())) {
+          status = absl::InvalidArgumentError(
+              absl::StrCat("seqs (", begin.seqs_size(), "), positions (", begin.positions_size(),
+                           ") and token_ids (", begin.token_ids_size(),
+                           ", or none) must have one entry per token"));
+          break;
+        }
+        absl::StatusOr<absl::Time> expires = lease(begin.lease_ms());
+        if (!expires.ok()) {
+          status = expires.status();
+          break;
+        }
+        absl::StatusOr<std::shared_ptr<Cache>> cache =
+            options_.registry->Get(tenant, begin.cache());
+        if (!cache.ok()) {
+          status = cache.status();
+          break;
+        }
+        std::vector<Token> tokens(static_cast<size_t>(begin.seqs_size()));
+        absl::flat_hash_set<int64_t> seqs;
+        for (int i = 0; i < begin.seqs_size(); ++i) {
+          tokens[i] = Token{begin.seqs(i), begin.positions(i),
+                            begin.token_ids_size() == 0 ? kNoTokenId : begin.token_ids(i)};
+          seqs.insert(begin.seqs(i));
+        }
+        const size_t payload =
+            AppendPayloadBytes((*cache)->spec(), begin.seqs_size(),
+                               static_cast<int64_t>(seqs.size()), begin.speculative());
+        absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+            Cache::BeginAppend(*cache, tokens, payload, begin.speculative());
+        if (!writer.ok()) {
+          status = writer.status();
+          break;
+        }
+        if (!(*writer)->in_cells()) {
+          status = absl::FailedPreconditionError(absl::StrCat(
+              "the batch's rows cannot go straight into cells of cache '", begin.cache(),
+              "' (a Rotating or Recurrent group, or room only by evicting or pruning): "
+              "Append it through gRPC"));
+          break;
+        }
+        v1::LocalBeginAppendResult* result = response.mutable_begin_append();
+        for (const std::vector<int32_t>& cells : (*writer)->Cells()) {
+          result->add_groups()->mutable_cells()->Add(cells.begin(), cells.end());
+        }
+        const uint64_t plan = session->next_plan++;
+        result->set_plan(plan);
+        result->set_expires_unix_ms(absl::ToUnixMillis(*expires));
+        session->plans.emplace(plan, Session::Plan{*std::move(writer), *expires});
+        break;
+      }
+      case v1::LocalRequest::kCommitAppend:
+      case v1::LocalRequest::kAbandonAppend: {
+        const bool commit = request.op_case() == v1::LocalRequest::kCommitAppend;
+        const uint64_t plan =
+            commit ? request.commit_append().plan() : request.abandon_append().plan();
+        auto it = session->plans.find(plan);
+        if (it == session->plans.end()) {
+          status =
+              absl::NotFoundError(absl::StrCat("this session holds no Append plan ", plan,
+                                               " (committed, abandoned, or its lease ran out)"));
+          break;
+        }
+        std::unique_ptr<AppendWriter> writer = std::move(it->second.writer);
+        session->plans.erase(it);
+        if (commit) {
+          status = writer->CommitInPlace();
+          if (status.ok()) response.mutable_commit_append();
+        } else {
+          writer.reset();
+          response.mutable_abandon_append();
+        }
         break;
       }
       case v1::LocalRequest::kHello:

@@ -4,7 +4,8 @@
 // with SCM_RIGHTS) and pin cells to read them in place.
 //
 // Bounds: at most max_sessions sessions (a connection beyond them is told RESOURCE_EXHAUSTED
-// and closed), requests of at most 64 KiB, at most max_pins pins per session, a session that
+// and closed), requests of at most 64 KiB, at most max_pins pins and max_plans Append plans per
+// session (a plan's cells are the cache's, in its budget), a session that
 // has not said Hello within hello_timeout ends. Nothing but Hello is read before the session is
 // authenticated; a failed Hello ends the session.
 //
@@ -45,6 +46,8 @@ class LocalServer {
     absl::Duration max_lease = absl::Seconds(120);
     int max_sessions = 64;
     int max_pins = 1024;
+    // Append plans a session may hold at once (each holds the cells of its tokens).
+    int max_plans = 16;
     absl::Duration hello_timeout = absl::Seconds(5);
   };
 

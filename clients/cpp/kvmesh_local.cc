@@ -193,6 +193,47 @@ absl::StatusOr<Pin> Session::PinCells(const std::string& cache, int64_t seq, int
   return out;
 }
 
+absl::StatusOr<AppendPlan> Session::BeginAppend(const std::string& cache,
+                                                const std::vector<int64_t>& seqs,
+                                                const std::vector<int32_t>& positions,
+                                                const std::vector<int32_t>& token_ids,
+                                                bool speculative, absl::Duration lease) {
+  v1::LocalRequest request;
+  v1::LocalBeginAppend* begin = request.mutable_begin_append();
+  begin->set_cache(cache);
+  begin->mutable_seqs()->Add(seqs.begin(), seqs.end());
+  begin->mutable_positions()->Add(positions.begin(), positions.end());
+  begin->mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  begin->set_speculative(speculative);
+  begin->set_lease_ms(absl::ToInt64Milliseconds(lease));
+  absl::StatusOr<v1::LocalResponse> response = Call(std::move(request));
+  if (!response.ok()) return response.status();
+  if (absl::Status s = StatusOf(*response); !s.ok()) return s;
+  AppendPlan plan;
+  plan.id = response->begin_append().plan();
+  for (const v1::LocalGroupCells& g : response->begin_append().groups()) {
+    plan.cells.emplace_back(g.cells().begin(), g.cells().end());
+  }
+  plan.expires = absl::FromUnixMillis(response->begin_append().expires_unix_ms());
+  return plan;
+}
+
+absl::Status Session::CommitAppend(uint64_t plan) {
+  v1::LocalRequest request;
+  request.mutable_commit_append()->set_plan(plan);
+  absl::StatusOr<v1::LocalResponse> response = Call(std::move(request));
+  if (!response.ok()) return response.status();
+  return StatusOf(*response);
+}
+
+absl::Status Session::AbandonAppend(uint64_t plan) {
+  v1::LocalRequest request;
+  request.mutable_abandon_append()->set_plan(plan);
+  absl::StatusOr<v1::LocalResponse> response = Call(std::move(request));
+  if (!response.ok()) return response.status();
+  return StatusOf(*response);
+}
+
 absl::Status Session::Unpin(uint64_t pin) {
   v1::LocalRequest request;
   request.mutable_unpin()->set_pin(pin);

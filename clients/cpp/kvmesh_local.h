@@ -11,6 +11,10 @@
 //   ...
 //   (*session)->Unpin(pin->id);
 //
+//   auto plan = (*session)->BeginAppend("llama", {seq, seq}, {10, 11});
+//   // write token i's row of plane p of group g at cache->Row(g, p, plan->cells[g][i])
+//   (*session)->CommitAppend(plan->id);
+//
 // Thread safety: a Session is used by one thread at a time. A MappedCache may be read from any
 // thread; it stays mapped until destroyed, after the session too.
 #ifndef KVMESH_CLIENTS_CPP_KVMESH_LOCAL_H_
@@ -64,6 +68,14 @@ class MappedCache {
   std::vector<MappedGroup> groups_;
 };
 
+// Where an Append's tokens go (Session::BeginAppend): per group, the cell of each token in batch
+// order (-1: a token a later one of the batch overwrites; write nothing for it).
+struct AppendPlan {
+  uint64_t id = 0;
+  std::vector<std::vector<int32_t>> cells;
+  absl::Time expires;
+};
+
 // Cells pinned for reading in place: per group, the positions held and the cell of each.
 struct Pin {
   uint64_t id = 0;
@@ -95,6 +107,17 @@ class Session {
                                std::optional<int32_t> end,
                                absl::Duration lease = absl::ZeroDuration());
   absl::Status Unpin(uint64_t pin);
+
+  // Takes cells for an Append of tokens (seqs[i], positions[i]) (token_ids empty or one per
+  // token) whose rows the worker then writes in place, every plane of every group, before
+  // CommitAppend; AbandonAppend (or the lease, or the session's end) gives them back.
+  absl::StatusOr<AppendPlan> BeginAppend(const std::string& cache, const std::vector<int64_t>& seqs,
+                                         const std::vector<int32_t>& positions,
+                                         const std::vector<int32_t>& token_ids = {},
+                                         bool speculative = false,
+                                         absl::Duration lease = absl::ZeroDuration());
+  absl::Status CommitAppend(uint64_t plan);
+  absl::Status AbandonAppend(uint64_t plan);
 
   // Sends `request` as it is and returns the node's response (with the descriptors it came
   // with, which the caller then owns): for tests of the protocol itself.

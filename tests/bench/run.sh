@@ -14,6 +14,9 @@
 #                                      to it (--reps=N --tokens=N --duration=5s)
 #   tests/bench/run.sh eviction [ARGS] eviction_bench only (an Append that evicts, against one
 #                                      with room); ARGS go to it (--appends=N)
+#   tests/bench/run.sh local [ARGS]    local_bench only (the local data path's write and read
+#                                      against memcpy and gRPC, 1 GiB of Llama-3-8B KV); ARGS go
+#                                      to it (--tokens=N --reps=N)
 #
 # KVMESH_BUILD_DIR picks the build directory (default <repo>/build).
 set -euo pipefail
@@ -22,11 +25,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build_dir=${KVMESH_BUILD_DIR:-$root/build}
 what=all
 case "${1:-}" in
-  engine|rpc|migrate|lookup|events|eviction|all) what=$1; shift ;;
-  -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+  engine|rpc|migrate|lookup|events|eviction|local|all) what=$1; shift ;;
+  -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
 esac
 if [ "$what" = all ] && [ "$#" -gt 0 ]; then
-  echo "run.sh: ARGS need a mode (engine, rpc, migrate, lookup, events or eviction): each bench has its own flags" >&2
+  echo "run.sh: ARGS need a mode (engine, rpc, migrate, lookup, events, eviction or local): each bench has its own flags" >&2
   exit 2
 fi
 
@@ -41,6 +44,7 @@ case "$what" in
   lookup) targets+=(lookup_bench) ;;
   events) targets+=(events_bench kvmesh_node) ;;
   eviction) targets+=(eviction_bench) ;;
+  local) targets+=(local_bench kvmesh_node) ;;
   all) targets+=(engine_bench rpc_bench migrate_bench kvmesh_node) ;;
 esac
 cmake --build "$build_dir" -j"$(nproc)" --target "${targets[@]}"
@@ -72,6 +76,11 @@ if [ "$what" = eviction ]; then
   echo
   echo "== eviction_bench $*"
   "$build_dir/tests/bench/eviction_bench" "$@"
+fi
+if [ "$what" = local ]; then
+  echo
+  echo "== local_bench $*"
+  "$build_dir/tests/bench/local_bench" "$@"
 fi
 if [ "$what" = events ]; then
   echo

@@ -207,6 +207,77 @@ TEST_F(LocalTest, BadRequestsAreRefusedWithTheirValues) {
   EXPECT_TRUE(pin.ok()) << pin.status();
 }
 
+// An Append written in place: nothing is seen before its commit, the committed rows are what
+// gRPC reads, and a plan abandoned, expired or left by its session changes nothing.
+TEST_F(LocalTest, AppendsWrittenInPlaceAreCommittedAllOrNothing) {
+  ASSERT_NO_FATAL_FAILURE(Start(""));
+  std::unique_ptr<Stub> stub = node_->NewStub();
+  const v1::CacheSpec spec = SmallSpec("m");
+  KVMESH_ASSERT_OK(CreateCache(*stub, spec));
+  absl::StatusOr<std::unique_ptr<local::Session>> session = local::Session::Connect(socket_);
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::StatusOr<std::unique_ptr<local::MappedCache>> cache = (*session)->Attach("m");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+
+  // The rows MakeAppend would send, written where the plan says: plane p of token i is at
+  // (p * 3 + i) * 32 in its payload.
+  const v1::AppendRequest reference = MakeAppend(spec, 4, {0, 1, 2});
+  absl::StatusOr<local::AppendPlan> plan =
+      (*session)->BeginAppend("m", {4, 4, 4}, {0, 1, 2}, {70, 71, 72});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->cells.size(), 1u);
+  ASSERT_EQ(plan->cells[0].size(), 3u);
+  ReadOutput read;
+  EXPECT_EQ(Read(*stub, ReadRequest("m", 4), &read).error_code(), grpc::StatusCode::NOT_FOUND);
+  for (size_t p = 0; p < 4; ++p) {
+    for (size_t i = 0; i < 3; ++i) {
+      std::memcpy((*cache)->Row(0, p, plan->cells[0][i]),
+                  reference.payload().data() + (p * 3 + i) * 32, 32);
+    }
+  }
+  EXPECT_EQ(Read(*stub, ReadRequest("m", 4), &read).error_code(), grpc::StatusCode::NOT_FOUND);
+  ASSERT_TRUE((*session)->CommitAppend(plan->id).ok());
+  KVMESH_ASSERT_OK(Read(*stub, ReadRequest("m", 4), &read));
+  EXPECT_EQ(read.payload, reference.payload());
+  EXPECT_EQ(HeaderPositions(read.header)[0], (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(CellsUsed(*stub, "m"), 3);
+  const absl::Status again = (*session)->CommitAppend(plan->id);
+  EXPECT_EQ(again.code(), absl::StatusCode::kNotFound) << again;
+
+  // Abandoned: its cells are free again and nothing was stored.
+  plan = (*session)->BeginAppend("m", {5, 5}, {0, 1});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE((*session)->AbandonAppend(plan->id).ok());
+  EXPECT_EQ(Read(*stub, ReadRequest("m", 5), &read).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ((*session)->CommitAppend(plan->id).code(), absl::StatusCode::kNotFound);
+  // Expired.
+  plan = (*session)->BeginAppend("m", {6}, {0}, {}, false, absl::Milliseconds(200));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_EQ((*session)->CommitAppend(plan->id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Read(*stub, ReadRequest("m", 6), &read).error_code(), grpc::StatusCode::NOT_FOUND);
+  // Refused batches name their values and leave nothing behind.
+  absl::StatusOr<local::AppendPlan> bad = (*session)->BeginAppend("m", {7, 7}, {0});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("seqs (2), positions (1)"));
+  bad = (*session)->BeginAppend("m", {7}, {-3});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  bad = (*session)->BeginAppend("m", std::vector<int64_t>(17, 7),
+                                {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  // The session ends with a plan open: its cells go back.
+  plan = (*session)->BeginAppend("m", {8, 8, 8, 8}, {0, 1, 2, 3});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  session->reset();
+  cache->reset();
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (CellsUsed(*stub, "m") != 3 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(CellsUsed(*stub, "m"), 3);
+  EXPECT_EQ(Read(*stub, ReadRequest("m", 8), &read).error_code(), grpc::StatusCode::NOT_FOUND);
+  // The cache takes a plain Append of every cell left (64 of 4 sequences, 3 used).
+  KVMESH_EXPECT_OK(Append(*stub, MakeAppend(spec, 9, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11})));
+}
+
 // What one worker can make the node hold: 64 sessions, 1,024 pins a session.
 TEST_F(LocalTest, SessionsAndPinsAreBounded) {
   ASSERT_NO_FATAL_FAILURE(Start(""));
@@ -239,6 +310,14 @@ TEST_F(LocalTest, SessionsAndPinsAreBounded) {
   absl::StatusOr<local::Pin> pin = (*again)->PinCells("m", 1, 0, std::nullopt);
   EXPECT_EQ(pin.status().code(), absl::StatusCode::kResourceExhausted) << pin.status();
   EXPECT_THAT(std::string(pin.status().message()), HasSubstr("1024 pins"));
+  // Append plans: 16 a session, each holding its tokens' cells.
+  for (int i = 0; i < 16; ++i) {
+    absl::StatusOr<local::AppendPlan> plan = (*again)->BeginAppend("m", {1}, {2 + i});
+    ASSERT_TRUE(plan.ok()) << i << ": " << plan.status();
+  }
+  absl::StatusOr<local::AppendPlan> plan = (*again)->BeginAppend("m", {1}, {40});
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted) << plan.status();
+  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("16 Append plans"));
 }
 
 // Raw frames: a request before Hello, and a frame over the limit, end the session.

@@ -8,6 +8,10 @@ through gRPC.
         k0 = cache.rows(group=0, plane=0)[pin.cells[0]]   # [tokens, row bytes] of layer 0's K
         session.unpin(pin)
 
+        plan = session.begin_append("m", kvmesh.tokens(0, range(10, 12)))
+        cache.rows(0, 0)[plan.cells[0]] = ...    # every plane's rows of the two tokens
+        session.commit_append(plan)
+
 ``cache.rows(g, p)`` is a writable uint8 view ``[cells, row_bytes]`` of plane ``p`` of group
 ``g`` (planes in payload order: docs/api.md#payload-layout); ``cache.rows(g, p, dtype)`` views
 the same bytes as ``[cells, row_bytes / itemsize]`` of that numpy dtype. The views stay valid
@@ -35,7 +39,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("kvmesh.local: the generated kvmesh.v1.local_pb2 was not found; build the "
                       "kvmesh_python target (clients/python/README.md)") from error
 
-__all__ = ["Session", "MappedCache", "MappedGroup", "Pin"]
+__all__ = ["Session", "MappedCache", "MappedGroup", "Pin", "AppendPlan"]
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _MAX_FDS = 64
@@ -83,6 +87,16 @@ class MappedCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass
+class AppendPlan:
+    """Where an Append's tokens go: per group, the cell of each token in batch order (-1: a token
+    a later one of the batch overwrites; write nothing for it)."""
+
+    id: int
+    cells: List[np.ndarray]
+    expires: float  # unix seconds
 
 
 @dataclass
@@ -209,6 +223,38 @@ class Session:
                    [np.array(g.positions, dtype=np.int32) for g in result.groups],
                    [np.array(g.cells, dtype=np.int64) for g in result.groups],
                    result.expires_unix_ms / 1000.0)
+
+    def begin_append(self, cache: str, tokens, token_ids=None, *, speculative: bool = False,
+                     lease: Optional[float] = None) -> AppendPlan:
+        """Takes cells for an Append of ``tokens`` ((seq, pos) pairs, as ``kvmesh.tokens``)
+        whose rows the caller then writes in place (every plane of every group) before
+        ``commit_append``; ``abandon_append``, the lease or the session's end gives them back."""
+        request = _pb.LocalRequest()
+        begin = request.begin_append
+        begin.cache = cache
+        for seq, pos in tokens:
+            begin.seqs.append(int(seq))
+            begin.positions.append(int(pos))
+        if token_ids is not None:
+            begin.token_ids.extend(int(i) for i in token_ids)
+        begin.speculative = speculative
+        begin.lease_ms = 0 if lease is None else int(round(lease * 1000))
+        response, _ = self._call(request)
+        result = response.begin_append
+        return AppendPlan(result.plan, [np.array(g.cells, dtype=np.int64) for g in result.groups],
+                          result.expires_unix_ms / 1000.0)
+
+    def commit_append(self, plan) -> None:
+        """Makes the plan's Append happen (Append's checks, judged now)."""
+        request = _pb.LocalRequest()
+        request.commit_append.plan = plan.id if isinstance(plan, AppendPlan) else int(plan)
+        self._call(request)
+
+    def abandon_append(self, plan) -> None:
+        """Gives the plan's cells back; nothing changes."""
+        request = _pb.LocalRequest()
+        request.abandon_append.plan = plan.id if isinstance(plan, AppendPlan) else int(plan)
+        self._call(request)
 
     def unpin(self, pin) -> None:
         """Releases ``pin`` (a Pin or its id)."""

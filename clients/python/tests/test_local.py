@@ -64,6 +64,32 @@ class LocalTest(nodes.NodeTestCase):
             del k, v
             cache.close()
 
+    def test_an_append_written_in_place_is_what_grpc_reads(self) -> None:
+        rng = np.random.default_rng(11)
+        k = rng.standard_normal((2, 3, 2, 4), dtype=np.float32)
+        v = rng.standard_normal((2, 3, 2, 4), dtype=np.float32)
+        with kvmesh.local.Session(self.socket) as session:
+            cache = session.attach("m")
+            plan = session.begin_append("m", kvmesh.tokens(1, range(3)), token_ids=[5, 6, 7])
+            self.assertEqual(len(plan.cells[0]), 3)
+            with self.assertRaises(kvmesh.NotFound):
+                self.client.read("m", seq=1)
+            for layer in range(2):
+                cache.rows(0, 2 * layer, np.float32)[plan.cells[0]] = k[layer].reshape(3, 8)
+                cache.rows(0, 2 * layer + 1, np.float32)[plan.cells[0]] = v[layer].reshape(3, 8)
+            session.commit_append(plan)
+            read = self.client.read("m", seq=1)
+            np.testing.assert_array_equal(read.data[0].k, k)
+            np.testing.assert_array_equal(read.data[0].v, v)
+            abandoned = session.begin_append("m", kvmesh.tokens(2, range(2)))
+            session.abandon_append(abandoned)
+            with self.assertRaises(kvmesh.NotFound):
+                session.commit_append(abandoned)
+            with self.assertRaises(kvmesh.NotFound):
+                self.client.read("m", seq=2)
+            cache.close()
+        self.client.remove("m", seq=1, begin=0)
+
     def test_refusals_raise_their_codes(self) -> None:
         with kvmesh.local.Session(self.socket) as session:
             with self.assertRaises(kvmesh.NotFound):
