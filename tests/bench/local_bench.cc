@@ -6,7 +6,8 @@
 //   local_bench [--tokens=N (8192: 1 GiB)] [--reps=N (3)]
 //
 // Prints, per repetition and as medians:
-//   local write: X GB/s = R of memcpy     BeginAppend, rows copied into the planned cells, commit
+//   local write: X GB/s = R of memcpy     BeginAppend, rows copied into the planned cells (one
+//                                         copy per run of consecutive cells), commit
 //   local read: X GB/s = R of memcpy      Pin, rows copied out of the pinned cells, Unpin
 //   grpc append: X GB/s = R of memcpy     AppendStream of the payload (4 MiB messages)
 //   grpc read: X GB/s = R of memcpy       Read of the sequence (payload copied out)
@@ -108,6 +109,26 @@ std::string LoadAverage() {
   return absl::StrCat(a, " ", b, " ", c);
 }
 
+// Tokens first, first + 1, ... whose cells are cell, cell + 1, ...: one copy each, as an engine
+// copies a block of consecutive cells.
+struct CellRun {
+  int32_t first = 0;
+  int32_t cell = 0;
+  int32_t length = 0;
+};
+std::vector<CellRun> Runs(const std::vector<int32_t>& cells) {
+  std::vector<CellRun> runs;
+  for (int32_t i = 0; i < static_cast<int32_t>(cells.size()); ++i) {
+    if (!runs.empty() && cells[i] == runs.back().cell + runs.back().length &&
+        i == runs.back().first + runs.back().length) {
+      ++runs.back().length;
+    } else {
+      runs.push_back({i, cells[i], 1});
+    }
+  }
+  return runs;
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -121,9 +142,10 @@ struct Measure {
 int Run(const Flags& flags) {
   const size_t bytes = static_cast<size_t>(flags.tokens) * kPlanes * kRowBytes;
   const double gib = static_cast<double>(bytes) / (1 << 30);
-  std::printf("local_bench: %d tokens of a Llama-3-8B-shaped cache (F16), %.3f GiB, %d reps; "
-              "load average %s\n",
-              flags.tokens, gib, flags.reps, LoadAverage().c_str());
+  std::printf(
+      "local_bench: %d tokens of a Llama-3-8B-shaped cache (F16), %.3f GiB, %d reps; "
+      "load average %s\n",
+      flags.tokens, gib, flags.reps, LoadAverage().c_str());
 
   char dir_template[] = "/tmp/kvmesh-local-bench-XXXXXX";
   if (mkdtemp(dir_template) == nullptr) return 1;
@@ -206,11 +228,13 @@ int Run(const Flags& flags) {
     absl::StatusOr<local::AppendPlan> plan = (*session)->BeginAppend("llama", seqs, positions);
     Check(plan.status(), "BeginAppend");
     const std::vector<int32_t>& cells = plan->cells[0];
+    const std::vector<CellRun> write_runs = Runs(cells);
     for (int p = 0; p < kPlanes; ++p) {
       const char* rows = source->data() + static_cast<size_t>(p) * flags.tokens * kRowBytes;
-      for (int32_t i = 0; i < flags.tokens; ++i) {
-        std::memcpy((*cache)->Row(0, p, cells[i]), rows + static_cast<size_t>(i) * kRowBytes,
-                    kRowBytes);
+      for (const CellRun& run : write_runs) {
+        std::memcpy((*cache)->Row(0, p, run.cell),
+                    rows + static_cast<size_t>(run.first) * kRowBytes,
+                    static_cast<size_t>(run.length) * kRowBytes);
       }
     }
     Check((*session)->CommitAppend(plan->id), "CommitAppend");
@@ -222,12 +246,12 @@ int Run(const Flags& flags) {
     start = Clock::now();
     absl::StatusOr<local::Pin> pin = (*session)->PinCells("llama", 0, 0, std::nullopt);
     Check(pin.status(), "Pin");
-    const std::vector<int32_t>& pinned = pin->cells[0];
+    const std::vector<CellRun> read_runs = Runs(pin->cells[0]);
     for (int p = 0; p < kPlanes; ++p) {
       char* rows = sink.data() + static_cast<size_t>(p) * flags.tokens * kRowBytes;
-      for (int32_t i = 0; i < flags.tokens; ++i) {
-        std::memcpy(rows + static_cast<size_t>(i) * kRowBytes, (*cache)->Row(0, p, pinned[i]),
-                    kRowBytes);
+      for (const CellRun& run : read_runs) {
+        std::memcpy(rows + static_cast<size_t>(run.first) * kRowBytes,
+                    (*cache)->Row(0, p, run.cell), static_cast<size_t>(run.length) * kRowBytes);
       }
     }
     Check((*session)->Unpin(pin->id), "Unpin");
@@ -278,10 +302,11 @@ int Run(const Flags& flags) {
     record(&grpc_read_m, std::chrono::duration<double>(Clock::now() - start).count(),
            ProcessCpuSeconds((*node)->pid()) - node_cpu);
     remove();
-    std::printf("rep %d: memcpy %.2f GB/s, local write %.2f, local read %.2f, grpc append %.2f, "
-                "grpc read %.2f\n",
-                rep + 1, memcpy_m.gbps.back(), write_m.gbps.back(), read_m.gbps.back(),
-                grpc_append_m.gbps.back(), grpc_read_m.gbps.back());
+    std::printf(
+        "rep %d: memcpy %.2f GB/s, local write %.2f, local read %.2f, grpc append %.2f, "
+        "grpc read %.2f\n",
+        rep + 1, memcpy_m.gbps.back(), write_m.gbps.back(), read_m.gbps.back(),
+        grpc_append_m.gbps.back(), grpc_read_m.gbps.back());
   }
   const double reference = Median(memcpy_m.gbps);
   std::printf("memcpy: %.2f GB/s (median of %d; %.2f CPU s/GiB)\n", reference, flags.reps,
