@@ -218,28 +218,28 @@ absl::StatusOr<AppendPlan> Session::BeginAppend(const std::string& cache,
   return plan;
 }
 
-absl::Status Session::CommitAppend(uint64_t plan) {
-  v1::LocalRequest request;
-  request.mutable_commit_append()->set_plan(plan);
+absl::Status Session::CallForStatus(v1::LocalRequest request) {
   absl::StatusOr<v1::LocalResponse> response = Call(std::move(request));
   if (!response.ok()) return response.status();
   return StatusOf(*response);
+}
+
+absl::Status Session::CommitAppend(uint64_t plan) {
+  v1::LocalRequest request;
+  request.mutable_commit_append()->set_plan(plan);
+  return CallForStatus(std::move(request));
 }
 
 absl::Status Session::AbandonAppend(uint64_t plan) {
   v1::LocalRequest request;
   request.mutable_abandon_append()->set_plan(plan);
-  absl::StatusOr<v1::LocalResponse> response = Call(std::move(request));
-  if (!response.ok()) return response.status();
-  return StatusOf(*response);
+  return CallForStatus(std::move(request));
 }
 
 absl::Status Session::Unpin(uint64_t pin) {
   v1::LocalRequest request;
   request.mutable_unpin()->set_pin(pin);
-  absl::StatusOr<v1::LocalResponse> response = Call(std::move(request));
-  if (!response.ok()) return response.status();
-  return StatusOf(*response);
+  return CallForStatus(std::move(request));
 }
 
 }  // namespace local

@@ -125,6 +125,8 @@ class Session {
 
  private:
   explicit Session(int fd) : fd_(fd) {}
+  // Call, with the node's answer as a status (a request whose result is empty).
+  absl::Status CallForStatus(v1::LocalRequest request);
   const int fd_;
   uint64_t next_id_ = 1;
   std::string tenant_;
