@@ -154,6 +154,7 @@ test_mode() {
   dir=$(mode_dir "$mode")
   echo "== tests/run.sh: $mode tests in ${dir#$root/}"
   export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
+  export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/tests/sanitizers/lsan.supp}
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
   export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp}
   # The gcc and ASan builds' tests leave cores idle at -j$(nproc) (waiting on nodes, sockets,
