@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -188,6 +189,10 @@ void LocalServer::AcceptLoop() {
       close(fd);
       continue;
     }
+    // A worker that stops reading its answers must not hold its session thread, and with it its
+    // pins past their leases: a send that waits this long ends the session.
+    const timeval send_timeout{5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout));
     auto session = std::make_unique<Session>();
     session->fd = fd;
     Session* s = session.get();
