@@ -14,6 +14,7 @@ packages=(
   libyaml-cpp-dev dnsmasq-base nlohmann-json3-dev
   prometheus-cpp-dev libspdlog-dev libcurl4-openssl-dev
   python3 python3-grpcio python3-protobuf python3-numpy
+  python3-torch
 )
 
 missing=()

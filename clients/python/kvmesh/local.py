@@ -14,8 +14,9 @@ through gRPC.
 
 ``cache.rows(g, p)`` is a writable uint8 view ``[cells, row_bytes]`` of plane ``p`` of group
 ``g`` (planes in payload order: docs/api.md#payload-layout); ``cache.rows(g, p, dtype)`` views
-the same bytes as ``[cells, row_bytes / itemsize]`` of that numpy dtype. The views stay valid
-while the MappedCache is open (after the session too).
+the same bytes as ``[cells, row_bytes / itemsize]`` of that numpy dtype, and ``cache.tensor(g,
+p)`` as a torch tensor of the cache's dtype (bfloat16 included). The views stay valid while the
+MappedCache is open (after the session too).
 
 Framing and messages: proto/kvmesh/v1/local.proto (generated as ``kvmesh.v1.local_pb2``).
 """
@@ -76,8 +77,24 @@ class MappedCache:
         dtype = np.dtype(dtype)
         return flat.view(dtype).reshape(g.cells, row_bytes // dtype.itemsize)
 
+    def tensor(self, group: int, plane: int, dtype=None):
+        """Plane ``plane`` of group ``group`` as a writable torch tensor ``[cells, row
+        elements]`` over the same memory (no copy). ``dtype``: a torch dtype of 4 or 2 bytes
+        (None: the cache's, ``torch.float32``, ``torch.float16`` or ``torch.bfloat16``).
+        Indexing it with a pin's or a plan's cells reads or writes those cells in place."""
+        import torch  # only callers of tensor() need torch
+
+        if dtype is None:
+            dtype = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}[self.spec.dtype]
+        size = torch.empty((), dtype=dtype).element_size()
+        if size not in (2, 4):
+            raise ValueError(f"tensor() views rows as a 2- or 4-byte dtype, not {dtype}")
+        # numpy has no bfloat16: view the bytes as an integer of the same size, then retype.
+        carrier = self.rows(group, plane, np.int32 if size == 4 else np.int16)
+        return torch.from_numpy(carrier).view(dtype)
+
     def close(self) -> None:
-        """Unmaps the memory (views made by ``rows`` must be gone first)."""
+        """Unmaps the memory (views made by ``rows`` or ``tensor`` must be gone first)."""
         for g in self.groups:
             g.memory.close()
         self.groups = []

@@ -1,0 +1,88 @@
+"""The reference worker (reference_worker.py) against two real kvmesh-node processes with
+--local-socket, a cluster of two: scenarios (a)-(d) in float32 and bfloat16, each equality as
+the worker states it (bit for bit, or within rounding for a context shift). ctest label worker.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import unittest
+
+import torch
+
+import kvmesh
+import kvmesh.local
+import nodes
+import reference_worker as worker
+
+
+class ReferenceWorkerTest(nodes.NodeTestCase):
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.dir = tempfile.TemporaryDirectory(prefix="kvmesh-worker-")
+        names = ["worker-a", "worker-b"]
+        cls.sockets = [os.path.join(cls.dir.name, f"{n}.sock") for n in names]
+        ports = {n: nodes.reserve_port() for n in names}
+        cls.nodes = []
+        try:
+            for name, path in zip(names, cls.sockets):
+                peers = {n: f"127.0.0.1:{p}" for n, p in ports.items() if n != name}
+                cls.nodes.append(nodes.Node(name, port=ports[name], peers=peers,
+                                            args=[f"--local-socket={path}"]))
+        except Exception:
+            for node in cls.nodes:
+                node.stop()
+            cls.dir.cleanup()
+            raise
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        for node in cls.nodes:
+            node.stop_checked()
+        cls.dir.cleanup()
+
+    def run_scenarios(self, dtype: str) -> None:
+        a, b = self.nodes
+        checks = worker.run_all(worker.Config(dtype=dtype), a.address, self.sockets[0], a.name,
+                                b.address, self.sockets[1])
+        names = [c.name[:3] for c in checks]
+        self.assertEqual(names, ["(a)", "(b)", "(b)", "(c)", "(d)"])
+        for check in checks:
+            print(f"{dtype}: {check.line()}")
+            self.assertTrue(check.ok, check.line())
+            self.assertGreater(check.compared, 0, check.line())
+        # What is claimed bit for bit is compared bit for bit.
+        self.assertEqual([c.exact for c in checks], [True, False, False, True, True])
+
+    def test_float32(self) -> None:
+        self.run_scenarios("f32")
+
+    def test_bfloat16(self) -> None:
+        self.run_scenarios("bf16")
+
+    def test_a_changed_cell_is_seen(self) -> None:
+        """The checks can fail: one key written wrongly in place changes the logits."""
+        a, b = self.nodes
+        model = worker.Model(worker.Config())
+        spec = model.config.spec("worker-tamper", capacity=64)
+        with kvmesh.Client(a.address) as client:
+            client.create_cache(spec)
+            try:
+                with kvmesh.local.Session(self.sockets[0]) as session, \
+                        worker.attached(session, model, spec.name) as cache:
+                    ids = list(range(1, 13))
+                    cache.run(0, range(10), ids[:10])
+                    pin = session.pin(spec.name, 0, 3, 4)
+                    cache.k_rows[0][int(pin.cells[0][0])] += 1e-3
+                    session.unpin(pin)
+                    got = cache.run(0, [10, 11], ids[10:])
+                    want = worker.recompute(model, ids)[10:]
+                    self.assertFalse(torch.equal(got, want))
+            finally:
+                client.delete_cache(spec.name)
+
+
+if __name__ == "__main__":
+    unittest.main()
