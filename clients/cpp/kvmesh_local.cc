@@ -6,6 +6,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <cstring>
 #include <utility>
 
@@ -13,6 +17,35 @@
 
 namespace kvmesh {
 namespace local {
+
+void CopyRows(void* dst, const void* src, size_t bytes) {
+#if defined(__SSE2__)
+  if (bytes >= kStreamCopyBytes) {
+    auto* d = static_cast<uint8_t*>(dst);
+    const auto* s = static_cast<const uint8_t*>(src);
+    // Up to the destination's first 16-byte boundary, then whole 64-byte lines, then the rest.
+    const size_t head = (16 - reinterpret_cast<uintptr_t>(d) % 16) % 16;
+    std::memcpy(d, s, head);
+    d += head;
+    s += head;
+    bytes -= head;
+    for (; bytes >= 64; bytes -= 64, d += 64, s += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
+    }
+    _mm_sfence();  // the streamed stores are visible before anything after the copy
+    std::memcpy(d, s, bytes);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
 
 namespace {
 
@@ -153,7 +186,8 @@ absl::StatusOr<std::unique_ptr<MappedCache>> Session::Attach(const std::string& 
     for (const v1::LocalPlane& plane : memory.planes()) {
       group.planes.push_back({plane.offset(), plane.row_bytes()});
     }
-    void* base = mmap(nullptr, group.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[g], 0);
+    void* base =
+        mmap(nullptr, group.bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fds[g], 0);
     if (base == MAP_FAILED) {
       status = absl::InternalError(
           absl::StrCat("mapping group ", g, "'s ", group.bytes, " bytes: ", std::strerror(errno)));

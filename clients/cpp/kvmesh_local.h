@@ -15,6 +15,9 @@
 //   // write token i's row of plane p of group g at cache->Row(g, p, plan->cells[g][i])
 //   (*session)->CommitAppend(plan->id);
 //
+// Attach maps every page of the cache's memory at once (MAP_POPULATE), so that no write or read
+// in place takes a page fault later. CopyRows copies runs of rows in or out at memory speed.
+//
 // Thread safety: a Session is used by one thread at a time. A MappedCache may be read from any
 // thread; it stays mapped until destroyed, after the session too.
 #ifndef KVMESH_CLIENTS_CPP_KVMESH_LOCAL_H_
@@ -67,6 +70,15 @@ class MappedCache {
   v1::CacheSpec spec_;
   std::vector<MappedGroup> groups_;
 };
+
+// Copies `bytes` from `src` to `dst` as memcpy does. A copy of at least kStreamCopyBytes writes
+// with non-temporal stores, past the CPU's caches: glibc's memcpy does so only above its own
+// threshold (a share of the last-level cache, 24 MiB on a 32 MiB L3), so a run of cells of a few
+// MiB, copied in or out of a mapped cache, would otherwise read every destination line into the
+// cache before overwriting it (a third more memory traffic; docs/benchmarks.md, "Local data
+// path"). The ranges must not overlap.
+inline constexpr size_t kStreamCopyBytes = size_t{1} << 20;
+void CopyRows(void* dst, const void* src, size_t bytes);
 
 // Where an Append's tokens go (Session::BeginAppend): per group, the cell of each token in batch
 // order (-1: a token a later one of the batch overwrites; write nothing for it).

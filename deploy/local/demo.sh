@@ -11,7 +11,10 @@
 # removed cluster-wide, with the bytes moved and the time taken. Then the Python client's example
 # scheduler (clients/python/examples/scheduler.py) serves chat requests on the same three nodes:
 # routed to the longest cached prefix, forked with CopyPrefix, context-shifted, rebalanced with
-# Migrate, verified. Stop every node.
+# Migrate, verified. Then the reference worker (clients/python/examples/reference_worker.py), a
+# torch decoder reading its K/V in place through the local data path of node-0 and node-1,
+# checks its logits against recomputation after CopyPrefix, a context shift, snapshot/restore
+# and speculation. Stop every node.
 #
 #   deploy/local/demo.sh           (from any directory; as root or with sudo for bootstrap)
 #
@@ -32,7 +35,7 @@ budget=${KVMESH_DEMO_BUDGET:-4GiB}
 snapshot_budget=${KVMESH_DEMO_SNAPSHOT_BUDGET:-1GiB}
 cluster_backend=${KVMESH_DEMO_CLUSTER_BACKEND:-host}
 case "$cluster_backend" in
-  host) cluster_flags=() ;;
+  host) cluster_flags=() ;;  # each node also serves workers on run/NODE.sock (see below)
   cuda) cluster_flags=(--backend=cuda --transport=nccl) ;;
   *) echo "demo: KVMESH_DEMO_CLUSTER_BACKEND=$cluster_backend: expected host or cuda" >&2; exit 1 ;;
 esac
@@ -353,9 +356,15 @@ if [ "$cluster_backend" = cuda ]; then
   echo "nodes on the simulated GPU, payloads over the nccl transport ($KVMESH_NCCL_LIBRARY)"
 fi
 p0=$(free_port 17700); p1=$(free_port $((p0 + 1))); p2=$(free_port $((p1 + 1)))
-node_port=$p0 start_node node-0 --peers=node-1=127.0.0.1:$p1,node-2=127.0.0.1:$p2 "${cluster_flags[@]}"
-node_port=$p1 start_node node-1 --peers=node-0=127.0.0.1:$p0,node-2=127.0.0.1:$p2 "${cluster_flags[@]}"
-node_port=$p2 start_node node-2 --peers=node-0=127.0.0.1:$p0,node-1=127.0.0.1:$p1 "${cluster_flags[@]}"
+# local_flags NAME: the local data path's socket (host backend only, docs/api.md).
+local_flags() {
+  [ "$cluster_backend" = host ] || return 0
+  rm -f "$run_dir/$1.sock"
+  echo "--local-socket=$run_dir/$1.sock"
+}
+node_port=$p0 start_node node-0 --peers=node-1=127.0.0.1:$p1,node-2=127.0.0.1:$p2 "${cluster_flags[@]}" $(local_flags node-0)
+node_port=$p1 start_node node-1 --peers=node-0=127.0.0.1:$p0,node-2=127.0.0.1:$p2 "${cluster_flags[@]}" $(local_flags node-1)
+node_port=$p2 start_node node-2 --peers=node-0=127.0.0.1:$p0,node-1=127.0.0.1:$p1 "${cluster_flags[@]}" $(local_flags node-2)
 ctl node-1 list-members
 
 cc=llama3-8b
@@ -441,6 +450,22 @@ PYTHONPATH="$root/clients/python:$build_dir/clients/python" PYTHONDONTWRITEBYTEC
   /usr/bin/python3 "$root/clients/python/examples/scheduler.py" \
   "${node_addr[node-0]}" "${node_addr[node-1]}" "${node_addr[node-2]}" ||
   die "the Python example scheduler failed"
+
+step "the reference worker: a torch decoder whose attention reads its K/V from kvmesh's cells in place (local data path on node-0 and node-1)"
+if [ "$cluster_backend" != host ]; then
+  echo "skipped: the local data path serves the host backend only (docs/api.md)"
+else
+  for dtype in f32 bf16; do
+    printf '$ PYTHONPATH=clients/python:%s/clients/python /usr/bin/python3 clients/python/examples/reference_worker.py --dtype=%s --node-a=%s --socket-a=%s --name-a=node-0 --node-b=%s --socket-b=%s\n' \
+      "${build_dir#$root/}" "$dtype" "${node_addr[node-0]}" "${run_dir#$root/}/node-0.sock" \
+      "${node_addr[node-1]}" "${run_dir#$root/}/node-1.sock"
+    PYTHONPATH="$root/clients/python:$build_dir/clients/python" PYTHONDONTWRITEBYTECODE=1 \
+      /usr/bin/python3 "$root/clients/python/examples/reference_worker.py" --dtype=$dtype \
+      --node-a="${node_addr[node-0]}" --socket-a="$run_dir/node-0.sock" --name-a=node-0 \
+      --node-b="${node_addr[node-1]}" --socket-b="$run_dir/node-1.sock" ||
+      die "the reference worker's outputs differ (see above)"
+  done
+fi
 stop_all_nodes
 echo
 echo "demo: done"

@@ -6,9 +6,11 @@
 //   local_bench [--tokens=N (8192: 1 GiB)] [--reps=N (3)]
 //
 // Prints, per repetition and as medians:
+//   attach: X s                           Attach, which maps every page of the cache at once
 //   local write: X GB/s = R of memcpy     BeginAppend, rows copied into the planned cells (one
-//                                         copy per run of consecutive cells), commit
-//   local read: X GB/s = R of memcpy      Pin, rows copied out of the pinned cells, Unpin
+//                                         local::CopyRows per run of consecutive cells), commit
+//   local read: X GB/s = R of memcpy      Pin, rows copied out of the pinned cells
+//                                         (local::CopyRows), Unpin
 //   grpc append: X GB/s = R of memcpy     AppendStream of the payload (4 MiB messages)
 //   grpc read: X GB/s = R of memcpy       Read of the sequence (payload copied out)
 // with the bench process's CPU seconds per GiB beside each (the node's for gRPC), and the load
@@ -185,8 +187,10 @@ int Run(const Flags& flags) {
   }
   absl::StatusOr<std::unique_ptr<local::Session>> session = local::Session::Connect(socket_path);
   Check(session.status(), "local session");
+  const Clock::time_point attach_start = Clock::now();
   absl::StatusOr<std::unique_ptr<local::MappedCache>> cache = (*session)->Attach("llama");
   Check(cache.status(), "Attach");
+  const double attach_seconds = std::chrono::duration<double>(Clock::now() - attach_start).count();
 
   // The payload: for each plane, a row per token (payload layout), every byte written.
   auto source = std::make_shared<std::string>(bytes, '\0');
@@ -232,9 +236,9 @@ int Run(const Flags& flags) {
     for (int p = 0; p < kPlanes; ++p) {
       const char* rows = source->data() + static_cast<size_t>(p) * flags.tokens * kRowBytes;
       for (const CellRun& run : write_runs) {
-        std::memcpy((*cache)->Row(0, p, run.cell),
-                    rows + static_cast<size_t>(run.first) * kRowBytes,
-                    static_cast<size_t>(run.length) * kRowBytes);
+        local::CopyRows((*cache)->Row(0, p, run.cell),
+                        rows + static_cast<size_t>(run.first) * kRowBytes,
+                        static_cast<size_t>(run.length) * kRowBytes);
       }
     }
     Check((*session)->CommitAppend(plan->id), "CommitAppend");
@@ -250,8 +254,8 @@ int Run(const Flags& flags) {
     for (int p = 0; p < kPlanes; ++p) {
       char* rows = sink.data() + static_cast<size_t>(p) * flags.tokens * kRowBytes;
       for (const CellRun& run : read_runs) {
-        std::memcpy(rows + static_cast<size_t>(run.first) * kRowBytes,
-                    (*cache)->Row(0, p, run.cell), static_cast<size_t>(run.length) * kRowBytes);
+        local::CopyRows(rows + static_cast<size_t>(run.first) * kRowBytes,
+                        (*cache)->Row(0, p, run.cell), static_cast<size_t>(run.length) * kRowBytes);
       }
     }
     Check((*session)->Unpin(pin->id), "Unpin");
@@ -309,6 +313,8 @@ int Run(const Flags& flags) {
         grpc_append_m.gbps.back(), grpc_read_m.gbps.back());
   }
   const double reference = Median(memcpy_m.gbps);
+  std::printf("attach: %.3f s (maps every page of the fresh cache's %.3f GiB)\n", attach_seconds,
+              gib);
   std::printf("memcpy: %.2f GB/s (median of %d; %.2f CPU s/GiB)\n", reference, flags.reps,
               Median(memcpy_m.cpu_per_gib));
   auto line = [&](const char* what, const Measure& m, const char* cpu_of) {

@@ -14,9 +14,11 @@
 #                                      to it (--reps=N --tokens=N --duration=5s)
 #   tests/bench/run.sh eviction [ARGS] eviction_bench only (an Append that evicts, against one
 #                                      with room); ARGS go to it (--appends=N)
-#   tests/bench/run.sh local [ARGS]    local_bench only (the local data path's write and read
-#                                      against memcpy and gRPC, 1 GiB of Llama-3-8B KV); ARGS go
-#                                      to it (--tokens=N --reps=N)
+#   tests/bench/run.sh local [ARGS]    local_bench (the local data path's write and read
+#                                      against memcpy and gRPC, 1 GiB of Llama-3-8B KV; ARGS go
+#                                      to it: --tokens=N --reps=N), then the reference worker's
+#                                      time to first token of a 4K-token prompt, full prefix hit
+#                                      against recomputing it (tests/bench/worker_ttft.py)
 #
 # KVMESH_BUILD_DIR picks the build directory (default <repo>/build).
 set -euo pipefail
@@ -26,7 +28,7 @@ build_dir=${KVMESH_BUILD_DIR:-$root/build}
 what=all
 case "${1:-}" in
   engine|rpc|migrate|lookup|events|eviction|local|all) what=$1; shift ;;
-  -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
 esac
 if [ "$what" = all ] && [ "$#" -gt 0 ]; then
   echo "run.sh: ARGS need a mode (engine, rpc, migrate, lookup, events, eviction or local): each bench has its own flags" >&2
@@ -44,7 +46,7 @@ case "$what" in
   lookup) targets+=(lookup_bench) ;;
   events) targets+=(events_bench kvmesh_node) ;;
   eviction) targets+=(eviction_bench) ;;
-  local) targets+=(local_bench kvmesh_node) ;;
+  local) targets+=(local_bench kvmesh_node kvmesh_python) ;;
   all) targets+=(engine_bench rpc_bench migrate_bench kvmesh_node) ;;
 esac
 cmake --build "$build_dir" -j"$(nproc)" --target "${targets[@]}"
@@ -81,6 +83,11 @@ if [ "$what" = local ]; then
   echo
   echo "== local_bench $*"
   "$build_dir/tests/bench/local_bench" "$@"
+  echo
+  echo "== worker_ttft.py --tokens=4096"
+  PYTHONPATH="$root/clients/python/examples:$root/clients/python/tests:$root/clients/python:$build_dir/clients/python" \
+    KVMESH_NODE="$build_dir/service/kvmesh-node" PYTHONDONTWRITEBYTECODE=1 \
+    /usr/bin/python3 "$root/tests/bench/worker_ttft.py" --tokens=4096
 fi
 if [ "$what" = events ]; then
   echo

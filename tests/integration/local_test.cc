@@ -410,6 +410,27 @@ TEST_F(LocalTest, AWorkerSeesOnlyItsOwnTenantsCaches) {
   EXPECT_TRUE((*a)->PinCells("secret", 1, 0, std::nullopt).ok());
 }
 
+// CopyRows is memcpy at every size and alignment, below and above its streaming threshold, and
+// touches nothing outside the destination range.
+TEST(CopyRowsTest, CopiesExactlyTheRangeAtEveryAlignmentAndSize) {
+  const size_t big = local::kStreamCopyBytes;
+  std::string source(big + 4096, '\0');
+  for (size_t i = 0; i < source.size(); ++i) source[i] = static_cast<char>((i * 131 + 7) % 251);
+  for (const size_t bytes :
+       {size_t{0}, size_t{1}, size_t{63}, size_t{4096}, big - 1, big, big + 1, big + 65}) {
+    for (const size_t dst_offset : {0, 1, 15, 16, 33}) {
+      for (const size_t src_offset : {0, 3}) {
+        std::string destination(big + 4096 + 64, '\x5a');
+        local::CopyRows(destination.data() + dst_offset, source.data() + src_offset, bytes);
+        std::string want(big + 4096 + 64, '\x5a');
+        std::memcpy(want.data() + dst_offset, source.data() + src_offset, bytes);
+        ASSERT_TRUE(destination == want)
+            << bytes << " bytes to offset " << dst_offset << " from offset " << src_offset;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace testutil
 }  // namespace kvmesh

@@ -165,16 +165,15 @@ class Model:
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """One query's attention over its visible keys and values [m, kv_heads, hd], in
-        position order; softmax in float32."""
+        position order, every head at once (grouped: head h reads KV head h / (heads /
+        kv_heads)); softmax in float32."""
         c = self.config
         group = c.heads // c.kv_heads
-        out = []
-        for h in range(c.heads):
-            kv = h // group
-            scores = (keys[:, kv].float() * q[h].float()).sum(-1) / math.sqrt(c.head_dim)
-            p = torch.softmax(scores, dim=0)
-            out.append((p[:, None] * values[:, kv].float()).sum(0).to(q.dtype))
-        return torch.cat(out)
+        k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)    # [heads, m, hd]
+        v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (k * q.float()[:, None, :]).sum(-1) / math.sqrt(c.head_dim)  # [heads, m]
+        p = torch.softmax(scores, dim=-1)
+        return (p[:, :, None] * v).sum(1).to(q.dtype).reshape(-1)
 
     def finish_layer(self, layer: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         w = self.layers[layer]

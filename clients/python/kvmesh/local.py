@@ -213,7 +213,9 @@ class Session:
                 raise RuntimeError(f"the node sent {len(fds)} descriptors for "
                                    f"{len(response.attach.groups)} groups")
             for fd, memory in zip(fds, response.attach.groups):
-                mapped = mmap.mmap(fd, memory.bytes, mmap.MAP_SHARED,
+                # Every page mapped now (as the C++ client): no fault in a read or write later.
+                mapped = mmap.mmap(fd, memory.bytes,
+                                   mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                    mmap.PROT_READ | mmap.PROT_WRITE)
                 groups.append(MappedGroup(mapped, memory.cells,
                                           [(p.offset, p.row_bytes) for p in memory.planes]))
