@@ -531,13 +531,22 @@ class Cache {
     // the cell of each (the row of the group's planes).
     std::vector<std::vector<int32_t>> positions;
     std::vector<std::vector<int32_t>> cells;
+    // Per group, per query of PinCells: the pinned positions the query attends to, as
+    // VisibleRanges answers them (maximal ranges, ascending) cut to the pinned range.
+    std::vector<std::vector<std::vector<PositionRange>>> visible;
     std::shared_ptr<const void> hold;
   };
+  // The most ranges one PinCells may answer for its queries (over every group).
+  static constexpr int64_t kMaxPinVisibleRanges = int64_t{1} << 20;
   // Pins the cells of seq's positions in [begin, end) (end absent: all), with Read's checks and
   // errors. FAILED_PRECONDITION for a cache with a group that keeps no cells of positions
-  // (Rotating, Recurrent: not lends_cells()). Counts as a use of seq.
+  // (Rotating, Recurrent: not lends_cells()). Counts as a use of seq. With `queries` (positions
+  // of queries of seq), also what each attends to, seen at the same moment as the cells (the
+  // seed's StartForward mask): INVALID_ARGUMENT for a negative one, RESOURCE_EXHAUSTED when
+  // the answer could exceed kMaxPinVisibleRanges ranges.
   static absl::StatusOr<PinnedCells> PinCells(const std::shared_ptr<Cache>& cache, int64_t seq,
-                                              int32_t begin, std::optional<int32_t> end);
+                                              int32_t begin, std::optional<int32_t> end,
+                                              absl::Span<const int32_t> queries = {});
 
  private:
   friend class SequenceImport;

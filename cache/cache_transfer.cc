@@ -241,7 +241,8 @@ absl::StatusOr<std::vector<Cache::SharedGroup>> Cache::SharedGroups() const {
 }
 
 absl::StatusOr<Cache::PinnedCells> Cache::PinCells(const std::shared_ptr<Cache>& cache, int64_t seq,
-                                                   int32_t begin, std::optional<int32_t> end) {
+                                                   int32_t begin, std::optional<int32_t> end,
+                                                   absl::Span<const int32_t> queries) {
   Cache& c = *cache;
   if (!c.lends_cells_) {
     return absl::FailedPreconditionError(
@@ -250,19 +251,50 @@ absl::StatusOr<Cache::PinnedCells> Cache::PinCells(const std::shared_ptr<Cache>&
                      "its cells cannot be read in place"));
   }
   RETURN_IF_ERROR(c.CheckReadArgs(seq, begin, end));
+  for (size_t i = 0; i < queries.size(); ++i) {
+    if (queries[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("queries[", i, "] = ", queries[i], " is negative"));
+    }
+  }
   auto record = std::make_shared<SnapshotRecord>();
+  const int64_t stop = end.has_value() ? int64_t{*end} : int64_t{INT32_MAX} + 1;
+  PinnedCells pinned;
   {
     MutexLock lock(&c.mu_);
     RETURN_IF_ERROR(c.CheckUsableLocked());
     if (!c.IsLiveLocked(seq)) {
       return absl::NotFoundError(absl::StrCat("cache '", c.spec_.name, "' has no sequence ", seq));
     }
-    const int64_t stop = end.has_value() ? int64_t{*end} : int64_t{INT32_MAX} + 1;
+    if (!queries.empty()) {
+      int64_t bound = 0;  // at most 2^31 queries x groups x 2^31: no overflow
+      for (const auto& group : c.groups_) {
+        for (int32_t pos : queries) bound += group->VisibleRangesBound(Query{seq, pos});
+      }
+      if (bound > kMaxPinVisibleRanges) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("the ", queries.size(), " queries could attend to up to ", bound,
+                         " ranges of positions, more than a pin answers (", kMaxPinVisibleRanges,
+                         "): pin with fewer queries"));
+      }
+      for (const auto& group : c.groups_) {
+        std::vector<std::vector<PositionRange>>& per_query = pinned.visible.emplace_back();
+        per_query.resize(queries.size());
+        for (size_t i = 0; i < queries.size(); ++i) {
+          std::vector<PositionRange> ranges;
+          group->VisibleRanges(Query{seq, queries[i]}, &ranges);
+          for (PositionRange r : ranges) {  // cut to the pinned [begin, stop)
+            r.first = std::max(r.first, begin);
+            if (int64_t{r.last} >= stop) r.last = static_cast<int32_t>(stop - 1);
+            if (r.first <= r.last) per_query[i].push_back(r);
+          }
+        }
+      }
+    }
     std::vector<ChunkFormat> formats;
     *record = c.PinRecordLocked(cache, seq, begin, stop, &formats);
     c.TouchLocked({seq});
   }
-  PinnedCells pinned;
   for (const GroupSnapshot& g : record->groups) {
     std::vector<int32_t> positions;
     std::vector<int32_t> cells;

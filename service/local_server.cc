@@ -186,6 +186,7 @@ void LocalServer::AcceptLoop() {
                                             "kvmesh-node ", options_.node_name, " serves ",
                                             options_.max_sessions,
                                             " local sessions already; try again later"))));
+      refusals_.fetch_add(1);
       close(fd);
       continue;
     }
@@ -197,12 +198,14 @@ void LocalServer::AcceptLoop() {
     session->fd = fd;
     Session* s = session.get();
     sessions_.push_back(std::move(session));
+    sessions_total_.fetch_add(1);
     s->thread = std::thread([this, s] {
       Serve(s);
       // The worker sees the end at once; the descriptor is closed when the session is reaped.
       shutdown(s->fd, SHUT_RDWR);
       // Pins go with the session, before anyone can take it for ended.
       pins_.fetch_sub(s->pins.size());
+      plans_.fetch_sub(s->plans.size());
       s->pins.clear();
       s->plans.clear();
       s->done.store(true);
@@ -252,7 +255,12 @@ void LocalServer::Serve(Session* session) {
     }
     for (auto it = session->plans.begin(); it != session->plans.end();) {
       // The writer's destruction gives its cells back.
-      it = it->second.expires <= now ? session->plans.erase(it) : std::next(it);
+      if (it->second.expires <= now) {
+        it = session->plans.erase(it);
+        plans_.fetch_sub(1);
+      } else {
+        ++it;
+      }
     }
   };
   // A lease asked for in ms: 0 for the default; INVALID_ARGUMENT outside [0, max_lease].
@@ -392,9 +400,9 @@ void LocalServer::Serve(Session* session) {
           status = cache.status();
           break;
         }
-        absl::StatusOr<Cache::PinnedCells> cells =
-            Cache::PinCells(*cache, pin.seq(), pin.begin(),
-                            pin.has_end() ? std::optional<int32_t>(pin.end()) : std::nullopt);
+        absl::StatusOr<Cache::PinnedCells> cells = Cache::PinCells(
+            *cache, pin.seq(), pin.begin(),
+            pin.has_end() ? std::optional<int32_t>(pin.end()) : std::nullopt, pin.queries());
         if (!cells.ok()) {
           status = cells.status();
           break;
@@ -404,6 +412,15 @@ void LocalServer::Serve(Session* session) {
           v1::LocalGroupCells* group = result->add_groups();
           group->mutable_positions()->Add(cells->positions[g].begin(), cells->positions[g].end());
           group->mutable_cells()->Add(cells->cells[g].begin(), cells->cells[g].end());
+          if (g < cells->visible.size()) {
+            for (const std::vector<PositionRange>& ranges : cells->visible[g]) {
+              v1::LocalVisibleRanges* visible = group->add_visible();
+              for (const PositionRange& r : ranges) {
+                visible->add_first(r.first);
+                visible->add_last(r.last);
+              }
+            }
+          }
         }
         const uint64_t pin_id = session->next_pin++;
         result->set_pin(pin_id);
@@ -484,6 +501,7 @@ void LocalServer::Serve(Session* session) {
         result->set_plan(plan);
         result->set_expires_unix_ms(absl::ToUnixMillis(*expires));
         session->plans.emplace(plan, Session::Plan{*std::move(writer), *expires});
+        plans_.fetch_add(1);
         break;
       }
       case v1::LocalRequest::kCommitAppend:
@@ -500,9 +518,13 @@ void LocalServer::Serve(Session* session) {
         }
         std::unique_ptr<AppendWriter> writer = std::move(it->second.writer);
         session->plans.erase(it);
+        plans_.fetch_sub(1);
         if (commit) {
           status = writer->CommitInPlace();
-          if (status.ok()) response.mutable_commit_append();
+          if (status.ok()) {
+            response.mutable_commit_append();
+            commits_.fetch_add(1);
+          }
         } else {
           writer.reset();
           response.mutable_abandon_append();
@@ -516,7 +538,10 @@ void LocalServer::Serve(Session* session) {
         status = absl::InvalidArgumentError("a local request without an operation");
         break;
     }
-    if (!status.ok()) response = ErrorResponse(id, status);
+    if (!status.ok()) {
+      response = ErrorResponse(id, status);
+      refusals_.fetch_add(1);
+    }
     if (!SendResponse(fd, response)) return;
   }
 }

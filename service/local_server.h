@@ -9,7 +9,7 @@
 // has not said Hello within hello_timeout ends. Nothing but Hello is read before the session is
 // authenticated; a failed Hello ends the session.
 //
-// Thread safety: Start and the destructor from one thread; sessions() and pins() from any.
+// Thread safety: Start and the destructor from one thread; the counts from any.
 // A thread accepts connections and one thread serves each session.
 #ifndef KVMESH_SERVICE_LOCAL_SERVER_H_
 #define KVMESH_SERVICE_LOCAL_SERVER_H_
@@ -61,9 +61,14 @@ class LocalServer {
   LocalServer& operator=(const LocalServer&) = delete;
 
   const std::string& path() const { return options_.path; }
-  // Sessions open now, and pins held by them.
+  // Sessions open now, and the pins and Append plans they hold.
   size_t sessions() const;
   size_t pins() const { return pins_.load(); }
+  size_t plans() const { return plans_.load(); }
+  // Since start: sessions accepted, requests answered with an error, Appends committed.
+  uint64_t sessions_total() const { return sessions_total_.load(); }
+  uint64_t refusals() const { return refusals_.load(); }
+  uint64_t commits() const { return commits_.load(); }
 
  private:
   struct Session;
@@ -75,6 +80,10 @@ class LocalServer {
   const int listen_fd_;
   std::atomic<bool> stopping_{false};
   std::atomic<size_t> pins_{0};
+  std::atomic<size_t> plans_{0};
+  std::atomic<uint64_t> sessions_total_{0};
+  std::atomic<uint64_t> refusals_{0};
+  std::atomic<uint64_t> commits_{0};
   mutable Mutex mu_;
   std::vector<std::unique_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   std::thread acceptor_;

@@ -783,7 +783,8 @@ int Run() {
                                         &gate,
                                         &events,
                                         &service,
-                                        cluster_index.get()});
+                                        cluster_index.get(),
+                                        local_server.get()});
   const std::string metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
   int bound_metrics_port = 0;
   if (metrics_port > 0 || !metrics_port_file.empty()) {

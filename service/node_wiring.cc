@@ -282,6 +282,22 @@ void AddNodeCollectors(Metrics* metrics, NodeState state) {
     for (const ClusterIndex::PeerState& p : indexed) {
       sink.Add({{"peer", p.node}}, static_cast<double>(p.resyncs));
     }
+    // The local data path (docs/api.md#local-data-path); absent without --local-socket.
+    if (const LocalServer* local = state.local_server; local != nullptr) {
+      sink.Gauge("kvmesh_local_sessions", "Worker sessions open on --local-socket");
+      sink.Add({}, static_cast<double>(local->sessions()));
+      sink.Gauge("kvmesh_local_pins", "Pins of cells the local sessions hold");
+      sink.Add({}, static_cast<double>(local->pins()));
+      sink.Gauge("kvmesh_local_plans", "Append plans (cells written in place) not yet committed");
+      sink.Add({}, static_cast<double>(local->plans()));
+      sink.Counter("kvmesh_local_sessions_total", "Worker sessions accepted");
+      sink.Add({}, static_cast<double>(local->sessions_total()));
+      sink.Counter("kvmesh_local_commits_total", "Appends written in place and committed");
+      sink.Add({}, static_cast<double>(local->commits()));
+      sink.Counter("kvmesh_local_refusals_total",
+                   "Local requests answered with an error, and sessions refused at the bound");
+      sink.Add({}, static_cast<double>(local->refusals()));
+    }
     per_cache_gauge("kvmesh_snapshots", "Snapshots of a cache",
                     [](const PerCache& c) { return c.usage.snapshots; });
     per_cache_gauge("kvmesh_snapshot_bytes", "Snapshot pool memory a cache's snapshots hold",

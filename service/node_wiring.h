@@ -30,6 +30,7 @@
 #include "service/common/metrics.h"
 #include "service/executor.h"
 #include "service/inflight_budget.h"
+#include "service/local_server.h"
 
 namespace kvmesh {
 
@@ -116,10 +117,11 @@ struct NodeState {
   const EventLog* events;
   const CacheServiceImpl* service;
   const ClusterIndex* cluster_index;  // null with --cluster_index=false
+  const LocalServer* local_server;    // null without --local-socket
 };
 
 // Registers the collector of the node's own metrics (build, process, executors, in-flight
-// budget, caches, events, cluster index, device, leases, drain) on `metrics`.
+// budget, caches, events, cluster index, device, leases, drain, local data path) on `metrics`.
 void AddNodeCollectors(Metrics* metrics, NodeState state);
 
 }  // namespace kvmesh

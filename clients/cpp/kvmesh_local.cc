@@ -203,7 +203,8 @@ absl::StatusOr<std::unique_ptr<MappedCache>> Session::Attach(const std::string& 
 }
 
 absl::StatusOr<Pin> Session::PinCells(const std::string& cache, int64_t seq, int32_t begin,
-                                      std::optional<int32_t> end, absl::Duration lease) {
+                                      std::optional<int32_t> end, absl::Duration lease,
+                                      const std::vector<int32_t>& queries) {
   v1::LocalRequest request;
   v1::LocalPin* pin = request.mutable_pin();
   pin->set_cache(cache);
@@ -214,6 +215,7 @@ absl::StatusOr<Pin> Session::PinCells(const std::string& cache, int64_t seq, int
     pin->set_has_end(true);
   }
   pin->set_lease_ms(absl::ToInt64Milliseconds(lease));
+  pin->mutable_queries()->Add(queries.begin(), queries.end());
   absl::StatusOr<v1::LocalResponse> response = Call(std::move(request));
   if (!response.ok()) return response.status();
   if (absl::Status s = StatusOf(*response); !s.ok()) return s;
@@ -222,6 +224,13 @@ absl::StatusOr<Pin> Session::PinCells(const std::string& cache, int64_t seq, int
   for (const v1::LocalGroupCells& g : response->pin().groups()) {
     out.positions.emplace_back(g.positions().begin(), g.positions().end());
     out.cells.emplace_back(g.cells().begin(), g.cells().end());
+    std::vector<std::vector<PositionRange>>& visible = out.visible.emplace_back();
+    for (const v1::LocalVisibleRanges& v : g.visible()) {
+      std::vector<PositionRange>& ranges = visible.emplace_back();
+      for (int i = 0; i < v.first_size() && i < v.last_size(); ++i) {
+        ranges.push_back({v.first(i), v.last(i)});
+      }
+    }
   }
   out.expires = absl::FromUnixMillis(response->pin().expires_unix_ms());
   return out;

@@ -88,11 +88,19 @@ struct AppendPlan {
   absl::Time expires;
 };
 
-// Cells pinned for reading in place: per group, the positions held and the cell of each.
+// Positions first..last, both included.
+struct PositionRange {
+  int32_t first = 0;
+  int32_t last = 0;
+};
+
+// Cells pinned for reading in place: per group, the positions held and the cell of each, and
+// per group and query (PinCells' queries), the pinned positions the query attends to.
 struct Pin {
   uint64_t id = 0;
   std::vector<std::vector<int32_t>> positions;
   std::vector<std::vector<int32_t>> cells;
+  std::vector<std::vector<std::vector<PositionRange>>> visible;
   absl::Time expires;
 };
 
@@ -114,10 +122,12 @@ class Session {
   // Maps every group of the session tenant's cache `cache`.
   absl::StatusOr<std::unique_ptr<MappedCache>> Attach(const std::string& cache);
   // Pins the cells of seq's positions [begin, end) (end absent: to its end) for `lease`
-  // (zero: the node's default).
+  // (zero: the node's default). With `queries` (positions of queries of seq, a batch's), the
+  // pin also says what each attends to among the pinned positions (Pin::visible).
   absl::StatusOr<Pin> PinCells(const std::string& cache, int64_t seq, int32_t begin,
                                std::optional<int32_t> end,
-                               absl::Duration lease = absl::ZeroDuration());
+                               absl::Duration lease = absl::ZeroDuration(),
+                               const std::vector<int32_t>& queries = {});
   absl::Status Unpin(uint64_t pin);
 
   // Takes cells for an Append of tokens (seqs[i], positions[i]) (token_ids empty or one per

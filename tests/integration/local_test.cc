@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -207,6 +208,95 @@ TEST_F(LocalTest, BadRequestsAreRefusedWithTheirValues) {
   EXPECT_TRUE(pin.ok()) << pin.status();
 }
 
+// A pin with queries answers what each query attends to among the pinned positions, per group,
+// as gRPC's Visible (in ranges) answers it, cut to the pinned range.
+TEST_F(LocalTest, APinWithQueriesSaysWhatEachAttendsTo) {
+  ASSERT_NO_FATAL_FAILURE(Start(""));
+  std::unique_ptr<Stub> stub = node_->NewStub();
+  AttentionOptions full;
+  full.num_layers = 1;
+  AttentionOptions sliding = full;
+  sliding.sliding_window = 3;
+  sliding.sliding_memory = 6;
+  const v1::CacheSpec spec =
+      SpecProto("w", 4, 64, 32, {AttentionGroupProto(full), AttentionGroupProto(sliding)});
+  KVMESH_ASSERT_OK(CreateCache(*stub, spec));
+  std::vector<int32_t> positions;
+  for (int32_t p = 0; p < 12; ++p) positions.push_back(p);
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 2, positions)));
+  auto session = local::Session::Connect(socket_);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::vector<int32_t> queries = {0, 5, 11, 12, 40};
+  for (const int32_t begin : {0, 7}) {
+    absl::StatusOr<local::Pin> pin =
+        (*session)->PinCells("w", 2, begin, std::nullopt, absl::ZeroDuration(), queries);
+    ASSERT_TRUE(pin.ok()) << pin.status();
+    ASSERT_EQ(pin->visible.size(), 2u);
+    for (int g = 0; g < 2; ++g) {
+      v1::VisibleRequest request;
+      request.set_cache("w");
+      request.set_group(g);
+      request.set_as_ranges(true);
+      for (int32_t q : queries) {
+        v1::Query* query = request.add_queries();
+        query->set_seq(2);
+        query->set_pos(q);
+      }
+      v1::VisibleResponse response;
+      const grpc::Status status = Visible(*stub, request, &response);
+      ASSERT_TRUE(status.ok()) << StatusText(status);
+      ASSERT_EQ(pin->visible[g].size(), queries.size());
+      for (size_t i = 0; i < queries.size(); ++i) {
+        std::vector<std::pair<int32_t, int32_t>> want;
+        for (const v1::PositionRange& r : response.visible(static_cast<int>(i)).ranges()) {
+          const int32_t first = std::max(r.first(), begin);
+          if (first <= r.last()) want.emplace_back(first, r.last());
+        }
+        std::vector<std::pair<int32_t, int32_t>> got;
+        for (const local::PositionRange& r : pin->visible[g][i]) got.emplace_back(r.first, r.last);
+        EXPECT_EQ(got, want) << "group " << g << ", query at " << queries[i] << ", pin from "
+                             << begin;
+        // Every position it names is pinned.
+        for (const auto& [first, last] : got) {
+          EXPECT_TRUE(
+              std::binary_search(pin->positions[g].begin(), pin->positions[g].end(), first));
+          EXPECT_TRUE(std::binary_search(pin->positions[g].begin(), pin->positions[g].end(), last));
+        }
+      }
+    }
+    // The sliding group: a query at 11 sees [8, 11]; at 40 nothing.
+    if (begin == 0) {
+      ASSERT_EQ(pin->visible[1][2].size(), 1u);
+      EXPECT_EQ(pin->visible[1][2][0].first, 8);
+      EXPECT_EQ(pin->visible[1][2][0].last, 11);
+      EXPECT_TRUE(pin->visible[1][4].empty());
+    }
+    EXPECT_TRUE((*session)->Unpin(pin->id).ok());
+  }
+  absl::StatusOr<local::Pin> bad =
+      (*session)->PinCells("w", 2, 0, std::nullopt, absl::ZeroDuration(), {3, -4});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("queries[1] = -4"));
+
+  // An answer that could exceed 2^20 ranges is refused before it is built: 9,000 queries over a
+  // sequence of 128 runs (every other position stored).
+  AttentionOptions one;
+  one.num_layers = 1;
+  const v1::CacheSpec gaps = SpecProto("gaps", 2, 256, 256, {AttentionGroupProto(one)});
+  KVMESH_ASSERT_OK(CreateCache(*stub, gaps));
+  std::vector<int32_t> even;
+  for (int32_t p = 0; p < 256; p += 2) even.push_back(p);
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(gaps, 0, even)));
+  const std::vector<int32_t> many(9000, 300);
+  bad = (*session)->PinCells("gaps", 0, 0, std::nullopt, absl::ZeroDuration(), many);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kResourceExhausted) << bad.status();
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("up to 1152000 ranges"));
+  absl::StatusOr<local::Pin> fewer = (*session)->PinCells(
+      "gaps", 0, 0, std::nullopt, absl::ZeroDuration(), std::vector<int32_t>(8000, 300));
+  ASSERT_TRUE(fewer.ok()) << fewer.status();
+  EXPECT_EQ(fewer->visible[0][7999].size(), 128u);
+}
+
 // An Append written in place: nothing is seen before its commit, the committed rows are what
 // gRPC reads, and a plan abandoned, expired or left by its session changes nothing.
 TEST_F(LocalTest, AppendsWrittenInPlaceAreCommittedAllOrNothing) {
@@ -370,6 +460,73 @@ TEST_F(LocalTest, NothingButAHelloIsReadBeforeTheSessionIsAuthenticated) {
     EXPECT_EQ(recv(fd, &byte, 1, 0), 0);
     close(fd);
   }
+}
+
+// A worker that stops reading its answers cannot keep its pins: the node's send of an answer
+// larger than the socket's buffer gives up after 5 s and ends the session, pins and all.
+TEST_F(LocalTest, AWorkerThatStopsReadingLosesItsSessionAndPins) {
+  ASSERT_NO_FATAL_FAILURE(Start(""));
+  std::unique_ptr<Stub> stub = node_->NewStub();
+  AttentionOptions a;
+  a.num_layers = 1;
+  a.num_kv_heads = 1;
+  const v1::CacheSpec spec = SpecProto("big", 2, 131072, 131072, {AttentionGroupProto(a)});
+  KVMESH_ASSERT_OK(CreateCache(*stub, spec));
+  std::vector<int32_t> positions(120000);
+  for (int32_t p = 0; p < 120000; ++p) positions[p] = p;
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 0, positions)));
+
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, socket_.data(), socket_.size());
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  int buffer = 0;
+  socklen_t length = sizeof(buffer);
+  ASSERT_EQ(getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer, &length), 0);
+  auto send_request = [&](const v1::LocalRequest& request) {
+    const std::string body = request.SerializeAsString();
+    std::string frame(4, '\0');
+    for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>((body.size() >> (8 * i)) & 0xff);
+    frame += body;
+    ASSERT_EQ(send(fd, frame.data(), frame.size(), 0), static_cast<ssize_t>(frame.size()));
+  };
+  v1::LocalRequest hello;
+  hello.set_id(1);
+  hello.mutable_hello();
+  send_request(hello);
+  v1::LocalRequest pin;
+  pin.set_id(2);
+  pin.mutable_pin()->set_cache("big");
+  pin.mutable_pin()->set_seq(0);
+  send_request(pin);
+  // The sequence goes; its cells stay while the pin (whose answer, ~700 KB of positions and
+  // cells, is several socket buffers of ~`buffer` bytes) is held by the stuck session.
+  v1::RemoveRequest remove;
+  remove.set_cache("big");
+  remove.set_seq(0);
+  v1::RemoveResponse removed;
+  {
+    grpc::ClientContext context;
+    KVMESH_ASSERT_OK(stub->Remove(&context, remove, &removed));
+  }
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_EQ(CellsUsed(*stub, "big"), 120000) << "socket buffer " << buffer << " bytes";
+  const absl::Time start = absl::Now();
+  int64_t used = -1;
+  while (absl::Now() - start < absl::Seconds(20)) {
+    used = CellsUsed(*stub, "big");
+    if (used == 0) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(used, 0) << "the stuck session still holds its pin";
+  // The session is gone: the socket reads to its end.
+  std::string rest(1 << 20, '\0');
+  ssize_t got = 0;
+  while ((got = recv(fd, rest.data(), rest.size(), 0)) > 0) {
+  }
+  EXPECT_EQ(got, 0);
+  close(fd);
 }
 
 // With a token file: a worker needs a valid token, and maps and pins only its tenant's caches.

@@ -28,6 +28,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "clients/cpp/kvmesh_local.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
@@ -408,6 +409,54 @@ TEST(MetricsTest, SeriesMoveWithRpcsAndCaches) {
 }
 
 // A request the in-flight budget cannot hold is refused and counted.
+// The local data path's series: sessions, pins and plans held now, and what happened since
+// start; absent on a node without --local-socket.
+TEST(MetricsTest, LocalSessionsPinsAndPlansAreCounted) {
+  NodeProcess::Options options;
+  options.node_name = "metrics-local";
+  const std::string socket = TempPath("local.sock");
+  options.extra_args = {"--memory-budget=64MiB", "--snapshot-budget=16MiB",
+                        absl::StrCat("--local-socket=", socket)};
+  MetricsNode node = StartNode(options);
+  ASSERT_NE(node.process, nullptr);
+  EXPECT_EQ(node.ScrapeNow().Get("kvmesh_local_sessions"), 0);
+  const v1::CacheSpec spec = SmallSpec("m");
+  KVMESH_ASSERT_OK(CreateCache(*node.stub, spec));
+  KVMESH_ASSERT_OK(Append(*node.stub, MakeAppend(spec, 0, Positions(8))));
+  {
+    absl::StatusOr<std::unique_ptr<local::Session>> session = local::Session::Connect(socket);
+    ASSERT_TRUE(session.ok()) << session.status();
+    absl::StatusOr<local::Pin> pin = (*session)->PinCells("m", 0, 0, std::nullopt);
+    ASSERT_TRUE(pin.ok()) << pin.status();
+    EXPECT_EQ((*session)->PinCells("m", 7, 0, std::nullopt).status().code(),
+              absl::StatusCode::kNotFound);
+    absl::StatusOr<local::AppendPlan> plan = (*session)->BeginAppend("m", {1}, {0});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    const Scrape held = node.ScrapeNow();
+    EXPECT_EQ(held.Get("kvmesh_local_sessions"), 1);
+    EXPECT_EQ(held.Get("kvmesh_local_pins"), 1);
+    EXPECT_EQ(held.Get("kvmesh_local_plans"), 1);
+    EXPECT_EQ(held.Count("kvmesh_local_sessions_total"), 1);
+    EXPECT_EQ(held.Count("kvmesh_local_refusals_total"), 1);
+    EXPECT_EQ(held.Count("kvmesh_local_commits_total"), 0);
+    ASSERT_TRUE((*session)->CommitAppend(plan->id).ok());
+    const Scrape committed = node.ScrapeNow();
+    EXPECT_EQ(committed.Get("kvmesh_local_plans"), 0);
+    EXPECT_EQ(committed.Count("kvmesh_local_commits_total"), 1);
+  }
+  // The session's end (the socket closed) drops its pin.
+  std::optional<double> sessions;
+  for (absl::Time end = absl::Now() + absl::Seconds(10); absl::Now() < end;) {
+    sessions = node.ScrapeNow().Get("kvmesh_local_sessions");
+    if (sessions == 0) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(sessions, 0);
+  EXPECT_EQ(node.ScrapeNow().Get("kvmesh_local_pins"), 0);
+  ExpectWithinContract(node);
+  StopNode(node);
+}
+
 TEST(MetricsTest, InflightRefusalsAreCounted) {
   NodeProcess::Options options;
   options.node_name = "metrics-b";

@@ -7,8 +7,9 @@ a SwiGLU MLP, float32 or bfloat16 throughout. Its layers are full attention exce
 window layer, so its cache has two layer groups: the full layers (group 0) and the sliding one
 (group 1).
 
-Every step of the worker runs on kvmesh's memory: it pins the sequence's stored cells
-(``Session.pin``), takes cells for its new tokens (``Session.begin_append``), writes each layer's
+Every step of the worker runs on kvmesh's memory: it pins the sequence's stored cells with what
+each new token attends to among them (``Session.pin`` with ``queries``), takes cells for its new
+tokens (``Session.begin_append``), writes each layer's
 K/V into those cells, reads every key and value it attends to from the mapped cells, and
 commits (``Session.commit_append``). Nothing of the K/V goes through gRPC; the gRPC client only
 creates the cache and runs the operations under test. Then it checks:
@@ -206,6 +207,10 @@ class Step:
         """Keys and values [m, kv_heads, hd] of ``positions`` in ``layer``."""
         raise NotImplementedError
 
+    def visible(self, model: "Model", layer: int, i: int, pos: int) -> List[int]:
+        """What the batch's token i, at ``pos``, attends to in ``layer``, sorted."""
+        return model.visible(layer, pos, self.stored(model.config.layer_slot(layer)[0]))
+
 
 def forward(model: Model, step: Step, positions: Sequence[int],
             token_ids: Sequence[int]) -> torch.Tensor:
@@ -213,15 +218,13 @@ def forward(model: Model, step: Step, positions: Sequence[int],
     K/V into the cache, then every query attends over what the cache holds."""
     xs = [model.embed[t] for t in token_ids]
     for layer in range(len(model.config.layers)):
-        group, _ = model.config.layer_slot(layer)
         queries = []
         for i, pos in enumerate(positions):
             q, k, v = model.qkv(layer, xs[i], pos)
             step.write(layer, i, k, v)
             queries.append(q)
-        stored = step.stored(group)
         for i, pos in enumerate(positions):
-            keys, values = step.read(layer, model.visible(layer, pos, stored))
+            keys, values = step.read(layer, step.visible(model, layer, i, pos))
             xs[i] = model.finish_layer(layer, xs[i], model.attend(queries[i], keys, values))
     return torch.stack([model.logits(x) for x in xs])
 
@@ -280,13 +283,30 @@ def recompute(model: Model, token_ids: Sequence[int]) -> torch.Tensor:
 
 class KvmeshStep(Step):
     """A batch's step on kvmesh's cells: the pinned cells of what the sequence stores, and the
-    plan's cells of the new tokens."""
+    plan's cells of the new tokens. What a token attends to among the stored positions is the
+    node's answer (the pin's visibility of the batch's queries); among the batch's own tokens,
+    the model's rule."""
 
-    def __init__(self, cache: "KvmeshCache", plan: kvmesh.local.AppendPlan,
-                 cells: List[Dict[int, int]], positions: Sequence[int]) -> None:
-        self.cache, self.plan, self.cells, self.positions = cache, plan, cells, positions
+    def __init__(self, cache: "KvmeshCache", pin: Optional[kvmesh.local.Pin],
+                 plan: kvmesh.local.AppendPlan, cells: List[Dict[int, int]],
+                 positions: Sequence[int]) -> None:
+        self.cache, self.pin, self.plan, self.cells = cache, pin, plan, cells
+        self.positions = positions
         config = cache.model.config
         self.config, self.shape = config, (config.kv_heads, config.head_dim)
+
+    def visible(self, model: "Model", layer: int, i: int, pos: int) -> List[int]:
+        group, _ = self.config.layer_slot(layer)
+        stored: List[int] = []
+        if self.pin is not None:
+            for first, last in self.pin.visible[group][i]:
+                stored.extend(range(first, last + 1))
+            # The node's rule and the model's must agree, or the model attends to other keys.
+            want = model.visible(layer, pos, self.pin.positions[group].tolist())
+            if stored != want:
+                raise AssertionError(f"layer {layer}: the node says a query at {pos} attends to "
+                                     f"{stored}, the model's rule to {want}")
+        return stored + model.visible(layer, pos, sorted(self.positions))
 
     def stored(self, group: int) -> List[int]:
         return sorted(self.cells[group])
@@ -325,10 +345,12 @@ class KvmeshCache:
         self.k_rows = self.v_rows = []
         self.mapped.close()
 
-    def pinned(self, seq: int) -> Tuple[Optional[kvmesh.local.Pin], List[Dict[int, int]]]:
-        """Pins what ``seq`` stores: the pin (None for nothing) and, per group, pos -> cell."""
+    def pinned(self, seq: int, queries: Sequence[int] = ()
+               ) -> Tuple[Optional[kvmesh.local.Pin], List[Dict[int, int]]]:
+        """Pins what ``seq`` stores, with what queries at ``queries`` attend to: the pin (None
+        for nothing) and, per group, pos -> cell."""
         try:
-            pin = self.session.pin(self.cache, seq)
+            pin = self.session.pin(self.cache, seq, queries=queries)
         except kvmesh.NotFound:
             return None, [{}, {}]
         return pin, [dict(zip(p.tolist(), c.tolist()))
@@ -349,7 +371,7 @@ class KvmeshCache:
             speculative: bool = False) -> torch.Tensor:
         """One forward pass of new tokens at ``positions`` of ``seq``, K/V in kvmesh's cells;
         committed (as pending tokens with ``speculative``) when it succeeds, abandoned if not."""
-        pin, cells = self.pinned(seq)
+        pin, cells = self.pinned(seq, positions)
         try:
             plan = self.session.begin_append(self.cache, kvmesh.tokens(seq, positions),
                                              token_ids, speculative=speculative)
@@ -358,7 +380,7 @@ class KvmeshCache:
                     if cell >= 0:
                         cells[group][positions[i]] = cell
             try:
-                logits = forward(self.model, KvmeshStep(self, plan, cells, positions),
+                logits = forward(self.model, KvmeshStep(self, pin, plan, cells, positions),
                                  positions, token_ids)
             except BaseException:
                 self.session.abandon_append(plan)

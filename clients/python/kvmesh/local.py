@@ -118,12 +118,15 @@ class AppendPlan:
 
 @dataclass
 class Pin:
-    """Cells pinned for reading: per group, the positions held and the cell of each."""
+    """Cells pinned for reading: per group, the positions held and the cell of each; with
+    ``queries``, per group and query the pinned positions it attends to, as (first, last)
+    ranges (both included)."""
 
     id: int
     positions: List[np.ndarray]
     cells: List[np.ndarray]
     expires: float  # unix seconds
+    visible: List[List[List[tuple]]] = None
 
 
 class Session:
@@ -225,9 +228,11 @@ class Session:
         return MappedCache(response.attach.spec, groups)
 
     def pin(self, cache: str, seq: int, begin: int = 0, end: Optional[int] = None,
-            lease: Optional[float] = None) -> Pin:
+            lease: Optional[float] = None, queries=None) -> Pin:
         """Pins the cells of positions [begin, end) of ``seq`` (``end`` None: to its end) for
-        ``lease`` seconds (None: the node's default)."""
+        ``lease`` seconds (None: the node's default). ``queries``: positions of queries of
+        ``seq`` (a batch's); ``Pin.visible`` then says what each attends to among the pinned
+        positions, seen at the same moment (the batch's mask over what is stored)."""
         request = _pb.LocalRequest()
         request.pin.cache = cache
         request.pin.seq = seq
@@ -236,12 +241,15 @@ class Session:
             request.pin.end = end
             request.pin.has_end = True
         request.pin.lease_ms = 0 if lease is None else int(round(lease * 1000))
+        if queries is not None:
+            request.pin.queries.extend(int(q) for q in queries)
         response, _ = self._call(request)
         result = response.pin
         return Pin(result.pin,
                    [np.array(g.positions, dtype=np.int32) for g in result.groups],
                    [np.array(g.cells, dtype=np.int64) for g in result.groups],
-                   result.expires_unix_ms / 1000.0)
+                   result.expires_unix_ms / 1000.0,
+                   [[list(zip(v.first, v.last)) for v in g.visible] for g in result.groups])
 
     def begin_append(self, cache: str, tokens, token_ids=None, *, speculative: bool = False,
                      lease: Optional[float] = None) -> AppendPlan:
