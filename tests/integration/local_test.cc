@@ -3,6 +3,7 @@
 // are the bytes gRPC Read returns, a row written in place is what Read returns next, pins keep
 // cells from being freed until they go (Unpin, lease, session end), and a worker sees only its
 // own tenant's caches.
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -60,6 +61,38 @@ int64_t CellsUsed(Stub& stub, const std::string& cache) {
   const grpc::Status status = GetCache(stub, cache, &response);
   EXPECT_TRUE(status.ok()) << StatusText(status);
   return response.cache().usage().groups(0).cells_used();
+}
+
+// A plain connection to a node's local socket, for what the client library never sends.
+int RawConnect(const std::string& path) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  return fd;
+}
+
+// Reads one framed response.
+v1::LocalResponse ReadFrame(int fd) {
+  char header[4];
+  EXPECT_EQ(recv(fd, header, 4, MSG_WAITALL), 4);
+  uint32_t n = 0;
+  for (int i = 0; i < 4; ++i) n |= uint32_t{static_cast<uint8_t>(header[i])} << (8 * i);
+  std::string body(n, '\0');
+  EXPECT_EQ(recv(fd, body.data(), n, MSG_WAITALL), static_cast<ssize_t>(n));
+  v1::LocalResponse response;
+  EXPECT_TRUE(response.ParseFromString(body));
+  return response;
+}
+
+// Sends `request` framed: its 4-byte little-endian length, then its bytes.
+void SendFrame(int fd, const v1::LocalRequest& request) {
+  const std::string body = request.SerializeAsString();
+  std::string frame(4, '\0');
+  for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>((body.size() >> (8 * i)) & 0xff);
+  frame += body;
+  ASSERT_EQ(send(fd, frame.data(), frame.size(), 0), static_cast<ssize_t>(frame.size()));
 }
 
 class LocalTest : public ::testing::Test {
@@ -413,47 +446,24 @@ TEST_F(LocalTest, SessionsAndPinsAreBounded) {
 // Raw frames: a request before Hello, and a frame over the limit, end the session.
 TEST_F(LocalTest, NothingButAHelloIsReadBeforeTheSessionIsAuthenticated) {
   ASSERT_NO_FATAL_FAILURE(Start(""));
-  auto raw_connect = [&]() {
-    const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::memcpy(addr.sun_path, socket_.data(), socket_.size());
-    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    return fd;
-  };
-  auto read_response = [](int fd) {
-    char header[4];
-    EXPECT_EQ(recv(fd, header, 4, MSG_WAITALL), 4);
-    uint32_t n = 0;
-    for (int i = 0; i < 4; ++i) n |= uint32_t{static_cast<uint8_t>(header[i])} << (8 * i);
-    std::string body(n, '\0');
-    EXPECT_EQ(recv(fd, body.data(), n, MSG_WAITALL), static_cast<ssize_t>(n));
-    v1::LocalResponse response;
-    EXPECT_TRUE(response.ParseFromString(body));
-    return response;
-  };
   {
-    const int fd = raw_connect();
+    const int fd = RawConnect(socket_);
     v1::LocalRequest request;
     request.mutable_attach()->set_cache("m");
-    const std::string body = request.SerializeAsString();
-    std::string frame(4, '\0');
-    frame[0] = static_cast<char>(body.size());
-    frame += body;
-    ASSERT_EQ(send(fd, frame.data(), frame.size(), 0), static_cast<ssize_t>(frame.size()));
-    const v1::LocalResponse response = read_response(fd);
+    ASSERT_NO_FATAL_FAILURE(SendFrame(fd, request));
+    const v1::LocalResponse response = ReadFrame(fd);
     EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kUnauthenticated));
     char byte;
     EXPECT_EQ(recv(fd, &byte, 1, 0), 0);  // closed
     close(fd);
   }
   {
-    const int fd = raw_connect();
+    const int fd = RawConnect(socket_);
     const uint32_t huge = 100 << 20;
     char header[4];
     for (int i = 0; i < 4; ++i) header[i] = static_cast<char>((huge >> (8 * i)) & 0xff);
     ASSERT_EQ(send(fd, header, 4, 0), 4);
-    const v1::LocalResponse response = read_response(fd);
+    const v1::LocalResponse response = ReadFrame(fd);
     EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
     EXPECT_THAT(response.message(), HasSubstr("104857600 bytes"));
     char byte;
@@ -476,30 +486,27 @@ TEST_F(LocalTest, AWorkerThatStopsReadingLosesItsSessionAndPins) {
   for (int32_t p = 0; p < 120000; ++p) positions[p] = p;
   KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 0, positions)));
 
-  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, socket_.data(), socket_.size());
-  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const int fd = RawConnect(socket_);
   int buffer = 0;
   socklen_t length = sizeof(buffer);
   ASSERT_EQ(getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer, &length), 0);
-  auto send_request = [&](const v1::LocalRequest& request) {
-    const std::string body = request.SerializeAsString();
-    std::string frame(4, '\0');
-    for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>((body.size() >> (8 * i)) & 0xff);
-    frame += body;
-    ASSERT_EQ(send(fd, frame.data(), frame.size(), 0), static_cast<ssize_t>(frame.size()));
-  };
   v1::LocalRequest hello;
   hello.set_id(1);
   hello.mutable_hello();
-  send_request(hello);
+  ASSERT_NO_FATAL_FAILURE(SendFrame(fd, hello));
+  EXPECT_EQ(ReadFrame(fd).code(), 0);
   v1::LocalRequest pin;
   pin.set_id(2);
   pin.mutable_pin()->set_cache("big");
   pin.mutable_pin()->set_seq(0);
-  send_request(pin);
+  ASSERT_NO_FATAL_FAILURE(SendFrame(fd, pin));
+  // The node pins before it answers: once the answer's first bytes arrive, the pin is held.
+  int pending = 0;
+  for (absl::Time end = absl::Now() + absl::Seconds(10); absl::Now() < end && pending == 0;) {
+    ASSERT_EQ(ioctl(fd, FIONREAD, &pending), 0);
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_GT(pending, 0) << "no answer to the pin";
   // The sequence goes; its cells stay while the pin (whose answer, ~700 KB of positions and
   // cells, is several socket buffers of ~`buffer` bytes) is held by the stuck session.
   v1::RemoveRequest remove;
@@ -520,7 +527,9 @@ TEST_F(LocalTest, AWorkerThatStopsReadingLosesItsSessionAndPins) {
     absl::SleepFor(absl::Milliseconds(100));
   }
   EXPECT_EQ(used, 0) << "the stuck session still holds its pin";
-  // The session is gone: the socket reads to its end.
+  // The session is gone: the socket reads to its end (within 10 s, not forever if it is not).
+  const timeval receive_timeout{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &receive_timeout, sizeof(receive_timeout));
   std::string rest(1 << 20, '\0');
   ssize_t got = 0;
   while ((got = recv(fd, rest.data(), rest.size(), 0)) > 0) {
