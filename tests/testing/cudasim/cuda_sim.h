@@ -19,6 +19,18 @@
 // - A kernel launch runs every (block, thread) of the grid one after another, in the order the
 //   thread-order knob says.
 //
+// Virtual memory management (vmm.cc): the driver API calls that make device memory another
+// process can map through a file descriptor, with cuda.h's signatures: cuInit, cuDeviceGet,
+// cuGetErrorName/String, cuMemGetAllocationGranularity (2 MiB), cuMemCreate, cuMemRelease,
+// cuMemAddressReserve/Free, cuMemMap/Unmap, cuMemSetAccess, cuMemExportToShareableHandle and
+// cuMemImportFromShareableHandle (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR only). A physical
+// allocation is a memfd, poisoned and counted against the device as cudaMalloc memory is; the
+// exported descriptor is a duplicate of it, so an importer in any process maps the same bytes, and
+// the memory lives while any handle, descriptor or mapping of it does. cuMemMap maps whole
+// allocations only (offset 0), still inaccessible; cuMemSetAccess (read-write) makes the range
+// device memory for copies and kernels; after cuMemUnmap it is quarantined as freed memory. Every
+// call but cuInit and cuGetError* needs cuInit first (CUDA_ERROR_NOT_INITIALIZED).
+//
 // Environment (read at the first CUDA call):
 //   KVMESH_CUDASIM_EXEC     deferred (default) | immediate
 //   KVMESH_CUDASIM_ORDER    forward (default) | reverse | shuffle[:SEED]
@@ -27,7 +39,9 @@
 //   KVMESH_CUDASIM_FAIL     CALL:N:ERROR[,CALL:N:ERROR...]: the Nth call (1-based, counted from
 //                           the first CUDA call of the process) of CALL fails with ERROR, e.g.
 //                           cudaMalloc:3:cudaErrorMemoryAllocation. CALL "kernel" makes the Nth
-//                           kernel fail when it runs (a sticky error, as a fault on a GPU).
+//                           kernel fail when it runs (a sticky error, as a fault on a GPU). A
+//                           driver call fails with the CUresult of ERROR's number; CUresult
+//                           names are accepted too (cuMemCreate:1:CUDA_ERROR_OUT_OF_MEMORY).
 //   KVMESH_CUDASIM_TRACE    1: print every failing call and every misuse to stderr (misuses are
 //                           always printed)
 //
@@ -53,7 +67,8 @@ void SetThreadOrder(ThreadOrder order, uint64_t seed = 0);
 // Overrides KVMESH_CUDASIM_EXEC for later enqueues.
 void SetImmediateExecution(bool immediate);
 // Adds a failure as KVMESH_CUDASIM_FAIL does, counting from now: the nth call of `call` from now
-// on fails with `error`. "kernel" counts kernel executions.
+// on fails with `error`. "kernel" counts kernel executions. A driver call (cuMemCreate) fails
+// with the CUresult of the same number: static_cast<cudaError_t>(CUDA_ERROR_OUT_OF_MEMORY).
 void InjectFailure(const std::string& call, int nth, cudaError_t error);
 // Drops every pending injected failure, clears the sticky error and discards the work still
 // queued on every stream (what a device reset does), so that a test can go on after it planted a
@@ -72,6 +87,9 @@ struct Stats {
   uint64_t kernels_run = 0;         // kernel launches executed so far
   uint64_t misuses = 0;             // errors the simulator reported for misuse so far
   uint64_t not_ready_answers = 0;   // cudaEventQuery / cudaStreamQuery answers of NotReady
+  uint64_t vmm_handles = 0;         // live cuMemCreate / cuMemImportFromShareableHandle handles
+  uint64_t vmm_reservations = 0;    // live cuMemAddressReserve ranges
+  uint64_t vmm_mappings = 0;        // live cuMemMap mappings (not in device_allocations)
 };
 Stats GetStats();
 

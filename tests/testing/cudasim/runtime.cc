@@ -4,7 +4,8 @@
 // Locking: registry_mu guards the tables of allocations, streams and events; each stream has a
 // queue lock (its pending operations and counters) and an execution lock (held by the one thread
 // running its operations). Order: exec -> queue, exec -> registry; the registry lock is never held
-// while a stream runs.
+// while a stream runs. The driver API's lock (vmm.cc) comes before the registry lock: the hooks
+// of sim_internal.h take only the registry lock and never call back into vmm.cc.
 #include "tests/testing/cudasim/cuda_sim.h"
 
 #include <cuda_runtime_api.h>
@@ -32,6 +33,8 @@
 #include <utility>
 #include <vector>
 
+#include "tests/testing/cudasim/sim_internal.h"
+
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define KVMESH_CUDASIM_ASAN 1
@@ -46,7 +49,7 @@ namespace {
 
 // Fill patterns: fresh device memory, fresh pinned memory, and the slack between the size asked
 // for and the 256-byte granule (checked after every kernel: a write there is out of bounds).
-constexpr uint8_t kDevicePoison = 0xA5;
+using internal::kDevicePoison;
 constexpr uint8_t kPinnedPoison = 0x5A;
 constexpr uint8_t kCanary = 0xC3;
 constexpr size_t kGranule = 256;  // cudaMalloc's alignment
@@ -175,13 +178,19 @@ cudaError_t ParseError(const std::string& name) {
   for (const ErrorInfo& e : kErrors) {
     if (name == e.name) return e.code;
   }
+  // A driver call fails with the CUresult of the same number, so a CUresult name is one too.
+  if (int driver = 0; internal::DriverErrorCode(name, &driver) && driver > 0) {
+    return static_cast<cudaError_t>(driver);
+  }
   char* end = nullptr;
   const long code = std::strtol(name.c_str(), &end, 10);
   if (end != name.c_str() && *end == '\0' && code > 0) return static_cast<cudaError_t>(code);
-  Die("KVMESH_CUDASIM_FAIL: unknown error %s (a cudaError name or number)", name.c_str());
+  Die("KVMESH_CUDASIM_FAIL: unknown error %s (a cudaError or CUresult name, or a number)",
+      name.c_str());
 }
 
-// The calls a failure can be injected into: the runtime functions, a launch, a running kernel.
+// The calls a failure can be injected into: the runtime and driver functions, a launch, a running
+// kernel.
 bool KnownCall(const std::string& call) {
   static const char* const kCalls[] = {"cudaDeviceGetAttribute",
                                        "cudaDeviceSynchronize",
@@ -208,7 +217,19 @@ bool KnownCall(const std::string& call) {
                                        "cudaStreamQuery",
                                        "cudaStreamSynchronize",
                                        "cudaLaunchKernel",
-                                       "kernel"};
+                                       "kernel",
+                                       "cuInit",
+                                       "cuDeviceGet",
+                                       "cuMemGetAllocationGranularity",
+                                       "cuMemCreate",
+                                       "cuMemRelease",
+                                       "cuMemAddressReserve",
+                                       "cuMemAddressFree",
+                                       "cuMemMap",
+                                       "cuMemUnmap",
+                                       "cuMemSetAccess",
+                                       "cuMemExportToShareableHandle",
+                                       "cuMemImportFromShareableHandle"};
   for (const char* known : kCalls) {
     if (call == known) return true;
   }
@@ -234,9 +255,16 @@ struct Allocation {
   size_t granted = 0;       // size rounded up to kGranule; base + granted is a guard page
   uint8_t* map = nullptr;   // the whole mapping, guard pages included
   size_t map_bytes = 0;
+  // Device memory that cuMemMap placed (vmm.cc): base == map, size == granted == map_bytes, and
+  // vmm.cc owns the addresses; only cuMemSetAccess makes it accessible.
+  bool mapped = false;
+  bool accessible = true;
 };
 
 const char* KindName(Kind k) { return k == Kind::kDevice ? "device" : "pinned host"; }
+const char* KindName(const Allocation& a) {
+  return a.mapped ? "cuMemMap device" : KindName(a.kind);
+}
 
 // ---- Streams and events ----------------------------------------------------------------------
 
@@ -352,26 +380,15 @@ class Sim {
     const size_t granted = RoundUp(std::max<size_t>(size, 1), kGranule);
     const size_t body = RoundUp(granted, page);
     const size_t map_bytes = body + 2 * page;
-    if (kind == Kind::kDevice) {
-      std::lock_guard<std::mutex> lock(registry_mu_);
-      if (device_used_[device] + granted > config_.memory) {
-        *why = "cudaMalloc of " + std::to_string(size) +
-               " bytes: " + std::to_string(config_.memory - device_used_[device]) + " of " +
-               std::to_string(config_.memory) + " bytes free on simulated device " +
-               std::to_string(device);
-        return cudaErrorMemoryAllocation;
-      }
-      device_used_[device] += granted;
+    if (kind == Kind::kDevice && !Charge(device, granted, size, "cudaMalloc", why)) {
+      return cudaErrorMemoryAllocation;
     }
     void* map =
         mmap(nullptr, map_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     uint8_t* first = static_cast<uint8_t*>(map) + page;
     if (map == MAP_FAILED || mprotect(first, body, PROT_READ | PROT_WRITE) != 0) {
       if (map != MAP_FAILED) munmap(map, map_bytes);
-      if (kind == Kind::kDevice) {
-        std::lock_guard<std::mutex> lock(registry_mu_);
-        device_used_[device] -= granted;
-      }
+      if (kind == Kind::kDevice) Uncharge(device, granted);
       *why = "mmap of " + std::to_string(map_bytes) + " bytes failed: " + std::strerror(errno);
       return cudaErrorMemoryAllocation;
     }
@@ -395,6 +412,69 @@ class Sim {
     return cudaSuccess;
   }
 
+  // Counts `bytes` (`asked` as the caller put it) against `device`; false, with *why naming
+  // `call`, when they do not fit.
+  bool Charge(int device, size_t bytes, size_t asked, const char* call, std::string* why) {
+    std::lock_guard<std::mutex> lock(registry_mu_);
+    if (device_used_[device] + bytes > config_.memory) {
+      *why = std::string(call) + " of " + std::to_string(asked) +
+             " bytes: " + std::to_string(config_.memory - device_used_[device]) + " of " +
+             std::to_string(config_.memory) + " bytes free on simulated device " +
+             std::to_string(device);
+      return false;
+    }
+    device_used_[device] += bytes;
+    return true;
+  }
+  void Uncharge(int device, size_t bytes) {
+    std::lock_guard<std::mutex> lock(registry_mu_);
+    device_used_[device] -= bytes;
+  }
+
+  // ---- memory that cuMemMap placed (sim_internal.h) ----
+
+  void RegisterMapped(void* base, size_t size, int device) {
+    Allocation a;
+    a.kind = Kind::kDevice;
+    a.device = device;
+    a.base = static_cast<uint8_t*>(base);
+    a.size = size;
+    a.granted = size;
+    a.map = a.base;
+    a.map_bytes = size;
+    a.mapped = true;
+    a.accessible = false;
+    std::lock_guard<std::mutex> lock(registry_mu_);
+    a.id = ++next_allocation_;
+    live_[reinterpret_cast<uintptr_t>(base)] = a;
+  }
+
+  void SetMappedAccess(void* base, bool accessible) {
+    std::lock_guard<std::mutex> lock(registry_mu_);
+    auto it = live_.find(reinterpret_cast<uintptr_t>(base));
+    if (it == live_.end() || !it->second.mapped) Die("SetMappedAccess(%p): not a mapping", base);
+    it->second.accessible = accessible;
+  }
+
+  void UnregisterMapped(void* base) {
+    std::lock_guard<std::mutex> lock(registry_mu_);
+    auto it = live_.find(reinterpret_cast<uintptr_t>(base));
+    if (it == live_.end() || !it->second.mapped) Die("UnregisterMapped(%p): not a mapping", base);
+    Quarantine(it->second);
+    live_.erase(it);
+  }
+
+  void ForgetUnmapped(void* base, size_t size) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(base);
+    std::lock_guard<std::mutex> lock(registry_mu_);
+    auto it = freed_.lower_bound(first);
+    while (it != freed_.end() && it->first < first + size) {
+      if (!it->second.mapped) Die("ForgetUnmapped(%p): freed cudaMalloc memory inside", base);
+      freed_order_.erase(std::find(freed_order_.begin(), freed_order_.end(), it->first));
+      it = freed_.erase(it);
+    }
+  }
+
   // Frees the allocation starting at p. `kind` is what the call frees (cudaFree: device). The
   // range moves from the live table to the quarantine in one step, and its memory is replaced by
   // an inaccessible mapping, so a late access faults and is named.
@@ -404,9 +484,10 @@ class Sim {
     {
       std::lock_guard<std::mutex> lock(registry_mu_);
       auto it = live_.find(reinterpret_cast<uintptr_t>(p));
-      if (it == live_.end() || it->second.kind != kind) {
+      if (it == live_.end() || it->second.kind != kind || it->second.mapped) {
         *why = std::string(kind == Kind::kDevice ? "cudaFree" : "cudaFreeHost") + "(" +
-               Describe(p) + "): not the start of a live " + KindName(kind) + " allocation";
+               Describe(p) + "): not the start of a live " + KindName(kind) + " allocation" +
+               (it != live_.end() && it->second.mapped ? " (cuMemUnmap unmaps it)" : "");
         return kind == Kind::kDevice ? cudaErrorInvalidDevicePointer : cudaErrorInvalidValue;
       }
       a = it->second;
@@ -418,16 +499,23 @@ class Sim {
         Die("remapping freed allocation #%" PRIu64 " without access failed: %s", a.id,
             std::strerror(errno));
       }
-      freed_[reinterpret_cast<uintptr_t>(a.base)] = a;
-      freed_order_.push_back(reinterpret_cast<uintptr_t>(a.base));
-      if (freed_order_.size() > kQuarantineCount) {
-        auto old = freed_.find(freed_order_.front());
-        freed_order_.pop_front();
-        munmap(old->second.map, old->second.map_bytes);
-        freed_.erase(old);
-      }
+      Quarantine(a);
     }
     return cudaSuccess;
+  }
+
+  // Remembers a freed or unmapped allocation whose range is already inaccessible; the oldest
+  // one leaves the quarantine (and cudaMalloc's gives its addresses back; cuMemMap's belong to
+  // their reservation). REQUIRES: registry_mu_ held.
+  void Quarantine(const Allocation& a) {
+    freed_[reinterpret_cast<uintptr_t>(a.base)] = a;
+    freed_order_.push_back(reinterpret_cast<uintptr_t>(a.base));
+    if (freed_order_.size() > kQuarantineCount) {
+      auto old = freed_.find(freed_order_.front());
+      freed_order_.pop_front();
+      if (!old->second.mapped) munmap(old->second.map, old->second.map_bytes);
+      freed_.erase(old);
+    }
   }
 
   std::string DescribeLocked(const void* p) {
@@ -442,14 +530,14 @@ class Sim {
     const char* state = "live";
     if (a == nullptr) {
       a = Containing(freed_, p);
-      state = "freed";
+      state = a != nullptr && a->mapped ? "unmapped" : "freed";
     }
     if (a == nullptr) {
       std::snprintf(text, sizeof(text), "%p (host memory not allocated through CUDA)", p);
     } else {
-      std::snprintf(
-          text, sizeof(text), "%p (offset %td of %s %s allocation #%" PRIu64 " of %zu bytes)", p,
-          static_cast<const uint8_t*>(p) - a->base, state, KindName(a->kind), a->id, a->size);
+      std::snprintf(text, sizeof(text),
+                    "%p (offset %td of %s %s allocation #%" PRIu64 " of %zu bytes)", p,
+                    static_cast<const uint8_t*>(p) - a->base, state, KindName(*a), a->id, a->size);
     }
     return text;
   }
@@ -480,6 +568,10 @@ class Sim {
       const uint8_t* b = static_cast<const uint8_t*>(p);
       if (b < a->base || b + n > a->base + a->size) {
         *why = Describe(p) + " + " + std::to_string(n) + " bytes is outside the allocation";
+        return false;
+      }
+      if (!a->accessible) {
+        *why = Describe(p) + " is mapped without access (cuMemSetAccess grants it)";
         return false;
       }
       *where = a->kind == Kind::kDevice ? Where::kDevice : Where::kPinned;
@@ -551,7 +643,12 @@ class Sim {
     const uint8_t* b = static_cast<const uint8_t*>(p);
     if (freed) {
       std::snprintf(out, n, "%p: use after free of %s allocation #%" PRIu64 " (%zu bytes at %p)", p,
-                    KindName(a->kind), a->id, a->size, static_cast<void*>(a->base));
+                    KindName(*a), a->id, a->size, static_cast<void*>(a->base));
+    } else if (!a->accessible) {
+      std::snprintf(out, n,
+                    "%p: offset %td of %s allocation #%" PRIu64
+                    " (%zu bytes at %p), mapped without access",
+                    p, b - a->base, KindName(*a), a->id, a->size, static_cast<void*>(a->base));
     } else if (b < a->base) {
       std::snprintf(out, n, "%p: %td bytes before %s allocation #%" PRIu64 " (%zu bytes at %p)", p,
                     a->base - b, KindName(a->kind), a->id, a->size, static_cast<void*>(a->base));
@@ -567,7 +664,7 @@ class Sim {
     std::lock_guard<std::mutex> lock(registry_mu_);
     uint64_t n = 0;
     for (const auto& entry : live_) {
-      if (entry.second.kind != kind) continue;
+      if (entry.second.kind != kind || entry.second.mapped) continue;
       ++n;
       if (bytes != nullptr) *bytes += entry.second.size;
     }
@@ -896,12 +993,7 @@ cudaError_t Fail(cudaError_t e, const std::string& why, bool misuse) {
   if (e == cudaSuccess || e == cudaErrorNotReady) return e;
   last_error = e;
   last_error_epoch = reset_epoch.load(std::memory_order_acquire);
-  last_message = why;
-  if (misuse) Sim::Get().CountMisuse();
-  if (misuse || Sim::Get().config().trace) {
-    std::fprintf(stderr, "cudasim: %s: %s\n", FindError(e) ? FindError(e)->name : "error",
-                 why.c_str());
-  }
+  internal::ReportFailure(FindError(e) ? FindError(e)->name : "error", why, misuse);
   return e;
 }
 
@@ -1082,7 +1174,11 @@ void ResetFailures() {
 }
 int PendingFailures() { return Sim::Get().PendingFailures(); }
 std::string LastMessage() { return last_message; }
-Stats GetStats() { return Sim::Get().stats(); }
+Stats GetStats() {
+  Stats stats = Sim::Get().stats();
+  internal::AddDriverStats(&stats);
+  return stats;
+}
 bool Active() { return true; }
 
 cudaError_t Enqueue(cudaStream_t stream, std::unique_ptr<AsyncOp> op, const char* what) {
@@ -1107,6 +1203,36 @@ bool CheckDeviceRange(const void* p, size_t bytes, const char* what) {
 }
 
 namespace internal {
+
+// ---- sim_internal.h ----
+
+cudaError_t EnterCall(const char* call) { return Sim::Get().Enter(call); }
+cudaError_t InjectedFailure(const char* call) { return Sim::Get().Injected(call); }
+cudaError_t StickyError() { return Sim::Get().sticky(); }
+
+void ReportFailure(const char* error_name, const std::string& why, bool misuse) {
+  last_message = why;
+  if (misuse) Sim::Get().CountMisuse();
+  if (misuse || Sim::Get().config().trace) {
+    std::fprintf(stderr, "cudasim: %s: %s\n", error_name, why.c_str());
+  }
+}
+
+int DeviceCount() { return Sim::Get().config().devices; }
+cudaError_t SynchronizeAll() { return Sim::Get().RunAll(); }
+
+bool ChargeDevice(int device, size_t bytes, const char* call, std::string* why) {
+  return Sim::Get().Charge(device, bytes, bytes, call, why);
+}
+void UnchargeDevice(int device, size_t bytes) { Sim::Get().Uncharge(device, bytes); }
+void RegisterMapped(void* base, size_t size, int device) {
+  Sim::Get().RegisterMapped(base, size, device);
+}
+void SetMappedAccess(void* base, bool accessible) { Sim::Get().SetMappedAccess(base, accessible); }
+void UnregisterMapped(void* base) { Sim::Get().UnregisterMapped(base); }
+void ForgetUnmapped(void* base, size_t size) { Sim::Get().ForgetUnmapped(base, size); }
+
+// ---- kernels ----
 
 void LaunchKernel(const char* name, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
                   const void* const* pointers, size_t num_pointers,
