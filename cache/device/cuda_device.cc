@@ -15,6 +15,7 @@
 #include "cache/device/cuda_check.h"
 #include "cache/device/cuda_kernels.h"
 #include "cache/device/cuda_resources.h"
+#include "cache/device/cuda_shared_memory.h"
 #include "cache/mutex.h"
 #include "cache/status_macros.h"
 
@@ -334,13 +335,15 @@ std::vector<size_t> PlaneStarts(absl::Span<const Plane> planes, size_t rows) {
 
 class CudaDevice final : public Device {
  public:
-  CudaDevice(const CudaDeviceOptions& options, cuda::Stream stream, cuda::Event done)
+  CudaDevice(const CudaDeviceOptions& options, cuda::Stream stream, cuda::Event done,
+             std::unique_ptr<CudaSharedMemory> shared)
       : Device(options.budget_bytes, options.snapshot_budget_bytes),
         ordinal_(options.ordinal),
         staging_bytes_(options.staging_bytes),
         name_(absl::StrCat("cuda:", options.ordinal, CudaSimulated() ? " (simulated)" : "")),
         stream_(std::move(stream)),
-        done_(std::move(done)) {}
+        done_(std::move(done)),
+        shared_(std::move(shared)) {}
 
   ~CudaDevice() override {
     // Teardown order: wait for the device's own stream, free the staging sets, then the stream
@@ -434,8 +437,16 @@ class CudaDevice final : public Device {
     });
   }
 
+ public:
+  absl::StatusOr<SharedArena> Share(const DeviceArena& arena) const override {
+    if (shared_ == nullptr) return Device::Share(arena);
+    return shared_->Share(arena.data());
+  }
+
  protected:
-  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes) override {
+  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool) override {
+    // Shared: every cache arena is memory a worker may map (the local data path), never reused.
+    if (shared_ != nullptr && pool == MemoryPool::kCache) return shared_->Allocate(bytes);
     KVMESH_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
     void* data = nullptr;
     const cudaError_t error = cudaMalloc(&data, bytes == 0 ? 1 : bytes);
@@ -449,7 +460,11 @@ class CudaDevice final : public Device {
     return static_cast<uint8_t*>(data);
   }
 
-  void RawFree(uint8_t* data, size_t bytes) override {
+  void RawFree(uint8_t* data, size_t bytes, MemoryPool pool) override {
+    if (shared_ != nullptr && pool == MemoryPool::kCache) {
+      shared_->Free(data);
+      return;
+    }
     // Errors are ignored but cleared, so that the next launch check does not report them.
     if (cudaSetDevice(ordinal_) != cudaSuccess) (void)cudaGetLastError();
     if (cudaFree(data) != cudaSuccess) (void)cudaGetLastError();
@@ -775,6 +790,8 @@ class CudaDevice final : public Device {
   Mutex own_stream_mu_;
   cuda::Stream stream_;
   cuda::Event done_;
+  // With CudaDeviceOptions::shareable, where every arena comes from; null otherwise.
+  const std::unique_ptr<CudaSharedMemory> shared_;
 
   Mutex staging_mu_;
   std::vector<std::unique_ptr<Staging>> staging_ ABSL_GUARDED_BY(staging_mu_);
@@ -835,7 +852,12 @@ absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(const CudaDeviceOptions
   }
   ASSIGN_OR_RETURN(cuda::Stream stream, cuda::Stream::Create());
   ASSIGN_OR_RETURN(cuda::Event done, cuda::Event::Create());
-  return std::unique_ptr<Device>(new CudaDevice(options, std::move(stream), std::move(done)));
+  std::unique_ptr<CudaSharedMemory> shared;
+  if (options.shareable) {
+    ASSIGN_OR_RETURN(shared, CudaSharedMemory::Create(options.ordinal));
+  }
+  return std::unique_ptr<Device>(
+      new CudaDevice(options, std::move(stream), std::move(done), std::move(shared)));
 }
 
 }  // namespace kvmesh

@@ -1,7 +1,8 @@
 // CudaDevice: the Device on one NVIDIA GPU.
 //
 // Memory: every arena is one cudaMalloc (a cache group's cells, a snapshot chunk, a speculative
-// batch), sub-allocated by the engine; nothing is allocated per token. Both budgets of Device
+// batch), or with `shareable` one allocation of CudaSharedMemory, sub-allocated by the engine;
+// nothing is allocated per token. Both budgets of Device
 // apply, and a cudaMalloc that fails for lack of device memory is RESOURCE_EXHAUSTED too.
 //
 // Work: each cache gets its own CUDA stream (CreateStream); an operation enqueues its copies
@@ -37,6 +38,10 @@ struct CudaDeviceOptions {
   // Size of one pinned staging buffer and of its device-side twin. A payload larger than this
   // moves in several rounds.
   size_t staging_bytes = size_t{32} << 20;
+  // Every arena is GPU memory that a worker on this machine may map (the local data path,
+  // cuda_shared_memory.h): whole granules of the driver (2 MiB), zeroed when allocated and when
+  // freed, and Share answers it. Creation fails (FAILED_PRECONDITION) on a driver without it.
+  bool shareable = false;
 };
 
 // Whether this binary was built with CUDA support.

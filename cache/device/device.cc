@@ -56,7 +56,7 @@ absl::StatusOr<DeviceArena> Device::Allocate(size_t bytes, MemoryPool pool,
            static_cast<int64_t>(budget)});
     }
   } while (!used_bytes_[p].compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
-  absl::StatusOr<uint8_t*> data = RawAllocate(bytes);
+  absl::StatusOr<uint8_t*> data = RawAllocate(bytes, pool);
   if (!data.ok()) {
     used_bytes_[p].fetch_sub(bytes, std::memory_order_relaxed);
     return data.status();
@@ -71,7 +71,7 @@ absl::StatusOr<SharedArena> Device::Share(const DeviceArena& arena) const {
 }
 
 void Device::Release(MemoryPool pool, uint8_t* data, size_t bytes) {
-  RawFree(data, bytes);
+  RawFree(data, bytes, pool);
   used_bytes_[static_cast<int>(pool)].fetch_sub(bytes, std::memory_order_relaxed);
 }
 

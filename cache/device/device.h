@@ -85,11 +85,22 @@ class DeviceArena {
 // An arena's memory as another process on this machine maps it (Device::Share): the local data
 // path, where an inference engine reads and writes cells in place.
 struct SharedArena {
-  // Host memory: a memfd holding the arena from offset 0. The device's own descriptor, open
-  // while the arena lives: send a copy (SCM_RIGHTS), never close it.
+  enum class Kind {
+    // Host memory: `fd` is a memfd holding the arena from offset 0; map it.
+    kHostMemfd,
+    // GPU memory of CUDA device `device`: `fd` is a POSIX descriptor of the driver's virtual
+    // memory management (cuMemImportFromShareableHandle, then cuMemMap at offset 0 of a range
+    // of `size` bytes, then cuMemSetAccess).
+    kCudaMemory,
+  };
+  Kind kind = Kind::kHostMemfd;
+  // The device's own descriptor, open while the arena lives: send a copy (SCM_RIGHTS), never
+  // close it.
   int fd = -1;
-  // Bytes the descriptor holds: the arena's size rounded up to whole pages.
+  // Bytes the descriptor holds: the arena's size rounded up to whole pages (host) or granules
+  // of the driver (CUDA).
   size_t size = 0;
+  int device = -1;  // the CUDA device ordinal of kCudaMemory
 };
 
 // A table of rows inside an arena: row r occupies [offset + r*row_bytes, +row_bytes).
@@ -182,9 +193,10 @@ class Device {
   Device(size_t budget_bytes, size_t snapshot_budget_bytes)
       : budgets_{budget_bytes, snapshot_budget_bytes} {}
 
-  // Implementations allocate and free raw memory; accounting is done by the base class.
-  virtual absl::StatusOr<uint8_t*> RawAllocate(size_t bytes) = 0;
-  virtual void RawFree(uint8_t* data, size_t bytes) = 0;
+  // Implementations allocate and free raw memory of `pool` (a device that shares its memory
+  // shares the cache pool's arenas: those a worker maps); accounting is done by the base class.
+  virtual absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool) = 0;
+  virtual void RawFree(uint8_t* data, size_t bytes, MemoryPool pool) = 0;
 
  private:
   friend class DeviceArena;

@@ -165,11 +165,14 @@ absl::StatusOr<SharedArena> HostDevice::Share(const DeviceArena& arena) const {
   if (it == shared_.end()) {
     return absl::FailedPreconditionError("host: the arena is not one of this device's");
   }
-  return SharedArena{it->second.first, it->second.second};
+  SharedArena shared;
+  shared.fd = it->second.first;
+  shared.size = it->second.second;
+  return shared;
 }
 
-absl::StatusOr<uint8_t*> HostDevice::RawAllocate(size_t bytes) {
-  if (shareable_) return AllocateShared(bytes);
+absl::StatusOr<uint8_t*> HostDevice::RawAllocate(size_t bytes, MemoryPool pool) {
+  if (shareable_ && pool == MemoryPool::kCache) return AllocateShared(bytes);
   if (MappedDirectly(bytes)) {
     const size_t length = RoundUpToHugePage(bytes);
     MutexLock lock(&mu_);
@@ -203,8 +206,8 @@ absl::StatusOr<uint8_t*> HostDevice::RawAllocate(size_t bytes) {
   return static_cast<uint8_t*>(p);
 }
 
-void HostDevice::RawFree(uint8_t* data, size_t bytes) {
-  if (shareable_) return FreeShared(data);
+void HostDevice::RawFree(uint8_t* data, size_t bytes, MemoryPool pool) {
+  if (shareable_ && pool == MemoryPool::kCache) return FreeShared(data);
   if (MappedDirectly(bytes)) {
     const size_t length = RoundUpToHugePage(bytes);
     MutexLock lock(&mu_);

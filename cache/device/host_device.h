@@ -39,10 +39,11 @@ class HostDevice : public Device {
   // (MADV_POPULATE_WRITE), so the cost of fresh memory is paid when a cache or snapshot is
   // allocated rather than by the first operation that writes it (a new cache's first import,
   // which on a VM costs several times the copy itself). Reused kept arenas are warm already.
-  // With `shareable`, every arena is a memfd mapping that Share hands to other processes (the
-  // local data path): nothing is kept for reuse (an arena another process mapped is never given
-  // to another cache), and a freed arena's pages are released at once, even while another
-  // process still maps them (it then reads zeros).
+  // With `shareable`, every arena of the cache pool is a memfd mapping that Share hands to
+  // other processes (the local data path; snapshot-pool arenas are not shared): nothing is kept
+  // for reuse (an arena another process mapped is never given to another cache), and a freed
+  // arena's pages are released at once, even while another process still maps them (it then
+  // reads zeros).
   HostDevice(size_t budget_bytes, size_t snapshot_budget_bytes,
              size_t kept_limit = kDefaultKeptLimit, bool prefault = false, bool shareable = false);
   // Unmaps the kept arenas. REQUIRES: every arena was freed.
@@ -76,8 +77,8 @@ class HostDevice : public Device {
   bool shareable() const { return shareable_; }
 
  protected:
-  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes) override;
-  void RawFree(uint8_t* data, size_t bytes) override;
+  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool) override;
+  void RawFree(uint8_t* data, size_t bytes, MemoryPool pool) override;
 
  private:
   // Unmaps kept arenas, oldest first, until at most `limit` bytes are kept.

@@ -109,15 +109,15 @@ class FaultyDevice : public Device {
   }
 
  protected:
-  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes) override {
-    absl::StatusOr<DeviceArena> arena = inner_->Allocate(bytes);
+  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool) override {
+    absl::StatusOr<DeviceArena> arena = inner_->Allocate(bytes, pool);
     if (!arena.ok()) return arena.status();
     uint8_t* data = arena->data();
     MutexLock lock(&mu_);
     inner_arenas_[data] = std::move(arena).value();
     return data;
   }
-  void RawFree(uint8_t* data, size_t bytes) override {
+  void RawFree(uint8_t* data, size_t bytes, MemoryPool pool) override {
     DeviceArena freed;  // returned to the wrapped device outside the lock
     MutexLock lock(&mu_);
     auto it = inner_arenas_.find(data);

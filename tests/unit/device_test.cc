@@ -379,6 +379,10 @@ TEST(HostDeviceTest, ShareableArenasAreMemfdsThatAreNeverReused) {
   again->data()[0] = 0x42;
   EXPECT_EQ(view[0], 0);
   munmap(view, view_bytes);
+  // Only the cache pool's arenas (what a worker maps) are shared: a snapshot chunk is not.
+  absl::StatusOr<DeviceArena> chunk = device.Allocate(kMiB, MemoryPool::kSnapshot);
+  ASSERT_TRUE(chunk.ok()) << chunk.status();
+  EXPECT_EQ(device.Share(*chunk).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(HostDeviceTest, ArenasOfADeviceThatDoesNotShareAreNotShared) {

@@ -799,4 +799,53 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* ha
   return Vmm::Get().Import(handle, static_cast<int>(fd));
 }
 
+// The runtime's door to the driver functions (what CudaSharedMemory uses, so that production
+// binaries need not link libcuda): the simulator's own, by name. Any cudaVersion of 10.2 or
+// later finds them (their ABI has not changed since); flags must be cudaEnableDefault.
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** funcPtr,
+                                             unsigned int cudaVersion, unsigned long long flags,
+                                             cudaDriverEntryPointQueryResult* driverStatus) {
+  struct Entry {
+    const char* name;
+    void* fn;
+  };
+  static const Entry kEntries[] = {
+      {"cuInit", reinterpret_cast<void*>(&cuInit)},
+      {"cuDeviceGet", reinterpret_cast<void*>(&cuDeviceGet)},
+      {"cuGetErrorName", reinterpret_cast<void*>(&cuGetErrorName)},
+      {"cuGetErrorString", reinterpret_cast<void*>(&cuGetErrorString)},
+      {"cuMemGetAllocationGranularity", reinterpret_cast<void*>(&cuMemGetAllocationGranularity)},
+      {"cuMemCreate", reinterpret_cast<void*>(&cuMemCreate)},
+      {"cuMemRelease", reinterpret_cast<void*>(&cuMemRelease)},
+      {"cuMemAddressReserve", reinterpret_cast<void*>(&cuMemAddressReserve)},
+      {"cuMemAddressFree", reinterpret_cast<void*>(&cuMemAddressFree)},
+      {"cuMemMap", reinterpret_cast<void*>(&cuMemMap)},
+      {"cuMemUnmap", reinterpret_cast<void*>(&cuMemUnmap)},
+      {"cuMemSetAccess", reinterpret_cast<void*>(&cuMemSetAccess)},
+      {"cuMemExportToShareableHandle", reinterpret_cast<void*>(&cuMemExportToShareableHandle)},
+      {"cuMemImportFromShareableHandle", reinterpret_cast<void*>(&cuMemImportFromShareableHandle)},
+  };
+  if (symbol == nullptr || funcPtr == nullptr || flags != cudaEnableDefault) {
+    cudasim::internal::ReportFailure("cudaErrorInvalidValue",
+                                     "cudaGetDriverEntryPointByVersion: null symbol or funcPtr, "
+                                     "or flags other than cudaEnableDefault",
+                                     /*misuse=*/true);
+    return cudaErrorInvalidValue;
+  }
+  *funcPtr = nullptr;
+  if (cudaVersion < 10020) {
+    if (driverStatus != nullptr) *driverStatus = cudaDriverEntryPointVersionNotSufficent;
+    return cudaSuccess;
+  }
+  for (const Entry& e : kEntries) {
+    if (std::strcmp(e.name, symbol) == 0) {
+      *funcPtr = e.fn;
+      if (driverStatus != nullptr) *driverStatus = cudaDriverEntryPointSuccess;
+      return cudaSuccess;
+    }
+  }
+  if (driverStatus != nullptr) *driverStatus = cudaDriverEntryPointSymbolNotFound;
+  return cudaSuccess;
+}
+
 }  // extern "C"
