@@ -361,7 +361,7 @@ void LocalServer::Serve(Session* session) {
         if (!groups.ok()) {
           status = absl::FailedPreconditionError(absl::StrCat(
               "cache '", request.attach().cache(), "' cannot be mapped: ",
-              groups.status().message(), " (start the node with --local-socket, backend host)"));
+              groups.status().message(), " (a node started with --local-socket shares it)"));
           break;
         }
         v1::LocalAttachResult* result = response.mutable_attach();
@@ -370,6 +370,10 @@ void LocalServer::Serve(Session* session) {
           v1::LocalGroupMemory* memory = result->add_groups();
           memory->set_bytes(group.memory.size);
           memory->set_cells(group.cells);
+          if (group.memory.kind == SharedArena::Kind::kCudaMemory) {
+            memory->set_kind(v1::LOCAL_MEMORY_CUDA);
+            memory->set_device(group.memory.device);
+          }
           for (const Plane& plane : group.planes) {
             v1::LocalPlane* p = memory->add_planes();
             p->set_offset(plane.offset);

@@ -140,8 +140,9 @@ ABSL_FLAG(bool, prefault_memory, false,
           "RSS holds the whole cache from then on");
 ABSL_FLAG(std::string, local_socket, "",
           "a Unix-domain socket path for workers on this machine to map caches' memory and read "
-          "cells in place (docs/api.md#local-data-path); --backend=host only. Arenas are then "
-          "shared memory (memfd) and never reused after a cache is deleted");
+          "cells in place (docs/api.md#local-data-path). Cache memory is then shared (memfds "
+          "on the host, CUDA memory exported as file descriptors on a GPU) and never reused "
+          "after a cache is deleted");
 ABSL_FLAG(std::string, peers, "",
           "the other members of the cluster: name=host:port,name=host:port,... where host:port "
           "is each member's peer plane (its --peer-listen, or its --listen in development "
@@ -384,10 +385,6 @@ int Run() {
                              " is out of range [4096, 1GiB]"));
   }
   const std::string local_socket = absl::GetFlag(FLAGS_local_socket);
-  if (!local_socket.empty() && backend != "host") {
-    return Fail(absl::StrCat("--local_socket needs --backend=host: this node has --backend=",
-                             backend, ", and sharing GPU memory (CUDA IPC) is not built yet"));
-  }
   if (transport_flag == transport::kNccl && backend != "cuda") {
     return Fail(absl::StrCat("--transport=nccl needs --backend=cuda, but this node has --backend=",
                              backend, " (the nccl transport moves GPU memory)"));

@@ -116,6 +116,7 @@ absl::StatusOr<std::unique_ptr<Device>> CreateNodeDevice(const std::string& back
     options.ordinal = ordinal;
     options.budget_bytes = memory_budget;
     options.snapshot_budget_bytes = snapshot_budget;
+    options.shareable = shareable;  // GPU memory that workers import (--local-socket)
     absl::StatusOr<std::unique_ptr<Device>> cuda = CreateCudaDevice(options);
     if (!cuda.ok()) {
       return absl::Status(

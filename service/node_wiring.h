@@ -90,7 +90,8 @@ absl::StatusOr<InflightSizes> SizeInflight(uint64_t inflight_budget, uint64_t st
                                            uint64_t max_message);
 
 // The device the caches live on: with backend "cuda" GPU `ordinal`, else host memory
-// (`shareable`: memfd arenas for the local data path, HostDevice's constructor).
+// (`shareable`: cache arenas that workers map for the local data path: memfds on the host,
+// CudaDeviceOptions::shareable on a GPU).
 // The error carries the message the node exits with.
 absl::StatusOr<std::unique_ptr<Device>> CreateNodeDevice(const std::string& backend, int ordinal,
                                                          size_t memory_budget,

@@ -100,6 +100,7 @@ bool ReadAll(int fd, char* out, size_t n, std::vector<int>* fds) {
 MappedCache::~MappedCache() {
   for (const MappedGroup& g : groups_) {
     if (g.base != nullptr) munmap(g.base, g.bytes);
+    if (g.cuda_fd >= 0) close(g.cuda_fd);
   }
 }
 
@@ -186,6 +187,14 @@ absl::StatusOr<std::unique_ptr<MappedCache>> Session::Attach(const std::string& 
     for (const v1::LocalPlane& plane : memory.planes()) {
       group.planes.push_back({plane.offset(), plane.row_bytes()});
     }
+    if (memory.kind() == v1::LOCAL_MEMORY_CUDA) {
+      // GPU memory: the engine imports the descriptor with its CUDA driver (MappedGroup).
+      group.cuda_device = memory.device();
+      group.cuda_fd = fds[g];
+      fds[g] = -1;
+      mapped->groups_.push_back(std::move(group));
+      continue;
+    }
     void* base =
         mmap(nullptr, group.bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fds[g], 0);
     if (base == MAP_FAILED) {
@@ -196,7 +205,9 @@ absl::StatusOr<std::unique_ptr<MappedCache>> Session::Attach(const std::string& 
     group.base = static_cast<uint8_t*>(base);
     mapped->groups_.push_back(std::move(group));
   }
-  for (int f : fds) close(f);  // the mappings keep the memory
+  for (int f : fds) {
+    if (f >= 0) close(f);  // the mappings keep the memory
+  }
   if (!status.ok()) return status;
   mapped->spec_ = response->attach().spec();
   return mapped;

@@ -38,10 +38,18 @@
 namespace kvmesh {
 namespace local {
 
-// One group's memory, mapped.
+// One group's memory: host memory mapped at `base`, or GPU memory of CUDA device `cuda_device`
+// (base null) that the engine imports from `cuda_fd` with its driver, as a CUDA VMM allocation
+// of `bytes`: cuMemImportFromShareableHandle(&h, (void*)(uintptr_t)cuda_fd,
+// CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), cuMemAddressReserve(&p, bytes, 0, 0, 0),
+// cuMemMap(p, bytes, 0, h, 0), cuMemSetAccess(p, bytes, {device cuda_device, read-write}, 1),
+// cuMemRelease(h); then row r of plane q is at p + planes[q].offset + r * planes[q].row_bytes.
+// The MappedCache owns and closes `cuda_fd`.
 struct MappedGroup {
   uint8_t* base = nullptr;
   size_t bytes = 0;
+  int cuda_device = -1;
+  int cuda_fd = -1;
   int64_t cells = 0;
   struct Plane {
     size_t offset = 0;
@@ -58,7 +66,7 @@ class MappedCache {
 
   const v1::CacheSpec& spec() const { return spec_; }
   const std::vector<MappedGroup>& groups() const { return groups_; }
-  // Row `cell` of plane `plane` of group `group`. REQUIRES: all three in range.
+  // Row `cell` of plane `plane` of group `group`. REQUIRES: all three in range; host memory.
   uint8_t* Row(size_t group, size_t plane, int32_t cell) const {
     const MappedGroup& g = groups_[group];
     return g.base + g.planes[plane].offset + static_cast<size_t>(cell) * g.planes[plane].row_bytes;

@@ -35,7 +35,7 @@ budget=${KVMESH_DEMO_BUDGET:-4GiB}
 snapshot_budget=${KVMESH_DEMO_SNAPSHOT_BUDGET:-1GiB}
 cluster_backend=${KVMESH_DEMO_CLUSTER_BACKEND:-host}
 case "$cluster_backend" in
-  host) cluster_flags=() ;;  # each node also serves workers on run/NODE.sock (see below)
+  host) cluster_flags=() ;;
   cuda) cluster_flags=(--backend=cuda --transport=nccl) ;;
   *) echo "demo: KVMESH_DEMO_CLUSTER_BACKEND=$cluster_backend: expected host or cuda" >&2; exit 1 ;;
 esac
@@ -356,9 +356,9 @@ if [ "$cluster_backend" = cuda ]; then
   echo "nodes on the simulated GPU, payloads over the nccl transport ($KVMESH_NCCL_LIBRARY)"
 fi
 p0=$(free_port 17700); p1=$(free_port $((p0 + 1))); p2=$(free_port $((p1 + 1)))
-# local_flags NAME: the local data path's socket (host backend only, docs/api.md).
+# local_flags NAME: the local data path's socket, where workers map the node's caches
+# (docs/api.md): run/NODE.sock.
 local_flags() {
-  [ "$cluster_backend" = host ] || return 0
   rm -f "$run_dir/$1.sock"
   echo "--local-socket=$run_dir/$1.sock"
 }
@@ -452,20 +452,22 @@ PYTHONPATH="$root/clients/python:$build_dir/clients/python" PYTHONDONTWRITEBYTEC
   die "the Python example scheduler failed"
 
 step "the reference worker: a torch decoder whose attention reads its K/V from kvmesh's cells in place (local data path on node-0 and node-1)"
-if [ "$cluster_backend" != host ]; then
-  echo "skipped: the local data path serves the host backend only (docs/api.md)"
-else
-  for dtype in f32 bf16; do
-    printf '$ PYTHONPATH=clients/python:%s/clients/python /usr/bin/python3 clients/python/examples/reference_worker.py --dtype=%s --node-a=%s --socket-a=%s --name-a=node-0 --node-b=%s --socket-b=%s\n' \
-      "${build_dir#$root/}" "$dtype" "${node_addr[node-0]}" "${run_dir#$root/}/node-0.sock" \
-      "${node_addr[node-1]}" "${run_dir#$root/}/node-1.sock"
-    PYTHONPATH="$root/clients/python:$build_dir/clients/python" PYTHONDONTWRITEBYTECODE=1 \
-      /usr/bin/python3 "$root/clients/python/examples/reference_worker.py" --dtype=$dtype \
-      --node-a="${node_addr[node-0]}" --socket-a="$run_dir/node-0.sock" --name-a=node-0 \
-      --node-b="${node_addr[node-1]}" --socket-b="$run_dir/node-1.sock" ||
-      die "the reference worker's outputs differ (see above)"
-  done
+# On the simulated GPU the worker imports the nodes' GPU memory through the simulator's driver.
+worker_env=()
+if [ "$cluster_backend" = cuda ]; then
+  worker_env=("KVMESH_CUDA_DRIVER=$build_dir/tests/testing/cudasim/libkvmesh_cudasim.so")
 fi
+for dtype in f32 bf16; do
+  printf '$ PYTHONPATH=clients/python:%s/clients/python /usr/bin/python3 clients/python/examples/reference_worker.py --dtype=%s --node-a=%s --socket-a=%s --name-a=node-0 --node-b=%s --socket-b=%s\n' \
+    "${build_dir#$root/}" "$dtype" "${node_addr[node-0]}" "${run_dir#$root/}/node-0.sock" \
+    "${node_addr[node-1]}" "${run_dir#$root/}/node-1.sock"
+  env "${worker_env[@]}" PYTHONPATH="$root/clients/python:$build_dir/clients/python" \
+    PYTHONDONTWRITEBYTECODE=1 \
+    /usr/bin/python3 "$root/clients/python/examples/reference_worker.py" --dtype=$dtype \
+    --node-a="${node_addr[node-0]}" --socket-a="$run_dir/node-0.sock" --name-a=node-0 \
+    --node-b="${node_addr[node-1]}" --socket-b="$run_dir/node-1.sock" ||
+    die "the reference worker's outputs differ (see above)"
+done
 stop_all_nodes
 echo
 echo "demo: done"

@@ -5,6 +5,7 @@
 // own tenant's caches.
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "cache/device/cuda_device.h"
 #include "clients/cpp/kvmesh_local.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -536,6 +538,47 @@ TEST_F(LocalTest, AWorkerThatStopsReadingLosesItsSessionAndPins) {
   }
   EXPECT_EQ(got, 0);
   close(fd);
+}
+
+// On a GPU node, Attach hands over GPU memory: per group a CUDA VMM descriptor (not mapped by the
+// client: the engine imports it with its driver; the Python worker test does so on the simulated
+// GPU), whose rows Pin and BeginAppend name as on the host.
+TEST(LocalCudaTest, AttachOnAGpuNodeHandsOverGpuMemory) {
+  if (!CudaSimulated()) GTEST_SKIP() << "not a -DKVMESH_CUDA=SIM build";
+  absl::StatusOr<std::unique_ptr<TempDir>> dir = TempDir::Create("kvmesh-local-cuda");
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  const std::string socket_path = (*dir)->File("local.sock");
+  NodeProcess::Options options;
+  options.node_name = "local-gpu";
+  options.extra_args = {absl::StrCat("--local-socket=", socket_path), "--backend=cuda",
+                        "--transport=grpc-stream", "--memory-budget=64MiB",
+                        "--snapshot-budget=16MiB"};
+  absl::StatusOr<std::unique_ptr<NodeProcess>> node = NodeProcess::Start(options);
+  ASSERT_TRUE(node.ok()) << node.status();
+  std::unique_ptr<Stub> stub = (*node)->NewStub();
+  const v1::CacheSpec spec = SmallSpec("m");
+  KVMESH_ASSERT_OK(CreateCache(*stub, spec));
+  KVMESH_ASSERT_OK(Append(*stub, MakeAppend(spec, 1, {0, 1, 2})));
+  auto session = local::Session::Connect(socket_path);
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::StatusOr<std::unique_ptr<local::MappedCache>> cache = (*session)->Attach("m");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_EQ((*cache)->groups().size(), 1u);
+  const local::MappedGroup& group = (*cache)->groups()[0];
+  EXPECT_EQ(group.base, nullptr);
+  EXPECT_EQ(group.cuda_device, 0);
+  EXPECT_GE(group.cuda_fd, 0);
+  EXPECT_EQ(group.bytes % (size_t{2} << 20), 0u) << group.bytes;  // whole 2 MiB granules
+  struct stat st;
+  ASSERT_EQ(fstat(group.cuda_fd, &st), 0);
+  EXPECT_EQ(static_cast<size_t>(st.st_size), group.bytes);
+  absl::StatusOr<local::Pin> pin = (*session)->PinCells("m", 1, 0, std::nullopt);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  EXPECT_EQ(pin->positions[0], (std::vector<int32_t>{0, 1, 2}));
+  session->reset();
+  cache->reset();
+  (*node)->ReleaseChannel();
+  EXPECT_TRUE((*node)->Stop().clean()) << (*node)->ReadStderr();
 }
 
 // With a token file: a worker needs a valid token, and maps and pins only its tenant's caches.

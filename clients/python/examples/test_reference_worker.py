@@ -18,6 +18,9 @@ import reference_worker as worker
 
 
 class ReferenceWorkerTest(nodes.NodeTestCase):
+    """On host memory (memfds)."""
+
+    backend_args: list = []
 
     @classmethod
     def setUpClass(cls) -> None:
@@ -30,7 +33,7 @@ class ReferenceWorkerTest(nodes.NodeTestCase):
             for name, path in zip(names, cls.sockets):
                 peers = {n: f"127.0.0.1:{p}" for n, p in ports.items() if n != name}
                 cls.nodes.append(nodes.Node(name, port=ports[name], peers=peers,
-                                            args=[f"--local-socket={path}"]))
+                                            args=[f"--local-socket={path}"] + cls.backend_args))
         except Exception:
             for node in cls.nodes:
                 node.stop()
@@ -80,6 +83,34 @@ class ReferenceWorkerTest(nodes.NodeTestCase):
                     got = cache.run(0, [10, 11], ids[10:])
                     want = worker.recompute(model, ids)[10:]
                     self.assertFalse(torch.equal(got, want))
+            finally:
+                client.delete_cache(spec.name)
+
+
+@unittest.skipUnless(os.environ.get("KVMESH_CUDA_DRIVER"),
+                     "KVMESH_CUDA_DRIVER names no CUDA driver (ctest sets the simulated GPU's in a "
+                     "-DKVMESH_CUDA=SIM build)")
+class ReferenceWorkerCudaTest(ReferenceWorkerTest):
+    """On GPU memory: the nodes run --backend=cuda, and the worker imports each group's memory
+    through the CUDA driver (kvmesh.local._CudaDriver); in the SIM build, the simulated GPU's."""
+
+    backend_args = ["--backend=cuda", "--transport=grpc-stream"]
+
+    def test_groups_are_gpu_memory(self) -> None:
+        a, _ = self.nodes
+        model = worker.Model(worker.Config())
+        spec = model.config.spec("worker-gpu", capacity=64)
+        with kvmesh.Client(a.address) as client:
+            client.create_cache(spec)
+            try:
+                with kvmesh.local.Session(self.sockets[0]) as session:
+                    cache = session.attach(spec.name)
+                    for g in cache.groups:
+                        self.assertIsNone(g.memory)
+                        self.assertEqual(g.device, 0)
+                        self.assertNotEqual(g.device_pointer, 0)
+                        self.assertEqual(g.bytes % (2 << 20), 0)
+                    cache.close()
             finally:
                 client.delete_cache(spec.name)
 

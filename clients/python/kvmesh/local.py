@@ -55,11 +55,81 @@ def _raise_for(response) -> None:
 
 @dataclass
 class MappedGroup:
-    """One group's memory: ``cells`` rows of every plane (offset, row_bytes)."""
+    """One group's memory: ``cells`` rows of every plane (offset, row_bytes). Host memory is
+    ``memory`` (an mmap); GPU memory (``device`` >= 0) is at ``device_pointer`` on that CUDA
+    device, imported through the driver (``memory`` is None)."""
 
-    memory: mmap.mmap
+    memory: Optional[mmap.mmap]
     cells: int
     planes: List[tuple]
+    device: int = -1
+    device_pointer: int = 0
+    bytes: int = 0
+    _driver: Optional["_CudaDriver"] = None
+
+
+class _CudaDriver:
+    """The CUDA driver functions that import a node's GPU memory (docs/api.md, "Local data
+    path"): libcuda.so.1, or the library KVMESH_CUDA_DRIVER names (the simulated GPU of the
+    tests, tests/testing/cudasim/, whose device memory is host memory this process can read)."""
+
+    _loaded: Optional["_CudaDriver"] = None
+
+    def __init__(self) -> None:
+        import ctypes
+        import os
+
+        self.ct = ctypes
+        name = os.environ.get("KVMESH_CUDA_DRIVER", "libcuda.so.1")
+        self.lib = ctypes.CDLL(name)
+        # The simulator's device pointers are addresses of this process.
+        self.host_accessible = hasattr(self.lib, "_ZN7cudasim6ActiveEv")
+        self._check(self.lib.cuInit(0), "cuInit")
+
+    @classmethod
+    def get(cls) -> "_CudaDriver":
+        if cls._loaded is None:
+            cls._loaded = cls()
+        return cls._loaded
+
+    def _check(self, result: int, call: str) -> None:
+        if result != 0:
+            code = grpc.StatusCode.INTERNAL
+            raise error_for_code(code)(f"{call} failed with CUresult {result}", code=code,
+                                       method="local")
+
+    def import_memory(self, fd: int, size: int, device: int) -> int:
+        """Maps the descriptor's memory read-write for ``device``; its device pointer."""
+        ct = self.ct
+        handle = ct.c_ulonglong(0)
+        self._check(self.lib.cuMemImportFromShareableHandle(
+            ct.byref(handle), ct.c_void_p(fd), ct.c_int(1)), "cuMemImportFromShareableHandle")
+        pointer = ct.c_ulonglong(0)
+        try:
+            self._check(self.lib.cuMemAddressReserve(
+                ct.byref(pointer), ct.c_size_t(size), ct.c_size_t(0), ct.c_ulonglong(0),
+                ct.c_ulonglong(0)), "cuMemAddressReserve")
+            self._check(self.lib.cuMemMap(pointer, ct.c_size_t(size), ct.c_size_t(0), handle,
+                                          ct.c_ulonglong(0)), "cuMemMap")
+
+            class Location(ct.Structure):
+                _fields_ = [("type", ct.c_int), ("id", ct.c_int)]
+
+            class AccessDesc(ct.Structure):
+                _fields_ = [("location", Location), ("flags", ct.c_int)]
+
+            # CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+            access = AccessDesc(Location(1, device), 3)
+            self._check(self.lib.cuMemSetAccess(pointer, ct.c_size_t(size), ct.byref(access),
+                                                ct.c_size_t(1)), "cuMemSetAccess")
+        finally:
+            self.lib.cuMemRelease(handle)  # the mapping keeps the memory
+        return pointer.value
+
+    def unmap(self, pointer: int, size: int) -> None:
+        ct = self.ct
+        self.lib.cuMemUnmap(ct.c_ulonglong(pointer), ct.c_size_t(size))
+        self.lib.cuMemAddressFree(ct.c_ulonglong(pointer), ct.c_size_t(size))
 
 
 class MappedCache:
@@ -70,10 +140,25 @@ class MappedCache:
         self.groups = groups
 
     def rows(self, group: int, plane: int, dtype=np.uint8) -> np.ndarray:
-        """Plane ``plane`` of group ``group`` as a writable ``[cells, row elements]`` view."""
+        """Plane ``plane`` of group ``group`` as a writable ``[cells, row elements]`` view. GPU
+        memory has no host view (FailedPrecondition) but on the simulated GPU; use
+        ``device_pointer`` (or a CUDA build of torch) there."""
         g = self.groups[group]
         offset, row_bytes = g.planes[plane]
-        flat = np.frombuffer(g.memory, dtype=np.uint8, count=g.cells * row_bytes, offset=offset)
+        if g.memory is None:
+            if g._driver is None or not g._driver.host_accessible:
+                code = grpc.StatusCode.FAILED_PRECONDITION
+                raise error_for_code(code)(
+                    f"group {group} is memory of CUDA device {g.device}: no host view of it "
+                    f"(its rows start at device pointer {g.device_pointer:#x})", code=code,
+                    method="local")
+            ct = g._driver.ct
+            buffer = (ct.c_uint8 * g.bytes).from_address(g.device_pointer)
+            flat = np.frombuffer(buffer, dtype=np.uint8, count=g.cells * row_bytes,
+                                 offset=offset)
+        else:
+            flat = np.frombuffer(g.memory, dtype=np.uint8, count=g.cells * row_bytes,
+                                 offset=offset)
         dtype = np.dtype(dtype)
         return flat.view(dtype).reshape(g.cells, row_bytes // dtype.itemsize)
 
@@ -96,7 +181,10 @@ class MappedCache:
     def close(self) -> None:
         """Unmaps the memory (views made by ``rows`` or ``tensor`` must be gone first)."""
         for g in self.groups:
-            g.memory.close()
+            if g.memory is not None:
+                g.memory.close()
+            elif g._driver is not None:
+                g._driver.unmap(g.device_pointer, g.bytes)
         self.groups = []
 
     def __enter__(self) -> "MappedCache":
@@ -216,12 +304,18 @@ class Session:
                 raise RuntimeError(f"the node sent {len(fds)} descriptors for "
                                    f"{len(response.attach.groups)} groups")
             for fd, memory in zip(fds, response.attach.groups):
+                planes = [(p.offset, p.row_bytes) for p in memory.planes]
+                if memory.kind == _pb.LOCAL_MEMORY_CUDA:
+                    driver = _CudaDriver.get()
+                    pointer = driver.import_memory(fd, memory.bytes, memory.device)
+                    groups.append(MappedGroup(None, memory.cells, planes, memory.device,
+                                              pointer, memory.bytes, driver))
+                    continue
                 # Every page mapped now (as the C++ client): no fault in a read or write later.
                 mapped = mmap.mmap(fd, memory.bytes,
                                    mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                    mmap.PROT_READ | mmap.PROT_WRITE)
-                groups.append(MappedGroup(mapped, memory.cells,
-                                          [(p.offset, p.row_bytes) for p in memory.planes]))
+                groups.append(MappedGroup(mapped, memory.cells, planes, bytes=memory.bytes))
         finally:
             for fd in fds:
                 socket.close(fd)  # the mappings keep the memory
