@@ -88,16 +88,26 @@ constexpr DriverError kDriverErrors[] = {
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
-const DriverError* FindDriverError(CUresult code) {
+const DriverError* FindDriverError(int code) {
   for (const DriverError& e : kDriverErrors) {
-    if (e.code == code) return &e;
+    if (static_cast<int>(e.code) == code) return &e;
   }
   return nullptr;
 }
 
+// A CUresult argument as a number, read without loading it as the enum: callers may pass any
+// value (the driver answers CUDA_ERROR_INVALID_VALUE for unknown ones), and loading an enum
+// outside its values is undefined behaviour (UBSan's -fsanitize=enum reports it).
+int CodeOf(const CUresult& code) {
+  int value = 0;
+  static_assert(sizeof(value) == sizeof(code));
+  std::memcpy(&value, &code, sizeof(value));
+  return value;
+}
+
 // Records a failed call (LastMessage, the misuse count, the trace) and returns `e`.
 CUresult Fail(CUresult e, const std::string& why, bool misuse) {
-  const DriverError* known = FindDriverError(e);
+  const DriverError* known = FindDriverError(CodeOf(e));
   internal::ReportFailure(known != nullptr ? known->name : "CUresult", why, misuse);
   return e;
 }
@@ -579,14 +589,14 @@ extern "C" {
 
 CUresult CUDAAPI cuGetErrorName(CUresult error, const char** pStr) {
   if (pStr == nullptr) return Fail(CUDA_ERROR_INVALID_VALUE, "cuGetErrorName: null", true);
-  const cudasim::DriverError* e = cudasim::FindDriverError(error);
+  const cudasim::DriverError* e = cudasim::FindDriverError(cudasim::CodeOf(error));
   *pStr = e != nullptr ? e->name : nullptr;
   return e != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 CUresult CUDAAPI cuGetErrorString(CUresult error, const char** pStr) {
   if (pStr == nullptr) return Fail(CUDA_ERROR_INVALID_VALUE, "cuGetErrorString: null", true);
-  const cudasim::DriverError* e = cudasim::FindDriverError(error);
+  const cudasim::DriverError* e = cudasim::FindDriverError(cudasim::CodeOf(error));
   *pStr = e != nullptr ? e->text : nullptr;
   return e != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
