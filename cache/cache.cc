@@ -80,7 +80,7 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
       case GroupKind::kAttention: {
         ASSIGN_OR_RETURN(DeviceArena arena,
                          device->Allocate(ComputeAttentionGeometry(spec, index).bytes,
-                                          MemoryPool::kCache, stream));
+                                          MemoryPool::kCache, stream, /*shareable=*/true));
         cache->groups_.push_back(
             std::make_unique<AttentionGroup>(index, spec, std::move(arena), device));
         break;
@@ -88,7 +88,7 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
       case GroupKind::kRotating: {
         ASSIGN_OR_RETURN(DeviceArena arena,
                          device->Allocate(ComputeRotatingGeometry(spec, index).bytes,
-                                          MemoryPool::kCache, stream));
+                                          MemoryPool::kCache, stream, /*shareable=*/true));
         cache->groups_.push_back(
             std::make_unique<RotatingGroup>(index, spec, std::move(arena), device));
         break;
@@ -96,7 +96,7 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
       case GroupKind::kRecurrent: {
         ASSIGN_OR_RETURN(DeviceArena arena,
                          device->Allocate(ComputeRecurrentGeometry(spec, index).bytes,
-                                          MemoryPool::kCache, stream));
+                                          MemoryPool::kCache, stream, /*shareable=*/true));
         cache->groups_.push_back(
             std::make_unique<RecurrentGroup>(index, spec, std::move(arena), device));
         break;

@@ -536,14 +536,15 @@ class Cache {
     std::vector<std::vector<std::vector<PositionRange>>> visible;
     std::shared_ptr<const void> hold;
   };
-  // The most ranges one PinCells may answer for its queries (over every group).
-  static constexpr int64_t kMaxPinVisibleRanges = int64_t{1} << 20;
+  // The most ranges one PinCells may answer for its queries, over every group, each query of a
+  // group counting one at least (what its answer costs even when it sees nothing).
+  static constexpr int64_t kMaxPinVisibleRanges = int64_t{1} << 18;
   // Pins the cells of seq's positions in [begin, end) (end absent: all), with Read's checks and
   // errors. FAILED_PRECONDITION for a cache with a group that keeps no cells of positions
   // (Rotating, Recurrent: not lends_cells()). Counts as a use of seq. With `queries` (positions
   // of queries of seq), also what each attends to, seen at the same moment as the cells (the
   // seed's StartForward mask): INVALID_ARGUMENT for a negative one, RESOURCE_EXHAUSTED when
-  // the answer could exceed kMaxPinVisibleRanges ranges.
+  // the answer could exceed kMaxPinVisibleRanges ranges (checked before anything is built).
   static absl::StatusOr<PinnedCells> PinCells(const std::shared_ptr<Cache>& cache, int64_t seq,
                                               int32_t begin, std::optional<int32_t> end,
                                               absl::Span<const int32_t> queries = {});

@@ -267,15 +267,19 @@ absl::StatusOr<Cache::PinnedCells> Cache::PinCells(const std::shared_ptr<Cache>&
       return absl::NotFoundError(absl::StrCat("cache '", c.spec_.name, "' has no sequence ", seq));
     }
     if (!queries.empty()) {
-      int64_t bound = 0;  // at most 2^31 queries x groups x 2^31: no overflow
-      for (const auto& group : c.groups_) {
-        for (int32_t pos : queries) bound += group->VisibleRangesBound(Query{seq, pos});
+      // Counted until it passes the limit (so it cannot overflow), each query at least once.
+      int64_t bound = 0;
+      for (size_t g = 0; g < c.groups_.size() && bound <= kMaxPinVisibleRanges; ++g) {
+        for (size_t i = 0; i < queries.size() && bound <= kMaxPinVisibleRanges; ++i) {
+          bound += std::max<int64_t>(1, c.groups_[g]->VisibleRangesBound(Query{seq, queries[i]}));
+        }
       }
       if (bound > kMaxPinVisibleRanges) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("the ", queries.size(), " queries could attend to up to ", bound,
-                         " ranges of positions, more than a pin answers (", kMaxPinVisibleRanges,
-                         "): pin with fewer queries"));
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "the ", queries.size(), " queries could attend to more than ", kMaxPinVisibleRanges,
+            " ranges of positions over the cache's ", c.groups_.size(),
+            " groups, the most a pin answers: pin with fewer "
+            "queries"));
       }
       for (const auto& group : c.groups_) {
         std::vector<std::vector<PositionRange>>& per_query = pinned.visible.emplace_back();

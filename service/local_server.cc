@@ -243,6 +243,11 @@ bool ReadExactly(int fd, char* out, size_t n, const std::atomic<bool>& stopping,
 
 void LocalServer::Serve(Session* session) {
   const int fd = session->fd;
+  // An error answer, counted (kvmesh_local_refusals_total).
+  auto refuse = [&](const v1::LocalResponse& response) {
+    refusals_.fetch_add(1);
+    return SendResponse(fd, response);
+  };
   auto expire = [&] {
     const absl::Time now = absl::Now();
     for (auto it = session->pins.begin(); it != session->pins.end();) {
@@ -282,27 +287,25 @@ void LocalServer::Serve(Session* session) {
     uint32_t length = 0;
     for (int i = 0; i < 4; ++i) length |= uint32_t{static_cast<uint8_t>(header[i])} << (8 * i);
     if (length > kMaxRequestBytes) {
-      SendResponse(fd,
-                   ErrorResponse(0, absl::ResourceExhaustedError(absl::StrCat(
-                                        "a local request of ", length, " bytes is more than the ",
-                                        kMaxRequestBytes, "-byte limit; ending the session"))));
+      refuse(ErrorResponse(0, absl::ResourceExhaustedError(absl::StrCat(
+                                  "a local request of ", length, " bytes is more than the ",
+                                  kMaxRequestBytes, "-byte limit; ending the session"))));
       return;
     }
     std::string body(length, '\0');
     if (!ReadExactly(fd, body.data(), length, stopping_, deadline, expire)) return;
     v1::LocalRequest request;
     if (!request.ParseFromString(body)) {
-      SendResponse(fd, ErrorResponse(0, absl::InvalidArgumentError(
-                                            "a local request that is not a LocalRequest; "
-                                            "ending the session")));
+      refuse(
+          ErrorResponse(0, absl::InvalidArgumentError("a local request that is not a LocalRequest; "
+                                                      "ending the session")));
       return;
     }
     const uint64_t id = request.id();
     // Hello first, once; a failed one ends the session.
     if (!session->principal.has_value()) {
       if (request.op_case() != v1::LocalRequest::kHello) {
-        SendResponse(
-            fd,
+        refuse(
             ErrorResponse(id, absl::UnauthenticatedError("a local session starts with a Hello")));
         return;
       }
@@ -315,7 +318,7 @@ void LocalServer::Serve(Session* session) {
           session->tenant.empty() ? std::nullopt
                                   : std::optional<absl::string_view>(session->tenant));
       if (!who.ok()) {
-        SendResponse(fd, ErrorResponse(id, who.status()));
+        refuse(ErrorResponse(id, who.status()));
         return;
       }
       session->principal = *who;
@@ -336,10 +339,10 @@ void LocalServer::Serve(Session* session) {
                                   : std::optional<absl::string_view>(session->tenant));
       if (!who.ok() || who->tenant != session->principal->tenant ||
           who->role != session->principal->role) {
-        SendResponse(fd, ErrorResponse(id, who.ok() ? absl::PermissionDeniedError(
-                                                          "the session's token changed tenant or "
-                                                          "role at a reload of the token file")
-                                                    : who.status()));
+        refuse(ErrorResponse(
+            id, who.ok() ? absl::PermissionDeniedError("the session's token changed tenant or "
+                                                       "role at a reload of the token file")
+                         : who.status()));
         return;
       }
     }
@@ -426,6 +429,8 @@ void LocalServer::Serve(Session* session) {
             }
           }
         }
+        // The pin keeps its cells; what the queries see is the answer's alone.
+        cells->visible = {};
         const uint64_t pin_id = session->next_pin++;
         result->set_pin(pin_id);
         result->set_expires_unix_ms(absl::ToUnixMillis(*expires));

@@ -444,9 +444,10 @@ class CudaDevice final : public Device {
   }
 
  protected:
-  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool) override {
-    // Shared: every cache arena is memory a worker may map (the local data path), never reused.
-    if (shared_ != nullptr && pool == MemoryPool::kCache) return shared_->Allocate(bytes);
+  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool, bool shareable) override {
+    (void)pool;
+    // Shared: a cache group's cells, memory a worker may map (the local data path), never reused.
+    if (shared_ != nullptr && shareable) return shared_->Allocate(bytes);
     KVMESH_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
     void* data = nullptr;
     const cudaError_t error = cudaMalloc(&data, bytes == 0 ? 1 : bytes);
@@ -461,7 +462,8 @@ class CudaDevice final : public Device {
   }
 
   void RawFree(uint8_t* data, size_t bytes, MemoryPool pool) override {
-    if (shared_ != nullptr && pool == MemoryPool::kCache) {
+    (void)pool;
+    if (shared_ != nullptr && shared_->Owns(data)) {
       shared_->Free(data);
       return;
     }

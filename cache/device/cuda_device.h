@@ -1,7 +1,8 @@
 // CudaDevice: the Device on one NVIDIA GPU.
 //
 // Memory: every arena is one cudaMalloc (a cache group's cells, a snapshot chunk, a speculative
-// batch), or with `shareable` one allocation of CudaSharedMemory, sub-allocated by the engine;
+// batch), or for a cache group's cells with `shareable` one allocation of CudaSharedMemory,
+// sub-allocated by the engine;
 // nothing is allocated per token. Both budgets of Device
 // apply, and a cudaMalloc that fails for lack of device memory is RESOURCE_EXHAUSTED too.
 //
@@ -38,9 +39,10 @@ struct CudaDeviceOptions {
   // Size of one pinned staging buffer and of its device-side twin. A payload larger than this
   // moves in several rounds.
   size_t staging_bytes = size_t{32} << 20;
-  // Every arena is GPU memory that a worker on this machine may map (the local data path,
-  // cuda_shared_memory.h): whole granules of the driver (2 MiB), zeroed when allocated and when
-  // freed, and Share answers it. Creation fails (FAILED_PRECONDITION) on a driver without it.
+  // Arenas allocated shareable (a cache group's cells) are GPU memory that a worker on this
+  // machine may map (the local data path, cuda_shared_memory.h): whole granules of the driver
+  // (2 MiB), zeroed when allocated and when freed, and Share answers them. Creation fails
+  // (FAILED_PRECONDITION) when the driver lacks the calls.
   bool shareable = false;
 };
 

@@ -28,8 +28,10 @@ namespace kvmesh {
 
 class CudaSharedMemory {
  public:
-  // For GPU `ordinal`. FAILED_PRECONDITION when the driver lacks what is needed (virtual memory
-  // management with POSIX file descriptors), INTERNAL for other errors.
+  // For GPU `ordinal`. FAILED_PRECONDITION when the driver lacks the calls or has no granularity
+  // for memory exported as POSIX file descriptors, INTERNAL for other errors. (A GPU that cannot
+  // export such memory although its driver has the calls fails at its first Allocate, naming
+  // cuMemCreate.)
   static absl::StatusOr<std::unique_ptr<CudaSharedMemory>> Create(int ordinal);
   virtual ~CudaSharedMemory() = default;
 

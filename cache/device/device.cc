@@ -40,7 +40,7 @@ size_t Device::free_bytes(MemoryPool pool) const {
 }
 
 absl::StatusOr<DeviceArena> Device::Allocate(size_t bytes, MemoryPool pool,
-                                             std::shared_ptr<DeviceStream> stream) {
+                                             std::shared_ptr<DeviceStream> stream, bool shareable) {
   const int p = static_cast<int>(pool);
   const size_t budget = budgets_[p];
   // Reserve against the budget first so concurrent allocations cannot overshoot it.
@@ -56,7 +56,7 @@ absl::StatusOr<DeviceArena> Device::Allocate(size_t bytes, MemoryPool pool,
            static_cast<int64_t>(budget)});
     }
   } while (!used_bytes_[p].compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
-  absl::StatusOr<uint8_t*> data = RawAllocate(bytes, pool);
+  absl::StatusOr<uint8_t*> data = RawAllocate(bytes, pool, shareable);
   if (!data.ok()) {
     used_bytes_[p].fetch_sub(bytes, std::memory_order_relaxed);
     return data.status();

@@ -132,9 +132,11 @@ class Device {
 
   // Allocates `bytes` of device memory from `pool`, bound to `stream` (null: the device's own).
   // RESOURCE_EXHAUSTED when the pool's budget, or the device itself, cannot hold it. Contents
-  // are unspecified.
+  // are unspecified. With `shareable`, on a device that shares its memory (the local data path),
+  // the arena is one that Share hands to other processes: a cache group's cells.
   absl::StatusOr<DeviceArena> Allocate(size_t bytes, MemoryPool pool = MemoryPool::kCache,
-                                       std::shared_ptr<DeviceStream> stream = nullptr);
+                                       std::shared_ptr<DeviceStream> stream = nullptr,
+                                       bool shareable = false);
 
   size_t budget_bytes(MemoryPool pool = MemoryPool::kCache) const {
     return budgets_[static_cast<int>(pool)];
@@ -193,9 +195,10 @@ class Device {
   Device(size_t budget_bytes, size_t snapshot_budget_bytes)
       : budgets_{budget_bytes, snapshot_budget_bytes} {}
 
-  // Implementations allocate and free raw memory of `pool` (a device that shares its memory
-  // shares the cache pool's arenas: those a worker maps); accounting is done by the base class.
-  virtual absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool) = 0;
+  // Implementations allocate and free raw memory of `pool`, `shareable` as Allocate says (a
+  // device that shares its memory knows its shared arenas by address when they are freed);
+  // accounting is done by the base class.
+  virtual absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool, bool shareable) = 0;
   virtual void RawFree(uint8_t* data, size_t bytes, MemoryPool pool) = 0;
 
  private:

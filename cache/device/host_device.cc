@@ -141,12 +141,12 @@ absl::StatusOr<uint8_t*> HostDevice::AllocateShared(size_t bytes) {
   return arena;
 }
 
-void HostDevice::FreeShared(uint8_t* data) {
+bool HostDevice::FreeShared(uint8_t* data) {
   std::pair<int, size_t> shared;
   {
     MutexLock lock(&mu_);
     auto it = shared_.find(data);
-    if (it == shared_.end()) return;
+    if (it == shared_.end()) return false;
     shared = it->second;
     shared_.erase(it);
   }
@@ -156,6 +156,7 @@ void HostDevice::FreeShared(uint8_t* data) {
   (void)fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(length));
   munmap(data, length);
   close(fd);
+  return true;
 }
 
 absl::StatusOr<SharedArena> HostDevice::Share(const DeviceArena& arena) const {
@@ -171,8 +172,9 @@ absl::StatusOr<SharedArena> HostDevice::Share(const DeviceArena& arena) const {
   return shared;
 }
 
-absl::StatusOr<uint8_t*> HostDevice::RawAllocate(size_t bytes, MemoryPool pool) {
-  if (shareable_ && pool == MemoryPool::kCache) return AllocateShared(bytes);
+absl::StatusOr<uint8_t*> HostDevice::RawAllocate(size_t bytes, MemoryPool pool, bool shareable) {
+  (void)pool;
+  if (shareable_ && shareable) return AllocateShared(bytes);
   if (MappedDirectly(bytes)) {
     const size_t length = RoundUpToHugePage(bytes);
     MutexLock lock(&mu_);
@@ -207,7 +209,8 @@ absl::StatusOr<uint8_t*> HostDevice::RawAllocate(size_t bytes, MemoryPool pool) 
 }
 
 void HostDevice::RawFree(uint8_t* data, size_t bytes, MemoryPool pool) {
-  if (shareable_ && pool == MemoryPool::kCache) return FreeShared(data);
+  (void)pool;
+  if (shareable_ && FreeShared(data)) return;
   if (MappedDirectly(bytes)) {
     const size_t length = RoundUpToHugePage(bytes);
     MutexLock lock(&mu_);

@@ -39,9 +39,9 @@ class HostDevice : public Device {
   // (MADV_POPULATE_WRITE), so the cost of fresh memory is paid when a cache or snapshot is
   // allocated rather than by the first operation that writes it (a new cache's first import,
   // which on a VM costs several times the copy itself). Reused kept arenas are warm already.
-  // With `shareable`, every arena of the cache pool is a memfd mapping that Share hands to
-  // other processes (the local data path; snapshot-pool arenas are not shared): nothing is kept
-  // for reuse (an arena another process mapped is never given to another cache), and a freed
+  // With `shareable`, every arena allocated shareable (a cache group's cells) is a memfd mapping
+  // that Share hands to other processes (the local data path; other arenas are not): nothing is
+  // kept for reuse (an arena another process mapped is never given to another cache), and a freed
   // arena's pages are released at once, even while another process still maps them (it then
   // reads zeros).
   HostDevice(size_t budget_bytes, size_t snapshot_budget_bytes,
@@ -77,7 +77,7 @@ class HostDevice : public Device {
   bool shareable() const { return shareable_; }
 
  protected:
-  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool) override;
+  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool, bool shareable) override;
   void RawFree(uint8_t* data, size_t bytes, MemoryPool pool) override;
 
  private:
@@ -86,7 +86,8 @@ class HostDevice : public Device {
 
   // A shareable arena: a memfd of `length` bytes mapped at the arena's address.
   absl::StatusOr<uint8_t*> AllocateShared(size_t bytes);
-  void FreeShared(uint8_t* data);
+  // Frees a shareable arena; false when `data` is not one.
+  bool FreeShared(uint8_t* data);
 
   const size_t kept_limit_;
   const bool prefault_;

@@ -49,8 +49,8 @@ using testutil::Spec;
 // the wrapped one with the same address (kept in inner_arenas_), and each operation forwards a
 // non-owning view of its arenas (same address, size and stream, no owner) to the wrapped device,
 // so a CudaDevice runs it on the cache's own stream as without the wrapper. Budgets and their
-// accounting are this device's; the wrapped device gets room for both pools in its cache pool
-// (RawAllocate does not say which pool it serves).
+// accounting are this device's; the wrapped device gets room for both pools in its cache pool,
+// where every arena goes.
 class FaultyDevice : public Device {
  public:
   static constexpr size_t kBudget = size_t{1} << 28;
@@ -109,8 +109,10 @@ class FaultyDevice : public Device {
   }
 
  protected:
-  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool) override {
-    absl::StatusOr<DeviceArena> arena = inner_->Allocate(bytes, pool);
+  absl::StatusOr<uint8_t*> RawAllocate(size_t bytes, MemoryPool pool, bool shareable) override {
+    (void)pool;
+    absl::StatusOr<DeviceArena> arena =
+        inner_->Allocate(bytes, MemoryPool::kCache, nullptr, shareable);
     if (!arena.ok()) return arena.status();
     uint8_t* data = arena->data();
     MutexLock lock(&mu_);
@@ -118,6 +120,7 @@ class FaultyDevice : public Device {
     return data;
   }
   void RawFree(uint8_t* data, size_t bytes, MemoryPool pool) override {
+    (void)pool;
     DeviceArena freed;  // returned to the wrapped device outside the lock
     MutexLock lock(&mu_);
     auto it = inner_arenas_.find(data);

@@ -101,7 +101,8 @@ TEST(CudaSharedMemoryTest, AWorkerMapsAnArenaAndSeesTheSameBytes) {
   Imported imported;
   ino_t first = 0;
   {
-    absl::StatusOr<DeviceArena> arena = device->Allocate(3 * kMiB + 5);
+    absl::StatusOr<DeviceArena> arena =
+        device->Allocate(3 * kMiB + 5, MemoryPool::kCache, nullptr, /*shareable=*/true);
     ASSERT_TRUE(arena.ok()) << arena.status();
     absl::StatusOr<SharedArena> shared = device->Share(*arena);
     ASSERT_TRUE(shared.ok()) << shared.status();
@@ -133,7 +134,8 @@ TEST(CudaSharedMemoryTest, AWorkerMapsAnArenaAndSeesTheSameBytes) {
   // Freed: the worker still maps it, and reads zeros.
   EXPECT_EQ(DeviceBytes(imported.address, 7 * 64, 64), std::vector<uint8_t>(64, 0));
   EXPECT_EQ(DeviceBytes(imported.address, 2 * 64, 64), std::vector<uint8_t>(64, 0));
-  absl::StatusOr<DeviceArena> again = device->Allocate(3 * kMiB + 5);
+  absl::StatusOr<DeviceArena> again =
+      device->Allocate(3 * kMiB + 5, MemoryPool::kCache, nullptr, /*shareable=*/true);
   ASSERT_TRUE(again.ok()) << again.status();
   absl::StatusOr<SharedArena> shared = device->Share(*again);
   ASSERT_TRUE(shared.ok()) << shared.status();
@@ -152,9 +154,22 @@ TEST(CudaSharedMemoryTest, ArenasOfADeviceThatDoesNotShareAreNotShared) {
   options.staging_bytes = kMiB;
   absl::StatusOr<std::unique_ptr<Device>> device = CreateCudaDevice(options);
   ASSERT_TRUE(device.ok()) << device.status();
-  absl::StatusOr<DeviceArena> arena = (*device)->Allocate(4096);
+  absl::StatusOr<DeviceArena> arena =
+      (*device)->Allocate(4096, MemoryPool::kCache, nullptr, /*shareable=*/true);
   ASSERT_TRUE(arena.ok()) << arena.status();
   EXPECT_EQ((*device)->Share(*arena).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// On a sharing device only arenas allocated shareable are shared memory: a speculative or
+// snapshot chunk is plain device memory (no 2 MiB granule, no exported descriptor).
+TEST(CudaSharedMemoryTest, OnlyShareableArenasAreShared) {
+  std::unique_ptr<Device> device = SharedDevice();
+  ASSERT_NE(device, nullptr);
+  for (const MemoryPool pool : {MemoryPool::kCache, MemoryPool::kSnapshot}) {
+    absl::StatusOr<DeviceArena> chunk = device->Allocate(4096, pool);
+    ASSERT_TRUE(chunk.ok()) << chunk.status();
+    EXPECT_EQ(device->Share(*chunk).status().code(), absl::StatusCode::kFailedPrecondition);
+  }
 }
 
 }  // namespace

@@ -332,7 +332,8 @@ TEST(HostDeviceTest, ShareableArenasAreMemfdsThatAreNeverReused) {
   size_t view_bytes = 0;
   ino_t first_inode = 0;
   {
-    absl::StatusOr<DeviceArena> arena = device.Allocate(3 * kMiB + 5);
+    absl::StatusOr<DeviceArena> arena =
+        device.Allocate(3 * kMiB + 5, MemoryPool::kCache, nullptr, /*shareable=*/true);
     ASSERT_TRUE(arena.ok()) << arena.status();
     absl::StatusOr<SharedArena> shared = device.Share(*arena);
     ASSERT_TRUE(shared.ok()) << shared.status();
@@ -369,7 +370,8 @@ TEST(HostDeviceTest, ShareableArenasAreMemfdsThatAreNeverReused) {
   EXPECT_EQ(view[7 * 64], 0);
   EXPECT_EQ(view[2 * 64], 0);
   // A new arena of the same size is another memfd, never the freed one.
-  absl::StatusOr<DeviceArena> again = device.Allocate(3 * kMiB + 5);
+  absl::StatusOr<DeviceArena> again =
+      device.Allocate(3 * kMiB + 5, MemoryPool::kCache, nullptr, /*shareable=*/true);
   ASSERT_TRUE(again.ok()) << again.status();
   absl::StatusOr<SharedArena> shared = device.Share(*again);
   ASSERT_TRUE(shared.ok()) << shared.status();
@@ -379,10 +381,13 @@ TEST(HostDeviceTest, ShareableArenasAreMemfdsThatAreNeverReused) {
   again->data()[0] = 0x42;
   EXPECT_EQ(view[0], 0);
   munmap(view, view_bytes);
-  // Only the cache pool's arenas (what a worker maps) are shared: a snapshot chunk is not.
-  absl::StatusOr<DeviceArena> chunk = device.Allocate(kMiB, MemoryPool::kSnapshot);
-  ASSERT_TRUE(chunk.ok()) << chunk.status();
-  EXPECT_EQ(device.Share(*chunk).status().code(), absl::StatusCode::kFailedPrecondition);
+  // Only arenas allocated shareable (a group's cells, what a worker maps) are shared: not a
+  // snapshot chunk, nor a speculative chunk of the cache pool.
+  for (const MemoryPool pool : {MemoryPool::kSnapshot, MemoryPool::kCache}) {
+    absl::StatusOr<DeviceArena> chunk = device.Allocate(kMiB, pool);
+    ASSERT_TRUE(chunk.ok()) << chunk.status();
+    EXPECT_EQ(device.Share(*chunk).status().code(), absl::StatusCode::kFailedPrecondition);
+  }
 }
 
 TEST(HostDeviceTest, ArenasOfADeviceThatDoesNotShareAreNotShared) {

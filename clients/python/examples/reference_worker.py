@@ -418,7 +418,11 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, *, exact: bool = T
     diff = (got.float() - want.float()).abs()
     worst = float(diff.max()) if diff.numel() else 0.0
     scale = float(want.float().abs().max()) if want.numel() else 0.0
-    ok = bool(torch.equal(got, want)) if exact else worst <= relative * scale
+    if exact:  # the bits themselves (torch.equal would take -0.0 for 0.0)
+        bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[got.dtype]
+        ok = got.dtype == want.dtype and bool(torch.equal(got.view(bits), want.view(bits)))
+    else:
+        ok = worst <= relative * scale
     return Check(name, exact, worst, int(diff.numel()), ok, note)
 
 

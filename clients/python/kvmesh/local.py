@@ -105,12 +105,15 @@ class _CudaDriver:
         self._check(self.lib.cuMemImportFromShareableHandle(
             ct.byref(handle), ct.c_void_p(fd), ct.c_int(1)), "cuMemImportFromShareableHandle")
         pointer = ct.c_ulonglong(0)
+        reserved = mapped = False
         try:
             self._check(self.lib.cuMemAddressReserve(
                 ct.byref(pointer), ct.c_size_t(size), ct.c_size_t(0), ct.c_ulonglong(0),
                 ct.c_ulonglong(0)), "cuMemAddressReserve")
+            reserved = True
             self._check(self.lib.cuMemMap(pointer, ct.c_size_t(size), ct.c_size_t(0), handle,
                                           ct.c_ulonglong(0)), "cuMemMap")
+            mapped = True
 
             class Location(ct.Structure):
                 _fields_ = [("type", ct.c_int), ("id", ct.c_int)]
@@ -122,6 +125,13 @@ class _CudaDriver:
             access = AccessDesc(Location(1, device), 3)
             self._check(self.lib.cuMemSetAccess(pointer, ct.c_size_t(size), ct.byref(access),
                                                 ct.c_size_t(1)), "cuMemSetAccess")
+        except Exception:
+            # Nothing of a failed import stays mapped (a mapping keeps the node's memory).
+            if mapped:
+                self.lib.cuMemUnmap(pointer, ct.c_size_t(size))
+            if reserved:
+                self.lib.cuMemAddressFree(pointer, ct.c_size_t(size))
+            raise
         finally:
             self.lib.cuMemRelease(handle)  # the mapping keeps the memory
         return pointer.value
@@ -298,7 +308,7 @@ class Session:
         request = _pb.LocalRequest()
         request.attach.cache = cache
         response, fds = self._call(request)
-        groups = []
+        groups: List[MappedGroup] = []
         try:
             if len(fds) != len(response.attach.groups):
                 raise RuntimeError(f"the node sent {len(fds)} descriptors for "
@@ -316,6 +326,9 @@ class Session:
                                    mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                    mmap.PROT_READ | mmap.PROT_WRITE)
                 groups.append(MappedGroup(mapped, memory.cells, planes, bytes=memory.bytes))
+        except BaseException:
+            MappedCache(response.attach.spec, groups).close()  # what was mapped before
+            raise
         finally:
             for fd in fds:
                 socket.close(fd)  # the mappings keep the memory
