@@ -17,6 +17,10 @@
 #include "gtest/gtest.h"
 #include "tests/testing/test_device.h"
 
+#if defined(KVMESH_TEST_CUDASIM)
+#include "tests/testing/cudasim/cuda_sim.h"
+#endif
+
 namespace kvmesh {
 namespace {
 
@@ -171,6 +175,37 @@ TEST(CudaSharedMemoryTest, OnlyShareableArenasAreShared) {
     EXPECT_EQ(device->Share(*chunk).status().code(), absl::StatusCode::kFailedPrecondition);
   }
 }
+
+#if defined(KVMESH_TEST_CUDASIM)
+// A driver call that fails half-way leaves nothing behind: the error names the call, the budget
+// is back where it was, and the next allocation works.
+TEST(CudaSharedMemoryTest, AFailedAllocationLeavesNothingBehind) {
+  std::unique_ptr<Device> device = SharedDevice();
+  ASSERT_NE(device, nullptr);
+  struct Case {
+    const char* call;
+    absl::StatusCode code;
+  };
+  for (const Case& c : {Case{"cuMemCreate", absl::StatusCode::kResourceExhausted},
+                        Case{"cuMemMap", absl::StatusCode::kInternal},
+                        Case{"cuMemExportToShareableHandle", absl::StatusCode::kInternal}}) {
+    // CUDA numbers its runtime and driver errors alike: 2 is CUDA_ERROR_OUT_OF_MEMORY.
+    cudasim::InjectFailure(c.call, 1,
+                           c.code == absl::StatusCode::kResourceExhausted
+                               ? cudaErrorMemoryAllocation
+                               : cudaErrorInvalidValue);
+    absl::StatusOr<DeviceArena> arena =
+        device->Allocate(kMiB, MemoryPool::kCache, nullptr, /*shareable=*/true);
+    EXPECT_EQ(arena.status().code(), c.code) << c.call << ": " << arena.status();
+    EXPECT_NE(arena.status().message().find(c.call), absl::string_view::npos) << arena.status();
+    EXPECT_EQ(device->used_bytes(), 0u) << c.call;
+    cudasim::ResetFailures();
+    absl::StatusOr<DeviceArena> next =
+        device->Allocate(kMiB, MemoryPool::kCache, nullptr, /*shareable=*/true);
+    EXPECT_TRUE(next.ok()) << c.call << ": " << next.status();
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace kvmesh
