@@ -291,10 +291,11 @@ class AttentionGroup::AppendReservation final : public LayerGroup::Reservation {
   }
   bool InHostMemory() const override { return group_->CellsInHostMemory(); }
   absl::Span<const int32_t> cells() const override { return taken_.cells; }
-  void Commit(const AppendBatch& batch) override {
+  absl::Status Commit(const AppendBatch& batch) override {
     // The pruning this batch allows now; what TakeCells pruned early stays done.
     group_->ApplyPrune(group_->PlanAppend(batch.lowest, batch.pending_first));
     group_->IndexTakenCells(batch, &taken_);
+    return absl::OkStatus();
   }
   void Abandon() override { group_->ReturnTakenCells(&taken_); }
 

@@ -106,7 +106,11 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, Devi
   cache->reserved_append_ = true;
   cache->lends_cells_ = true;
   cache->pieces_in_place_ = true;
+  cache->in_place_append_ = true;
+  cache->pins_in_place_ = true;
   for (const auto& group : cache->groups_) {
+    cache->in_place_append_ &= group->SupportsInPlaceAppend();
+    cache->pins_in_place_ &= group->PinsInPlace();
     cache->reserved_append_ &= group->SupportsReservedAppend();
     cache->lends_cells_ &= group->LendsCells();
     cache->pieces_in_place_ &= group->SupportsReservedAppend() && group->CellsInHostMemory();

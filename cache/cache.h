@@ -221,9 +221,15 @@ class Cache {
   // writes the payload into them as it arrives (without the cache's lock), so that Commit only
   // indexes them; they count as used meanwhile, and other operations, on the batch's sequences
   // too, go on. Otherwise the writer keeps the payload in a host buffer and Commit appends it.
+  // With `in_place` (a local worker's Append plan, whose rows another process writes), the
+  // writer takes its rows now or fails: FAILED_PRECONDITION where a group cannot reserve them
+  // (a speculative batch in a Rotating or Recurrent group; room only by pruning a sliding
+  // window or by evicting), RESOURCE_EXHAUSTED where a Rotating or Recurrent group has too few
+  // free rings or state slots to stage them; Rotating and Recurrent groups then stage the rows
+  // in free units that their sequences take, or copy from, at commit.
   static absl::StatusOr<std::unique_ptr<AppendWriter>> BeginAppend(
       const std::shared_ptr<Cache>& cache, absl::Span<const Token> tokens, size_t payload_bytes,
-      bool speculative = false);
+      bool speculative = false, bool in_place = false);
 
   // Keeps the first `accepted` pending tokens of `seq` and discards the others in every group
   // (the seed's Speculation.Commit). FAILED_PRECONDITION when `seq` has no pending tokens;
@@ -540,11 +546,14 @@ class Cache {
   // group counting one at least (what its answer costs even when it sees nothing).
   static constexpr int64_t kMaxPinVisibleRanges = int64_t{1} << 18;
   // Pins the cells of seq's positions in [begin, end) (end absent: all), with Read's checks and
-  // errors. FAILED_PRECONDITION for a cache with a group that keeps no cells of positions
-  // (Rotating, Recurrent: not lends_cells()). Counts as a use of seq. With `queries` (positions
-  // of queries of seq), also what each attends to, seen at the same moment as the cells (the
-  // seed's StartForward mask): INVALID_ARGUMENT for a negative one, RESOURCE_EXHAUSTED when
-  // the answer could exceed kMaxPinVisibleRanges ranges (checked before anything is built).
+  // errors. A Rotating group pins the sequence's ring (cells: the ring rows of its window's
+  // positions), a Recurrent group its state slot (one cell, at position offset - 1, when the
+  // range reaches the offset); FAILED_PRECONDITION where pending speculative rows of such a
+  // group lie in the range (they are outside the group's memory). Counts as a use of seq. With
+  // `queries` (positions of queries of seq), also what each attends to, seen at the same moment as
+  // the cells (the seed's StartForward mask): INVALID_ARGUMENT for a negative one,
+  // RESOURCE_EXHAUSTED when the answer could exceed kMaxPinVisibleRanges ranges (checked before
+  // anything is built).
   static absl::StatusOr<PinnedCells> PinCells(const std::shared_ptr<Cache>& cache, int64_t seq,
                                               int32_t begin, std::optional<int32_t> end,
                                               absl::Span<const int32_t> queries = {});
@@ -698,6 +707,10 @@ class Cache {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Read's checks of its arguments.
   absl::Status CheckReadArgs(int64_t seq, int32_t begin, std::optional<int32_t> end) const;
+  // After an Append's reservations committed with `committed`: records the batch; an error
+  // (a device error in a commit's copy, after the sequences changed) fails the cache.
+  absl::Status FinishReservedAppendLocked(const AppendBatch& batch, absl::Status committed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CacheSpec spec_;
   const bool contiguous_;     // has a Rotating or Recurrent group
@@ -708,6 +721,10 @@ class Cache {
   bool reserved_append_ = false;
   // Every group lends cells to transfers (OpenSequenceExport, BeginSequenceImport).
   bool lends_cells_ = false;
+  // Every group can reserve a plain batch's rows for a writer in another process
+  // (LayerGroup::SupportsInPlaceAppend), and pin a sequence's rows in place (PinsInPlace).
+  bool in_place_append_ = false;
+  bool pins_in_place_ = false;
   // reserved_append_, and every group's cells lie in host memory (AppendPieces).
   bool pieces_in_place_ = false;
 

@@ -154,6 +154,18 @@ std::vector<std::vector<size_t>> RowBytes(const std::vector<std::unique_ptr<Laye
   return rows;
 }
 
+// Commits every reservation (a failed one does not stop the others); the first error.
+absl::Status CommitReservations(
+    const AppendBatch& batch,
+    const std::vector<std::unique_ptr<LayerGroup::Reservation>>& reservations) {
+  absl::Status status;
+  for (const auto& reservation : reservations) {
+    const absl::Status committed = reservation->Commit(batch);
+    if (status.ok()) status = committed;
+  }
+  return status;
+}
+
 }  // namespace
 
 absl::Status Cache::Append(absl::Span<const Token> tokens, absl::Span<const uint8_t> payload,
@@ -232,12 +244,15 @@ absl::Status Cache::AppendPieces(absl::Span<const Token> tokens,
   }
   // Other sequences' speculation may have begun or ended meanwhile; this batch's cannot.
   RefreshPendingFirstLocked(batch);
-  for (const auto& reservation : reservations) reservation->Commit(batch);
+  return FinishReservedAppendLocked(batch, CommitReservations(batch, reservations));
+}
+
+absl::Status Cache::FinishReservedAppendLocked(const AppendBatch& batch, absl::Status status) {
   if (batch.speculative) {
     for (const Token& t : batch.tokens) pending_[t.seq].push_back(t.pos);
   }
   RecordTokensLocked(batch);
-  return absl::OkStatus();
+  return FailLocked(status);
 }
 
 std::vector<const uint8_t*> Cache::Sections(absl::Span<const uint8_t> payload,
@@ -281,7 +296,8 @@ struct AppendWriter::State {
   bool used = false;   // committed, or failed
   // In cells: one reservation per group, and what writes into them.
   std::vector<std::unique_ptr<LayerGroup::Reservation>> reservations;
-  std::unique_ptr<RowScatter> scatter;
+  std::unique_ptr<RowScatter> scatter;  // where Write() may stream into them
+  bool in_cells = false;
   // Otherwise: the payload, allocated by the first Write.
   std::string buffer;
   bool host_memory = true;  // every reservation's cells are in host memory
@@ -294,7 +310,7 @@ struct AppendWriter::State {
 
 absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
     const std::shared_ptr<Cache>& cache, absl::Span<const Token> tokens, size_t payload_bytes,
-    bool speculative) {
+    bool speculative, bool in_place) {
   auto state = std::make_unique<AppendWriter::State>();
   state->cache = cache;
   state->tokens.assign(tokens.begin(), tokens.end());
@@ -302,6 +318,10 @@ absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
   RETURN_IF_ERROR(cache->CheckAppendBatch(state->tokens, payload_bytes, speculative, &state->batch,
                                           &state->count));
   AppendBatch& batch = state->batch;
+  if (in_place && !cache->in_place_append_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cache '", cache->spec_.name, "' has a group whose rows cannot be written in place"));
+  }
   {
     MutexLock lock(&cache->mu_);
     cache->AwaitNotAppendingLocked(batch.seqs);
@@ -311,19 +331,34 @@ absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
     ASSIGN_OR_RETURN(const Admission admission,
                      cache->AdmitAppendLocked(batch, state->count, /*may_evict=*/false));
     if (admission == Admission::kWouldEvict) {
+      if (in_place) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("cache '", cache->spec_.name,
+                         "' has room for the batch only by evicting other sequences, which a "
+                         "plan does not do: Append it through gRPC"));
+      }
       return std::unique_ptr<AppendWriter>(new AppendWriter(std::move(state)));
     }
-    bool in_cells = cache->reserved_append_;
+    bool in_cells = in_place || cache->reserved_append_;
     for (const auto& group : cache->groups_) {
-      in_cells = in_cells && group->CanReserveWithoutPruning(batch);
+      if (!in_place) {
+        in_cells = in_cells && group->CanReserveWithoutPruning(batch);
+      } else if (absl::Status status = group->CheckReserve(batch); !status.ok()) {
+        for (const auto& g : cache->groups_) g->AbandonAppend();
+        return status;
+      }
     }
     if (in_cells) {
       for (const auto& group : cache->groups_) {
         state->reservations.push_back(group->ReserveAppend(batch));
         state->host_memory = state->host_memory && state->reservations.back()->InHostMemory();
       }
-      state->scatter = std::make_unique<RowScatter>(&state->reservations, RowBytes(cache->groups_),
-                                                    batch.tokens.size());
+      state->in_cells = true;
+      // Write() streams into the cells where each group's section has a row per token.
+      if (cache->reserved_append_) {
+        state->scatter = std::make_unique<RowScatter>(
+            &state->reservations, RowBytes(cache->groups_), batch.tokens.size());
+      }
     } else {
       for (const auto& group : cache->groups_) group->AbandonAppend();
     }
@@ -345,13 +380,9 @@ absl::Status Cache::CommitReservedAppend(AppendWriter::State& state) {
     return status;
   }
   RefreshPendingFirstLocked(batch);
-  for (const auto& reservation : state.reservations) reservation->Commit(batch);
+  const absl::Status committed = CommitReservations(batch, state.reservations);
   state.reservations.clear();
-  if (batch.speculative) {
-    for (const Token& t : batch.tokens) pending_[t.seq].push_back(t.pos);
-  }
-  RecordTokensLocked(batch);
-  return absl::OkStatus();
+  return FinishReservedAppendLocked(batch, committed);
 }
 
 void Cache::AbandonReservedAppend(AppendWriter::State& state) {
@@ -367,10 +398,11 @@ AppendWriter::~AppendWriter() { Abandon(); }
 
 size_t AppendWriter::size() const { return state_->size; }
 size_t AppendWriter::written() const { return state_->written; }
-bool AppendWriter::in_cells() const { return state_->scatter != nullptr; }
+bool AppendWriter::in_cells() const { return state_->in_cells; }
 bool AppendWriter::in_host_memory() const { return state_->host_memory; }
 size_t AppendWriter::host_bytes() const {
-  return in_cells() ? state_->scatter->staging_capacity() : state_->size;
+  if (!in_cells()) return state_->size;
+  return state_->scatter != nullptr ? state_->scatter->staging_capacity() : 0;
 }
 
 void AppendWriter::Abandon() {
@@ -392,6 +424,13 @@ absl::Status AppendWriter::Write(absl::Span<const uint8_t> bytes) {
     return s.error;
   }
   s.written += bytes.size();
+  if (in_cells() && s.scatter == nullptr) {
+    s.error = absl::FailedPreconditionError(
+        "this Append's rows are written in place (a local plan), not through Write");
+    s.used = true;
+    Abandon();
+    return s.error;
+  }
   if (!in_cells()) {
     // Allocated whole once, so that it never reallocates (which would hold two copies).
     if (s.buffer.capacity() < s.size) s.buffer.reserve(s.size);
@@ -431,7 +470,7 @@ absl::Status AppendWriter::CommitInPlace() {
   }
   s.written = s.size;
   s.used = true;
-  s.scatter->FreeStaging();
+  if (s.scatter != nullptr) s.scatter->FreeStaging();
   return s.cache->CommitReservedAppend(s);
 }
 
@@ -549,6 +588,9 @@ absl::Status Cache::CommitSpeculation(int64_t seq, int32_t accepted) {
     return absl::InvalidArgumentError(absl::StrCat("accepted = ", accepted, " is more than the ",
                                                    pending.size(), " pending tokens of sequence ",
                                                    seq));
+  }
+  for (const auto& group : groups_) {
+    RETURN_IF_ERROR(group->CheckCommitSpeculation(seq, accepted));
   }
   absl::Status status;
   for (const auto& group : groups_) {

@@ -244,11 +244,9 @@ absl::StatusOr<Cache::PinnedCells> Cache::PinCells(const std::shared_ptr<Cache>&
                                                    int32_t begin, std::optional<int32_t> end,
                                                    absl::Span<const int32_t> queries) {
   Cache& c = *cache;
-  if (!c.lends_cells_) {
+  if (!c.pins_in_place_) {
     return absl::FailedPreconditionError(
-        absl::StrCat("cache '", c.spec_.name,
-                     "' has a group that keeps no cells of positions (Rotating or Recurrent): "
-                     "its cells cannot be read in place"));
+        absl::StrCat("cache '", c.spec_.name, "' has a group that cannot pin rows in place"));
   }
   RETURN_IF_ERROR(c.CheckReadArgs(seq, begin, end));
   for (size_t i = 0; i < queries.size(); ++i) {
@@ -266,6 +264,7 @@ absl::StatusOr<Cache::PinnedCells> Cache::PinCells(const std::shared_ptr<Cache>&
     if (!c.IsLiveLocked(seq)) {
       return absl::NotFoundError(absl::StrCat("cache '", c.spec_.name, "' has no sequence ", seq));
     }
+    for (const auto& group : c.groups_) RETURN_IF_ERROR(group->CheckPin(seq, begin, stop));
     if (!queries.empty()) {
       // Counted until it passes the limit (so it cannot overflow), each query at least once.
       int64_t bound = 0;

@@ -23,6 +23,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "cache/device/device.h"
 #include "cache/spec.h"
@@ -181,10 +182,25 @@ class LayerGroup {
     // token of the batch overwrites, never written); empty for a group whose rows are not cells
     // of the group's planes.
     virtual absl::Span<const int32_t> cells() const { return {}; }
-    virtual void Commit(const AppendBatch& batch) = 0;
+    // An error is a device error after the sequences changed (a copy from staging rows): the
+    // caller fails the cache.
+    virtual absl::Status Commit(const AppendBatch& batch) = 0;
     virtual void Abandon() = 0;
   };
   virtual bool SupportsReservedAppend() const { return false; }
+  // Whether ReserveAppend works for a plain (non-speculative) batch, perhaps through staging
+  // units that its Commit copies from (Rotating: a free ring; Recurrent: a free state slot): what
+  // a local worker's Append plan needs (Cache::BeginAppend with in_place). Where only this holds,
+  // an Append through gRPC still writes under the lock (no extra copy, no spare units).
+  virtual bool SupportsInPlaceAppend() const { return SupportsReservedAppend(); }
+  // Where SupportsInPlaceAppend(), after PrepareAppend: whether ReserveAppend can take the
+  // batch's rows now, without pruning anything; otherwise FAILED_PRECONDITION or
+  // RESOURCE_EXHAUSTED saying why.
+  virtual absl::Status CheckReserve(const AppendBatch& batch) const {
+    if (CanReserveWithoutPruning(batch)) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", index(), " has room for the batch only by pruning its window"));
+  }
   // Where SupportsReservedAppend(): whether the cells lie in host memory (a write into them is
   // a memcpy, not a device copy).
   virtual bool CellsInHostMemory() const { return false; }
@@ -197,6 +213,10 @@ class LayerGroup {
   // room: for a reservation about to commit after the cache changed (its cells are taken).
   virtual absl::Status RecheckAppend(const AppendBatch& batch) const { return absl::OkStatus(); }
 
+  // Whether CommitSpeculation would find the units it takes (a ring, a state slot) free.
+  virtual absl::Status CheckCommitSpeculation(int64_t seq, int32_t accepted) const {
+    return absl::OkStatus();
+  }
   // Keeps the first `accepted` of `pending` (the sequence's pending positions, ascending).
   virtual absl::Status CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
                                          int32_t accepted) = 0;
@@ -280,6 +300,17 @@ class LayerGroup {
   virtual void Unpin(absl::Span<const int32_t> cells) {}
   // Whether a transfer or a read pins some of `seq`'s cells now.
   virtual bool HasPinnedCells(int64_t seq) const { return false; }
+  // Whether PinSequence and Unpin work (a local worker's pin, Cache::PinCells), though the
+  // group may lend no cells to transfers: Rotating pins a sequence's ring, Recurrent its state
+  // slot (the pinned unit's number is then the one entry of `pinned`), and a write to a pinned
+  // unit goes to a copy.
+  virtual bool PinsInPlace() const { return LendsCells(); }
+  // Whether PinSequence(seq, from, to) can pin everything of `seq` in [from, to) in place:
+  // FAILED_PRECONDITION where some of it lies elsewhere (pending speculative rows of a Rotating
+  // or Recurrent group, in the cache pool's chunks).
+  virtual absl::Status CheckPin(int64_t seq, int64_t from, int64_t to) const {
+    return absl::OkStatus();
+  }
 
   // ---- Eviction (Cache's EvictionPolicy::kLru) ------------------------------------------
   // What removing a set of whole sequences would free: TallyEviction adds `seq` to the set

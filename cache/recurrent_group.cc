@@ -13,7 +13,8 @@ namespace kvmesh {
 RecurrentGroup::RecurrentGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device)
     : StagingGroup(index, std::move(arena), device),
       geo_(ComputeRecurrentGeometry(spec, index)),
-      refs_(static_cast<size_t>(geo_.slots), 0) {
+      refs_(static_cast<size_t>(geo_.slots), 0),
+      pins_(static_cast<size_t>(geo_.slots), 0) {
   // Arena layout: for each layer, [slots][conv + delta].
   const size_t layer_bytes = geo_.conv_bytes + geo_.delta_bytes;
   for (int32_t l = 0; l < spec.groups[index].num_layers; ++l) {
@@ -55,7 +56,7 @@ int32_t RecurrentGroup::TakeSlot() {
 }
 
 void RecurrentGroup::ReleaseSlot(int32_t slot) {
-  if (slot >= 0 && --refs_[slot] == 0) free_.push_back(slot);
+  if (slot >= 0 && --refs_[slot] == 0 && pins_[slot] == 0) free_.push_back(slot);
 }
 
 void RecurrentGroup::Drop(int64_t seq) {
@@ -66,7 +67,7 @@ void RecurrentGroup::Drop(int64_t seq) {
 }
 
 int32_t RecurrentGroup::MakeWritable(Sequence* s) {
-  if (s->slot >= 0 && refs_[s->slot] == 1) return s->slot;
+  if (s->slot >= 0 && Holders(s->slot) == 1) return s->slot;
   ReleaseSlot(s->slot);
   s->slot = TakeSlot();
   return s->slot;
@@ -107,7 +108,7 @@ void RecurrentGroup::PlanWrites(const AppendBatch& batch) {
       writes_.push_back(Write{seq, -1, -1});
       continue;
     }
-    auto [it, inserted] = remaining.emplace(old, refs_[old]);
+    auto [it, inserted] = remaining.emplace(old, Holders(old));
     if (it->second == 1) {
       writes_.push_back(Write{seq, old, -1});
     } else {
@@ -160,6 +161,87 @@ void RecurrentGroup::AbandonAppend() {
   }
   writes_.clear();
   spec_chunk_.reset();
+}
+
+// A plan writes each batch sequence's state into a fresh slot (in batch.seqs order), which the
+// sequence takes at Commit.
+class RecurrentGroup::StagedReservation final : public LayerGroup::Reservation {
+ public:
+  StagedReservation(RecurrentGroup* group, const AppendBatch& batch) : group_(group) {
+    for (size_t k = 0; k < batch.seqs.size(); ++k) slots_.push_back(group->TakeSlot());
+  }
+  ~StagedReservation() override { Abandon(); }
+
+  absl::Status Write(const uint8_t* section) const override {
+    return group_->device_->Scatter(group_->arena_, group_->planes_, slots_, section);
+  }
+  absl::Status WriteRows(size_t plane, size_t first_row, size_t num_rows,
+                         const uint8_t* src) const override {
+    return group_->device_->Scatter(group_->arena_, absl::MakeConstSpan(&group_->planes_[plane], 1),
+                                    absl::MakeConstSpan(slots_).subspan(first_row, num_rows), src);
+  }
+  bool InHostMemory() const override {
+    return group_->device_->HostAddress(group_->arena_) != nullptr;
+  }
+  absl::Span<const int32_t> cells() const override { return slots_; }
+
+  absl::Status Commit(const AppendBatch& batch) override {
+    absl::flat_hash_map<int64_t, int32_t> last;
+    for (const Token& t : batch.tokens) last[t.seq] = t.pos;
+    for (size_t k = 0; k < batch.seqs.size(); ++k) {
+      Sequence& s = group_->seqs_[batch.seqs[k]];
+      group_->ReleaseSlot(s.slot);
+      s.slot = slots_[k];
+      s.offset = last[batch.seqs[k]] + 1;
+      s.valid = true;
+    }
+    slots_.clear();
+    return absl::OkStatus();
+  }
+  void Abandon() override {
+    for (const int32_t slot : slots_) group_->ReleaseSlot(slot);
+    slots_.clear();
+  }
+
+ private:
+  RecurrentGroup* const group_;
+  std::vector<int32_t> slots_;
+};
+
+absl::Status RecurrentGroup::CheckReserve(const AppendBatch& batch) const {
+  if (batch.speculative) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", index(),
+        " is Recurrent: a speculative token's state stays outside the state "
+        "slots until committed, in memory that is not shared; append drafts through gRPC"));
+  }
+  const int64_t free = static_cast<int64_t>(free_.size()) - held_back();
+  const int64_t needed = static_cast<int64_t>(batch.seqs.size());
+  if (needed > free) {
+    return ResourceExhaustedWith(
+        absl::StrCat("group ", index(),
+                     " is Recurrent: an Append plan writes each sequence's new "
+                     "state into a free state slot; the batch has ",
+                     needed, " sequences and ", std::max<int64_t>(0, free), " of ", geo_.slots,
+                     " slots are free (the others hold states, pinned states or other plans' "
+                     "states)"),
+        {Resource::kStateSlots, index(), needed, std::max<int64_t>(0, free), geo_.slots});
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<LayerGroup::Reservation> RecurrentGroup::ReserveAppend(const AppendBatch& batch) {
+  return std::make_unique<StagedReservation>(this, batch);
+}
+
+absl::Status RecurrentGroup::CheckCommitSpeculation(int64_t seq, int32_t accepted) const {
+  const Sequence* s = Find(seq);
+  if (accepted == 0 || s == nullptr || !NeedsSlot(s) || !free_.empty()) return absl::OkStatus();
+  return ResourceExhaustedWith(
+      absl::StrCat("group ", index(), ": no free state slot for sequence ", seq,
+                   " to commit its accepted tokens (slots that local workers pin or stage into "
+                   "are not free)"),
+      {Resource::kStateSlots, index(), 1, 0, geo_.slots});
 }
 
 absl::Status RecurrentGroup::CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
@@ -328,6 +410,44 @@ absl::Status RecurrentGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap
   s.valid = true;
   const Segment& segment = snap->segments.front();
   return CopyFromChunk(*segment.chunk, {&segment.first_row, 1}, {&slot, 1});
+}
+
+// ---- Pins ---------------------------------------------------------------------------------
+
+absl::Status RecurrentGroup::CheckPin(int64_t seq, int64_t from, int64_t to) const {
+  const Sequence* s = Find(seq);
+  if (s == nullptr || s->pending.empty() || to <= s->offset) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "group ", index(), " is Recurrent and sequence ", seq,
+      "'s state after its speculative "
+      "positions is pending outside the state slots: commit the speculation, or pin below ",
+      s->offset));
+}
+
+GroupSnapshot RecurrentGroup::PinSequence(int64_t seq, int64_t from, int64_t to,
+                                          std::vector<int32_t>* pinned) {
+  GroupSnapshot snap;
+  snap.row_bytes = geo_.state_bytes;
+  const Sequence* s = Find(seq);
+  // The state summarizes every position below the offset: a pin reaching the offset holds it.
+  if (s == nullptr || !s->valid || s->slot < 0 || to < s->offset || from >= s->offset) {
+    return snap;
+  }
+  Segment segment;
+  segment.positions.push_back(s->offset - 1);
+  segment.chunk_rows.push_back(s->slot);
+  segment.rows = 1;
+  ++pins_[s->slot];
+  pinned->push_back(s->slot);
+  snap.segments.push_back(std::move(segment));
+  snap.has_state = true;
+  return snap;
+}
+
+void RecurrentGroup::Unpin(absl::Span<const int32_t> slots) {
+  for (const int32_t slot : slots) {
+    if (--pins_[slot] == 0 && refs_[slot] == 0) free_.push_back(slot);
+  }
 }
 
 }  // namespace kvmesh

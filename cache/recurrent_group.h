@@ -5,11 +5,16 @@
 // to either sequence goes to a private slot. A state cannot be rewound: a removal below the
 // offset marks it INVALID (and frees the slot) rather than zeroing it.
 //
+// A local worker's pin holds a slot as a sharer does, so the next write to its sequence goes to
+// a fresh slot; a worker's Append plan writes each sequence's new state into a free slot, which
+// becomes the sequence's at Commit (the old one is released): no copy either way.
+//
 // Thread safety: none. The owning Cache serializes access under its lock.
 #ifndef KVMESH_CACHE_RECURRENT_GROUP_H_
 #define KVMESH_CACHE_RECURRENT_GROUP_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -45,6 +50,10 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
   absl::Status WriteAppend(const AppendBatch& batch, const uint8_t* section) override;
   void CommitAppend(const AppendBatch& batch) override;
   void AbandonAppend() override;
+  bool SupportsInPlaceAppend() const override { return true; }
+  absl::Status CheckReserve(const AppendBatch& batch) const override;
+  std::unique_ptr<Reservation> ReserveAppend(const AppendBatch& batch) override;
+  absl::Status CheckCommitSpeculation(int64_t seq, int32_t accepted) const override;
   absl::Status CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
                                  int32_t accepted) override;
 
@@ -60,7 +69,10 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
 
   void TallyEviction(int64_t seq, EvictionTally* tally) const override {
     const Sequence* s = Find(seq);
-    if (s != nullptr && s->slot >= 0 && ++tally->refs[s->slot] == refs_[s->slot]) ++tally->units;
+    if (s != nullptr && s->slot >= 0 && ++tally->refs[s->slot] == refs_[s->slot] &&
+        pins_[s->slot] == 0) {
+      ++tally->units;
+    }
   }
   absl::Status CheckRemove(int64_t, int32_t, std::optional<int32_t>) const override {
     return absl::OkStatus();
@@ -74,12 +86,25 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
   absl::Status ApplyRestore(int64_t seq, const GroupSnapshot* snap, int32_t from, int32_t to,
                             int32_t target) override;
 
+  bool PinsInPlace() const override { return true; }
+  absl::Status CheckPin(int64_t seq, int64_t from, int64_t to) const override;
+  GroupSnapshot PinSequence(int64_t seq, int64_t from, int64_t to,
+                            std::vector<int32_t>* pinned) override;
+  void Unpin(absl::Span<const int32_t> slots) override;
+  bool HasPinnedCells(int64_t seq) const override {
+    const Sequence* s = Find(seq);
+    return s != nullptr && s->slot >= 0 && pins_[s->slot] > 0;
+  }
+
  private:
   using Sequence = RecurrentSequence;
+  class StagedReservation;
 
-  // Whether writing `s`'s state needs a new slot (none yet, or shared copy-on-write).
+  // Sequences and pins holding a slot.
+  int32_t Holders(int32_t slot) const { return refs_[slot] + pins_[slot]; }
+  // Whether writing `s`'s state needs a new slot (none yet, or shared copy-on-write, or pinned).
   bool NeedsSlot(const Sequence* s) const {
-    return s == nullptr || s->slot < 0 || refs_[s->slot] > 1;
+    return s == nullptr || s->slot < 0 || Holders(s->slot) > 1;
   }
   int32_t TakeSlot();
   void ReleaseSlot(int32_t slot);
@@ -90,7 +115,8 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
 
   const RecurrentGeometry geo_;
 
-  std::vector<int32_t> refs_;  // per slot
+  std::vector<int32_t> refs_;  // per slot: the sequences (or a staging reservation) holding it
+  std::vector<int32_t> pins_;  // per slot: the pins local workers hold on it
   std::vector<int32_t> free_;
 
   // The Append in progress: per batch sequence, the slot written (-1 until WriteAppend takes a

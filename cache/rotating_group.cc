@@ -13,7 +13,9 @@ namespace kvmesh {
 RotatingGroup::RotatingGroup(int index, const CacheSpec& spec, DeviceArena arena, Device* device)
     : StagingGroup(index, std::move(arena), device),
       spec_(spec.groups[index].rotating),
-      geo_(ComputeRotatingGeometry(spec, index)) {
+      geo_(ComputeRotatingGeometry(spec, index)),
+      pins_(static_cast<size_t>(geo_.rings), 0),
+      owned_(static_cast<size_t>(geo_.rings), 0) {
   // Arena layout: for each layer, K [rings * max_size][k_row] then V [...][v_row].
   const size_t rows = size_t(geo_.rings) * size_t(geo_.max_size);
   size_t offset = 0;
@@ -52,14 +54,47 @@ GroupUsage RotatingGroup::Usage() const {
 int32_t RotatingGroup::TakeRing() {
   const int32_t ring = free_rings_.back();
   free_rings_.pop_back();
+  owned_[ring] = 1;
   return ring;
+}
+
+void RotatingGroup::ReleaseRing(int32_t ring) {
+  if (ring < 0) return;
+  owned_[ring] = 0;
+  if (pins_[ring] == 0) free_rings_.push_back(ring);
 }
 
 void RotatingGroup::Drop(int64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
-  if (it->second.ring >= 0) free_rings_.push_back(it->second.ring);
+  ReleaseRing(it->second.ring);
   seqs_.erase(it);
+}
+
+absl::Status RotatingGroup::CopyWindow(int32_t from, int32_t to, int32_t begin, int32_t end) {
+  std::vector<int32_t> src, dst;
+  for (int32_t p = begin; p < end; ++p) {
+    src.push_back(from * geo_.max_size + p % geo_.max_size);
+    dst.push_back(to * geo_.max_size + p % geo_.max_size);
+  }
+  if (src.empty()) return absl::OkStatus();
+  return device_->CopyRows(arena_, planes_, src, dst);
+}
+
+absl::Status RotatingGroup::MoveOffPinnedRing(Sequence* s, int32_t* old) {
+  *old = -1;
+  if (s->ring < 0 || pins_[s->ring] == 0) return absl::OkStatus();
+  const int32_t ring = TakeRing();
+  *old = s->ring;
+  s->ring = ring;
+  return CopyWindow(*old, ring, WindowStart(*s), s->offset);
+}
+
+absl::Status RotatingGroup::NoFreeRing(int64_t seq, absl::string_view why) const {
+  return ResourceExhaustedWith(
+      absl::StrCat("group ", index(), ": no free ring for sequence ", seq, " (", why,
+                   "; rings that local workers pin or stage into are not free)"),
+      {Resource::kRings, index(), 1, 0, geo_.rings});
 }
 
 std::vector<int32_t> RotatingGroup::Positions(const Sequence& s, int64_t begin, int64_t end) const {
@@ -79,12 +114,14 @@ std::vector<int32_t> RotatingGroup::Positions(const Sequence& s, int64_t begin, 
 absl::Status RotatingGroup::PrepareAppend(const AppendBatch& batch) {
   if (batch.speculative) return PrepareStagedAppend(batch);
   size_t needed = 0;
+  in_place_ = false;
   for (int64_t seq : batch.seqs) {
     const Sequence* s = Find(seq);
-    needed += s == nullptr || s->ring < 0;
+    // A sequence without a ring takes one; one whose ring is pinned moves to a fresh one.
+    needed += NeedsRing(s);
+    // Writing into a ring that holds a window overwrites stored rows; a fresh ring holds none.
+    in_place_ = in_place_ || !NeedsRing(s);
   }
-  // Writing into a ring that holds a window overwrites stored rows; a fresh ring holds none.
-  in_place_ = needed < batch.seqs.size();
   // held_back_: 0, or less while the cache weighs an eviction (Cache's LRU policy).
   const int64_t free = static_cast<int64_t>(free_rings_.size()) - held_back_;
   if (static_cast<int64_t>(needed) > free) {
@@ -108,6 +145,11 @@ absl::Status RotatingGroup::WriteAppend(const AppendBatch& batch, const uint8_t*
     if (s.ring < 0) {
       s.ring = TakeRing();
       new_rings_.push_back(seq);
+    } else if (pins_[s.ring] > 0) {
+      int32_t old = -1;
+      const absl::Status moved = MoveOffPinnedRing(&s, &old);
+      moved_.emplace_back(seq, old);
+      RETURN_IF_ERROR(moved);
     }
   }
   // Only the last max_size tokens of each sequence reach the ring; earlier ones would be
@@ -128,13 +170,129 @@ void RotatingGroup::CommitAppend(const AppendBatch& batch) {
   } else {
     for (const Token& t : batch.tokens) seqs_[t.seq].offset = t.pos + 1;
   }
+  for (const auto& [seq, old] : moved_) ReleaseRing(old);
   new_rings_.clear();
+  moved_.clear();
 }
 
 void RotatingGroup::AbandonAppend() {
+  for (const auto& [seq, old] : moved_) {
+    Sequence& s = seqs_.at(seq);
+    ReleaseRing(s.ring);
+    s.ring = old;
+  }
   for (int64_t seq : new_rings_) Drop(seq);
   new_rings_.clear();
+  moved_.clear();
   spec_chunk_.reset();
+}
+
+// A plan's rows go to a staging ring per sequence: row pos mod max_size of it, as in the
+// sequence's own ring, so that Commit moves rows between the two without reordering.
+class RotatingGroup::StagedReservation final : public LayerGroup::Reservation {
+ public:
+  StagedReservation(RotatingGroup* group, const AppendBatch& batch) : group_(group) {
+    const int32_t max_size = group->geo_.max_size;
+    absl::flat_hash_map<int64_t, int32_t> ring, last;
+    for (const Token& t : batch.tokens) last[t.seq] = t.pos;
+    for (int64_t seq : batch.seqs) {
+      rings_.push_back(group->TakeRing());
+      ring[seq] = rings_.back();
+    }
+    // As WriteAppend: a row that a later token of the batch overwrites is skipped (-1).
+    for (const Token& t : batch.tokens) {
+      cells_.push_back(t.pos > last[t.seq] - max_size ? ring[t.seq] * max_size + t.pos % max_size
+                                                      : -1);
+    }
+  }
+  ~StagedReservation() override { Abandon(); }
+
+  absl::Status Write(const uint8_t* section) const override {
+    return group_->device_->Scatter(group_->arena_, group_->planes_, cells_, section);
+  }
+  absl::Status WriteRows(size_t plane, size_t first_row, size_t num_rows,
+                         const uint8_t* src) const override {
+    return group_->device_->Scatter(group_->arena_, absl::MakeConstSpan(&group_->planes_[plane], 1),
+                                    absl::MakeConstSpan(cells_).subspan(first_row, num_rows), src);
+  }
+  bool InHostMemory() const override {
+    return group_->device_->HostAddress(group_->arena_) != nullptr;
+  }
+  absl::Span<const int32_t> cells() const override { return cells_; }
+
+  absl::Status Commit(const AppendBatch& batch) override {
+    RotatingGroup& g = *group_;
+    absl::flat_hash_map<int64_t, int32_t> last;
+    for (const Token& t : batch.tokens) last[t.seq] = t.pos;
+    absl::Status status;
+    for (size_t k = 0; k < batch.seqs.size(); ++k) {
+      const int64_t seq = batch.seqs[k];
+      const int32_t staged = rings_[k];
+      Sequence& s = g.seqs_[seq];
+      const int32_t end = last[seq] + 1;
+      if (s.ring < 0) {
+        s.ring = staged;
+      } else {
+        // The window rows that survive the batch, and the batch's rows that reach the window.
+        const int32_t keep_begin = std::max(g.WindowStart(s), end - g.geo_.max_size);
+        const int32_t kept = std::max(0, s.offset - keep_begin);
+        const int32_t new_begin = std::max(batch.lowest.at(seq), end - g.geo_.max_size);
+        absl::Status copied;
+        if (g.pins_[s.ring] > 0 || kept <= end - new_begin) {
+          copied = g.CopyWindow(s.ring, staged, keep_begin, s.offset);
+          g.ReleaseRing(s.ring);
+          s.ring = staged;
+        } else {
+          copied = g.CopyWindow(staged, s.ring, new_begin, end);
+          g.ReleaseRing(staged);
+        }
+        if (status.ok()) status = copied;
+      }
+      s.offset = end;
+    }
+    rings_.clear();
+    return status;
+  }
+  void Abandon() override {
+    for (const int32_t ring : rings_) group_->ReleaseRing(ring);
+    rings_.clear();
+  }
+
+ private:
+  RotatingGroup* const group_;
+  std::vector<int32_t> rings_;  // per batch sequence, in batch.seqs order
+  std::vector<int32_t> cells_;  // per token
+};
+
+absl::Status RotatingGroup::CheckReserve(const AppendBatch& batch) const {
+  if (batch.speculative) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", index(),
+                     " is Rotating: a speculative token's rows stay outside the ring until "
+                     "committed, in memory that is not shared; append drafts through gRPC"));
+  }
+  const int64_t free = static_cast<int64_t>(free_rings_.size()) - held_back();
+  const int64_t needed = static_cast<int64_t>(batch.seqs.size());
+  if (needed > free) {
+    return ResourceExhaustedWith(
+        absl::StrCat("group ", index(),
+                     " is Rotating: an Append plan stages its rows in one "
+                     "free ring per sequence; the batch has ",
+                     needed, " sequences and ", std::max<int64_t>(0, free), " of ", geo_.rings,
+                     " rings are free (the others hold sequences, pinned windows or other "
+                     "plans' rows)"),
+        {Resource::kRings, index(), needed, std::max<int64_t>(0, free), geo_.rings});
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<LayerGroup::Reservation> RotatingGroup::ReserveAppend(const AppendBatch& batch) {
+  return std::make_unique<StagedReservation>(this, batch);
+}
+
+absl::Status RotatingGroup::CheckCommitSpeculation(int64_t seq, int32_t accepted) const {
+  if (accepted == 0 || !NeedsRing(Find(seq)) || !free_rings_.empty()) return absl::OkStatus();
+  return NoFreeRing(seq, "to commit its accepted tokens");
 }
 
 absl::Status RotatingGroup::CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,
@@ -146,12 +304,16 @@ absl::Status RotatingGroup::CommitSpeculation(int64_t seq, absl::Span<const int3
   s.pending.clear();
   absl::Status status;
   if (accepted > 0) {
+    if (NeedsRing(&s) && free_rings_.empty()) {
+      return absl::InternalError(absl::StrCat("group ", index(), ": no free ring for sequence ",
+                                              seq, " (CheckCommitSpeculation let it through)"));
+    }
     if (s.ring < 0) {
-      if (free_rings_.empty()) {
-        return absl::InternalError(absl::StrCat("group ", index(), ": no free ring for sequence ",
-                                                seq, " (more live sequences than rings)"));
-      }
       s.ring = TakeRing();
+    } else {
+      int32_t old = -1;
+      status = MoveOffPinnedRing(&s, &old);
+      ReleaseRing(old);
     }
     s.offset = rows[accepted - 1].pos + 1;
     // The accepted rows that stay in the window, grouped by chunk.
@@ -264,6 +426,9 @@ bool RotatingGroup::CanResume(int64_t seq, int32_t pos) const {
 
 absl::Status RotatingGroup::CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const {
   const Sequence* s = Find(src);
+  if (CopyPrefixYields(src, length) && NeedsRing(Find(dst)) && free_rings_.empty()) {
+    return NoFreeRing(dst, "to take the copied window");
+  }
   if (s == nullptr || length >= s->offset || !Wrapped(*s)) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "group ", index(), " is Rotating and sequence ", src, "'s ring has wrapped (offset ",
@@ -286,6 +451,10 @@ absl::Status RotatingGroup::ApplyCopyPrefix(int64_t src, int64_t dst, int32_t le
   Sequence& d = seqs_[dst];
   s = Find(src);  // seqs_ may have rehashed
   d.pending.clear();
+  if (d.ring >= 0 && pins_[d.ring] > 0) {  // the pinned window stays as its readers see it
+    ReleaseRing(d.ring);
+    d.ring = -1;
+  }
   if (d.ring < 0) d.ring = TakeRing();
   d.offset = n;
   std::vector<int32_t> from, to;
@@ -362,11 +531,7 @@ absl::Status RotatingGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap,
         "group ", index(), " is Rotating: the snapshot ends at ", to, " > max_size ", geo_.max_size,
         ", so clamping it to target ", target, " would leave an incomplete window"));
   }
-  if (target > 0 && (s == nullptr || s->ring < 0) && free_rings_.empty()) {
-    return ResourceExhaustedWith(
-        absl::StrCat("group ", index(), ": no free ring for sequence ", seq),
-        {Resource::kRings, index(), 1, 0, geo_.rings});
-  }
+  if (target > 0 && NeedsRing(s) && free_rings_.empty()) return NoFreeRing(seq, "to restore");
   return absl::OkStatus();
 }
 
@@ -382,6 +547,10 @@ absl::Status RotatingGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap,
     return absl::OkStatus();
   }
   Sequence& s = seqs_[seq];
+  if (s.ring >= 0 && pins_[s.ring] > 0) {  // the pinned window stays as its readers see it
+    ReleaseRing(s.ring);
+    s.ring = -1;
+  }
   if (s.ring < 0) s.ring = TakeRing();
   s.offset = target;
   absl::Status status;
@@ -398,6 +567,48 @@ absl::Status RotatingGroup::ApplyRestore(int64_t seq, const GroupSnapshot* snap,
     if (status.ok()) status = copied;
   }
   return status;
+}
+
+// ---- Pins ---------------------------------------------------------------------------------
+
+absl::Status RotatingGroup::CheckPin(int64_t seq, int64_t from, int64_t to) const {
+  const Sequence* s = Find(seq);
+  if (s == nullptr) return absl::OkStatus();
+  for (const PendingRow& row : s->pending) {
+    if (row.pos >= from && row.pos < to) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "group ", index(), " is Rotating and sequence ", seq, "'s speculative position ", row.pos,
+          " is pending outside its ring: commit the speculation, or pin below ",
+          s->pending.front().pos));
+    }
+  }
+  return absl::OkStatus();
+}
+
+GroupSnapshot RotatingGroup::PinSequence(int64_t seq, int64_t from, int64_t to,
+                                         std::vector<int32_t>* pinned) {
+  GroupSnapshot snap;
+  snap.row_bytes = TokenBytes();
+  const Sequence* s = Find(seq);
+  if (s == nullptr || s->ring < 0) return snap;
+  Segment segment;
+  for (int64_t p = std::max<int64_t>(from, WindowStart(*s)); p < std::min<int64_t>(to, s->offset);
+       ++p) {
+    segment.positions.push_back(static_cast<int32_t>(p));
+    segment.chunk_rows.push_back(Row(*s, static_cast<int32_t>(p)));
+  }
+  if (segment.positions.empty()) return snap;
+  segment.rows = static_cast<int32_t>(segment.positions.size());
+  ++pins_[s->ring];
+  pinned->push_back(s->ring);
+  snap.segments.push_back(std::move(segment));
+  return snap;
+}
+
+void RotatingGroup::Unpin(absl::Span<const int32_t> rings) {
+  for (const int32_t ring : rings) {
+    if (--pins_[ring] == 0 && !owned_[ring]) free_rings_.push_back(ring);
+  }
 }
 
 }  // namespace kvmesh

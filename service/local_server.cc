@@ -490,16 +490,9 @@ void LocalServer::Serve(Session* session) {
             AppendPayloadBytes((*cache)->spec(), begin.seqs_size(),
                                static_cast<int64_t>(seqs.size()), begin.speculative());
         absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
-            Cache::BeginAppend(*cache, tokens, payload, begin.speculative());
+            Cache::BeginAppend(*cache, tokens, payload, begin.speculative(), /*in_place=*/true);
         if (!writer.ok()) {
           status = writer.status();
-          break;
-        }
-        if (!(*writer)->in_cells()) {
-          status = absl::FailedPreconditionError(absl::StrCat(
-              "the batch's rows cannot go straight into cells of cache '", begin.cache(),
-              "' (a Rotating or Recurrent group, or room only by evicting or pruning): "
-              "Append it through gRPC"));
           break;
         }
         v1::LocalBeginAppendResult* result = response.mutable_begin_append();
