@@ -5,7 +5,9 @@ outputs exact.
 The model: random weights from a fixed seed, RMSNorm, grouped-query attention with RoPE NEOX,
 a SwiGLU MLP, float32 or bfloat16 throughout. Its layers are full attention except one sliding-
 window layer, so its cache has two layer groups: the full layers (group 0) and the sliding one
-(group 1).
+(group 1). ``HYBRID`` is another shape: full attention, a layer whose keys live in a ring of the
+last ``window`` tokens (a Rotating group, as mlx's RotatingKVCache), and an LFM2-style short-
+convolution layer whose state (its last ``conv_kernel - 1`` gated inputs) is a Recurrent group.
 
 Every step of the worker runs on kvmesh's memory: it pins the sequence's stored cells with what
 each new token attends to among them (``Session.pin`` with ``queries``), takes cells for its new
@@ -24,6 +26,12 @@ creates the cache and runs the operations under test. Then it checks:
       a recomputation from scratch, bit for bit;
   (d) draft tokens appended speculatively, the accepted prefix committed, then a continuation:
       the logits of a recomputation from scratch, bit for bit, the drafts' included.
+
+With ``HYBRID``, (a) and (c) run the same way (the ring's rows and the conv state are read and
+written in place: a plan stages them in a free ring and a free state slot); (b) and (d) instead
+check kvmesh's refusals: a middle Remove cannot shift a ring or a recurrent state
+(FAILED_PRECONDITION), and draft tokens of such a cache stay outside its shared memory until
+committed, so an in-place speculative plan is refused (drafts go through gRPC Append).
 
 Why bit for bit holds: every computation is done per token row (vector-matrix products, per-
 row norms) and the attention of a query runs over its visible keys in position order, so a
@@ -55,14 +63,19 @@ import torch
 
 import kvmesh
 import kvmesh.local
-from kvmesh import Attention, CacheSpec, DType, Rope, SlidingWindow
+from kvmesh import Attention, CacheSpec, DType, Recurrent, Rope, Rotating, SlidingWindow
 
 torch.set_num_threads(1)  # one reduction order for every operation
 
 
+KINDS = ("full", "sliding", "rotating", "conv")  # in the order of their cache groups
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The model's shape. ``layers``: "full" or "sliding" per layer."""
+    """The model's shape. ``layers``: one of KINDS per layer. The sliding layer attends to
+    [pos - window, pos] (an Attention group with a sliding window), the rotating one to the
+    ``window`` positions up to pos (a Rotating group's ring of ``window`` rows)."""
 
     vocab: int = 61
     dim: int = 48
@@ -73,6 +86,7 @@ class Config:
     layers: Tuple[str, ...] = ("full", "sliding", "full")
     window: int = 6
     rope_base: float = 10000.0
+    conv_kernel: int = 3
     dtype: str = "f32"  # or "bf16"
     seed: int = 1234
 
@@ -80,24 +94,44 @@ class Config:
     def torch_dtype(self) -> torch.dtype:
         return {"f32": torch.float32, "bf16": torch.bfloat16}[self.dtype]
 
+    @property
+    def kinds(self) -> List[str]:
+        """The kinds of layer the model has, one cache group each, in group order."""
+        return [k for k in KINDS if k in self.layers]
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether a group keeps no cells of positions (a ring or a recurrent state)."""
+        return "rotating" in self.layers or "conv" in self.layers
+
     def layer_slot(self, layer: int) -> Tuple[int, int]:
-        """(group, index within the group) of a layer: group 0 the full layers, 1 the sliding."""
+        """(group, index within the group) of a layer."""
         kind = self.layers[layer]
-        return (0 if kind == "full" else 1), self.layers[:layer].count(kind)
+        return self.kinds.index(kind), self.layers[:layer].count(kind)
 
     def spec(self, name: str, capacity: int, max_sequences: int = 8,
              max_batch: Optional[int] = None) -> CacheSpec:
         """The kvmesh cache this model's K/V lives in."""
         rope = Rope.neox(self.head_dim, self.rope_base)
+        groups = {
+            "full": lambda n: Attention(num_layers=n, num_kv_heads=self.kv_heads,
+                                        head_dim_k=self.head_dim, rope=rope),
+            "sliding": lambda n: Attention(num_layers=n, num_kv_heads=self.kv_heads,
+                                           head_dim_k=self.head_dim,
+                                           window=SlidingWindow(self.window), rope=rope),
+            "rotating": lambda n: Rotating(num_layers=n, num_kv_heads=self.kv_heads,
+                                           head_dim_k=self.head_dim, max_size=self.window,
+                                           rope=rope),
+            "conv": lambda n: Recurrent(num_layers=n, conv_tail=self.conv_kernel - 1,
+                                        conv_dim=self.dim)}
         return CacheSpec(
             name, DType.F32 if self.dtype == "f32" else DType.BF16,
             max_sequences=max_sequences, capacity=capacity,
             max_batch=max_batch or capacity,
-            groups=[Attention(num_layers=self.layers.count("full"), num_kv_heads=self.kv_heads,
-                              head_dim_k=self.head_dim, rope=rope),
-                    Attention(num_layers=self.layers.count("sliding"),
-                              num_kv_heads=self.kv_heads, head_dim_k=self.head_dim,
-                              window=SlidingWindow(self.window), rope=rope)])
+            groups=[groups[k](self.layers.count(k)) for k in self.kinds])
+
+
+HYBRID = ("full", "rotating", "conv", "full")
 
 
 def rope_tables(config: Config, delta: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -131,16 +165,21 @@ class Model:
         c = config
         self.embed = torch.randn(c.vocab, c.dim, generator=g).to(dt)
         self.layers = []
-        for _ in c.layers:
-            self.layers.append({
-                "norm1": (1 + 0.1 * torch.randn(c.dim, generator=g)).to(dt),
-                "wq": weight(c.dim, c.heads * c.head_dim),
-                "wk": weight(c.dim, c.kv_heads * c.head_dim),
-                "wv": weight(c.dim, c.kv_heads * c.head_dim),
-                "wo": weight(c.heads * c.head_dim, c.dim),
-                "norm2": (1 + 0.1 * torch.randn(c.dim, generator=g)).to(dt),
-                "w1": weight(c.dim, c.ffn), "w3": weight(c.dim, c.ffn),
-                "w2": weight(c.ffn, c.dim)})
+        for kind in c.layers:
+            layer = {"norm1": (1 + 0.1 * torch.randn(c.dim, generator=g)).to(dt)}
+            if kind == "conv":
+                layer.update({"w_in": weight(c.dim, 3 * c.dim),
+                              "conv": weight(c.conv_kernel, c.dim),
+                              "w_out": weight(c.dim, c.dim)})
+            else:
+                layer.update({"wq": weight(c.dim, c.heads * c.head_dim),
+                              "wk": weight(c.dim, c.kv_heads * c.head_dim),
+                              "wv": weight(c.dim, c.kv_heads * c.head_dim),
+                              "wo": weight(c.heads * c.head_dim, c.dim)})
+            layer.update({"norm2": (1 + 0.1 * torch.randn(c.dim, generator=g)).to(dt),
+                          "w1": weight(c.dim, c.ffn), "w3": weight(c.dim, c.ffn),
+                          "w2": weight(c.ffn, c.dim)})
+            self.layers.append(layer)
         self.norm = (1 + 0.1 * torch.randn(c.dim, generator=g)).to(dt)
         self.out = weight(c.dim, c.vocab)
         self._rope: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -176,19 +215,33 @@ class Model:
         p = torch.softmax(scores, dim=-1)
         return (p[:, :, None] * v).sum(1).to(q.dtype).reshape(-1)
 
-    def finish_layer(self, layer: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def finish_layer(self, layer: int, x: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        """The residual of the layer's mixer output (attention, projected here, or the conv's),
+        then the MLP."""
         w = self.layers[layer]
-        x = x + attended @ w["wo"]
+        x = x + (mixed @ w["wo"] if "wo" in w else mixed)
         h = self.rms_norm(x, w["norm2"])
         return x + (torch.nn.functional.silu(h @ w["w1"]) * (h @ w["w3"])) @ w["w2"]
+
+    def conv(self, layer: int, x: torch.Tensor, state: torch.Tensor):
+        """One token through an LFM2-style gated short convolution: the projected output, and
+        the new state (the last conv_kernel - 1 gated inputs [conv_kernel - 1, dim]). The
+        depthwise convolution sums its taps in float32, oldest first."""
+        w = self.layers[layer]
+        b, c, v = (self.rms_norm(x, w["norm1"]) @ w["w_in"]).chunk(3)
+        taps = torch.cat([state, (b * v)[None]])                     # [conv_kernel, dim]
+        mixed = (taps.float() * w["conv"].float()).sum(0).to(x.dtype)
+        return (c * mixed) @ w["w_out"], taps[1:]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return (self.rms_norm(x, self.norm) @ self.out).float()
 
     def visible(self, layer: int, pos: int, stored: Sequence[int]) -> List[int]:
         """The positions a query at ``pos`` attends to among ``stored`` (sorted), by kvmesh's
-        rule: full layers everything up to pos, the sliding layer [pos - window, pos]."""
-        low = pos - self.config.window if self.config.layers[layer] == "sliding" else -1
+        rule: full layers everything up to pos, the sliding layer [pos - window, pos], the
+        rotating one the window positions up to pos."""
+        kind, window = self.config.layers[layer], self.config.window
+        low = {"sliding": pos - window, "rotating": pos - window + 1}.get(kind, -1)
         return [p for p in stored if low <= p <= pos]
 
 
@@ -207,6 +260,14 @@ class Step:
         """Keys and values [m, kv_heads, hd] of ``positions`` in ``layer``."""
         raise NotImplementedError
 
+    def state(self, layer: int) -> torch.Tensor:
+        """A conv layer's state before the batch (zeros for a new sequence)."""
+        raise NotImplementedError
+
+    def write_state(self, layer: int, state: torch.Tensor) -> None:
+        """A conv layer's state after the batch's last token."""
+        raise NotImplementedError
+
     def visible(self, model: "Model", layer: int, i: int, pos: int) -> List[int]:
         """What the batch's token i, at ``pos``, attends to in ``layer``, sorted."""
         return model.visible(layer, pos, self.stored(model.config.layer_slot(layer)[0]))
@@ -218,6 +279,13 @@ def forward(model: Model, step: Step, positions: Sequence[int],
     K/V into the cache, then every query attends over what the cache holds."""
     xs = [model.embed[t] for t in token_ids]
     for layer in range(len(model.config.layers)):
+        if model.config.layers[layer] == "conv":
+            state = step.state(layer)
+            for i in range(len(positions)):
+                out, state = model.conv(layer, xs[i], state)
+                xs[i] = model.finish_layer(layer, xs[i], out)
+            step.write_state(layer, state)
+            continue
         queries = []
         for i, pos in enumerate(positions):
             q, k, v = model.qkv(layer, xs[i], pos)
@@ -246,6 +314,14 @@ class MemoryStep(Step):
     def read(self, layer: int, positions):
         return (torch.stack([self.layers[layer][p][0] for p in positions]),
                 torch.stack([self.layers[layer][p][1] for p in positions]))
+
+    def state(self, layer: int) -> torch.Tensor:
+        c = self.config
+        return self.layers[layer].get(
+            "state", torch.zeros(c.conv_kernel - 1, c.dim, dtype=c.torch_dtype))
+
+    def write_state(self, layer: int, state: torch.Tensor) -> None:
+        self.layers[layer]["state"] = state
 
 
 class MemoryCache:
@@ -285,7 +361,9 @@ class KvmeshStep(Step):
     """A batch's step on kvmesh's cells: the pinned cells of what the sequence stores, and the
     plan's cells of the new tokens. What a token attends to among the stored positions is the
     node's answer (the pin's visibility of the batch's queries); among the batch's own tokens,
-    the model's rule."""
+    the model's rule. A ring keeps only the last ``window`` tokens of a batch (the plan marks
+    the others -1): those are read from the batch's own K/V, as an engine attends over a batch's
+    fresh keys."""
 
     def __init__(self, cache: "KvmeshCache", pin: Optional[kvmesh.local.Pin],
                  plan: kvmesh.local.AppendPlan, cells: List[Dict[int, int]],
@@ -294,6 +372,7 @@ class KvmeshStep(Step):
         self.positions = positions
         config = cache.model.config
         self.config, self.shape = config, (config.kv_heads, config.head_dim)
+        self.fresh: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def visible(self, model: "Model", layer: int, i: int, pos: int) -> List[int]:
         group, _ = self.config.layer_slot(layer)
@@ -315,15 +394,40 @@ class KvmeshStep(Step):
         group, _ = self.config.layer_slot(layer)
         cell = int(self.plan.cells[group][i])
         if cell < 0:  # the plan's mark of a token a later one of the batch overwrites
-            raise ValueError(f"the batch holds position {self.positions[i]} twice")
+            if self.config.layers[layer] != "rotating":
+                raise ValueError(f"the batch holds position {self.positions[i]} twice")
+            self.fresh[(layer, self.positions[i])] = (k, v)
+            return
         self.cache.k_rows[layer][cell] = k.reshape(-1)
         self.cache.v_rows[layer][cell] = v.reshape(-1)
 
     def read(self, layer: int, positions):
         group, _ = self.config.layer_slot(layer)
-        index = torch.tensor([self.cells[group][p] for p in positions], dtype=torch.long)
-        return (self.cache.k_rows[layer][index].view(len(positions), *self.shape),
-                self.cache.v_rows[layer][index].view(len(positions), *self.shape))
+        keys, values = [], []
+        for p in positions:
+            if (layer, p) in self.fresh:
+                k, v = self.fresh[(layer, p)]
+            else:
+                cell = self.cells[group][p]
+                k = self.cache.k_rows[layer][cell].view(self.shape)
+                v = self.cache.v_rows[layer][cell].view(self.shape)
+            keys.append(k)
+            values.append(v)
+        return torch.stack(keys), torch.stack(values)
+
+    def state(self, layer: int) -> torch.Tensor:
+        group, _ = self.config.layer_slot(layer)
+        c = self.config
+        if self.pin is None or len(self.pin.cells[group]) == 0:
+            return torch.zeros(c.conv_kernel - 1, c.dim, dtype=c.torch_dtype)
+        # The pinned slot: the sequence's state, which the plan's Append will not overwrite.
+        slot = int(self.pin.cells[group][0])
+        return self.cache.state_rows[layer][slot].clone().view(c.conv_kernel - 1, c.dim)
+
+    def write_state(self, layer: int, state: torch.Tensor) -> None:
+        group, _ = self.config.layer_slot(layer)
+        # One sequence per batch: the plan's one state slot (its first sequence's).
+        self.cache.state_rows[layer][int(self.plan.cells[group][0])] = state.reshape(-1)
 
 
 class KvmeshCache:
@@ -335,14 +439,18 @@ class KvmeshCache:
         self.cache = cache
         self.mapped = session.attach(cache)
         config = model.config
-        self.k_rows, self.v_rows = [], []
+        # Per layer: K and V rows (attention layers), or state rows (conv layers: a Recurrent
+        # group's plane j is layer j's conv state, [conv_kernel - 1, dim] in the dtype).
+        self.k_rows, self.v_rows, self.state_rows = [], [], []
         for layer in range(len(config.layers)):
             group, j = config.layer_slot(layer)
-            self.k_rows.append(self.mapped.tensor(group, 2 * j))
-            self.v_rows.append(self.mapped.tensor(group, 2 * j + 1))
+            conv = config.layers[layer] == "conv"
+            self.k_rows.append(None if conv else self.mapped.tensor(group, 2 * j))
+            self.v_rows.append(None if conv else self.mapped.tensor(group, 2 * j + 1))
+            self.state_rows.append(self.mapped.tensor(group, j) if conv else None)
 
     def close(self) -> None:
-        self.k_rows = self.v_rows = []
+        self.k_rows = self.v_rows = self.state_rows = []
         self.mapped.close()
 
     def pinned(self, seq: int, queries: Sequence[int] = ()
@@ -352,7 +460,7 @@ class KvmeshCache:
         try:
             pin = self.session.pin(self.cache, seq, queries=queries)
         except kvmesh.NotFound:
-            return None, [{}, {}]
+            return None, [{} for _ in self.model.config.kinds]
         return pin, [dict(zip(p.tolist(), c.tolist()))
                      for p, c in zip(pin.positions, pin.cells)]
 
@@ -375,7 +483,9 @@ class KvmeshCache:
         try:
             plan = self.session.begin_append(self.cache, kvmesh.tokens(seq, positions),
                                              token_ids, speculative=speculative)
-            for group in range(2):
+            for group, kind in enumerate(self.model.config.kinds):
+                if kind == "conv":  # a state slot per sequence, not a cell per token
+                    continue
                 for i, cell in enumerate(plan.cells[group].tolist()):
                     if cell >= 0:
                         cells[group][positions[i]] = cell
@@ -535,6 +645,34 @@ def speculation(model: Model, client: kvmesh.Client, cache: KvmeshCache, prompt:
                    torch.cat([spec_logits, cont]), torch.cat([want_drafts, want_after]))
 
 
+def refused(model: Model, client: kvmesh.Client, cache: KvmeshCache, prompt: int,
+            rng: np.random.Generator, what: str) -> Check:
+    """(b) and (d) on a hybrid cache: the middle Remove ("shift") or the in-place speculative
+    plan ("drafts") is refused with FAILED_PRECONDITION, and the sequence then continues with
+    the logits of a recomputation from scratch, bit for bit (the refusal changed nothing)."""
+    config = model.config
+    name, seq = cache.cache, 6
+    ids = tokens_of(rng, config, prompt + 2)
+    cache.run(seq, range(prompt), ids[:prompt])
+    try:
+        if what == "shift":
+            client.remove(name, seq, prompt // 4, prompt // 2)
+        else:
+            cache.run(seq, [prompt], [ids[prompt]], speculative=True)
+        message = "not refused"
+    except kvmesh.FailedPrecondition as error:
+        message = ""
+        note = f"(refused: {str(error).split(': ', 1)[-1][:90]}...)"
+    got = torch.cat([cache.run(seq, [p], [ids[p]]) for p in range(prompt, prompt + 2)])
+    client.remove(name, seq, 0)
+    title = {"shift": "(b) a middle Remove of a ring and a recurrent state",
+             "drafts": "(d) an in-place plan of drafts in a ring and a recurrent state"}[what]
+    check = compare(f"{title}: FAILED_PRECONDITION, then a continuation", got,
+                    recompute(model, ids)[prompt:], note=message or note)
+    check.ok = check.ok and not message
+    return check
+
+
 @contextlib.contextmanager
 def attached(session: kvmesh.local.Session, model: Model, cache: str) -> Iterator[KvmeshCache]:
     c = KvmeshCache(model, session, cache)
@@ -549,7 +687,7 @@ def run_all(config: Config, node_a: str, socket_a: str, name_a: str, node_b: str
             cache: Optional[str] = None) -> List[Check]:
     """Creates the cache on both nodes, runs (a)-(d), deletes it; returns the checks."""
     model = Model(config)
-    cache = cache or f"reference-worker-{config.dtype}"
+    cache = cache or f"reference-worker-{config.dtype}{'-hybrid' if config.hybrid else ''}"
     spec = config.spec(cache, capacity=4 * (prompt + more) + 64)
     checks: List[Check] = []
     rng = np.random.default_rng(config.seed)
@@ -563,9 +701,15 @@ def run_all(config: Config, node_a: str, socket_a: str, name_a: str, node_b: str
                     attached(sa, model, cache) as ca, attached(sb, model, cache) as cb:
                 checks.append(prefix_across_nodes(model, a, name_a, ca, b, cb, prompt, more,
                                                   rng))
-                checks.extend(context_shift(model, a, ca, prompt, more, rng))
+                if config.hybrid:
+                    checks.append(refused(model, a, ca, prompt, rng, "shift"))
+                else:
+                    checks.extend(context_shift(model, a, ca, prompt, more, rng))
                 checks.append(snapshot_restore(model, a, ca, prompt, more, rng))
-                checks.append(speculation(model, a, ca, prompt, more + 1, rng))
+                if config.hybrid:
+                    checks.append(refused(model, a, ca, prompt, rng, "drafts"))
+                else:
+                    checks.append(speculation(model, a, ca, prompt, more + 1, rng))
         finally:
             a.delete_cache(cache)
             b.delete_cache(cache)
@@ -610,10 +754,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--socket-b", help="node B's --local-socket")
     parser.add_argument("--token", default="", help="bearer token (nodes with a token file)")
     parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="the HYBRID shape: full attention, a ring, an LFM2-style conv")
     parser.add_argument("--ttft", type=int, default=0, metavar="N",
                         help="measure time to first token of an N-token prompt on node A")
     args = parser.parse_args(argv)
-    config = Config(dtype=args.dtype)
+    config = Config(dtype=args.dtype, layers=HYBRID if args.hybrid else Config.layers)
     if args.ttft:
         t = time_to_first_token(config, args.node_a, args.socket_a, args.ttft, token=args.token)
         print(f"reference worker ({args.dtype}): time to first token of a {args.ttft}-token "
@@ -625,8 +771,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--node-b and --socket-b are needed unless --ttft")
     checks = run_all(config, args.node_a, args.socket_a, args.name_a, args.node_b,
                      args.socket_b, token=args.token)
+    shape = f"{args.dtype}, hybrid" if args.hybrid else args.dtype
     for check in checks:
-        print(f"reference worker ({args.dtype}): {check.line()}")
+        print(f"reference worker ({shape}): {check.line()}")
     return 0 if all(c.ok for c in checks) else 1
 
 

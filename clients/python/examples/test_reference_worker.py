@@ -46,24 +46,38 @@ class ReferenceWorkerTest(nodes.NodeTestCase):
             node.stop_checked()
         cls.dir.cleanup()
 
-    def run_scenarios(self, dtype: str) -> None:
+    def run_scenarios(self, dtype: str, hybrid: bool = False) -> None:
         a, b = self.nodes
-        checks = worker.run_all(worker.Config(dtype=dtype), a.address, self.sockets[0], a.name,
-                                b.address, self.sockets[1])
+        config = worker.Config(dtype=dtype,
+                               layers=worker.HYBRID if hybrid else worker.Config.layers)
+        checks = worker.run_all(config, a.address, self.sockets[0], a.name, b.address,
+                                self.sockets[1])
         names = [c.name[:3] for c in checks]
-        self.assertEqual(names, ["(a)", "(b)", "(b)", "(c)", "(d)"])
+        shape = f"{dtype}{', hybrid' if hybrid else ''}"
         for check in checks:
-            print(f"{dtype}: {check.line()}")
+            print(f"{shape}: {check.line()}")
             self.assertTrue(check.ok, check.line())
             self.assertGreater(check.compared, 0, check.line())
-        # What is claimed bit for bit is compared bit for bit.
-        self.assertEqual([c.exact for c in checks], [True, False, False, True, True])
+        if hybrid:  # (b) and (d): refused, then a continuation bit for bit
+            self.assertEqual(names, ["(a)", "(b)", "(c)", "(d)"])
+            self.assertEqual([c.exact for c in checks], [True, True, True, True])
+        else:
+            self.assertEqual(names, ["(a)", "(b)", "(b)", "(c)", "(d)"])
+            # What is claimed bit for bit is compared bit for bit.
+            self.assertEqual([c.exact for c in checks], [True, False, False, True, True])
 
     def test_float32(self) -> None:
         self.run_scenarios("f32")
 
     def test_bfloat16(self) -> None:
         self.run_scenarios("bf16")
+
+    def test_hybrid_float32(self) -> None:
+        """A ring (Rotating group) and an LFM2-style conv state (Recurrent group) in place."""
+        self.run_scenarios("f32", hybrid=True)
+
+    def test_hybrid_bfloat16(self) -> None:
+        self.run_scenarios("bf16", hybrid=True)
 
     def test_a_changed_cell_is_seen(self) -> None:
         """The checks can fail: one key written wrongly in place changes the logits."""
@@ -83,6 +97,33 @@ class ReferenceWorkerTest(nodes.NodeTestCase):
                     got = cache.run(0, [10, 11], ids[10:])
                     want = worker.recompute(model, ids)[10:]
                     self.assertFalse(torch.equal(got, want))
+            finally:
+                client.delete_cache(spec.name)
+
+    def test_a_changed_ring_row_or_conv_state_is_seen(self) -> None:
+        """The hybrid checks can fail: a ring row or a conv state changed in place changes the
+        logits, and the untouched sequence still equals the recomputation."""
+        a, _ = self.nodes
+        model = worker.Model(worker.Config(layers=worker.HYBRID))
+        spec = model.config.spec("worker-tamper-hybrid", capacity=64)
+        ids = list(range(1, 13))
+        want = worker.recompute(model, ids)[10:]
+        with kvmesh.Client(a.address) as client:
+            client.create_cache(spec)
+            try:
+                with kvmesh.local.Session(self.sockets[0]) as session, \
+                        worker.attached(session, model, spec.name) as cache:
+                    for seq, layer in ((0, None), (1, 1), (2, 2)):  # untouched, ring, conv
+                        cache.run(seq, range(10), ids[:10])
+                        if layer is not None:
+                            group, _ = model.config.layer_slot(layer)
+                            pin = session.pin(spec.name, seq, 9)
+                            rows = cache.k_rows[1] if layer == 1 else cache.state_rows[2]
+                            rows[int(pin.cells[group][0])] += 1e-2
+                            del rows  # a view: the mapping closes only without views
+                            session.unpin(pin)
+                        got = cache.run(seq, [10, 11], ids[10:])
+                        self.assertEqual(torch.equal(got, want), layer is None, f"seq {seq}")
             finally:
                 client.delete_cache(spec.name)
 
