@@ -92,6 +92,16 @@ class SequenceImport final : public SnapshotImportWriter {
   std::unique_ptr<SnapshotImportWriter> writer_;
 };
 
+// One group's memory (or a writer's staging memory of a group) as another process maps it.
+struct SharedGroup {
+  GroupKind kind = GroupKind::kAttention;
+  SharedArena memory;  // the device's descriptor: valid while the memory lives
+  // In payload order (docs/api.md): row r of plane p is [offset + r * row_bytes, +row_bytes)
+  // in the mapping; `cells` rows each.
+  std::vector<Plane> planes;
+  int64_t cells = 0;
+};
+
 // An Append whose payload arrives piece by piece (Cache::BeginAppend). Write takes the next
 // bytes of the payload, in order; Commit, once all have arrived, makes the Append happen.
 // Nothing any other operation sees changes before Commit: destroying the writer without it (or
@@ -123,6 +133,11 @@ class AppendWriter {
   // that a later one of the batch overwrites; its row is not stored), as rows of the group's
   // planes (Cache::SharedGroups). Empty when not in_cells().
   std::vector<std::vector<int32_t>> Cells() const;
+  // In cells: per group, where Cells() are rows of staging memory of the writer's own rather
+  // than of the group's planes (a speculative batch of a Rotating or Recurrent group, for an
+  // in_place writer: its pending rows until CommitSpeculation), that memory for another process
+  // to map; nullopt for the other groups. The errors of Device::Share.
+  absl::StatusOr<std::vector<std::optional<SharedGroup>>> StagingMemory() const;
   // Commit of a payload written straight into Cells() by another party (the local data path)
   // instead of through Write: the same checks and outcome. FAILED_PRECONDITION unless in_cells()
   // and nothing went through Write.
@@ -223,10 +238,11 @@ class Cache {
   // too, go on. Otherwise the writer keeps the payload in a host buffer and Commit appends it.
   // With `in_place` (a local worker's Append plan, whose rows another process writes), the
   // writer takes its rows now or fails: FAILED_PRECONDITION where a group cannot reserve them
-  // (a speculative batch in a Rotating or Recurrent group; room only by pruning a sliding
-  // window or by evicting), RESOURCE_EXHAUSTED where a Rotating or Recurrent group has too few
-  // free rings or state slots to stage them; Rotating and Recurrent groups then stage the rows
-  // in free units that their sequences take, or copy from, at commit.
+  // (room only by pruning a sliding window or by evicting), RESOURCE_EXHAUSTED where a Rotating
+  // or Recurrent group has too few free rings or state slots to stage them. Rotating and
+  // Recurrent groups stage a plain batch's rows in free units that their sequences take, or copy
+  // from, at commit, and a speculative batch's in a chunk of shareable memory (StagingMemory)
+  // that becomes the tokens' pending rows.
   static absl::StatusOr<std::unique_ptr<AppendWriter>> BeginAppend(
       const std::shared_ptr<Cache>& cache, absl::Span<const Token> tokens, size_t payload_bytes,
       bool speculative = false, bool in_place = false);
@@ -517,15 +533,7 @@ class Cache {
   // A process on the same machine maps the groups' memory (SharedGroups) and reads cells in
   // place (PinCells). Only on a device that shares its memory (HostDevice with shareable).
 
-  // One group's memory as another process maps it.
-  struct SharedGroup {
-    GroupKind kind = GroupKind::kAttention;
-    SharedArena memory;  // the device's descriptor: valid while the cache lives
-    // In payload order (docs/api.md): row r of plane p is [offset + r * row_bytes, +row_bytes)
-    // in the mapping; `cells` rows each.
-    std::vector<Plane> planes;
-    int64_t cells = 0;
-  };
+  using SharedGroup = ::kvmesh::SharedGroup;
   // Every group's, in spec order. The errors of Device::Share.
   absl::StatusOr<std::vector<SharedGroup>> SharedGroups() const;
 

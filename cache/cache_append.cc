@@ -318,6 +318,7 @@ absl::StatusOr<std::unique_ptr<AppendWriter>> Cache::BeginAppend(
   RETURN_IF_ERROR(cache->CheckAppendBatch(state->tokens, payload_bytes, speculative, &state->batch,
                                           &state->count));
   AppendBatch& batch = state->batch;
+  batch.in_place = in_place;
   if (in_place && !cache->in_place_append_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "cache '", cache->spec_.name, "' has a group whose rows cannot be written in place"));
@@ -444,6 +445,23 @@ absl::Status AppendWriter::Write(absl::Span<const uint8_t> bytes) {
     Abandon();
   }
   return status;
+}
+
+absl::StatusOr<std::vector<std::optional<SharedGroup>>> AppendWriter::StagingMemory() const {
+  std::vector<std::optional<SharedGroup>> out(state_->reservations.size());
+  Cache& cache = *state_->cache;
+  MutexLock lock(&cache.mu_);
+  for (size_t g = 0; g < out.size(); ++g) {
+    const RowChunk* chunk = state_->reservations[g]->staging();
+    if (chunk == nullptr) continue;
+    SharedGroup shared;
+    shared.kind = cache.groups_[g]->kind();
+    ASSIGN_OR_RETURN(shared.memory, cache.groups_[g]->device()->Share(chunk->arena));
+    shared.planes = chunk->planes;
+    shared.cells = static_cast<int64_t>(state_->reservations[g]->cells().size());
+    out[g] = std::move(shared);
+  }
+  return out;
 }
 
 std::vector<std::vector<int32_t>> AppendWriter::Cells() const {

@@ -20,7 +20,7 @@ std::vector<size_t> RowBytes(absl::Span<const Plane> planes) {
 absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPool pool,
                                                         std::shared_ptr<DeviceStream> stream,
                                                         absl::Span<const size_t> row_bytes,
-                                                        int32_t rows) {
+                                                        int32_t rows, bool shareable) {
   auto chunk = std::make_shared<RowChunk>();
   size_t offset = 0;
   for (size_t bytes : row_bytes) {
@@ -28,7 +28,8 @@ absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPo
     offset += bytes * size_t(rows);
   }
   if (offset > 0) {
-    absl::StatusOr<DeviceArena> arena = device->Allocate(offset, pool, std::move(stream));
+    absl::StatusOr<DeviceArena> arena =
+        device->Allocate(offset, pool, std::move(stream), shareable);
     if (!arena.ok()) return arena.status();
     chunk->arena = *std::move(arena);
   }
@@ -61,9 +62,9 @@ ChunkFormat LayerGroup::SnapshotChunkFormat() const {
   return ChunkFormat{device_, arena_.stream(), RowBytes(planes_)};
 }
 
-absl::StatusOr<std::shared_ptr<RowChunk>> LayerGroup::NewChunk(MemoryPool pool,
-                                                               int32_t rows) const {
-  return AllocateChunk(device_, pool, arena_.stream(), RowBytes(planes_), rows);
+absl::StatusOr<std::shared_ptr<RowChunk>> LayerGroup::NewChunk(MemoryPool pool, int32_t rows,
+                                                               bool shareable) const {
+  return AllocateChunk(device_, pool, arena_.stream(), RowBytes(planes_), rows, shareable);
 }
 
 absl::Status LayerGroup::AddSnapshotSegment(absl::Span<const int32_t> rows,

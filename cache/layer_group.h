@@ -49,10 +49,11 @@ struct RowChunk {
 // plane, bound to `stream`: that of the arena of the group the chunk belongs to, which a group
 // passes itself (LayerGroup::NewChunk) and an imported snapshot names in its ChunkFormat
 // (snapshot_wire.h). `rows` may be 0 (no allocation).
+// With `shareable`, the chunk's memory is one another process can map (Device::Share).
 absl::StatusOr<std::shared_ptr<RowChunk>> AllocateChunk(Device* device, MemoryPool pool,
                                                         std::shared_ptr<DeviceStream> stream,
                                                         absl::Span<const size_t> row_bytes,
-                                                        int32_t rows);
+                                                        int32_t rows, bool shareable = false);
 
 // How a group's snapshot chunks are made: what importing a snapshot needs to allocate and fill
 // chunks for a group without holding the cache's lock (snapshot_wire.h). Every snapshot chunk
@@ -108,6 +109,9 @@ struct AppendBatch {
   std::vector<int64_t> seqs;                     // distinct, in order of first appearance
   absl::flat_hash_map<int64_t, int32_t> lowest;  // per sequence, its lowest batch position
   bool speculative = false;
+  // The rows are written by another process (a local worker's plan, Cache::BeginAppend with
+  // in_place): what a group stages them in must be memory that process can map.
+  bool in_place = false;
   // Sequences with pending speculative tokens: their first pending position. Sliding-window
   // pruning never goes past (this - memory) for them, so a rejection loses nothing.
   absl::flat_hash_map<int64_t, int32_t> pending_first;
@@ -182,6 +186,10 @@ class LayerGroup {
     // token of the batch overwrites, never written); empty for a group whose rows are not cells
     // of the group's planes.
     virtual absl::Span<const int32_t> cells() const { return {}; }
+    // Where cells() are rows of a chunk of the reservation's own (a speculative batch of a
+    // Rotating or Recurrent group: its pending rows), that chunk, allocated shareable; null where
+    // they are rows of the group's planes.
+    virtual const RowChunk* staging() const { return nullptr; }
     // An error is a device error after the sequences changed (a copy from staging rows): the
     // caller fails the cache.
     virtual absl::Status Commit(const AppendBatch& batch) = 0;
@@ -338,7 +346,8 @@ class LayerGroup {
       : device_(device), arena_(std::move(arena)), index_(index) {}
 
   // A chunk of `rows` rows with the arena's planes, bound to the arena's stream.
-  absl::StatusOr<std::shared_ptr<RowChunk>> NewChunk(MemoryPool pool, int32_t rows) const;
+  absl::StatusOr<std::shared_ptr<RowChunk>> NewChunk(MemoryPool pool, int32_t rows,
+                                                     bool shareable = false) const;
   // Copies arena rows `rows` into a new snapshot chunk and adds them to `snap` as a segment:
   // rows[i] becomes the row of positions[i] (positions empty for a recurrent state).
   absl::Status AddSnapshotSegment(absl::Span<const int32_t> rows, std::vector<int32_t> positions,
@@ -477,8 +486,8 @@ class StagingGroup : public SequenceMapGroup<Sequence> {
   // A speculative Append, whatever the kind, writes token i of the batch to row i of a new
   // chunk: these are its Prepare, Write and Commit halves (AbandonAppend resets spec_chunk_).
   absl::Status PrepareStagedAppend(const AppendBatch& batch) {
-    absl::StatusOr<std::shared_ptr<RowChunk>> chunk =
-        this->NewChunk(MemoryPool::kCache, static_cast<int32_t>(batch.tokens.size()));
+    absl::StatusOr<std::shared_ptr<RowChunk>> chunk = this->NewChunk(
+        MemoryPool::kCache, static_cast<int32_t>(batch.tokens.size()), batch.in_place);
     if (!chunk.ok()) return chunk.status();
     spec_chunk_ = *std::move(chunk);
     return absl::OkStatus();
@@ -494,6 +503,45 @@ class StagingGroup : public SequenceMapGroup<Sequence> {
       this->seqs_[t.seq].pending.push_back(PendingRow{spec_chunk_, static_cast<int32_t>(i), t.pos});
     }
     spec_chunk_.reset();
+  }
+
+  // A speculative batch's reservation: token i's rows are row i of the chunk PrepareAppend
+  // allocated (shareable for an in-place plan), which Commit makes the tokens' pending rows.
+  class SpeculativeReservation final : public LayerGroup::Reservation {
+   public:
+    SpeculativeReservation(StagingGroup* group, std::shared_ptr<RowChunk> chunk, size_t rows)
+        : group_(group), chunk_(std::move(chunk)), rows_(rows) {
+      for (size_t i = 0; i < rows; ++i) rows_[i] = static_cast<int32_t>(i);
+    }
+    absl::Status Write(const uint8_t* section) const override {
+      return group_->device_->Scatter(chunk_->arena, chunk_->planes, rows_, section);
+    }
+    absl::Status WriteRows(size_t plane, size_t first_row, size_t num_rows,
+                           const uint8_t* src) const override {
+      return group_->device_->Scatter(chunk_->arena, absl::MakeConstSpan(&chunk_->planes[plane], 1),
+                                      absl::MakeConstSpan(rows_).subspan(first_row, num_rows), src);
+    }
+    bool InHostMemory() const override {
+      return group_->device_->HostAddress(chunk_->arena) != nullptr;
+    }
+    absl::Span<const int32_t> cells() const override { return rows_; }
+    const RowChunk* staging() const override { return chunk_.get(); }
+    absl::Status Commit(const AppendBatch& batch) override {
+      group_->spec_chunk_ = std::move(chunk_);
+      group_->CommitStagedAppend(batch);
+      return absl::OkStatus();
+    }
+    void Abandon() override { chunk_.reset(); }
+
+   private:
+    StagingGroup* const group_;
+    std::shared_ptr<RowChunk> chunk_;
+    std::vector<int32_t> rows_;
+  };
+  // After a speculative PrepareAppend: its chunk, as a reservation.
+  std::unique_ptr<LayerGroup::Reservation> ReserveSpeculative(const AppendBatch& batch) {
+    return std::make_unique<SpeculativeReservation>(this, std::move(spec_chunk_),
+                                                    batch.tokens.size());
   }
 
   // The Append in progress: whether it overwrites stored data (each kind's PrepareAppend sets

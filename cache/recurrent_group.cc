@@ -209,12 +209,7 @@ class RecurrentGroup::StagedReservation final : public LayerGroup::Reservation {
 };
 
 absl::Status RecurrentGroup::CheckReserve(const AppendBatch& batch) const {
-  if (batch.speculative) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group ", index(),
-        " is Recurrent: a speculative token's state stays outside the state "
-        "slots until committed, in memory that is not shared; append drafts through gRPC"));
-  }
+  if (batch.speculative) return absl::OkStatus();  // its chunk, from PrepareAppend
   const int64_t free = static_cast<int64_t>(free_.size()) - held_back();
   const int64_t needed = static_cast<int64_t>(batch.seqs.size());
   if (needed > free) {
@@ -231,6 +226,7 @@ absl::Status RecurrentGroup::CheckReserve(const AppendBatch& batch) const {
 }
 
 std::unique_ptr<LayerGroup::Reservation> RecurrentGroup::ReserveAppend(const AppendBatch& batch) {
+  if (batch.speculative) return ReserveSpeculative(batch);
   return std::make_unique<StagedReservation>(this, batch);
 }
 

@@ -265,12 +265,7 @@ class RotatingGroup::StagedReservation final : public LayerGroup::Reservation {
 };
 
 absl::Status RotatingGroup::CheckReserve(const AppendBatch& batch) const {
-  if (batch.speculative) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("group ", index(),
-                     " is Rotating: a speculative token's rows stay outside the ring until "
-                     "committed, in memory that is not shared; append drafts through gRPC"));
-  }
+  if (batch.speculative) return absl::OkStatus();  // its chunk, from PrepareAppend
   const int64_t free = static_cast<int64_t>(free_rings_.size()) - held_back();
   const int64_t needed = static_cast<int64_t>(batch.seqs.size());
   if (needed > free) {
@@ -287,6 +282,7 @@ absl::Status RotatingGroup::CheckReserve(const AppendBatch& batch) const {
 }
 
 std::unique_ptr<LayerGroup::Reservation> RotatingGroup::ReserveAppend(const AppendBatch& batch) {
+  if (batch.speculative) return ReserveSpeculative(batch);
   return std::make_unique<StagedReservation>(this, batch);
 }
 

@@ -68,6 +68,21 @@ bool SendResponse(int fd, const v1::LocalResponse& response, const std::vector<i
   return SendAll(fd, frame, fds);
 }
 
+// What a worker needs to map a group's memory (its descriptor goes with the response).
+void DescribeMemory(const SharedGroup& group, v1::LocalGroupMemory* memory) {
+  memory->set_bytes(group.memory.size);
+  memory->set_cells(group.cells);
+  if (group.memory.kind == SharedArena::Kind::kCudaMemory) {
+    memory->set_kind(v1::LOCAL_MEMORY_CUDA);
+    memory->set_device(group.memory.device);
+  }
+  for (const Plane& plane : group.planes) {
+    v1::LocalPlane* p = memory->add_planes();
+    p->set_offset(plane.offset);
+    p->set_row_bytes(plane.row_bytes);
+  }
+}
+
 v1::LocalResponse ErrorResponse(uint64_t id, const absl::Status& status) {
   v1::LocalResponse response;
   response.set_id(id);
@@ -370,18 +385,7 @@ void LocalServer::Serve(Session* session) {
         v1::LocalAttachResult* result = response.mutable_attach();
         *result->mutable_spec() = SpecToProto((*cache)->spec());
         for (const Cache::SharedGroup& group : *groups) {
-          v1::LocalGroupMemory* memory = result->add_groups();
-          memory->set_bytes(group.memory.size);
-          memory->set_cells(group.cells);
-          if (group.memory.kind == SharedArena::Kind::kCudaMemory) {
-            memory->set_kind(v1::LOCAL_MEMORY_CUDA);
-            memory->set_device(group.memory.device);
-          }
-          for (const Plane& plane : group.planes) {
-            v1::LocalPlane* p = memory->add_planes();
-            p->set_offset(plane.offset);
-            p->set_row_bytes(plane.row_bytes);
-          }
+          DescribeMemory(group, result->add_groups());
           fds.push_back(group.memory.fd);
         }
         // The descriptors are the device's, open while the cache lives: `cache` holds it
@@ -495,9 +499,21 @@ void LocalServer::Serve(Session* session) {
           status = writer.status();
           break;
         }
+        absl::StatusOr<std::vector<std::optional<SharedGroup>>> staging =
+            (*writer)->StagingMemory();
+        if (!staging.ok()) {
+          status = staging.status();
+          break;
+        }
         v1::LocalBeginAppendResult* result = response.mutable_begin_append();
-        for (const std::vector<int32_t>& cells : (*writer)->Cells()) {
-          result->add_groups()->mutable_cells()->Add(cells.begin(), cells.end());
+        const std::vector<std::vector<int32_t>> cells = (*writer)->Cells();
+        for (size_t g = 0; g < cells.size(); ++g) {
+          v1::LocalGroupCells* group = result->add_groups();
+          group->mutable_cells()->Add(cells[g].begin(), cells[g].end());
+          if ((*staging)[g].has_value()) {
+            DescribeMemory(*(*staging)[g], group->mutable_staging());
+            fds.push_back((*staging)[g]->memory.fd);  // open while the plan holds the chunk
+          }
         }
         const uint64_t plan = session->next_plan++;
         result->set_plan(plan);
@@ -543,8 +559,9 @@ void LocalServer::Serve(Session* session) {
     if (!status.ok()) {
       response = ErrorResponse(id, status);
       refusals_.fetch_add(1);
+      fds.clear();
     }
-    if (!SendResponse(fd, response)) return;
+    if (!SendResponse(fd, response, fds)) return;
   }
 }
 

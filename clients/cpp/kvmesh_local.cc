@@ -97,6 +97,34 @@ bool ReadAll(int fd, char* out, size_t n, std::vector<int>* fds) {
 
 }  // namespace
 
+namespace {
+
+// Maps (host) or takes the descriptor of (GPU) one group's memory; *fd is -1 once taken.
+absl::Status MapGroup(const v1::LocalGroupMemory& memory, int* fd, MappedGroup* group) {
+  group->bytes = memory.bytes();
+  group->cells = memory.cells();
+  for (const v1::LocalPlane& plane : memory.planes()) {
+    group->planes.push_back({plane.offset(), plane.row_bytes()});
+  }
+  if (memory.kind() == v1::LOCAL_MEMORY_CUDA) {
+    // GPU memory: the engine imports the descriptor with its CUDA driver (MappedGroup).
+    group->cuda_device = memory.device();
+    group->cuda_fd = *fd;
+    *fd = -1;
+    return absl::OkStatus();
+  }
+  void* base =
+      mmap(nullptr, group->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, *fd, 0);
+  if (base == MAP_FAILED) {
+    return absl::InternalError(
+        absl::StrCat("mapping ", group->bytes, " bytes of a group: ", std::strerror(errno)));
+  }
+  group->base = static_cast<uint8_t*>(base);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 MappedCache::~MappedCache() {
   for (const MappedGroup& g : groups_) {
     if (g.base != nullptr) munmap(g.base, g.bytes);
@@ -180,30 +208,8 @@ absl::StatusOr<std::unique_ptr<MappedCache>> Session::Attach(const std::string& 
                                               response->attach().groups_size(), " groups"));
   }
   for (size_t g = 0; status.ok() && g < fds.size(); ++g) {
-    const v1::LocalGroupMemory& memory = response->attach().groups(static_cast<int>(g));
-    MappedGroup group;
-    group.bytes = memory.bytes();
-    group.cells = memory.cells();
-    for (const v1::LocalPlane& plane : memory.planes()) {
-      group.planes.push_back({plane.offset(), plane.row_bytes()});
-    }
-    if (memory.kind() == v1::LOCAL_MEMORY_CUDA) {
-      // GPU memory: the engine imports the descriptor with its CUDA driver (MappedGroup).
-      group.cuda_device = memory.device();
-      group.cuda_fd = fds[g];
-      fds[g] = -1;
-      mapped->groups_.push_back(std::move(group));
-      continue;
-    }
-    void* base =
-        mmap(nullptr, group.bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fds[g], 0);
-    if (base == MAP_FAILED) {
-      status = absl::InternalError(
-          absl::StrCat("mapping group ", g, "'s ", group.bytes, " bytes: ", std::strerror(errno)));
-      break;
-    }
-    group.base = static_cast<uint8_t*>(base);
-    mapped->groups_.push_back(std::move(group));
+    status = MapGroup(response->attach().groups(static_cast<int>(g)), &fds[g],
+                      &mapped->groups_.emplace_back());
   }
   for (int f : fds) {
     if (f >= 0) close(f);  // the mappings keep the memory
@@ -260,14 +266,29 @@ absl::StatusOr<AppendPlan> Session::BeginAppend(const std::string& cache,
   begin->mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   begin->set_speculative(speculative);
   begin->set_lease_ms(absl::ToInt64Milliseconds(lease));
-  absl::StatusOr<v1::LocalResponse> response = Call(std::move(request));
+  std::vector<int> fds;
+  absl::StatusOr<v1::LocalResponse> response = Call(std::move(request), &fds);
   if (!response.ok()) return response.status();
-  if (absl::Status s = StatusOf(*response); !s.ok()) return s;
   AppendPlan plan;
+  absl::Status status = StatusOf(*response);
   plan.id = response->begin_append().plan();
+  size_t next_fd = 0;
   for (const v1::LocalGroupCells& g : response->begin_append().groups()) {
     plan.cells.emplace_back(g.cells().begin(), g.cells().end());
+    if (!status.ok() || !g.has_staging()) continue;
+    if (plan.staging == nullptr) plan.staging.reset(new MappedCache());
+    plan.staging->groups_.resize(plan.cells.size());
+    if (next_fd == fds.size()) {
+      status = absl::InternalError("the node sent fewer descriptors than staging groups");
+      break;
+    }
+    status = MapGroup(g.staging(), &fds[next_fd++], &plan.staging->groups_.back());
   }
+  for (int f : fds) {
+    if (f >= 0) close(f);  // the mappings keep the memory
+  }
+  if (!status.ok()) return status;
+  if (plan.staging != nullptr) plan.staging->groups_.resize(plan.cells.size());
   plan.expires = absl::FromUnixMillis(response->begin_append().expires_unix_ms());
   return plan;
 }

@@ -89,11 +89,16 @@ inline constexpr size_t kStreamCopyBytes = size_t{1} << 20;
 void CopyRows(void* dst, const void* src, size_t bytes);
 
 // Where an Append's tokens go (Session::BeginAppend): per group, the cell of each token in batch
-// order (-1: a token a later one of the batch overwrites; write nothing for it).
+// order (-1: a token a later one of the batch overwrites; write nothing for it); a Recurrent
+// group's plain batch has one cell per sequence (the state slot of its state after the batch).
+// Where a group's cells are rows of the plan's own staging memory (a speculative batch of a
+// Rotating or Recurrent group), `staging` maps it: write group g's rows at
+// staging->Row(g, p, cells[g][i]) (staging->groups()[g].bytes is 0 for the other groups).
 struct AppendPlan {
   uint64_t id = 0;
   std::vector<std::vector<int32_t>> cells;
   absl::Time expires;
+  std::shared_ptr<MappedCache> staging;  // null when no group stages
 };
 
 // Positions first..last, both included.

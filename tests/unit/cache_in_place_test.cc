@@ -74,6 +74,7 @@ class MappedCache {
   }
 
   Cache& cache() { return *cache_; }
+  const SharedGroup& group(size_t g) const { return groups_[g]; }
   const std::shared_ptr<Cache>& shared() { return cache_; }
   uint8_t* Row(size_t group, size_t plane, int32_t row) {
     const Plane& p = groups_[group].planes[plane];
@@ -138,6 +139,66 @@ TEST(CacheInPlaceTest, PlansEqualAppendOnATwin) {
   EXPECT_TRUE(SameState(CaptureState(*twin.cache), CaptureState(local.cache())));
 }
 
+// A speculative plan stages the ring's and the state's rows in memory of its own (one row per
+// draft), shared like the cache's; committed, and its speculation committed, it equals the same
+// drafts appended through Cache::Append on a twin. Given up, it changes nothing.
+TEST(CacheInPlaceTest, ASpeculativePlanStagesItsDraftsInSharedMemory) {
+  MappedCache local(HybridSpec());
+  Twin twin(HybridSpec());
+  ASSERT_TRUE(local.AppendInPlace(Tokens(1, 0, 5), 1).ok());
+  ASSERT_TRUE(testutil::AppendTokens(*twin.cache, Tokens(1, 0, 5), 1).ok());
+  const std::vector<Token> drafts = Tokens(1, 5, 9);
+  const std::vector<uint8_t> payload = PayloadFor(local.cache().spec(), drafts, 2, true);
+  for (const bool commit : {false, true}) {
+    const testutil::CacheState before = CaptureState(local.cache());
+    absl::StatusOr<std::unique_ptr<AppendWriter>> writer =
+        Cache::BeginAppend(local.shared(), drafts, payload.size(), true, /*in_place=*/true);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    absl::StatusOr<std::vector<std::optional<SharedGroup>>> staging = (*writer)->StagingMemory();
+    ASSERT_TRUE(staging.ok()) << staging.status();
+    ASSERT_EQ(staging->size(), 3u);
+    EXPECT_FALSE((*staging)[0].has_value());  // attention: pending rows are cells
+    ASSERT_TRUE((*staging)[1].has_value() && (*staging)[2].has_value());
+    // Each group's section into its rows: the cache's cells, or the plan's staging memory.
+    const std::vector<std::vector<int32_t>> cells = (*writer)->Cells();
+    const uint8_t* src = payload.data();
+    for (size_t g = 0; g < 3; ++g) {
+      const std::optional<SharedGroup>& own = (*staging)[g];
+      uint8_t* base = nullptr;
+      if (own.has_value()) {
+        ASSERT_EQ(own->cells, 4);  // a row per draft (a state per draft, Recurrent)
+        void* mapped =
+            mmap(nullptr, own->memory.size, PROT_READ | PROT_WRITE, MAP_SHARED, own->memory.fd, 0);
+        ASSERT_NE(mapped, MAP_FAILED);
+        base = static_cast<uint8_t*>(mapped);
+      }
+      const std::vector<Plane>& planes = own.has_value() ? own->planes : local.group(g).planes;
+      for (size_t p = 0; p < planes.size(); ++p) {
+        for (const int32_t cell : cells[g]) {
+          uint8_t* dst = own.has_value()
+                             ? base + planes[p].offset + size_t(cell) * planes[p].row_bytes
+                             : local.Row(g, p, cell);
+          std::memcpy(dst, src, planes[p].row_bytes);
+          src += planes[p].row_bytes;
+        }
+      }
+      if (base != nullptr) munmap(base, own->memory.size);
+    }
+    ASSERT_EQ(src, payload.data() + payload.size());
+    if (!commit) {
+      writer->reset();  // given up
+      EXPECT_TRUE(SameState(before, CaptureState(local.cache())));
+      continue;
+    }
+    ASSERT_TRUE((*writer)->CommitInPlace().ok());
+  }
+  ASSERT_TRUE(twin.cache->Append(drafts, payload, /*speculative=*/true).ok());
+  EXPECT_TRUE(SameState(CaptureState(*twin.cache), CaptureState(local.cache())));
+  ASSERT_TRUE(local.cache().CommitSpeculation(1, 3).ok());
+  ASSERT_TRUE(twin.cache->CommitSpeculation(1, 3).ok());
+  EXPECT_TRUE(SameState(CaptureState(*twin.cache), CaptureState(local.cache())));
+}
+
 // A plan given up (destroyed uncommitted) changes nothing and gives its rings and slots back:
 // with 2 sequences' worth, the next plan of two sequences finds them free.
 TEST(CacheInPlaceTest, AnAbandonedPlanChangesNothing) {
@@ -158,17 +219,13 @@ TEST(CacheInPlaceTest, AnAbandonedPlanChangesNothing) {
   EXPECT_TRUE(SameState(before, CaptureState(local.cache())));
 }
 
-// Drafts and pins over pending rows stay with gRPC; too few free rings or slots is
-// RESOURCE_EXHAUSTED naming them. Nothing changes.
+// A pin over pending rows (outside the ring and the slots) is refused; too few free rings or
+// slots for a plan is RESOURCE_EXHAUSTED naming them. Nothing changes.
 TEST(CacheInPlaceTest, WhatAPlanCannotDoIsRefusedWithItsReason) {
   MappedCache local(HybridSpec(3));
   ASSERT_TRUE(local.AppendInPlace(Tokens(1, 0, 3)).ok());
   ASSERT_TRUE(testutil::AppendSpeculative(local.cache(), 1, 3, 5).ok());
   const testutil::CacheState before = CaptureState(local.cache());
-  const std::vector<Token> drafts = Tokens(1, 5, 6);
-  absl::StatusOr<std::unique_ptr<AppendWriter>> writer = Cache::BeginAppend(
-      local.shared(), drafts, AppendPayloadBytes(local.cache().spec(), 1, 1, true), true, true);
-  EXPECT_TRUE(IsError(writer.status(), absl::StatusCode::kFailedPrecondition, {"speculative"}));
   absl::StatusOr<Cache::PinnedCells> pin = Cache::PinCells(local.shared(), 1, 0, std::nullopt);
   EXPECT_TRUE(IsError(pin.status(), absl::StatusCode::kFailedPrecondition, {"pending"}));
   pin = Cache::PinCells(local.shared(), 1, 0, 3);  // below the drafts: fine

@@ -27,11 +27,11 @@ creates the cache and runs the operations under test. Then it checks:
   (d) draft tokens appended speculatively, the accepted prefix committed, then a continuation:
       the logits of a recomputation from scratch, bit for bit, the drafts' included.
 
-With ``HYBRID``, (a) and (c) run the same way (the ring's rows and the conv state are read and
-written in place: a plan stages them in a free ring and a free state slot); (b) and (d) instead
-check kvmesh's refusals: a middle Remove cannot shift a ring or a recurrent state
-(FAILED_PRECONDITION), and draft tokens of such a cache stay outside its shared memory until
-committed, so an in-place speculative plan is refused (drafts go through gRPC Append).
+With ``HYBRID``, (a), (c) and (d) run the same way, bit for bit: the ring's rows and the conv
+state are read and written in place (a plain plan stages them in a free ring and a free state
+slot; a speculative plan in staging memory of its own, mapped with the plan, one row per draft:
+the drafts' pending rows); (b) instead checks kvmesh's refusal, since a middle Remove cannot
+shift a ring or a recurrent state (FAILED_PRECONDITION), then a bit-exact continuation.
 
 Why bit for bit holds: every computation is done per token row (vector-matrix products, per-
 row norms) and the attention of a query runs over its visible keys in position order, so a
@@ -264,8 +264,8 @@ class Step:
         """A conv layer's state before the batch (zeros for a new sequence)."""
         raise NotImplementedError
 
-    def write_state(self, layer: int, state: torch.Tensor) -> None:
-        """A conv layer's state after the batch's last token."""
+    def write_state(self, layer: int, i: int, state: torch.Tensor) -> None:
+        """A conv layer's state after the batch's token i."""
         raise NotImplementedError
 
     def visible(self, model: "Model", layer: int, i: int, pos: int) -> List[int]:
@@ -283,8 +283,8 @@ def forward(model: Model, step: Step, positions: Sequence[int],
             state = step.state(layer)
             for i in range(len(positions)):
                 out, state = model.conv(layer, xs[i], state)
+                step.write_state(layer, i, state)
                 xs[i] = model.finish_layer(layer, xs[i], out)
-            step.write_state(layer, state)
             continue
         queries = []
         for i, pos in enumerate(positions):
@@ -320,7 +320,7 @@ class MemoryStep(Step):
         return self.layers[layer].get(
             "state", torch.zeros(c.conv_kernel - 1, c.dim, dtype=c.torch_dtype))
 
-    def write_state(self, layer: int, state: torch.Tensor) -> None:
+    def write_state(self, layer: int, i: int, state: torch.Tensor) -> None:
         self.layers[layer]["state"] = state
 
 
@@ -362,8 +362,9 @@ class KvmeshStep(Step):
     plan's cells of the new tokens. What a token attends to among the stored positions is the
     node's answer (the pin's visibility of the batch's queries); among the batch's own tokens,
     the model's rule. A ring keeps only the last ``window`` tokens of a batch (the plan marks
-    the others -1): those are read from the batch's own K/V, as an engine attends over a batch's
-    fresh keys."""
+    the others -1), and a speculative batch of a ring or a conv state goes to the plan's staging
+    memory: those are read from the batch's own K/V, as an engine attends over a batch's fresh
+    keys."""
 
     def __init__(self, cache: "KvmeshCache", pin: Optional[kvmesh.local.Pin],
                  plan: kvmesh.local.AppendPlan, cells: List[Dict[int, int]],
@@ -373,6 +374,20 @@ class KvmeshStep(Step):
         config = cache.model.config
         self.config, self.shape = config, (config.kv_heads, config.head_dim)
         self.fresh: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per layer whose group's rows go to the plan's staging memory: its row tensors.
+        self.staging: Dict[int, List[torch.Tensor]] = {}
+        if plan.staging is not None:
+            for layer in range(len(config.layers)):
+                group, j = config.layer_slot(layer)
+                if plan.staging.groups[group] is None:
+                    continue
+                planes = [j] if config.layers[layer] == "conv" else [2 * j, 2 * j + 1]
+                self.staging[layer] = [plan.staging.tensor(group, p, config.torch_dtype)
+                                       for p in planes]
+
+    def release(self) -> None:
+        """Drops the views of the plan's staging memory (so that the plan can unmap it)."""
+        self.staging = {}
 
     def visible(self, model: "Model", layer: int, i: int, pos: int) -> List[int]:
         group, _ = self.config.layer_slot(layer)
@@ -393,6 +408,11 @@ class KvmeshStep(Step):
     def write(self, layer: int, i: int, k, v) -> None:
         group, _ = self.config.layer_slot(layer)
         cell = int(self.plan.cells[group][i])
+        if layer in self.staging:  # a draft's pending rows, in the plan's staging memory
+            self.staging[layer][0][cell] = k.reshape(-1)
+            self.staging[layer][1][cell] = v.reshape(-1)
+            self.fresh[(layer, self.positions[i])] = (k, v)
+            return
         if cell < 0:  # the plan's mark of a token a later one of the batch overwrites
             if self.config.layers[layer] != "rotating":
                 raise ValueError(f"the batch holds position {self.positions[i]} twice")
@@ -424,10 +444,13 @@ class KvmeshStep(Step):
         slot = int(self.pin.cells[group][0])
         return self.cache.state_rows[layer][slot].clone().view(c.conv_kernel - 1, c.dim)
 
-    def write_state(self, layer: int, state: torch.Tensor) -> None:
+    def write_state(self, layer: int, i: int, state: torch.Tensor) -> None:
         group, _ = self.config.layer_slot(layer)
-        # One sequence per batch: the plan's one state slot (its first sequence's).
-        self.cache.state_rows[layer][int(self.plan.cells[group][0])] = state.reshape(-1)
+        if layer in self.staging:  # a draft's state after it: row i of the staging memory
+            self.staging[layer][0][int(self.plan.cells[group][i])] = state.reshape(-1)
+        elif i == len(self.positions) - 1:
+            # One sequence per batch: the plan's one state slot (its first sequence's).
+            self.cache.state_rows[layer][int(self.plan.cells[group][0])] = state.reshape(-1)
 
 
 class KvmeshCache:
@@ -484,18 +507,26 @@ class KvmeshCache:
             plan = self.session.begin_append(self.cache, kvmesh.tokens(seq, positions),
                                              token_ids, speculative=speculative)
             for group, kind in enumerate(self.model.config.kinds):
-                if kind == "conv":  # a state slot per sequence, not a cell per token
-                    continue
+                if kind == "conv" or (plan.staging is not None and plan.staging.groups[group]):
+                    continue  # a state slot per sequence, or rows of the plan's staging
                 for i, cell in enumerate(plan.cells[group].tolist()):
                     if cell >= 0:
                         cells[group][positions[i]] = cell
+            kinds = self.model.config.kinds
+            staged = [kinds[g] for g, m in enumerate(plan.staging.groups if plan.staging else [])
+                      if m is not None]
+            if staged != ([k for k in kinds if k in ("rotating", "conv")] if speculative else []):
+                raise AssertionError(f"the plan stages groups of kinds {staged}")
+            step = KvmeshStep(self, pin, plan, cells, positions)
             try:
-                logits = forward(self.model, KvmeshStep(self, pin, plan, cells, positions),
-                                 positions, token_ids)
+                logits = forward(self.model, step, positions, token_ids)
             except BaseException:
                 self.session.abandon_append(plan)
                 raise
+            finally:
+                step.release()
             self.session.commit_append(plan)
+            plan.close()
             return logits
         finally:
             if pin is not None:
@@ -645,31 +676,26 @@ def speculation(model: Model, client: kvmesh.Client, cache: KvmeshCache, prompt:
                    torch.cat([spec_logits, cont]), torch.cat([want_drafts, want_after]))
 
 
-def refused(model: Model, client: kvmesh.Client, cache: KvmeshCache, prompt: int,
-            rng: np.random.Generator, what: str) -> Check:
-    """(b) and (d) on a hybrid cache: the middle Remove ("shift") or the in-place speculative
-    plan ("drafts") is refused with FAILED_PRECONDITION, and the sequence then continues with
-    the logits of a recomputation from scratch, bit for bit (the refusal changed nothing)."""
+def refused_shift(model: Model, client: kvmesh.Client, cache: KvmeshCache, prompt: int,
+                  rng: np.random.Generator) -> Check:
+    """(b) on a hybrid cache: a middle Remove is refused with FAILED_PRECONDITION (a ring or a
+    recurrent state cannot be shifted), and the sequence then continues with the logits of a
+    recomputation from scratch, bit for bit (the refusal changed nothing)."""
     config = model.config
     name, seq = cache.cache, 6
     ids = tokens_of(rng, config, prompt + 2)
     cache.run(seq, range(prompt), ids[:prompt])
     try:
-        if what == "shift":
-            client.remove(name, seq, prompt // 4, prompt // 2)
-        else:
-            cache.run(seq, [prompt], [ids[prompt]], speculative=True)
-        message = "not refused"
+        client.remove(name, seq, prompt // 4, prompt // 2)
+        refusal = ""
     except kvmesh.FailedPrecondition as error:
-        message = ""
-        note = f"(refused: {str(error).split(': ', 1)[-1][:90]}...)"
+        refusal = str(error).split(": ", 1)[-1]
     got = torch.cat([cache.run(seq, [p], [ids[p]]) for p in range(prompt, prompt + 2)])
     client.remove(name, seq, 0)
-    title = {"shift": "(b) a middle Remove of a ring and a recurrent state",
-             "drafts": "(d) an in-place plan of drafts in a ring and a recurrent state"}[what]
-    check = compare(f"{title}: FAILED_PRECONDITION, then a continuation", got,
-                    recompute(model, ids)[prompt:], note=message or note)
-    check.ok = check.ok and not message
+    check = compare("(b) a middle Remove of a ring and a recurrent state: FAILED_PRECONDITION, "
+                    "then a continuation", got, recompute(model, ids)[prompt:],
+                    note=f"(refused: {refusal[:90]}...)" if refusal else "(not refused)")
+    check.ok = check.ok and bool(refusal)
     return check
 
 
@@ -702,14 +728,11 @@ def run_all(config: Config, node_a: str, socket_a: str, name_a: str, node_b: str
                 checks.append(prefix_across_nodes(model, a, name_a, ca, b, cb, prompt, more,
                                                   rng))
                 if config.hybrid:
-                    checks.append(refused(model, a, ca, prompt, rng, "shift"))
+                    checks.append(refused_shift(model, a, ca, prompt, rng))
                 else:
                     checks.extend(context_shift(model, a, ca, prompt, more, rng))
                 checks.append(snapshot_restore(model, a, ca, prompt, more, rng))
-                if config.hybrid:
-                    checks.append(refused(model, a, ca, prompt, rng, "drafts"))
-                else:
-                    checks.append(speculation(model, a, ca, prompt, more + 1, rng))
+                checks.append(speculation(model, a, ca, prompt, more + 1, rng))
         finally:
             a.delete_cache(cache)
             b.delete_cache(cache)

@@ -58,7 +58,7 @@ class ReferenceWorkerTest(nodes.NodeTestCase):
             print(f"{shape}: {check.line()}")
             self.assertTrue(check.ok, check.line())
             self.assertGreater(check.compared, 0, check.line())
-        if hybrid:  # (b) and (d): refused, then a continuation bit for bit
+        if hybrid:  # (b): refused, then a continuation bit for bit
             self.assertEqual(names, ["(a)", "(b)", "(c)", "(d)"])
             self.assertEqual([c.exact for c in checks], [True, True, True, True])
         else:

@@ -142,10 +142,25 @@ class _CudaDriver:
         self.lib.cuMemAddressFree(ct.c_ulonglong(pointer), ct.c_size_t(size))
 
 
-class MappedCache:
-    """A cache's memory mapped into this process (``Session.attach``)."""
+def _map_group(fd: int, memory) -> MappedGroup:
+    """Maps (host) or imports (GPU) a LocalGroupMemory sent with descriptor ``fd``."""
+    planes = [(p.offset, p.row_bytes) for p in memory.planes]
+    if memory.kind == _pb.LOCAL_MEMORY_CUDA:
+        driver = _CudaDriver.get()
+        pointer = driver.import_memory(fd, memory.bytes, memory.device)
+        return MappedGroup(None, memory.cells, planes, memory.device, pointer, memory.bytes,
+                           driver)
+    # Every page mapped now (as the C++ client): no fault in a read or write later.
+    mapped = mmap.mmap(fd, memory.bytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                       mmap.PROT_READ | mmap.PROT_WRITE)
+    return MappedGroup(mapped, memory.cells, planes, bytes=memory.bytes)
 
-    def __init__(self, spec, groups: List[MappedGroup]) -> None:
+
+class MappedCache:
+    """A cache's memory mapped into this process (``Session.attach``), or a plan's staging
+    memory (``AppendPlan.staging``: None for a group without)."""
+
+    def __init__(self, spec, groups: List[Optional[MappedGroup]]) -> None:
         self.spec = spec  # kvmesh.v1.CacheSpec
         self.groups = groups
 
@@ -180,6 +195,9 @@ class MappedCache:
         import torch  # only callers of tensor() need torch
 
         if dtype is None:
+            if self.spec is None:
+                raise ValueError("a plan's staging memory of a cache this session did not "
+                                 "attach has no known dtype: pass dtype")
             dtype = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}[self.spec.dtype]
         size = torch.empty((), dtype=dtype).element_size()
         if size not in (2, 4):
@@ -191,6 +209,8 @@ class MappedCache:
     def close(self) -> None:
         """Unmaps the memory (views made by ``rows`` or ``tensor`` must be gone first)."""
         for g in self.groups:
+            if g is None:
+                continue
             if g.memory is not None:
                 g.memory.close()
             elif g._driver is not None:
@@ -207,11 +227,24 @@ class MappedCache:
 @dataclass
 class AppendPlan:
     """Where an Append's tokens go: per group, the cell of each token in batch order (-1: a token
-    a later one of the batch overwrites; write nothing for it)."""
+    a later one of the batch overwrites; write nothing for it). A Recurrent group's plain batch
+    has one cell per sequence instead (in order of first appearance): the state slot its state
+    after the batch goes to. Where ``staging`` is not None and ``staging.groups[g]`` is, group
+    g's cells are rows of that staging memory (a speculative batch of a Rotating or Recurrent
+    group: the tokens' pending rows), not of the cache's: write them with
+    ``staging.rows(g, p)`` or ``staging.tensor(g, p)``, and ``close()`` the plan once its views
+    are gone (after commit or abandon)."""
 
     id: int
     cells: List[np.ndarray]
     expires: float  # unix seconds
+    staging: Optional[MappedCache] = None
+
+    def close(self) -> None:
+        """Unmaps the staging memory (views of it must be gone first)."""
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
 
 
 @dataclass
@@ -236,6 +269,7 @@ class Session:
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._socket.settimeout(timeout)
         self._next_id = 1
+        self._specs: dict = {}  # cache name -> its spec, from attach (a plan's staging dtype)
         try:
             self._socket.connect(path)
         except OSError as error:
@@ -314,24 +348,14 @@ class Session:
                 raise RuntimeError(f"the node sent {len(fds)} descriptors for "
                                    f"{len(response.attach.groups)} groups")
             for fd, memory in zip(fds, response.attach.groups):
-                planes = [(p.offset, p.row_bytes) for p in memory.planes]
-                if memory.kind == _pb.LOCAL_MEMORY_CUDA:
-                    driver = _CudaDriver.get()
-                    pointer = driver.import_memory(fd, memory.bytes, memory.device)
-                    groups.append(MappedGroup(None, memory.cells, planes, memory.device,
-                                              pointer, memory.bytes, driver))
-                    continue
-                # Every page mapped now (as the C++ client): no fault in a read or write later.
-                mapped = mmap.mmap(fd, memory.bytes,
-                                   mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                   mmap.PROT_READ | mmap.PROT_WRITE)
-                groups.append(MappedGroup(mapped, memory.cells, planes, bytes=memory.bytes))
+                groups.append(_map_group(fd, memory))
         except BaseException:
             MappedCache(response.attach.spec, groups).close()  # what was mapped before
             raise
         finally:
             for fd in fds:
                 socket.close(fd)  # the mappings keep the memory
+        self._specs[cache] = response.attach.spec
         return MappedCache(response.attach.spec, groups)
 
     def pin(self, cache: str, seq: int, begin: int = 0, end: Optional[int] = None,
@@ -373,10 +397,27 @@ class Session:
             begin.token_ids.extend(int(i) for i in token_ids)
         begin.speculative = speculative
         begin.lease_ms = 0 if lease is None else int(round(lease * 1000))
-        response, _ = self._call(request)
+        response, fds = self._call(request)
         result = response.begin_append
+        staging: List[Optional[MappedGroup]] = []
+        try:
+            remaining = list(fds)
+            for g in result.groups:
+                if not g.HasField("staging"):
+                    staging.append(None)
+                    continue
+                if not remaining:
+                    raise RuntimeError("the node sent fewer descriptors than staging groups")
+                staging.append(_map_group(remaining.pop(0), g.staging))
+        except BaseException:
+            MappedCache(None, staging).close()
+            raise
+        finally:
+            for fd in fds:
+                socket.close(fd)  # the mappings keep the memory
+        mapped = MappedCache(self._specs.get(cache), staging) if any(staging) else None
         return AppendPlan(result.plan, [np.array(g.cells, dtype=np.int64) for g in result.groups],
-                          result.expires_unix_ms / 1000.0)
+                          result.expires_unix_ms / 1000.0, mapped)
 
     def commit_append(self, plan) -> None:
         """Makes the plan's Append happen (Append's checks, judged now)."""
