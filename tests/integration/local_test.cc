@@ -403,6 +403,95 @@ TEST_F(LocalTest, AppendsWrittenInPlaceAreCommittedAllOrNothing) {
   KVMESH_EXPECT_OK(Append(*stub, MakeAppend(spec, 9, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11})));
 }
 
+// Writes `payload` (an Append's, in payload order) where `plan` says: each group's section into
+// its cells of the cache's memory, or of the plan's staging memory where it has some.
+void WriteInPlace(const local::MappedCache& cache, const local::AppendPlan& plan,
+                  const std::string& payload) {
+  const char* src = payload.data();
+  for (size_t g = 0; g < plan.cells.size(); ++g) {
+    const bool staged = plan.staging != nullptr && plan.staging->groups()[g].bytes > 0;
+    const local::MappedCache& memory = staged ? *plan.staging : cache;
+    for (size_t p = 0; p < memory.groups()[g].planes.size(); ++p) {
+      const size_t n = memory.groups()[g].planes[p].row_bytes;
+      for (const int32_t cell : plan.cells[g]) {
+        if (cell >= 0) std::memcpy(memory.Row(g, p, cell), src, n);
+        src += n;
+      }
+    }
+  }
+  ASSERT_EQ(src, payload.data() + payload.size());
+}
+
+// `request` for sequence `seq` instead (the same rows).
+v1::AppendRequest ForSequence(v1::AppendRequest request, int64_t seq) {
+  for (v1::Token& t : *request.mutable_tokens()) t.set_seq(seq);
+  for (v1::TokenRange& r : *request.mutable_token_ranges()) r.set_seq(seq);
+  return request;
+}
+
+// A cache with a ring and a conv state, through the C++ client: a plain plan (staged in a free
+// ring and state slot) and a speculative one (staged in memory the plan maps) leave the sequence
+// as the same Appends through gRPC leave a twin sequence, with a pin of the ring and the state
+// held meanwhile.
+TEST_F(LocalTest, RingsAndStatesAreWrittenInPlaceToo) {
+  ASSERT_NO_FATAL_FAILURE(Start(""));
+  std::unique_ptr<Stub> stub = node_->NewStub();
+  AttentionOptions a;
+  a.num_layers = 1;
+  a.num_kv_heads = 1;
+  RotatingOptions r;
+  r.num_layers = 2;
+  RecurrentOptions c;
+  c.num_v_heads = 0;
+  c.head_v_dim = 0;
+  c.head_k_dim = 0;
+  const v1::CacheSpec spec = SpecProto(
+      "h", 4, 64, 16, {AttentionGroupProto(a), RotatingGroupProto(r), RecurrentGroupProto(c)});
+  KVMESH_ASSERT_OK(CreateCache(*stub, spec));
+  absl::StatusOr<std::unique_ptr<local::Session>> session = local::Session::Connect(socket_);
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::StatusOr<std::unique_ptr<local::MappedCache>> cache = (*session)->Attach("h");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+
+  // Seq 1 in place, seq 2 (the twin) through gRPC; positions 0 and 1 fall out of the ring.
+  const std::vector<int32_t> first = {0, 1, 2, 3, 4, 5};
+  absl::StatusOr<local::AppendPlan> plan =
+      (*session)->BeginAppend("h", std::vector<int64_t>(6, 1), first);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->staging, nullptr);
+  EXPECT_EQ(plan->cells[1][0], -1);
+  EXPECT_EQ(plan->cells[2].size(), 1u);  // the state slot of the one sequence
+  ASSERT_NO_FATAL_FAILURE(WriteInPlace(**cache, *plan, MakeAppend(spec, 1, first).payload()));
+  ASSERT_TRUE((*session)->CommitAppend(plan->id).ok());
+  KVMESH_ASSERT_OK(Append(*stub, ForSequence(MakeAppend(spec, 1, first), 2)));
+
+  absl::StatusOr<local::Pin> pin = (*session)->PinCells("h", 1, 0, std::nullopt);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  EXPECT_EQ(pin->positions[1], (std::vector<int32_t>{2, 3, 4, 5}));
+  EXPECT_EQ(pin->positions[2], (std::vector<int32_t>{5}));
+  const std::vector<int32_t> drafts = {6, 7, 8};
+  plan = (*session)->BeginAppend("h", {1, 1, 1}, drafts, {}, /*speculative=*/true);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_NE(plan->staging, nullptr);
+  EXPECT_EQ(plan->staging->groups()[0].bytes, 0u);  // attention: pending rows are cells
+  EXPECT_GT(plan->staging->groups()[1].bytes, 0u);
+  EXPECT_EQ(plan->staging->groups()[2].cells, 3);  // a state per draft
+  ASSERT_NO_FATAL_FAILURE(
+      WriteInPlace(**cache, *plan, MakeSpeculativeAppend(spec, 1, drafts).payload()));
+  ASSERT_TRUE((*session)->CommitAppend(plan->id).ok());
+  KVMESH_ASSERT_OK(Append(*stub, ForSequence(MakeSpeculativeAppend(spec, 1, drafts), 2)));
+  KVMESH_ASSERT_OK(CommitSpeculation(*stub, "h", 1, 2));
+  KVMESH_ASSERT_OK(CommitSpeculation(*stub, "h", 2, 2));
+  ASSERT_TRUE((*session)->Unpin(pin->id).ok());
+
+  ReadOutput mine, theirs;
+  KVMESH_ASSERT_OK(Read(*stub, ReadRequest("h", 1), &mine));
+  KVMESH_ASSERT_OK(Read(*stub, ReadRequest("h", 2), &theirs));
+  EXPECT_EQ(HeaderPositions(mine.header), HeaderPositions(theirs.header));
+  EXPECT_EQ(HeaderPositions(mine.header)[1], (std::vector<int32_t>{4, 5, 6, 7}));
+  EXPECT_EQ(mine.payload, theirs.payload);
+}
+
 // What one worker can make the node hold: 64 sessions, 1,024 pins a session.
 TEST_F(LocalTest, SessionsAndPinsAreBounded) {
   ASSERT_NO_FATAL_FAILURE(Start(""));
