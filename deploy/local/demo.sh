@@ -457,13 +457,15 @@ worker_env=()
 if [ "$cluster_backend" = cuda ]; then
   worker_env=("KVMESH_CUDA_DRIVER=$build_dir/tests/testing/cudasim/libkvmesh_cudasim.so")
 fi
-for dtype in f32 bf16; do
-  printf '$ PYTHONPATH=clients/python:%s/clients/python /usr/bin/python3 clients/python/examples/reference_worker.py --dtype=%s --node-a=%s --socket-a=%s --name-a=node-0 --node-b=%s --socket-b=%s\n' \
-    "${build_dir#$root/}" "$dtype" "${node_addr[node-0]}" "${run_dir#$root/}/node-0.sock" \
+# f32 and bf16 of the Llama-like shape, then f32 of the hybrid one (a ring and a conv state).
+for shape in "--dtype=f32" "--dtype=bf16" "--dtype=f32 --hybrid"; do
+  printf '$ PYTHONPATH=clients/python:%s/clients/python /usr/bin/python3 clients/python/examples/reference_worker.py %s --node-a=%s --socket-a=%s --name-a=node-0 --node-b=%s --socket-b=%s\n' \
+    "${build_dir#$root/}" "$shape" "${node_addr[node-0]}" "${run_dir#$root/}/node-0.sock" \
     "${node_addr[node-1]}" "${run_dir#$root/}/node-1.sock"
+  # shellcheck disable=SC2086 # $shape is two flags or three
   env "${worker_env[@]}" PYTHONPATH="$root/clients/python:$build_dir/clients/python" \
     PYTHONDONTWRITEBYTECODE=1 \
-    /usr/bin/python3 "$root/clients/python/examples/reference_worker.py" --dtype=$dtype \
+    /usr/bin/python3 "$root/clients/python/examples/reference_worker.py" $shape \
     --node-a="${node_addr[node-0]}" --socket-a="$run_dir/node-0.sock" --name-a=node-0 \
     --node-b="${node_addr[node-1]}" --socket-b="$run_dir/node-1.sock" ||
     die "the reference worker's outputs differ (see above)"
