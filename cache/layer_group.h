@@ -427,6 +427,33 @@ class SequenceMap {
 // A LayerGroup whose metadata is one Entry per sequence, kept exactly while the group holds
 // anything for the sequence: each kind erases a sequence's entry when it empties it, so the
 // map answers Has, AddLive, LiveCount and LiveFrom.
+// A reservation whose rows are rows of planes of one arena (the group's cells, a staging ring
+// or slot, a chunk of its own): Write, WriteRows, InHostMemory and cells() for every kind. The
+// arena and planes must outlive every call of those.
+class RowsReservation : public LayerGroup::Reservation {
+ public:
+  absl::Status Write(const uint8_t* section) const override {
+    return device_->Scatter(*arena_, *planes_, rows_, section);
+  }
+  absl::Status WriteRows(size_t plane, size_t first_row, size_t num_rows,
+                         const uint8_t* src) const override {
+    return device_->Scatter(*arena_, absl::MakeConstSpan(&(*planes_)[plane], 1),
+                            absl::MakeConstSpan(rows_).subspan(first_row, num_rows), src);
+  }
+  bool InHostMemory() const override { return device_->HostAddress(*arena_) != nullptr; }
+  absl::Span<const int32_t> cells() const override { return rows_; }
+
+ protected:
+  RowsReservation(Device* device, const DeviceArena* arena, const std::vector<Plane>* planes)
+      : device_(device), arena_(arena), planes_(planes) {}
+  std::vector<int32_t> rows_;
+
+ private:
+  Device* const device_;
+  const DeviceArena* const arena_;
+  const std::vector<Plane>* const planes_;
+};
+
 template <typename Entry>
 class SequenceMapGroup : public LayerGroup {
  public:
@@ -507,24 +534,14 @@ class StagingGroup : public SequenceMapGroup<Sequence> {
 
   // A speculative batch's reservation: token i's rows are row i of the chunk PrepareAppend
   // allocated (shareable for an in-place plan), which Commit makes the tokens' pending rows.
-  class SpeculativeReservation final : public LayerGroup::Reservation {
+  class SpeculativeReservation final : public RowsReservation {
    public:
     SpeculativeReservation(StagingGroup* group, std::shared_ptr<RowChunk> chunk, size_t rows)
-        : group_(group), chunk_(std::move(chunk)), rows_(rows) {
-      for (size_t i = 0; i < rows; ++i) rows_[i] = static_cast<int32_t>(i);
+        : RowsReservation(group->device_, &chunk->arena, &chunk->planes),
+          group_(group),
+          chunk_(std::move(chunk)) {
+      for (size_t i = 0; i < rows; ++i) rows_.push_back(static_cast<int32_t>(i));
     }
-    absl::Status Write(const uint8_t* section) const override {
-      return group_->device_->Scatter(chunk_->arena, chunk_->planes, rows_, section);
-    }
-    absl::Status WriteRows(size_t plane, size_t first_row, size_t num_rows,
-                           const uint8_t* src) const override {
-      return group_->device_->Scatter(chunk_->arena, absl::MakeConstSpan(&chunk_->planes[plane], 1),
-                                      absl::MakeConstSpan(rows_).subspan(first_row, num_rows), src);
-    }
-    bool InHostMemory() const override {
-      return group_->device_->HostAddress(chunk_->arena) != nullptr;
-    }
-    absl::Span<const int32_t> cells() const override { return rows_; }
     const RowChunk* staging() const override { return chunk_.get(); }
     absl::Status Commit(const AppendBatch& batch) override {
       group_->spec_chunk_ = std::move(chunk_);
@@ -536,7 +553,6 @@ class StagingGroup : public SequenceMapGroup<Sequence> {
    private:
     StagingGroup* const group_;
     std::shared_ptr<RowChunk> chunk_;
-    std::vector<int32_t> rows_;
   };
   // After a speculative PrepareAppend: its chunk, as a reservation.
   std::unique_ptr<LayerGroup::Reservation> ReserveSpeculative(const AppendBatch& batch) {

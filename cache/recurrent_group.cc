@@ -165,25 +165,13 @@ void RecurrentGroup::AbandonAppend() {
 
 // A plan writes each batch sequence's state into a fresh slot (in batch.seqs order), which the
 // sequence takes at Commit.
-class RecurrentGroup::StagedReservation final : public LayerGroup::Reservation {
+class RecurrentGroup::StagedReservation final : public RowsReservation {
  public:
-  StagedReservation(RecurrentGroup* group, const AppendBatch& batch) : group_(group) {
-    for (size_t k = 0; k < batch.seqs.size(); ++k) slots_.push_back(group->TakeSlot());
+  StagedReservation(RecurrentGroup* group, const AppendBatch& batch)
+      : RowsReservation(group->device_, &group->arena_, &group->planes_), group_(group) {
+    for (size_t k = 0; k < batch.seqs.size(); ++k) rows_.push_back(group->TakeSlot());
   }
   ~StagedReservation() override { Abandon(); }
-
-  absl::Status Write(const uint8_t* section) const override {
-    return group_->device_->Scatter(group_->arena_, group_->planes_, slots_, section);
-  }
-  absl::Status WriteRows(size_t plane, size_t first_row, size_t num_rows,
-                         const uint8_t* src) const override {
-    return group_->device_->Scatter(group_->arena_, absl::MakeConstSpan(&group_->planes_[plane], 1),
-                                    absl::MakeConstSpan(slots_).subspan(first_row, num_rows), src);
-  }
-  bool InHostMemory() const override {
-    return group_->device_->HostAddress(group_->arena_) != nullptr;
-  }
-  absl::Span<const int32_t> cells() const override { return slots_; }
 
   absl::Status Commit(const AppendBatch& batch) override {
     absl::flat_hash_map<int64_t, int32_t> last;
@@ -191,21 +179,20 @@ class RecurrentGroup::StagedReservation final : public LayerGroup::Reservation {
     for (size_t k = 0; k < batch.seqs.size(); ++k) {
       Sequence& s = group_->seqs_[batch.seqs[k]];
       group_->ReleaseSlot(s.slot);
-      s.slot = slots_[k];
+      s.slot = rows_[k];
       s.offset = last[batch.seqs[k]] + 1;
       s.valid = true;
     }
-    slots_.clear();
+    rows_.clear();
     return absl::OkStatus();
   }
   void Abandon() override {
-    for (const int32_t slot : slots_) group_->ReleaseSlot(slot);
-    slots_.clear();
+    for (const int32_t slot : rows_) group_->ReleaseSlot(slot);
+    rows_.clear();
   }
 
  private:
   RecurrentGroup* const group_;
-  std::vector<int32_t> slots_;
 };
 
 absl::Status RecurrentGroup::CheckReserve(const AppendBatch& batch) const {

@@ -189,9 +189,10 @@ void RotatingGroup::AbandonAppend() {
 
 // A plan's rows go to a staging ring per sequence: row pos mod max_size of it, as in the
 // sequence's own ring, so that Commit moves rows between the two without reordering.
-class RotatingGroup::StagedReservation final : public LayerGroup::Reservation {
+class RotatingGroup::StagedReservation final : public RowsReservation {
  public:
-  StagedReservation(RotatingGroup* group, const AppendBatch& batch) : group_(group) {
+  StagedReservation(RotatingGroup* group, const AppendBatch& batch)
+      : RowsReservation(group->device_, &group->arena_, &group->planes_), group_(group) {
     const int32_t max_size = group->geo_.max_size;
     absl::flat_hash_map<int64_t, int32_t> ring, last;
     for (const Token& t : batch.tokens) last[t.seq] = t.pos;
@@ -201,24 +202,11 @@ class RotatingGroup::StagedReservation final : public LayerGroup::Reservation {
     }
     // As WriteAppend: a row that a later token of the batch overwrites is skipped (-1).
     for (const Token& t : batch.tokens) {
-      cells_.push_back(t.pos > last[t.seq] - max_size ? ring[t.seq] * max_size + t.pos % max_size
-                                                      : -1);
+      rows_.push_back(t.pos > last[t.seq] - max_size ? ring[t.seq] * max_size + t.pos % max_size
+                                                     : -1);
     }
   }
   ~StagedReservation() override { Abandon(); }
-
-  absl::Status Write(const uint8_t* section) const override {
-    return group_->device_->Scatter(group_->arena_, group_->planes_, cells_, section);
-  }
-  absl::Status WriteRows(size_t plane, size_t first_row, size_t num_rows,
-                         const uint8_t* src) const override {
-    return group_->device_->Scatter(group_->arena_, absl::MakeConstSpan(&group_->planes_[plane], 1),
-                                    absl::MakeConstSpan(cells_).subspan(first_row, num_rows), src);
-  }
-  bool InHostMemory() const override {
-    return group_->device_->HostAddress(group_->arena_) != nullptr;
-  }
-  absl::Span<const int32_t> cells() const override { return cells_; }
 
   absl::Status Commit(const AppendBatch& batch) override {
     RotatingGroup& g = *group_;
@@ -261,7 +249,6 @@ class RotatingGroup::StagedReservation final : public LayerGroup::Reservation {
  private:
   RotatingGroup* const group_;
   std::vector<int32_t> rings_;  // per batch sequence, in batch.seqs order
-  std::vector<int32_t> cells_;  // per token
 };
 
 absl::Status RotatingGroup::CheckReserve(const AppendBatch& batch) const {
