@@ -692,15 +692,6 @@ std::vector<int32_t> AttentionGroup::PinFreeCells(int64_t n) {
   return cells;
 }
 
-bool AttentionGroup::HasPinnedCells(int64_t seq) const {
-  const RunIndex* index = Find(seq);
-  if (index == nullptr) return false;
-  for (auto it = index->begin(); it != index->end(); ++it) {
-    if (pins_[it.cell()] > 0) return true;
-  }
-  return false;
-}
-
 void AttentionGroup::TallyEviction(int64_t seq, EvictionTally* tally) const {
   const RunIndex* index = Find(seq);
   if (index == nullptr) return;

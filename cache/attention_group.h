@@ -90,7 +90,6 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
                             std::vector<int32_t>* pinned) override;
   std::vector<int32_t> PinFreeCells(int64_t n) override;
   void Unpin(absl::Span<const int32_t> cells) override;
-  bool HasPinnedCells(int64_t seq) const override;
   void TallyEviction(int64_t seq, EvictionTally* tally) const override;
 
   const AttentionGeometry& geometry() const { return geo_; }

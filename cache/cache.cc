@@ -374,13 +374,18 @@ absl::StatusOr<int32_t> Cache::CopyPrefix(int64_t src_seq, int64_t dst_seq, int3
   RETURN_IF_ERROR(CheckNotPendingLocked(src_seq, "CopyPrefix from it"));
   RETURN_IF_ERROR(CheckNotPendingLocked(dst_seq, "CopyPrefix into it"));
   RETURN_IF_ERROR(CheckOffsetAtLeastLocked(src_seq, require_src_offset));
-  bool dst_live_after = false;
-  for (const auto& group : groups_) {
-    RETURN_IF_ERROR(group->CheckCopyPrefix(src_seq, dst_seq, length));
-    dst_live_after |= group->CopyPrefixYields(src_seq, length);
-  }
-  if (dst_live_after) {
-    RETURN_IF_ERROR(CheckRoomForLocked(dst_seq, "copying a prefix"));
+  auto check = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+    bool dst_live_after = false;
+    for (const auto& group : groups_) {
+      RETURN_IF_ERROR(group->CheckCopyPrefix(src_seq, dst_seq, length));
+      dst_live_after |= group->CopyPrefixYields(src_seq, length);
+    }
+    if (dst_live_after) RETURN_IF_ERROR(CheckRoomForLocked(dst_seq, "copying a prefix"));
+    return absl::OkStatus();
+  };
+  // Under LRU a copy that needs a sequence slot or a ring makes room as an Append does.
+  if (absl::Status room = check(); !room.ok()) {
+    RETURN_IF_ERROR(MakeRoomLocked(std::move(room), {src_seq, dst_seq}, check));
   }
   absl::Status status;
   for (const auto& group : groups_) {

@@ -419,8 +419,9 @@ class Cache {
   // Whether restoring a snapshot holding positions[g] positions in each group g into `seq`,
   // replacing all it stores, would find room now: a sequence slot when `seq` is new (as
   // max_sequences allows) and free cells. The receiver of a cross-node copy asks this before
-  // any byte moves; Restore checks again once the bytes are there. RESOURCE_EXHAUSTED saying
-  // what is short; ABORTED while `seq` has pending tokens; `what` names the operation.
+  // any byte moves; Restore checks again once the bytes are there. Under LRU, room that
+  // evicting would make counts as room (the Restore evicts, not this check). RESOURCE_EXHAUSTED
+  // saying what is short; ABORTED while `seq` has pending tokens; `what` names the operation.
   absl::Status CheckRoomForSequence(int64_t seq, absl::Span<const int64_t> positions,
                                     const char* what);
 
@@ -622,10 +623,21 @@ class Cache {
   absl::StatusOr<Admission> AdmitAppendLocked(AppendBatch& batch,
                                               const absl::flat_hash_map<int64_t, int32_t>& count,
                                               bool may_evict) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The sequences AdmitAppendLocked would evict for `batch`, refused with `refusal`; nullopt
-  // when evicting every evictable sequence would not make room.
-  std::optional<std::vector<int64_t>> PlanEvictionLocked(
-      AppendBatch& batch, const absl::flat_hash_map<int64_t, int32_t>& count, absl::Status refusal)
+  // The fewest sequences in eviction order, none of `own`, whose eviction would let `recheck`
+  // (an operation's room checks, which count the groups' held_back units and held_sequences_,
+  // and leave nothing prepared) pass, where it refused with `refusal`; nullopt when evicting
+  // every evictable sequence would not.
+  std::optional<std::vector<int64_t>> PlanEvictionLocked(absl::Span<const int64_t> own,
+                                                         absl::FunctionRef<absl::Status()> recheck,
+                                                         absl::Status refusal)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // For an operation other than Append (CopyPrefix, Restore) whose room checks `check` refused
+  // with `refusal`: under EvictionPolicy::kLru, evicts what PlanEvictionLocked names and
+  // returns check() again (without `evict`: OK, evicting nothing, where the eviction would make
+  // room: a check before the operation's bytes arrive); otherwise, or when no eviction would
+  // make room, the refusal.
+  absl::Status MakeRoomLocked(absl::Status refusal, absl::Span<const int64_t> own,
+                              absl::FunctionRef<absl::Status()> check, bool evict = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Status ValidateSeq(int64_t seq) const;
@@ -707,6 +719,8 @@ class Cache {
   SnapshotInfo CommitImport(SequenceImport::State& state, SnapshotRecord record);
   // Drops a pin of each of `cells` of group `group` (LayerGroup::Unpin).
   void UnpinCells(size_t group, absl::Span<const int32_t> cells);
+  // The last of a PinRecordLocked record's pins of `seq` went.
+  void EndRead(int64_t seq);
   // Pins `seq`'s cells of positions in [from, to) in every group (all lend cells) and returns
   // them as a record whose chunks unpin them when the last reference goes.
   // `self` is this cache, which the chunks keep alive.
@@ -751,6 +765,9 @@ class Cache {
   // Room reservations by sequence (Reserve), and the sequence slots HoldBackLocked holds back
   // for the operation under way (0 otherwise).
   absl::flat_hash_map<int64_t, RoomReservation> room_ ABSL_GUARDED_BY(mu_);
+  // Sequences being read in place (PinRecordLocked: Reads, exports, local pins), with how many
+  // records pin them: never evicted meanwhile.
+  absl::flat_hash_map<int64_t, int32_t> read_pins_ ABSL_GUARDED_BY(mu_);
   // The eviction policy: retentions, last uses and the order of eviction (its own lock for
   // uses, taken after mu_).
   RetentionIndex retention_ ABSL_GUARDED_BY(mu_);

@@ -75,9 +75,10 @@ bool Cache::EvictableLocked(int64_t seq, bool lru, absl::Time now) const {
   auto room = room_.find(seq);
   if (room != room_.end() && room->second.expires > now) return false;
   if (lru && retention_.Get(seq).pinned) return false;
-  for (const auto& group : groups_) {
-    if (group->HasPinnedCells(seq)) return false;
-  }
+  // Being read (a Read, an export, a worker's pin): the reader holds the cells anyway, and an
+  // eviction would free nothing of them. A sequence that only shares cells with one being read
+  // may go: its own cells free, the shared ones stay with the reader and their other holders.
+  if (read_pins_.contains(seq)) return false;
   return !may_evict_ || may_evict_(seq);
 }
 
@@ -134,6 +135,15 @@ std::optional<Shortage> RoomShortage(const absl::Status& status) {
   }
 }
 
+// A refusal for room that no eviction the LRU policy may make would relieve.
+absl::Status NoRoomByEviction(const absl::Status& refusal, const Shortage& shortage) {
+  return ResourceExhaustedWith(
+      absl::StrCat(refusal.message(),
+                   "; evicting every sequence the LRU policy may evict (not pinned, not in "
+                   "use) would not make room"),
+      shortage);
+}
+
 }  // namespace
 
 absl::StatusOr<Cache::Admission> Cache::AdmitAppendLocked(
@@ -144,14 +154,20 @@ absl::StatusOr<Cache::Admission> Cache::AdmitAppendLocked(
   if (spec_.eviction != EvictionPolicy::kLru) return status;
   const std::optional<Shortage> shortage = RoomShortage(status);
   if (!shortage.has_value()) return status;
-  const std::optional<std::vector<int64_t>> victims = PlanEvictionLocked(batch, count, status);
-  if (!victims.has_value()) {
-    return ResourceExhaustedWith(
-        absl::StrCat(status.message(),
-                     "; evicting every sequence the LRU policy may evict (not pinned, not in "
-                     "use) would not make room"),
-        *shortage);
-  }
+  const std::optional<std::vector<int64_t>> victims = PlanEvictionLocked(
+      batch.seqs,
+      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        absl::Status refusal = CheckAppendLocked(batch, count);
+        if (refusal.ok()) {
+          refusal = PrepareAppendLocked(batch);
+          if (refusal.ok()) {
+            for (const auto& group : groups_) group->AbandonAppend();
+          }
+        }
+        return refusal;
+      },
+      status);
+  if (!victims.has_value()) return NoRoomByEviction(status, *shortage);
   if (!may_evict) return Admission::kWouldEvict;
   EvictLocked(*victims, "lru");
   // What the victims freed is at least what the plan counted (cells they shared with others
@@ -162,12 +178,25 @@ absl::StatusOr<Cache::Admission> Cache::AdmitAppendLocked(
   return Admission::kEvictedAndPrepared;
 }
 
+absl::Status Cache::MakeRoomLocked(absl::Status refusal, absl::Span<const int64_t> own,
+                                   absl::FunctionRef<absl::Status()> check, bool evict) {
+  if (spec_.eviction != EvictionPolicy::kLru) return refusal;
+  const std::optional<Shortage> shortage = RoomShortage(refusal);
+  if (!shortage.has_value()) return refusal;
+  const std::optional<std::vector<int64_t>> victims = PlanEvictionLocked(own, check, refusal);
+  if (!victims.has_value()) return NoRoomByEviction(refusal, *shortage);
+  if (!evict) return absl::OkStatus();
+  EvictLocked(*victims, "lru");
+  return check();
+}
+
 std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
-    AppendBatch& batch, const absl::flat_hash_map<int64_t, int32_t>& count, absl::Status refusal) {
+    absl::Span<const int64_t> own_seqs, absl::FunctionRef<absl::Status()> recheck,
+    absl::Status refusal) {
   const absl::Time now = absl::Now();
-  // Candidates in the policy's order (unpinned live sequences): those in use and the batch's
-  // own are passed over.
-  const absl::flat_hash_set<int64_t> own(batch.seqs.begin(), batch.seqs.end());
+  // Candidates in the policy's order (unpinned live sequences): those in use and the
+  // operation's own are passed over.
+  const absl::flat_hash_set<int64_t> own(own_seqs.begin(), own_seqs.end());
   RetentionIndex::Candidates candidates(&retention_);
   auto take = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> std::optional<int64_t> {
     while (const std::optional<int64_t> seq = candidates.Next()) {
@@ -211,13 +240,7 @@ std::optional<std::vector<int64_t>> Cache::PlanEvictionLocked(
       groups_[g]->set_evicting(&evicting);
     }
     held_sequences_ = held_sequences - static_cast<int32_t>(victims.size());
-    refusal = CheckAppendLocked(batch, count);
-    if (refusal.ok()) {
-      refusal = PrepareAppendLocked(batch);
-      if (refusal.ok()) {
-        for (const auto& group : groups_) group->AbandonAppend();
-      }
-    }
+    refusal = recheck();
     for (size_t g = 0; g < groups_.size(); ++g) {
       groups_[g]->set_held_back(held[g]);
       groups_[g]->set_evicting(nullptr);

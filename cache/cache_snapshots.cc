@@ -112,9 +112,16 @@ absl::Status Cache::CheckRoomForSequence(int64_t seq, absl::Span<const int64_t> 
   const HeldBack held = HoldBackLocked({seq});
   RETURN_IF_ERROR(CheckUsableLocked());
   RETURN_IF_ERROR(CheckNotPendingLocked(seq, what));
-  RETURN_IF_ERROR(CheckRoomForLocked(seq, what));
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    RETURN_IF_ERROR(groups_[g]->CheckRoomForPositions(seq, positions[g]));
+  auto check = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+    RETURN_IF_ERROR(CheckRoomForLocked(seq, what));
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      RETURN_IF_ERROR(groups_[g]->CheckRoomForPositions(seq, positions[g]));
+    }
+    return absl::OkStatus();
+  };
+  // Under LRU, room that eviction would make counts: the Restore that follows evicts.
+  if (absl::Status room = check(); !room.ok()) {
+    return MakeRoomLocked(std::move(room), {seq}, check, /*evict=*/false);
   }
   return absl::OkStatus();
 }
@@ -232,19 +239,6 @@ absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int
           "sequence ", seq, " has offset ", offset, ", below the start ", record->from, " of ",
           name, ": restoring it would leave positions [", offset, ", ", record->from, ") missing"));
     }
-    // A new sequence counts against max_sequences only if the restore leaves it holding
-    // something: a ring or state (target > 0), or snapshot positions below target.
-    bool yields = false;
-    for (size_t g = 0; g < groups_.size() && !yields; ++g) {
-      if (groups_[g]->kind() != GroupKind::kAttention) {
-        yields = target > 0;
-        continue;
-      }
-      for (const Segment& segment : record->groups[g].segments) {
-        if (!segment.positions.empty() && segment.positions.front() < target) yields = true;
-      }
-    }
-    if (yields) RETURN_IF_ERROR(CheckRoomForLocked(seq, "restoring the snapshot"));
   } else if (target > offset) {
     return absl::FailedPreconditionError(
         absl::StrCat("target = ", target, " is past the offset ", offset, " of sequence ", seq,
@@ -252,9 +246,32 @@ absl::Status Cache::RestoreLocked(int64_t seq, const SnapshotRecord* record, int
   }
   const int32_t from = record == nullptr ? 0 : record->from;
   const int32_t to = record == nullptr ? offset : record->to;
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    const GroupSnapshot* snap = record == nullptr ? nullptr : &record->groups[g];
-    RETURN_IF_ERROR(groups_[g]->CheckRestore(seq, snap, from, to, target));
+  auto check = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+    if (record != nullptr) {
+      // A new sequence counts against max_sequences only if the restore leaves it holding
+      // something: a ring or state (target > 0), or snapshot positions below target.
+      bool yields = false;
+      for (size_t g = 0; g < groups_.size() && !yields; ++g) {
+        if (groups_[g]->kind() != GroupKind::kAttention) {
+          yields = target > 0;
+          continue;
+        }
+        for (const Segment& segment : record->groups[g].segments) {
+          if (!segment.positions.empty() && segment.positions.front() < target) yields = true;
+        }
+      }
+      if (yields) RETURN_IF_ERROR(CheckRoomForLocked(seq, "restoring the snapshot"));
+    }
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      const GroupSnapshot* snap = record == nullptr ? nullptr : &record->groups[g];
+      RETURN_IF_ERROR(groups_[g]->CheckRestore(seq, snap, from, to, target));
+    }
+    return absl::OkStatus();
+  };
+  // Under LRU a restore (an import's too: a cross-node CopyPrefix or Migrate) that needs room
+  // makes it as an Append does.
+  if (absl::Status room = check(); !room.ok()) {
+    RETURN_IF_ERROR(MakeRoomLocked(std::move(room), {seq}, check));
   }
   absl::Status status;
   for (size_t g = 0; g < groups_.size(); ++g) {

@@ -103,6 +103,12 @@ void Cache::UnpinCells(size_t group, absl::Span<const int32_t> cells) {
   groups_[group]->Unpin(cells);
 }
 
+void Cache::EndRead(int64_t seq) {
+  MutexLock lock(&mu_);
+  auto it = read_pins_.find(seq);
+  if (it != read_pins_.end() && --it->second == 0) read_pins_.erase(it);
+}
+
 absl::StatusOr<std::unique_ptr<SnapshotExportReader>> Cache::OpenSequenceExport(
     const std::shared_ptr<Cache>& cache, int64_t seq, int32_t from_offset,
     std::optional<int32_t> to, int32_t require_offset) {
@@ -143,17 +149,24 @@ SnapshotRecord Cache::PinRecordLocked(const std::shared_ptr<Cache>& self, int64_
   record.seq = seq;
   record.from = from;
   record.to = static_cast<int32_t>(std::min<int64_t>(to, INT32_MAX));
+  // While anything of the record's pins lives, `seq` is read: not evicted (EvictableLocked).
+  // Other sequences that share its cells may be.
+  std::shared_ptr<void> reading;
   for (size_t g = 0; g < groups_.size(); ++g) {
     LayerGroup& group = *groups_[g];
     std::vector<int32_t> pinned;
     GroupSnapshot snap = group.PinSequence(seq, from, to, &pinned);
     if (!pinned.empty()) {
+      if (reading == nullptr) {
+        ++read_pins_[seq];
+        reading = std::shared_ptr<void>(nullptr, [self, seq](void*) { self->EndRead(seq); });
+      }
       // The last reference to the borrowed cells unpins them, outside the cache's lock: a
       // reader or cursor and the slices of a transfer hold them, never an operation of the
       // cache.
       std::shared_ptr<const RowChunk> cells(
           new RowChunk(group.BorrowCells()),
-          [self, g, pinned = std::move(pinned)](const RowChunk* chunk) {
+          [self, g, pinned = std::move(pinned), reading](const RowChunk* chunk) {
             self->UnpinCells(g, pinned);
             delete chunk;
           });

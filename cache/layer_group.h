@@ -306,8 +306,6 @@ class LayerGroup {
   virtual std::vector<int32_t> PinFreeCells(int64_t n) { return {}; }
   // Drops one pin of each cell; a cell that no sequence references and nothing pins is free.
   virtual void Unpin(absl::Span<const int32_t> cells) {}
-  // Whether a transfer or a read pins some of `seq`'s cells now.
-  virtual bool HasPinnedCells(int64_t seq) const { return false; }
   // Whether PinSequence and Unpin work (a local worker's pin, Cache::PinCells), though the
   // group may lend no cells to transfers: Rotating pins a sequence's ring, Recurrent its state
   // slot (the pinned unit's number is then the one entry of `pinned`), and a write to a pinned

@@ -376,7 +376,7 @@ absl::Status RecurrentGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap
     return absl::FailedPreconditionError(
         absl::StrCat("group ", index(), ": the snapshot holds no recurrent state"));
   }
-  if (NeedsSlot(s) && free_.empty()) {
+  if (NeedsSlot(s) && static_cast<int64_t>(free_.size()) - held_back() <= 0) {
     return ResourceExhaustedWith(
         absl::StrCat("group ", index(), ": no free state slot for sequence ", seq),
         {Resource::kStateSlots, index(), 1, 0, geo_.slots});

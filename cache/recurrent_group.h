@@ -91,10 +91,6 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
   GroupSnapshot PinSequence(int64_t seq, int64_t from, int64_t to,
                             std::vector<int32_t>* pinned) override;
   void Unpin(absl::Span<const int32_t> slots) override;
-  bool HasPinnedCells(int64_t seq) const override {
-    const Sequence* s = Find(seq);
-    return s != nullptr && s->slot >= 0 && pins_[s->slot] > 0;
-  }
 
  private:
   using Sequence = RecurrentSequence;

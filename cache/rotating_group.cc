@@ -409,7 +409,7 @@ bool RotatingGroup::CanResume(int64_t seq, int32_t pos) const {
 
 absl::Status RotatingGroup::CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const {
   const Sequence* s = Find(src);
-  if (CopyPrefixYields(src, length) && NeedsRing(Find(dst)) && free_rings_.empty()) {
+  if (CopyPrefixYields(src, length) && NeedsRing(Find(dst)) && FreeRings() <= 0) {
     return NoFreeRing(dst, "to take the copied window");
   }
   if (s == nullptr || length >= s->offset || !Wrapped(*s)) return absl::OkStatus();
@@ -514,7 +514,7 @@ absl::Status RotatingGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap,
         "group ", index(), " is Rotating: the snapshot ends at ", to, " > max_size ", geo_.max_size,
         ", so clamping it to target ", target, " would leave an incomplete window"));
   }
-  if (target > 0 && NeedsRing(s) && free_rings_.empty()) return NoFreeRing(seq, "to restore");
+  if (target > 0 && NeedsRing(s) && FreeRings() <= 0) return NoFreeRing(seq, "to restore");
   return absl::OkStatus();
 }
 

@@ -89,10 +89,6 @@ class RotatingGroup final : public StagingGroup<RotatingSequence> {
   GroupSnapshot PinSequence(int64_t seq, int64_t from, int64_t to,
                             std::vector<int32_t>* pinned) override;
   void Unpin(absl::Span<const int32_t> rings) override;
-  bool HasPinnedCells(int64_t seq) const override {
-    const Sequence* s = Find(seq);
-    return s != nullptr && s->ring >= 0 && pins_[s->ring] > 0;
-  }
 
  private:
   using Sequence = RotatingSequence;
@@ -117,6 +113,8 @@ class RotatingGroup final : public StagingGroup<RotatingSequence> {
   void ReleaseRing(int32_t ring);
   void Drop(int64_t seq);  // forgets `seq` and releases its ring
   // Whether writing into `s`'s ring needs a fresh ring first (none yet, or pinned).
+  // Free rings less those held back (more, while an eviction is weighed).
+  int64_t FreeRings() const { return static_cast<int64_t>(free_rings_.size()) - held_back(); }
   bool NeedsRing(const Sequence* s) const {
     return s == nullptr || s->ring < 0 || pins_[s->ring] > 0;
   }

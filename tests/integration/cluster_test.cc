@@ -617,6 +617,36 @@ TEST_F(ClusterTest, CopyPrefixIntoAFullCacheIsRefusedBeforeTheBytesMove) {
   ExpectSameRead(ReadAll(cluster_.stub(1), "big", 3), expected);
 }
 
+// Under LRU the same copy into a full receiver evicts the receiver's least recently used
+// sequence, atomically with the restore (the pre-check evicts nothing), and so does a Migrate.
+TEST_F(ClusterTest, CopyPrefixIntoAFullLruCacheEvicts) {
+  v1::CacheSpec spec = BigSpec();  // max_sequences = 4
+  spec.set_eviction(v1::EVICTION_POLICY_LRU);
+  for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(CreateCache(cluster_.stub(i), spec).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 0, 100, 3));
+  ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(0), spec, 1, 20, 4));
+  for (int64_t seq = 0; seq < 4; ++seq) {
+    ASSERT_NO_FATAL_FAILURE(AppendTokens(cluster_.stub(1), spec, seq, 10, 7));
+    absl::SleepFor(absl::Milliseconds(2));  // 0 is the least recently used
+  }
+  v1::CopyPrefixResponse response;
+  const grpc::Status copied = CopyFrom(cluster_.stub(1), "big", "node-a", 0, 9, 50, &response);
+  ASSERT_TRUE(copied.ok()) << StatusText(copied);
+  ReadOutput expected;
+  ASSERT_TRUE(Read(cluster_.stub(0), ReadRequest("big", 0, 0, 50), &expected).ok());
+  ExpectSameRead(ReadAll(cluster_.stub(1), "big", 9), expected);
+  ReadOutput gone;
+  EXPECT_EQ(Read(cluster_.stub(1), ReadRequest("big", 0), &gone).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  // A Migrate into it evicts the next least recently used (1).
+  const grpc::Status migrated = MigrateSeq(cluster_.stub(0), "big", 1, "node-b", 8, false);
+  ASSERT_TRUE(migrated.ok()) << StatusText(migrated);
+  EXPECT_EQ(Read(cluster_.stub(1), ReadRequest("big", 1), &gone).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  ReadOutput moved;
+  EXPECT_TRUE(Read(cluster_.stub(1), ReadRequest("big", 8), &moved).ok());
+}
+
 // The retention of `seq` as ListSequences shows it: priority, pinned, ttl_ms.
 std::tuple<int32_t, bool, int64_t> RetentionOf(v1::CacheService::Stub& stub,
                                                const std::string& cache, int64_t seq) {

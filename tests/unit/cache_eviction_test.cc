@@ -168,6 +168,81 @@ TEST(CacheEvictionTest, SharedCellsCountOnlyWhenEveryHolderGoes) {
   EXPECT_EQ(read->positions[0], testutil::Range(0, 8));
 }
 
+// A sequence that only shares cells with one being read may go: its own cells free, the shared
+// ones stay with the reader (issue 35's repro, scaled down: a fork of a source whose Read is
+// open, then an Append that needs the fork's cells).
+TEST(CacheEvictionTest, AForkOfASequenceBeingReadMayGo) {
+  const CacheSpec spec = LruSpec();
+  auto cache_ptr = std::make_shared<TestCache>(spec);
+  Cache& cache = *cache_ptr->cache;
+  std::shared_ptr<Cache> shared(cache_ptr, cache_ptr->cache.get());
+  // 1 holds 8 cells; its fork 2 shares 4 and adds 4 of its own; 3 holds 8: 20 of 32 used.
+  ASSERT_TRUE(AppendRange(cache, 1, 0, 8).ok());
+  ASSERT_TRUE(cache.CopyPrefix(1, 2, 4).ok());
+  ASSERT_TRUE(AppendRange(cache, 2, 4, 8, /*salt=*/2).ok());
+  absl::SleepFor(absl::Milliseconds(2));
+  ASSERT_TRUE(AppendRange(cache, 3, 0, 8).ok());
+  absl::SleepFor(absl::Milliseconds(2));
+  absl::StatusOr<std::unique_ptr<ReadCursor>> open = Cache::OpenRead(shared, 1, 0, std::nullopt);
+  ASSERT_TRUE(open.ok()) << open.status();
+  // 12 free; 16 more positions of 4 need 4 cells beyond them: the fork's own 4 (1 is being
+  // read, 3 was used after 2).
+  ASSERT_TRUE(AppendRange(cache, 4, 0, 8).ok());
+  const absl::Status status = AppendRange(cache, 4, 8, 16);
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(LiveSeqs(cache), (std::vector<int64_t>{1, 3, 4}));
+  EXPECT_EQ(cache.Evictions().lru, 1);
+  // The read sees 1 whole, and 1 is still whole after it.
+  std::string bytes((*open)->size(), '\0');
+  ASSERT_TRUE(
+      (*open)
+          ->ReadAt(0, absl::MakeSpan(reinterpret_cast<uint8_t*>(bytes.data()), bytes.size()))
+          .ok());
+  EXPECT_EQ(bytes, Expected(spec, 1, 8));
+  open->reset();
+  absl::StatusOr<ReadResult> read = cache.Read(1, 0, std::nullopt);
+  ASSERT_TRUE(read.ok());
+  EXPECT_EQ(read->payload, Expected(spec, 1, 8));
+}
+
+// CopyPrefix and Restore (an import's restore too: a cross-node CopyPrefix or Migrate) make room
+// under LRU as an Append does, never evicting their own sequences; without LRU they refuse.
+TEST(CacheEvictionTest, CopyPrefixAndRestoreEvictToo) {
+  CacheSpec spec = Spec(DType::kF16, 2, 16, 8, {Group(Full())});
+  spec.eviction = EvictionPolicy::kLru;
+  TestCache t(spec);
+  Cache& cache = *t.cache;
+  ASSERT_TRUE(AppendRange(cache, 1, 0, 8).ok());
+  absl::SleepFor(absl::Milliseconds(2));
+  ASSERT_TRUE(AppendRange(cache, 2, 0, 8).ok());
+  // A third sequence needs a slot: 1 is the least recently used, but it is the source.
+  const absl::Status copied = cache.CopyPrefix(1, 3, 4);
+  ASSERT_TRUE(copied.ok()) << copied;
+  EXPECT_EQ(LiveSeqs(cache), (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(cache.Evictions().lru, 1);
+
+  // 32 cells, all used by four sequences; a snapshot of 4 restored into a fifth needs 8.
+  TestCache u(LruSpec());
+  FillFour(*u.cache);
+  absl::StatusOr<SnapshotInfo> snap = u.cache->Snapshot(4, 0);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  const absl::Status restored = u.cache->Restore(5, snap->id, 8);
+  ASSERT_TRUE(restored.ok()) << restored;
+  EXPECT_EQ(LiveSeqs(*u.cache), (std::vector<int64_t>{2, 3, 4, 5}));
+  absl::StatusOr<ReadResult> read = u.cache->Read(5, 0, std::nullopt);
+  ASSERT_TRUE(read.ok());
+  EXPECT_EQ(read->payload, Expected(u.cache->spec(), 4, 8));
+
+  // Without LRU: refused, nothing evicted.
+  TestCache v(LruSpec(EvictionPolicy::kNone));
+  FillFour(*v.cache);
+  snap = v.cache->Snapshot(4, 0);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  const testutil::CacheState before = CaptureState(*v.cache);
+  EXPECT_EQ(v.cache->Restore(5, snap->id, 8).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(SameState(before, CaptureState(*v.cache)));
+}
+
 TEST(CacheEvictionTest, SequenceSlotsAreMadeToo) {
   // max_sequences 2, 16 positions each: a third sequence needs a slot, not cells.
   CacheSpec spec = Spec(DType::kF16, 2, 16, 8, {Group(Full())});
