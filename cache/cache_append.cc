@@ -607,8 +607,15 @@ absl::Status Cache::CommitSpeculation(int64_t seq, int32_t accepted) {
                                                    pending.size(), " pending tokens of sequence ",
                                                    seq));
   }
-  for (const auto& group : groups_) {
-    RETURN_IF_ERROR(group->CheckCommitSpeculation(seq, accepted));
+  auto check = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+    for (const auto& group : groups_) {
+      RETURN_IF_ERROR(group->CheckCommitSpeculation(seq, accepted));
+    }
+    return absl::OkStatus();
+  };
+  // Under LRU a commit that needs a ring or a state slot makes room as an Append does.
+  if (absl::Status room = check(); !room.ok()) {
+    RETURN_IF_ERROR(MakeRoomLocked(std::move(room), {seq}, check));
   }
   absl::Status status;
   for (const auto& group : groups_) {

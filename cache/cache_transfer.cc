@@ -152,12 +152,14 @@ SnapshotRecord Cache::PinRecordLocked(const std::shared_ptr<Cache>& self, int64_
   // While anything of the record's pins lives, `seq` is read: not evicted (EvictableLocked).
   // Other sequences that share its cells may be.
   std::shared_ptr<void> reading;
+  bool counted = false;
   for (size_t g = 0; g < groups_.size(); ++g) {
     LayerGroup& group = *groups_[g];
     std::vector<int32_t> pinned;
     GroupSnapshot snap = group.PinSequence(seq, from, to, &pinned);
     if (!pinned.empty()) {
-      if (reading == nullptr) {
+      if (!counted) {  // one count per record, ended by the last of its groups' pins
+        counted = true;
         ++read_pins_[seq];
         reading = std::shared_ptr<void>(nullptr, [self, seq](void*) { self->EndRead(seq); });
       }

@@ -122,11 +122,11 @@ uint64_t EventLog::Wait(uint64_t after, absl::Time deadline) const ABSL_NO_THREA
 }
 
 void EventLog::Wake() {
-  {
-    MutexLock lock(&mu_);
-    ++wakes_;
-  }
+  MutexLock lock(&mu_);
+  ++wakes_;
   published_.notify_all();
 }
+
+EventLog::~EventLog() { MutexLock lock(&mu_); }
 
 }  // namespace kvmesh

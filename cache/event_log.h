@@ -110,8 +110,12 @@ class EventLog {
   // Blocks until an event numbered above `after` exists, `deadline` passes, or Wake is called;
   // returns next_number() then.
   uint64_t Wait(uint64_t after, absl::Time deadline) const;
-  // Wakes every Wait (a reader that has more to do than wait for events, or a shutdown).
+  // Wakes every Wait (a reader that has more to do than wait for events, or a shutdown). It
+  // notifies under the log's lock, which the destructor takes too: a Wake from a gRPC thread
+  // (a watcher's OnCancel) is then ordered before the log's destruction for TSan, which cannot
+  // see gRPC's own ordering of the reaction before Server::Wait returns.
   void Wake();
+  ~EventLog();
 
   // Events dropped for the bounds since the log was made.
   uint64_t dropped() const;

@@ -212,14 +212,24 @@ absl::Status RecurrentGroup::CheckReserve(const AppendBatch& batch) const {
   return absl::OkStatus();
 }
 
+absl::Status RecurrentGroup::CheckRoomForPositions(int64_t seq, int64_t) const {
+  // Whatever the positions: an imported sequence brings its state.
+  if (!NeedsSlot(Find(seq)) || FreeSlots() > 0) return absl::OkStatus();
+  return ResourceExhaustedWith(
+      absl::StrCat("group ", index(), ": no free state slot for sequence ", seq,
+                   " (slots that local workers pin or stage into are not free)"),
+      {Resource::kStateSlots, index(), 1, 0, geo_.slots});
+}
+
 std::unique_ptr<LayerGroup::Reservation> RecurrentGroup::ReserveAppend(const AppendBatch& batch) {
+  writes_.clear();  // PrepareAppend's plan for WriteAppend: a reservation writes elsewhere
   if (batch.speculative) return ReserveSpeculative(batch);
   return std::make_unique<StagedReservation>(this, batch);
 }
 
 absl::Status RecurrentGroup::CheckCommitSpeculation(int64_t seq, int32_t accepted) const {
   const Sequence* s = Find(seq);
-  if (accepted == 0 || s == nullptr || !NeedsSlot(s) || !free_.empty()) return absl::OkStatus();
+  if (accepted == 0 || s == nullptr || !NeedsSlot(s) || FreeSlots() > 0) return absl::OkStatus();
   return ResourceExhaustedWith(
       absl::StrCat("group ", index(), ": no free state slot for sequence ", seq,
                    " to commit its accepted tokens (slots that local workers pin or stage into "
@@ -376,7 +386,7 @@ absl::Status RecurrentGroup::CheckRestore(int64_t seq, const GroupSnapshot* snap
     return absl::FailedPreconditionError(
         absl::StrCat("group ", index(), ": the snapshot holds no recurrent state"));
   }
-  if (NeedsSlot(s) && static_cast<int64_t>(free_.size()) - held_back() <= 0) {
+  if (NeedsSlot(s) && FreeSlots() <= 0) {
     return ResourceExhaustedWith(
         absl::StrCat("group ", index(), ": no free state slot for sequence ", seq),
         {Resource::kStateSlots, index(), 1, 0, geo_.slots});

@@ -64,6 +64,7 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
   bool CanResume(int64_t seq, int32_t pos) const override;
 
   absl::Status CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const override;
+  absl::Status CheckRoomForPositions(int64_t seq, int64_t positions) const override;
   bool CopyPrefixYields(int64_t src, int32_t length) const override;
   absl::Status ApplyCopyPrefix(int64_t src, int64_t dst, int32_t length) override;
 
@@ -96,6 +97,8 @@ class RecurrentGroup final : public StagingGroup<RecurrentSequence> {
   using Sequence = RecurrentSequence;
   class StagedReservation;
 
+  // Free slots less those held back (more, while an eviction is weighed).
+  int64_t FreeSlots() const { return static_cast<int64_t>(free_.size()) - held_back(); }
   // Sequences and pins holding a slot.
   int32_t Holders(int32_t slot) const { return refs_[slot] + pins_[slot]; }
   // Whether writing `s`'s state needs a new slot (none yet, or shared copy-on-write, or pinned).

@@ -274,7 +274,7 @@ std::unique_ptr<LayerGroup::Reservation> RotatingGroup::ReserveAppend(const Appe
 }
 
 absl::Status RotatingGroup::CheckCommitSpeculation(int64_t seq, int32_t accepted) const {
-  if (accepted == 0 || !NeedsRing(Find(seq)) || !free_rings_.empty()) return absl::OkStatus();
+  if (accepted == 0 || !NeedsRing(Find(seq)) || FreeRings() > 0) return absl::OkStatus();
   return NoFreeRing(seq, "to commit its accepted tokens");
 }
 
@@ -409,14 +409,22 @@ bool RotatingGroup::CanResume(int64_t seq, int32_t pos) const {
 
 absl::Status RotatingGroup::CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const {
   const Sequence* s = Find(src);
+  if (s != nullptr && length < s->offset && Wrapped(*s)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", index(), " is Rotating and sequence ", src, "'s ring has wrapped (offset ",
+        s->offset, " > max_size ", geo_.max_size, "): a prefix of length ", length,
+        " no longer exists; copy at least ", s->offset));
+  }
+  // Checked last: a refusal for room is one that eviction may relieve.
   if (CopyPrefixYields(src, length) && NeedsRing(Find(dst)) && FreeRings() <= 0) {
     return NoFreeRing(dst, "to take the copied window");
   }
-  if (s == nullptr || length >= s->offset || !Wrapped(*s)) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "group ", index(), " is Rotating and sequence ", src, "'s ring has wrapped (offset ",
-      s->offset, " > max_size ", geo_.max_size, "): a prefix of length ", length,
-      " no longer exists; copy at least ", s->offset));
+  return absl::OkStatus();
+}
+
+absl::Status RotatingGroup::CheckRoomForPositions(int64_t seq, int64_t positions) const {
+  if (positions == 0 || !NeedsRing(Find(seq)) || FreeRings() > 0) return absl::OkStatus();
+  return NoFreeRing(seq, "to take the sequence");
 }
 
 bool RotatingGroup::CopyPrefixYields(int64_t src, int32_t length) const {

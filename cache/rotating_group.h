@@ -67,6 +67,7 @@ class RotatingGroup final : public StagingGroup<RotatingSequence> {
   bool CanResume(int64_t seq, int32_t pos) const override;
 
   absl::Status CheckCopyPrefix(int64_t src, int64_t dst, int32_t length) const override;
+  absl::Status CheckRoomForPositions(int64_t seq, int64_t positions) const override;
   bool CopyPrefixYields(int64_t src, int32_t length) const override;
   absl::Status ApplyCopyPrefix(int64_t src, int64_t dst, int32_t length) override;
 

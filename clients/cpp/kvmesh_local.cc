@@ -287,7 +287,11 @@ absl::StatusOr<AppendPlan> Session::BeginAppend(const std::string& cache,
   for (int f : fds) {
     if (f >= 0) close(f);  // the mappings keep the memory
   }
-  if (!status.ok()) return status;
+  if (!status.ok()) {
+    // The node made the plan: give its rows back now rather than at the lease's end.
+    if (StatusOf(*response).ok()) AbandonAppend(plan.id).IgnoreError();
+    return status;
+  }
   if (plan.staging != nullptr) plan.staging->groups_.resize(plan.cells.size());
   plan.expires = absl::FromUnixMillis(response->begin_append().expires_unix_ms());
   return plan;

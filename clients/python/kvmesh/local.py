@@ -411,6 +411,7 @@ class Session:
                 staging.append(_map_group(remaining.pop(0), g.staging))
         except BaseException:
             MappedCache(None, staging).close()
+            self.abandon_append(result.plan)  # give the plan's rows back now
             raise
         finally:
             for fd in fds:
