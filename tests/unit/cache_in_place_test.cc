@@ -310,6 +310,26 @@ TEST(CacheInPlaceTest, ACommitThatFindsNoFreeRingIsRefusedCleanly) {
   EXPECT_EQ(testutil::FindSequence(local.cache(), 2)->offset, 1);
 }
 
+// Under LRU the same commit makes room by evicting a sequence that is not in use (never the one
+// being read, whose pinned ring holds one of the rings).
+TEST(CacheInPlaceTest, UnderLruACommitThatNeedsARingEvicts) {
+  CacheSpec spec = HybridSpec(3);
+  spec.eviction = EvictionPolicy::kLru;
+  MappedCache local(spec);
+  ASSERT_TRUE(local.AppendInPlace(Tokens(1, 0, 3)).ok());
+  ASSERT_TRUE(testutil::AppendTokens(local.cache(), Tokens(3, 0, 2)).ok());
+  ASSERT_TRUE(testutil::AppendSpeculative(local.cache(), 2, 0, 2).ok());  // no ring yet
+  absl::StatusOr<Cache::PinnedCells> pin = Cache::PinCells(local.shared(), 1, 0, std::nullopt);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  ASSERT_TRUE(testutil::AppendTokens(local.cache(), Tokens(1, 3, 4)).ok());  // the last ring
+  const absl::Status committed = local.cache().CommitSpeculation(2, 1);
+  ASSERT_TRUE(committed.ok()) << committed;
+  EXPECT_FALSE(testutil::FindSequence(local.cache(), 3).has_value());
+  EXPECT_EQ(testutil::FindSequence(local.cache(), 1)->offset, 4);
+  EXPECT_EQ(testutil::FindSequence(local.cache(), 2)->offset, 1);
+  EXPECT_EQ(local.cache().Evictions().lru, 1);
+}
+
 // A pinned state slot is shared with its pin: the sequence's next state goes to another slot
 // (whether appended through Append or a plan), the pinned bytes stay, and the slot is free after
 // the unpin.
