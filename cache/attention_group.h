@@ -25,6 +25,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "cache/device/device.h"
 #include "cache/layer_group.h"
@@ -59,6 +60,16 @@ class AttentionGroup final : public SequenceMapGroup<RunIndex> {
   std::unique_ptr<Reservation> ReserveAppend(const AppendBatch& batch) override;
   bool CanReserveWithoutPruning(const AppendBatch& batch) const override {
     return free_cells() >= static_cast<int64_t>(batch.tokens.size());
+  }
+  absl::Status CheckReserve(const AppendBatch& batch) const override {
+    if (CanReserveWithoutPruning(batch)) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", index(), ": the batch's ", batch.tokens.size(),
+                     " tokens need as many free cells "
+                     "and ",
+                     free_cells(),
+                     " are free: it has room only by pruning its window, which a plan "
+                     "does not do; Append it through gRPC"));
   }
   absl::Status RecheckAppend(const AppendBatch& batch) const override;
   absl::Status CommitSpeculation(int64_t seq, absl::Span<const int32_t> pending,

@@ -23,7 +23,6 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "cache/device/device.h"
 #include "cache/spec.h"
@@ -204,11 +203,7 @@ class LayerGroup {
   // Where SupportsInPlaceAppend(), after PrepareAppend: whether ReserveAppend can take the
   // batch's rows now, without pruning anything; otherwise FAILED_PRECONDITION or
   // RESOURCE_EXHAUSTED saying why.
-  virtual absl::Status CheckReserve(const AppendBatch& batch) const {
-    if (CanReserveWithoutPruning(batch)) return absl::OkStatus();
-    return absl::FailedPreconditionError(
-        absl::StrCat("group ", index(), " has room for the batch only by pruning its window"));
-  }
+  virtual absl::Status CheckReserve(const AppendBatch& batch) const = 0;
   // Where SupportsReservedAppend(): whether the cells lie in host memory (a write into them is
   // a memcpy, not a device copy).
   virtual bool CellsInHostMemory() const { return false; }

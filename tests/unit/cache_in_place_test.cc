@@ -248,6 +248,41 @@ TEST(CacheInPlaceTest, WhatAPlanCannotDoIsRefusedWithItsReason) {
   EXPECT_TRUE(SameState(committed, CaptureState(local.cache())));
 }
 
+// What pins and plans hold is refused by name: a plan short of state slots, a receiver's
+// pre-check short of rings (before any byte of a cross-node copy moves), a plan that would have
+// to prune a sliding window.
+TEST(CacheInPlaceTest, RingsAndSlotsHeldByPinsAndPlansAreRefusedByName) {
+  MappedCache local(HybridSpec(3));
+  ASSERT_TRUE(local.AppendInPlace(Tokens(1, 0, 3)).ok());
+  ASSERT_TRUE(testutil::AppendTokens(local.cache(), Tokens(2, 0, 3)).ok());
+  absl::StatusOr<Cache::PinnedCells> pin = Cache::PinCells(local.shared(), 1, 0, std::nullopt);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  ASSERT_TRUE(testutil::AppendTokens(local.cache(), Tokens(1, 3, 4)).ok());  // the last ring, slot
+  const testutil::CacheState before = CaptureState(local.cache());
+  EXPECT_TRUE(IsError(local.AppendInPlace(Tokens(2, 3, 4)), absl::StatusCode::kResourceExhausted,
+                      {"0 of 3 rings are free"}));
+  EXPECT_TRUE(IsError(local.cache().CheckRoomForSequence(3, {0, 4, 0}, "a copy"),
+                      absl::StatusCode::kResourceExhausted, {"no free ring for sequence 3"}));
+  EXPECT_TRUE(SameState(before, CaptureState(local.cache())));
+  pin = absl::UnknownError("released");
+  EXPECT_TRUE(local.cache().CheckRoomForSequence(3, {0, 4, 0}, "a copy").ok());
+
+  // The recurrent group alone: its slots.
+  MappedCache states(Spec(DType::kF16, 2, 16, 8, {testutil::RecurrentGroup()}));
+  ASSERT_TRUE(states.AppendInPlace(Tokens(1, 0, 2)).ok());
+  ASSERT_TRUE(testutil::AppendTokens(states.cache(), Tokens(2, 0, 2)).ok());
+  EXPECT_TRUE(IsError(states.AppendInPlace(Tokens(1, 2, 3)), absl::StatusCode::kResourceExhausted,
+                      {"0 of 2 slots are free"}));
+
+  // A sliding window with room only by pruning: 20 cells (memory 4 + max_batch 16), 12 used.
+  MappedCache sliding(Spec(DType::kF16, 1, 16, 16, {Group(testutil::Sliding(4), 1, 1, 4, 4)}));
+  ASSERT_TRUE(sliding.AppendInPlace(Tokens(0, 0, 12)).ok());
+  const testutil::CacheState window = CaptureState(sliding.cache());
+  EXPECT_TRUE(IsError(sliding.AppendInPlace(Tokens(0, 12, 28)),
+                      absl::StatusCode::kFailedPrecondition, {"16 tokens", "8 are free"}));
+  EXPECT_TRUE(SameState(window, CaptureState(sliding.cache())));
+}
+
 // A pinned ring keeps the bytes of the pinned window while its sequence goes on (through
 // Append, an in-place plan and a speculation commit), and the sequence reads as on a twin. The
 // pinned ring is free again only after the unpin: until then a second sequence finds no ring.
